@@ -1,0 +1,80 @@
+"""Delivers "this owner died" notices from the C core to Python callbacks.
+
+Release callbacks run on any thread, often without the GIL (cuDF releases from C++ threads). They
+must not call into Python: taking the GIL from a foreign thread during interpreter shutdown can
+deadlock or crash, and a Python callback could raise where nobody can catch it. So the core only
+queues the dead owner's token and writes a byte to a pipe; one daemon thread here sleeps on that pipe,
+drains the queue and runs the callback registered for each token (a lease release message, a CUDA
+handle close). ``drain()`` runs the same work synchronously, for tests and shutdown.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import select
+import threading
+from collections.abc import Callable
+
+from arrow_ipc_bridge._ffi import ffi, lib
+
+__all__ = ["register", "drain", "pending_callbacks"]
+
+_log = logging.getLogger("arrow_ipc_bridge")
+_lock = threading.Lock()
+_callbacks: dict[int, Callable[[], None]] = {}
+_tokens = itertools.count(1)
+_thread: threading.Thread | None = None
+_BATCH = 256
+
+
+def register(callback: Callable[[], None]) -> int:
+    """Return a fresh token whose owner's death runs ``callback`` on the reaper thread."""
+    _ensure_thread()
+    token = next(_tokens)
+    with _lock:
+        _callbacks[token] = callback
+    return token
+
+
+def pending_callbacks() -> int:
+    """How many registered owners are still alive (for leak tests)."""
+    with _lock:
+        return len(_callbacks)
+
+
+def drain() -> int:
+    """Run the callbacks of every owner that died so far; return how many ran."""
+    out = ffi.new("uint64_t[]", _BATCH)
+    ran = 0
+    while True:
+        n = lib.aib_reaper_drain(out, _BATCH)
+        if n == 0:
+            return ran
+        for i in range(n):
+            with _lock:
+                callback = _callbacks.pop(int(out[i]), None)
+            if callback is None:
+                continue
+            ran += 1
+            try:
+                callback()
+            except Exception:  # a failing notice must not stop the others
+                _log.exception("arrow_ipc_bridge: owner release callback failed")
+
+
+def _run() -> None:
+    fd = lib.aib_reaper_fd()
+    while True:
+        select.select([fd], [], [])
+        drain()
+
+
+def _ensure_thread() -> None:
+    global _thread
+    if _thread is not None:
+        return
+    with _lock:
+        if _thread is None:
+            _thread = threading.Thread(target=_run, name="arrow_ipc_bridge-reaper", daemon=True)
+            _thread.start()

@@ -1,0 +1,496 @@
+"""PyCapsules in and out: capture any Arrow producer, serve owned data back through the protocol.
+
+Capture moves the producer's C structs into an owner record of the C core (no data is copied); the
+record keeps the producer's buffers alive until every struct handed out from it is released.
+:class:`ArrowExporter` is the protocol surface shared by everything the bridge hands to consumers
+(captured data here, imported data in ``session.py``): each protocol call builds fresh structs that
+share the same memory, so one object can feed pyarrow, then polars, then nanoarrow.
+
+cffi cannot pass ``PyObject*``, so the handful of capsule calls go through ``ctypes.pythonapi``; the
+destructors and the capsule names are C functions and static strings of the core.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import Any, Protocol, runtime_checkable
+
+from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
+from arrow_ipc_bridge.errors import BridgeError, CapsuleError, ReleasedError
+
+__all__ = [
+    "ArrowArrayExportable",
+    "ArrowDeviceArrayExportable",
+    "ArrowStreamExportable",
+    "ArrowDeviceStreamExportable",
+    "ArrowExporter",
+    "ArrowArrayExporter",
+    "CapturedData",
+    "CapturedArray",
+    "CapturedStream",
+    "export_captured",
+    "capture",
+    "DEVICE_CPU",
+    "DEVICE_CUDA",
+]
+
+DEVICE_CPU = int(lib.ARROW_DEVICE_CPU)
+DEVICE_CUDA = int(lib.ARROW_DEVICE_CUDA)
+# Device types whose memory this process can read directly (describe reads offsets there).
+HOST_READABLE_DEVICES = frozenset({DEVICE_CPU, int(lib.ARROW_DEVICE_CUDA_HOST)})
+
+
+@runtime_checkable
+class ArrowArrayExportable(Protocol):
+    def __arrow_c_array__(self, requested_schema: object | None = None) -> tuple[object, object]: ...
+
+
+@runtime_checkable
+class ArrowDeviceArrayExportable(Protocol):
+    def __arrow_c_device_array__(
+        self, requested_schema: object | None = None, **kwargs: object
+    ) -> tuple[object, object]: ...
+
+
+@runtime_checkable
+class ArrowStreamExportable(Protocol):
+    def __arrow_c_stream__(self, requested_schema: object | None = None) -> object: ...
+
+
+@runtime_checkable
+class ArrowDeviceStreamExportable(Protocol):
+    def __arrow_c_device_stream__(self, requested_schema: object | None = None, **kwargs: object) -> object: ...
+
+
+# ---------- raw capsule calls ------------------------------------------------------------------------
+_api = ctypes.pythonapi
+_api.PyCapsule_New.restype = ctypes.py_object
+_api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+_api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+_api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_api.PyCapsule_GetName.restype = ctypes.c_char_p
+_api.PyCapsule_GetName.argtypes = [ctypes.py_object]
+_api.PyCapsule_IsValid.restype = ctypes.c_int
+_api.PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+_KINDS = {
+    "schema": (lib.AIB_CAPSULE_SCHEMA, "struct ArrowSchema *", lib.aib_schema_alloc),
+    "array": (lib.AIB_CAPSULE_ARRAY, "struct ArrowArray *", lib.aib_array_alloc),
+    "device_array": (lib.AIB_CAPSULE_DEVICE_ARRAY, "struct ArrowDeviceArray *", lib.aib_device_array_alloc),
+    "stream": (lib.AIB_CAPSULE_STREAM, "struct ArrowArrayStream *", lib.aib_stream_alloc),
+    "device_stream": (
+        lib.AIB_CAPSULE_DEVICE_STREAM,
+        "struct ArrowDeviceArrayStream *",
+        lib.aib_device_stream_alloc,
+    ),
+}
+_NAMES = {kind: ffi.string(lib.aib_capsule_name(code)) for kind, (code, _, _) in _KINDS.items()}
+_NAME_ADDRESSES = {kind: int(ffi.cast("uintptr_t", lib.aib_capsule_name(code))) for kind, (code, _, _) in _KINDS.items()}
+_DESTRUCTORS = {kind: int(lib.aib_capsule_destructor(code)) for kind, (code, _, _) in _KINDS.items()}
+
+
+def new_capsule(kind: str) -> tuple[object, Any]:
+    """A capsule owning a fresh zeroed struct of ``kind``, and the struct's cdata pointer.
+
+    The capsule is built before anything is moved into the struct, so an error on the way never
+    leaks: the destructor frees the struct and releases it only if it holds data.
+    """
+    _, ctype, alloc = _KINDS[kind]
+    pointer = alloc()
+    if pointer == ffi.NULL:
+        raise MemoryError(f"allocating an {ctype}")
+    address = int(ffi.cast("uintptr_t", pointer))
+    try:
+        capsule = _api.PyCapsule_New(address, _NAME_ADDRESSES[kind], _DESTRUCTORS[kind])
+    except BaseException:
+        _free_struct(kind, pointer)
+        raise
+    return capsule, pointer
+
+
+def _free_struct(kind: str, pointer: Any) -> None:
+    {
+        "schema": lib.aib_schema_free,
+        "array": lib.aib_array_free,
+        "device_array": lib.aib_device_array_free,
+        "stream": lib.aib_stream_free,
+        "device_stream": lib.aib_device_stream_free,
+    }[kind](pointer)
+
+
+def capsule_struct(capsule: object, kind: str) -> Any:
+    """The struct a capsule of ``kind`` holds (borrowed), checking the capsule's name."""
+    name = _NAMES[kind]
+    if type(capsule).__name__ != "PyCapsule" or not _api.PyCapsule_IsValid(capsule, name):
+        found = _capsule_name(capsule)
+        raise CapsuleError(
+            f"expected a PyCapsule named {name.decode()!r}, got {found}: pass the object that "
+            "implements the Arrow PyCapsule interface, or its capsules in the order it returns them"
+        )
+    address = _api.PyCapsule_GetPointer(capsule, name)
+    return ffi.cast(_KINDS[kind][1], address)
+
+
+def _capsule_name(obj: object) -> str:
+    if type(obj).__name__ != "PyCapsule":
+        return f"a {type(obj).__name__}"
+    try:
+        raw = _api.PyCapsule_GetName(obj)
+    except Exception:
+        return "a capsule"
+    return f"a capsule named {raw.decode() if raw else None!r}"
+
+
+# ---------- capture ----------------------------------------------------------------------------------
+def _check_kwargs(kwargs: dict[str, object]) -> None:
+    for key, value in kwargs.items():
+        if value is not None:
+            raise NotImplementedError(f"arrow_ipc_bridge does not support the {key!r} keyword (got {value!r})")
+
+
+class CapturedData:
+    """A producer's Arrow data moved into an owner record of the C core: schema plus batches.
+
+    Inert while alive; :meth:`close` (or garbage collection) drops this object's reference, and
+    the producer's release callbacks run once nothing shares the data any more.
+    """
+
+    def __init__(self, schema: Any, arrays: list[Any], *, is_stream: bool, token: int = 0) -> None:
+        array_list = ffi.new("struct ArrowDeviceArray *[]", max(len(arrays), 1))
+        for i, a in enumerate(arrays):
+            array_list[i] = a
+        owner = lib.aib_owner_new_capture(token, schema, array_list, len(arrays))
+        if owner == ffi.NULL:
+            lib.aib_schema_free(schema)
+            for a in arrays:
+                lib.aib_device_array_free(a)
+            raise MemoryError("allocating a capture record")
+        self.owner = owner
+        self.schema = schema
+        self.arrays = arrays
+        self.is_stream = is_stream
+        self._finalizer = weakref.finalize(self, lib.aib_owner_unref, owner)
+
+    @property
+    def device_type(self) -> int:
+        return int(self.arrays[0].device_type) if self.arrays else DEVICE_CPU
+
+    @property
+    def device_id(self) -> int:
+        return int(self.arrays[0].device_id) if self.arrays else -1
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Drop this record's reference (idempotent); shared structs keep the data alive."""
+        self._finalizer()
+
+
+def _move_schema(capsule: object) -> Any:
+    source = capsule_struct(capsule, "schema")
+    if source.release == ffi.NULL:
+        raise ReleasedError("the schema capsule was already consumed or released")
+    schema = lib.aib_schema_alloc()
+    lib.aib_schema_move(source, schema)
+    return schema
+
+
+def _move_device_array(capsule: object, *, host: bool) -> Any:
+    target = lib.aib_device_array_alloc()
+    if host:
+        source = capsule_struct(capsule, "array")
+        rc = lib.aib_array_move_to_device(source, target)
+    else:
+        source = capsule_struct(capsule, "device_array")
+        rc = lib.aib_device_array_move(source, target)
+    if rc != lib.AIB_OK:
+        lib.aib_device_array_free(target)
+        raise ReleasedError("the array capsule was already consumed or released")
+    return target
+
+
+def _drain_stream(capsule: object, *, device: bool) -> tuple[Any, list[Any]]:
+    """Move every batch out of a producer stream (eagerly: we publish a snapshot)."""
+    kind = "device_stream" if device else "stream"
+    source = capsule_struct(capsule, kind)
+    if source.release == ffi.NULL:
+        raise ReleasedError("the stream capsule was already consumed or released")
+    # Take the stream over first (into a capsule of ours), so it is released exactly once, when
+    # `owned` goes away, whatever happens below.
+    owned, stream = new_capsule(kind)
+    (lib.aib_device_stream_move if device else lib.aib_stream_move)(source, stream)
+    schema = lib.aib_schema_alloc()
+    arrays: list[Any] = []
+    try:
+        _stream_call(stream, stream.get_schema(stream, schema), "get_schema")
+        while True:
+            target = lib.aib_device_array_alloc()
+            arrays.append(target)
+            if device:
+                _stream_call(stream, stream.get_next(stream, target), "get_next")
+                if target.array.release == ffi.NULL:
+                    break
+            else:
+                batch = ffi.new("struct ArrowArray *")
+                _stream_call(stream, stream.get_next(stream, batch), "get_next")
+                if batch.release == ffi.NULL:
+                    break
+                lib.aib_array_move_to_device(batch, target)
+        lib.aib_device_array_free(arrays.pop())  # the end-of-stream marker
+    except BaseException:
+        lib.aib_schema_free(schema)
+        for a in arrays:
+            lib.aib_device_array_free(a)
+        raise
+    finally:
+        del owned  # releases the producer's stream
+    return schema, arrays
+
+
+def _stream_call(stream: Any, rc: int, what: str) -> None:
+    if rc != 0:
+        text = stream.get_last_error(stream)
+        detail = ffi.string(text).decode("utf-8", "replace") if text != ffi.NULL else "no message"
+        raise BridgeError(f"the producer's stream {what} failed with errno {rc}: {detail}")
+
+
+def capture(obj: object, *, requested_schema: object | None = None) -> CapturedData:
+    """Move the Arrow data of ``obj`` into a :class:`CapturedData` without copying buffers.
+
+    Parameters
+    ----------
+    obj
+        Anything with ``__arrow_c_device_array__``, ``__arrow_c_array__``,
+        ``__arrow_c_device_stream__`` or ``__arrow_c_stream__`` (tried in that order), a
+        ``(schema_capsule, array_capsule)`` or ``(schema_capsule, device_array_capsule)`` pair, or a
+        stream capsule.
+    requested_schema
+        Passed on to the producer.
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> captured = capture(pa.array([1, 2, 3]))
+    >>> captured.close()
+    """
+    if hasattr(obj, "__arrow_c_device_array__"):
+        schema_capsule, array_capsule = obj.__arrow_c_device_array__(requested_schema)
+        return _capture_pair(schema_capsule, array_capsule, host=False)
+    if hasattr(obj, "__arrow_c_array__"):
+        schema_capsule, array_capsule = obj.__arrow_c_array__(requested_schema)
+        return _capture_pair(schema_capsule, array_capsule, host=True)
+    if hasattr(obj, "__arrow_c_device_stream__"):
+        schema, arrays = _drain_stream(obj.__arrow_c_device_stream__(requested_schema), device=True)
+        return CapturedData(schema, arrays, is_stream=True)
+    if hasattr(obj, "__arrow_c_stream__"):
+        schema, arrays = _drain_stream(obj.__arrow_c_stream__(requested_schema), device=False)
+        return CapturedData(schema, arrays, is_stream=True)
+    if isinstance(obj, tuple) and len(obj) == 2:
+        host = _api.PyCapsule_IsValid(obj[1], _NAMES["array"]) if _is_capsule(obj[1]) else False
+        return _capture_pair(obj[0], obj[1], host=bool(host))
+    if _is_capsule(obj):
+        for kind, device in (("device_stream", True), ("stream", False)):
+            if _api.PyCapsule_IsValid(obj, _NAMES[kind]):
+                schema, arrays = _drain_stream(obj, device=device)
+                return CapturedData(schema, arrays, is_stream=True)
+    raise CapsuleError(
+        f"{type(obj).__name__} does not implement the Arrow PyCapsule interface "
+        "(__arrow_c_device_array__, __arrow_c_array__, __arrow_c_device_stream__ or __arrow_c_stream__)"
+    )
+
+
+def _is_capsule(obj: object) -> bool:
+    return type(obj).__name__ == "PyCapsule"
+
+
+def _capture_pair(schema_capsule: object, array_capsule: object, *, host: bool) -> CapturedData:
+    # Check both capsules before moving anything, so a bad pair leaves the producer's structs alone.
+    capsule_struct(schema_capsule, "schema")
+    capsule_struct(array_capsule, "array" if host else "device_array")
+    array = _move_device_array(array_capsule, host=host)
+    try:
+        schema = _move_schema(schema_capsule)
+    except BaseException:
+        lib.aib_device_array_free(array)
+        raise
+    return CapturedData(schema, [array], is_stream=False)
+
+
+# ---------- serving data out -------------------------------------------------------------------------
+class ArrowExporter:
+    """The stream side of the Arrow PyCapsule protocol over data this process owns or has mapped.
+
+    Subclasses provide ``_fill_schema``, ``_fill_batch``, the stream builders and the device facts.
+    Streams (tables, several batches) derive from this class alone, so consumers such as polars,
+    which prefer ``__arrow_c_array__`` when it exists, take the stream path for them;
+    :class:`ArrowArrayExporter` adds the array methods for single arrays and record batches.
+    Host-only methods refuse device data, and ``requested_schema`` is checked before any work.
+    """
+
+    # -- subclass hooks --
+    def _fill_schema(self, out: Any) -> None:
+        raise NotImplementedError
+
+    def _fill_batch(self, index: int, out: Any) -> None:
+        raise NotImplementedError
+
+    def _fill_device_stream(self, out: Any) -> None:
+        raise NotImplementedError
+
+    def _fill_stream(self, out: Any) -> None:
+        raise NotImplementedError
+
+    @property
+    def device_type(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def device_id(self) -> int:
+        raise NotImplementedError
+
+    def _sync_event(self) -> Any:
+        return ffi.NULL
+
+    # -- protocol --
+    def __arrow_c_device_stream__(self, requested_schema: object | None = None, **kwargs: object) -> object:
+        _check_kwargs(kwargs)
+        self._check_requested(requested_schema)
+        capsule, stream = new_capsule("device_stream")
+        self._fill_device_stream(stream)
+        return capsule
+
+    def __arrow_c_stream__(self, requested_schema: object | None = None, **kwargs: object) -> object:
+        _check_kwargs(kwargs)
+        self._check_requested(requested_schema)
+        self._require_host("__arrow_c_stream__")
+        capsule, stream = new_capsule("stream")
+        self._fill_stream(stream)
+        return capsule
+
+    def __arrow_c_schema__(self) -> object:
+        capsule, schema = new_capsule("schema")
+        self._fill_schema(schema)
+        return capsule
+
+    # -- checks --
+    def _require_host(self, method: str) -> None:
+        if self.device_type not in HOST_READABLE_DEVICES:
+            raise BridgeError(
+                f"{method} serves host memory only, and this data lives on device type {self.device_type} "
+                f"(id {self.device_id}): use __arrow_c_device_array__/__arrow_c_device_stream__ with a "
+                "device-aware consumer (cuDF, CuPy), or copy it to the host first"
+            )
+
+    def _check_requested(self, requested_schema: object | None) -> None:
+        """Best effort per the PyCapsule interface: we never cast, so a compatible request gets our
+        own schema, and a request that cannot describe this data is refused up front."""
+        if requested_schema is None:
+            return
+        requested = capsule_struct(requested_schema, "schema")
+        if requested.release == ffi.NULL:
+            raise ReleasedError("the requested_schema capsule was already released")
+        own = ffi.new("struct ArrowSchema *")
+        self._fill_schema(own)
+        try:
+            own_struct = ffi.string(own.format) == b"+s"
+            requested_struct = ffi.string(requested.format) == b"+s"
+            if own_struct != requested_struct or (own_struct and own.n_children != requested.n_children):
+                raise BridgeError(
+                    f"requested_schema ({ffi.string(requested.format).decode()!r} with "
+                    f"{requested.n_children} fields) is incompatible with this data "
+                    f"({ffi.string(own.format).decode()!r} with {own.n_children} fields); "
+                    "the bridge shares data as it is and does not cast"
+                )
+        finally:
+            own.release(own)
+
+
+class ArrowArrayExporter(ArrowExporter):
+    """Adds ``__arrow_c_device_array__`` and (host data only) ``__arrow_c_array__``: one batch."""
+
+    def __arrow_c_device_array__(self, requested_schema: object | None = None, **kwargs: object) -> tuple[object, object]:
+        _check_kwargs(kwargs)
+        self._check_requested(requested_schema)
+        schema_capsule, schema = new_capsule("schema")
+        array_capsule, array = new_capsule("device_array")
+        self._fill_schema(schema)
+        self._fill_batch(0, ffi.addressof(array, "array"))
+        array.device_type = self.device_type
+        array.device_id = self.device_id
+        array.sync_event = self._sync_event()
+        return schema_capsule, array_capsule
+
+    def __arrow_c_array__(self, requested_schema: object | None = None, **kwargs: object) -> tuple[object, object]:
+        _check_kwargs(kwargs)
+        self._check_requested(requested_schema)
+        self._require_host("__arrow_c_array__")
+        schema_capsule, schema = new_capsule("schema")
+        array_capsule, array = new_capsule("array")
+        self._fill_schema(schema)
+        self._fill_batch(0, array)
+        return schema_capsule, array_capsule
+
+
+class _CapturedSource(ArrowExporter):
+    """Serves :class:`CapturedData` back out in this process (shares its buffers, no copy)."""
+
+    def __init__(self, captured: CapturedData) -> None:
+        self._captured = captured
+
+    def _live(self) -> CapturedData:
+        if self._captured.closed:
+            raise ReleasedError("this captured data was closed")
+        return self._captured
+
+    def _fill_schema(self, out: Any) -> None:
+        err = new_error()
+        rc = lib.aib_schema_copy(self._live().schema, out, err)
+        if rc:
+            raise_for(rc, err, "copying the schema")
+
+    def _fill_batch(self, index: int, out: Any) -> None:
+        captured = self._live()
+        err = new_error()
+        rc = lib.aib_array_share(ffi.addressof(captured.arrays[index], "array"), captured.owner, out, err)
+        if rc:
+            raise_for(rc, err, "sharing the array")
+
+    def _fill_device_stream(self, out: Any) -> None:
+        err = new_error()
+        rc = lib.aib_device_stream_from_capture(self._live().owner, out, err)
+        if rc:
+            raise_for(rc, err, "creating a stream")
+
+    def _fill_stream(self, out: Any) -> None:
+        err = new_error()
+        rc = lib.aib_stream_from_capture(self._live().owner, out, err)
+        if rc:
+            raise_for(rc, err, "creating a stream")
+
+    @property
+    def device_type(self) -> int:
+        return self._captured.device_type
+
+    @property
+    def device_id(self) -> int:
+        return self._captured.device_id
+
+    def _sync_event(self) -> Any:
+        arrays = self._captured.arrays
+        return arrays[0].sync_event if arrays else ffi.NULL
+
+
+class CapturedArray(_CapturedSource, ArrowArrayExporter):
+    """Captured single array or record batch, served back out."""
+
+
+class CapturedStream(_CapturedSource):
+    """Captured stream (table, chunked array, reader), served back out as a stream."""
+
+
+def export_captured(captured: CapturedData) -> CapturedArray | CapturedStream:
+    """The protocol object for captured data: an array exporter or a stream exporter."""
+    return CapturedStream(captured) if captured.is_stream else CapturedArray(captured)

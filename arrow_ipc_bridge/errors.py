@@ -1,0 +1,119 @@
+"""The one exception hierarchy of the bridge.
+
+Every exception the bridge raises on purpose derives from :class:`BridgeError` and, where one fits, from the
+builtin a caller would already catch (``ValueError`` for bad data, ``TimeoutError`` for waits, ...). All of them
+pickle (a consumer may forward an error to another process) and carry a message that says what failed and
+what to do about it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "BridgeError",
+    "BuildMismatchError",
+    "UnsupportedFormatError",
+    "CapsuleError",
+    "ReleasedError",
+    "WireFormatError",
+    "RegionError",
+    "CopyRequiredError",
+    "CudaError",
+    "TransportError",
+    "PeerClosedError",
+    "PeerRejectedError",
+    "ProtocolError",
+    "BridgeTimeoutError",
+    "NotPublishedError",
+]
+
+
+class BridgeError(Exception):
+    """Base of every error the bridge raises on purpose.
+
+    Extra keyword details (``field=...``, ``path=...``, ``code=...``) are kept as attributes and survive
+    pickling, so a handler can branch on them without parsing the message.
+    """
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+        for key, value in details.items():
+            setattr(self, key, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_error, (type(self), self.message, self.details))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _rebuild_error(cls: type[BridgeError], message: str, details: dict[str, Any]) -> BridgeError:
+    return cls(message, **details)
+
+
+class BuildMismatchError(BridgeError, ImportError):
+    """The compiled C core does not match the Python package (a stale build): rebuild with ``pip install .``."""
+
+
+class UnsupportedFormatError(BridgeError, ValueError):
+    """An Arrow format string the bridge does not understand, or a layout that breaks the format's rules."""
+
+
+class CapsuleError(BridgeError, TypeError):
+    """An object is not an Arrow PyCapsule producer, or a capsule has the wrong name."""
+
+
+class ReleasedError(BridgeError, ValueError):
+    """A struct was already released or moved out (a capsule consumed twice, an object used after close)."""
+
+
+class WireFormatError(BridgeError, ValueError):
+    """A metadata message is malformed: truncated, corrupted, over a limit, or inconsistent.
+
+    ``field`` names the offending field and ``path`` the node path (for example ``root/2/child0``).
+    """
+
+
+class RegionError(BridgeError, ValueError):
+    """Memory could not be exported or mapped as a shared region."""
+
+
+class CopyRequiredError(RegionError):
+    """The memory cannot be shared zero-copy and the copy policy forbids a copy.
+
+    Pass ``copy="if_needed"`` to let the bridge copy it into a shareable region (counted in the stats).
+    """
+
+
+class CudaError(BridgeError, RuntimeError):
+    """A CUDA driver call failed; ``call``, ``code`` and ``name`` say which and why."""
+
+
+class TransportError(BridgeError, ConnectionError):
+    """The socket between publisher and session failed."""
+
+
+class PeerClosedError(TransportError):
+    """The peer closed the connection or died."""
+
+
+class PeerRejectedError(TransportError, PermissionError):
+    """The peer's credentials (SO_PEERCRED uid) are not allowed."""
+
+
+class ProtocolError(TransportError):
+    """The peer sent a frame that breaks the protocol (bad magic, size over a limit, unexpected type)."""
+
+
+class BridgeTimeoutError(BridgeError, TimeoutError):
+    """A wait ran past its timeout."""
+
+
+class NotPublishedError(BridgeError, KeyError):
+    """No object is published under that name."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.message

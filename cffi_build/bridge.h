@@ -1,0 +1,273 @@
+/* Public interface of the arrow_ipc_bridge C core.
+ *
+ * Read by the C compiler and by cffi's cdef (build_bridge.py strips lines starting with '#', except
+ * '#define NAME <integer>' which cdef understands). Keep declarations cdef-friendly: no macros with
+ * arguments, no inline code. See docs/c-core.md for the ownership model. */
+#ifndef AIB_BRIDGE_H
+#define AIB_BRIDGE_H
+#include <stddef.h>
+#include <stdint.h>
+#include "arrow_c_abi.h"
+
+/* ---------- version ---------------------------------------------------------------------------- */
+const char *aib_core_version(void);     /* compiled-in package version; _ffi.py refuses a mismatch */
+uint32_t aib_wire_version(void);        /* (major << 16) | minor of the wire format this core speaks */
+
+/* ---------- errors ----------------------------------------------------------------------------- */
+#define AIB_OK 0
+#define AIB_E_WIRE 1          /* malformed or inconsistent message */
+#define AIB_E_FORMAT 2        /* format string not understood, or a struct breaks its layout */
+#define AIB_E_NOMEM 3
+#define AIB_E_RELEASED 4      /* struct already released / moved */
+#define AIB_E_LIMIT 5         /* a count or size over a documented limit */
+#define AIB_E_STATE 6         /* call out of order (e.g. batch before schema) */
+#define AIB_E_OS 7            /* a system call failed; errno_value says which */
+
+typedef struct aib_error {
+  int code;
+  int errno_value;
+  char field[64];       /* the offending field, e.g. "buffers[1].length" */
+  char path[256];       /* node path, e.g. "batch0/root/child2/dictionary" */
+  char message[320];
+} aib_error;
+
+/* ---------- owners: reference-counted lifetime records ------------------------------------------
+ * Every struct tree the core builds holds one reference per node on an owner. Owners may hold
+ * references on other owners (an import lease holds its region mappings). aib_owner_unref is safe
+ * from any thread without the GIL. When an owner with a non-zero token dies, the token is queued and
+ * one byte is written to the reaper pipe; Python drains the queue (see _reaper.py for why). */
+typedef struct aib_owner aib_owner;
+typedef struct aib_decoded aib_decoded;
+
+aib_owner *aib_owner_new(uint64_t token);
+/* Maps [file_offset, file_offset + size) of fd read-only and shared; munmaps when the owner dies.
+ * Returns NULL with *errno_out set on failure. file_offset must be page aligned. */
+aib_owner *aib_owner_new_mapping(uint64_t token, int fd, uint64_t file_offset, uint64_t size,
+                                 void **address_out, int *errno_out);
+/* Takes ownership of a schema and n device arrays (moved in by the caller; the pointers themselves
+ * are freed too). Releases them when the owner dies: this is how a producer's data stays alive. */
+aib_owner *aib_owner_new_capture(uint64_t token, struct ArrowSchema *schema,
+                                 struct ArrowDeviceArray **arrays, int64_t n_arrays);
+int aib_owner_add_dependency(aib_owner *owner, aib_owner *dependency);
+/* The owner takes the decoded message and frees it when it dies, so anything holding the owner
+ * (a served stream, an imported array's structs) can keep rebuilding from it. */
+int aib_owner_attach_decoded(aib_owner *owner, aib_decoded *decoded);
+void aib_owner_ref(aib_owner *owner);
+void aib_owner_unref(aib_owner *owner);
+int64_t aib_owner_refcount(aib_owner *owner);
+uint64_t aib_owner_token(aib_owner *owner);
+
+int aib_reaper_fd(void);                                   /* read end of the wake-up pipe */
+size_t aib_reaper_drain(uint64_t *tokens_out, size_t max); /* pops up to max dead-owner tokens */
+
+/* Leak accounting for tests: live owners, live struct nodes built by the core, live mappings. */
+int64_t aib_live_owners(void);
+int64_t aib_live_nodes(void);
+int64_t aib_live_mappings(void);
+
+/* ---------- struct allocation, moves, capsules ------------------------------------------------- */
+struct ArrowSchema *aib_schema_alloc(void);                /* zeroed: release == NULL */
+struct ArrowArray *aib_array_alloc(void);
+struct ArrowDeviceArray *aib_device_array_alloc(void);
+struct ArrowArrayStream *aib_stream_alloc(void);
+struct ArrowDeviceArrayStream *aib_device_stream_alloc(void);
+/* free: calls release when it is non-NULL, then frees the allocation. NULL is ignored. */
+void aib_schema_free(struct ArrowSchema *p);
+void aib_array_free(struct ArrowArray *p);
+void aib_device_array_free(struct ArrowDeviceArray *p);
+void aib_stream_free(struct ArrowArrayStream *p);
+void aib_device_stream_free(struct ArrowDeviceArrayStream *p);
+
+/* Moves: dst must be released (release == NULL); src is marked released. AIB_E_RELEASED when src
+ * was already released, AIB_E_STATE when dst still holds data. */
+int aib_schema_move(struct ArrowSchema *src, struct ArrowSchema *dst);
+int aib_array_move(struct ArrowArray *src, struct ArrowArray *dst);
+int aib_device_array_move(struct ArrowDeviceArray *src, struct ArrowDeviceArray *dst);
+int aib_stream_move(struct ArrowArrayStream *src, struct ArrowArrayStream *dst);
+int aib_device_stream_move(struct ArrowDeviceArrayStream *src, struct ArrowDeviceArrayStream *dst);
+/* Wraps a host ArrowArray as a CPU ArrowDeviceArray (moves the array). */
+int aib_array_move_to_device(struct ArrowArray *src, struct ArrowDeviceArray *dst);
+
+#define AIB_CAPSULE_SCHEMA 0
+#define AIB_CAPSULE_ARRAY 1
+#define AIB_CAPSULE_DEVICE_ARRAY 2
+#define AIB_CAPSULE_STREAM 3
+#define AIB_CAPSULE_DEVICE_STREAM 4
+const char *aib_capsule_name(int kind);          /* static storage, e.g. "arrow_device_array" */
+uintptr_t aib_capsule_destructor(int kind);      /* address of the PyCapsule destructor for kind */
+
+/* Deep copy of a schema tree into dst (dst gets its own release). */
+int aib_schema_copy(const struct ArrowSchema *src, struct ArrowSchema *dst, aib_error *err);
+/* A new struct tree with the same buffer pointers as src; every node holds a reference on owner. */
+int aib_array_share(const struct ArrowArray *src, aib_owner *owner, struct ArrowArray *dst,
+                    aib_error *err);
+
+/* Streams over the data of a capture owner (aib_owner_new_capture): get_schema hands out schema
+ * copies, get_next fresh shares of each batch, then end-of-stream. The stream holds a reference on
+ * the owner. The device stream takes device type, id and sync event from the first batch. */
+int aib_device_stream_from_capture(aib_owner *owner, struct ArrowDeviceArrayStream *out, aib_error *err);
+int aib_stream_from_capture(aib_owner *owner, struct ArrowArrayStream *out, aib_error *err);
+
+/* ---------- layout rules ----------------------------------------------------------------------- */
+#define AIB_KIND_NULL 1
+#define AIB_KIND_BOOL 2
+#define AIB_KIND_FIXED 3          /* ints, floats, decimals, temporal, fixed-size binary */
+#define AIB_KIND_BINARY 4         /* z, u */
+#define AIB_KIND_LARGE_BINARY 5   /* Z, U */
+#define AIB_KIND_VIEW 6           /* vz, vu */
+#define AIB_KIND_LIST 7           /* +l */
+#define AIB_KIND_LARGE_LIST 8     /* +L */
+#define AIB_KIND_LIST_VIEW 9      /* +vl */
+#define AIB_KIND_LARGE_LIST_VIEW 10 /* +vL */
+#define AIB_KIND_FIXED_LIST 11    /* +w:N */
+#define AIB_KIND_STRUCT 12        /* +s */
+#define AIB_KIND_MAP 13           /* +m */
+#define AIB_KIND_DENSE_UNION 14   /* +ud:... */
+#define AIB_KIND_SPARSE_UNION 15  /* +us:... */
+#define AIB_KIND_RUN_END 16       /* +r */
+
+#define AIB_MAX_UNION_TYPES 128
+
+typedef struct aib_layout {
+  int kind;
+  int n_buffers;          /* fixed buffers; a view adds its variadic buffers before the sizes buffer */
+  int n_children;         /* required children; -1 = any (struct) */
+  int64_t bit_width;      /* element width of the data buffer (FIXED, BOOL = 1) */
+  int64_t fixed_size;     /* FIXED_LIST list size */
+  int is_integer;         /* usable as a dictionary index or run-end type */
+  int n_type_ids;         /* unions */
+  int8_t type_ids[128];
+} aib_layout;
+
+/* Parses an Arrow format string. AIB_E_FORMAT with a message when it is not understood. */
+int aib_layout_parse(const char *format, size_t format_len, aib_layout *out, aib_error *err);
+
+/* Minimum byte size of each buffer for an array of this layout with length and offset, without
+ * reading any buffer content. For sizes that depend on data (the data buffer of binary types,
+ * variadic buffers) the minimum is 0. n_buffers must fit the layout. */
+int aib_layout_min_sizes(const aib_layout *layout, int64_t length, int64_t offset, int64_t n_buffers,
+                         int64_t *sizes_out, aib_error *err);
+
+/* ---------- describe + encode (producer) ------------------------------------------------------- */
+/* One buffer of the described tree. The core fills address and length; the region assigner fills
+ * region (AIB_REGION_NULL, AIB_REGION_EMPTY, or AIB_REGION_FIRST + index) and offset. */
+#define AIB_REGION_NULL 0
+#define AIB_REGION_EMPTY 1
+#define AIB_REGION_FIRST 2
+
+typedef struct aib_buffer_slot {
+  uint64_t address;
+  uint64_t length;
+  uint64_t region;
+  uint64_t offset;
+} aib_buffer_slot;
+
+/* A length the core could not read because the memory is not host-readable (device memory): the
+ * caller reads `width` bytes (little-endian unsigned) at `address` and stores the value into
+ * slot `slot`'s length via aib_described_set_length. */
+typedef struct aib_pending_read {
+  uint64_t slot;
+  uint64_t address;
+  uint32_t width;
+  uint32_t reserved;
+} aib_pending_read;
+
+typedef struct aib_region {
+  uint32_t kind;          /* AIB_REGION_KIND_* */
+  uint32_t flags;
+  uint64_t size;          /* bytes addressable from the region's base */
+  uint64_t file_offset;   /* host regions: where the mapping starts in the file */
+  uint64_t identity;      /* producer-side allocation identity (CUDA buffer id, inode, ...) */
+  int64_t fd_index;       /* index into the out-of-band fds, -1 when none */
+  uint32_t handle_len;
+  uint8_t handle[128];
+} aib_region;
+
+#define AIB_REGION_KIND_PROCESS 1     /* same-process address space: base 0; never accepted from a peer */
+#define AIB_REGION_KIND_HOST_FD 2     /* a shared file (memfd, /dev/shm) mapped read-only */
+#define AIB_REGION_KIND_CUDA_LEGACY 3 /* cuIpcGetMemHandle handle (64 bytes) */
+#define AIB_REGION_KIND_CUDA_POOL 4   /* IPC mempool: pool fd + 64-byte pointer export data */
+#define AIB_REGION_KIND_CUDA_VMM 5    /* cuMem POSIX fd of one VMM allocation */
+#define AIB_REGION_KIND_MAX 5
+
+#define AIB_MESSAGE_ARRAY 1     /* exactly one batch, imported as an array */
+#define AIB_MESSAGE_STREAM 2    /* zero or more batches, imported as a stream */
+
+typedef struct aib_described aib_described;
+
+aib_described *aib_describe_new(void);
+void aib_described_free(aib_described *d);
+/* The schema is read once; its strings are copied, so the caller's schema may go away after. */
+int aib_describe_schema(aib_described *d, const struct ArrowSchema *schema, aib_error *err);
+/* Adds one batch. host_readable: the buffers may be read here (CPU memory) to find the lengths of
+ * variable-size data; otherwise pending reads are recorded. */
+int aib_describe_batch(aib_described *d, const struct ArrowArray *array, int host_readable,
+                       aib_error *err);
+size_t aib_described_buffer_count(const aib_described *d);
+aib_buffer_slot *aib_described_buffers(aib_described *d);
+size_t aib_described_pending_count(const aib_described *d);
+const aib_pending_read *aib_described_pending(const aib_described *d);
+int aib_described_set_length(aib_described *d, uint64_t slot, uint64_t length, aib_error *err);
+size_t aib_described_node_count(const aib_described *d);   /* schema nodes */
+int64_t aib_described_batch_count(const aib_described *d);
+
+typedef struct aib_device_info {
+  int32_t device_type;       /* ARROW_DEVICE_* */
+  uint32_t identity_len;     /* 16 for a CUDA UUID, 0 for the CPU */
+  uint8_t identity[64];
+  uint32_t sync_len;         /* 64 for a CUDA IPC event handle, 0 when none */
+  uint8_t sync[128];
+} aib_device_info;
+
+/* Encodes into out (capacity out_cap). Returns AIB_OK and *out_len, or AIB_E_LIMIT with *out_len
+ * set to the size needed when out_cap is too small (call again with a bigger buffer). Region
+ * indexes in the slots must be below n_regions; n_fds bounds the regions' fd_index. */
+int aib_encode(const aib_described *d, uint32_t message_kind, const aib_device_info *device,
+               const aib_region *regions, size_t n_regions, uint32_t n_fds, uint8_t *out,
+               size_t out_cap, size_t *out_len, aib_error *err);
+
+/* ---------- decode + validate + rebuild (consumer) --------------------------------------------- */
+#define AIB_MAX_MESSAGE_BYTES 67108864
+#define AIB_MAX_DEPTH 64
+#define AIB_MAX_SCHEMA_NODES 65536
+#define AIB_MAX_BATCHES 65536
+#define AIB_MAX_ARRAY_NODES 1048576
+#define AIB_MAX_BUFFERS 4194304
+#define AIB_MAX_REGIONS 65536
+#define AIB_MAX_FORMAT_BYTES 4096
+#define AIB_MAX_NAME_BYTES 65536
+#define AIB_MAX_METADATA_BYTES 1048576
+#define AIB_MAX_HANDLE_BYTES 128
+#define AIB_MAX_FDS 253
+
+/* Decodes and validates the whole message (every limit, format, arity, buffer bound). On failure
+ * returns AIB_E_WIRE/AIB_E_LIMIT/AIB_E_FORMAT with field and path set, and *out stays NULL. */
+int aib_decode(const uint8_t *message, size_t length, uint32_t n_fds, aib_decoded **out,
+               aib_error *err);
+void aib_decoded_free(aib_decoded *d);
+uint32_t aib_decoded_message_kind(const aib_decoded *d);
+uint32_t aib_decoded_minor_version(const aib_decoded *d);
+int64_t aib_decoded_batch_count(const aib_decoded *d);
+size_t aib_decoded_region_count(const aib_decoded *d);
+const aib_region *aib_decoded_regions(const aib_decoded *d);
+const aib_device_info *aib_decoded_device(const aib_decoded *d);
+size_t aib_decoded_node_count(const aib_decoded *d);
+size_t aib_decoded_buffer_count(const aib_decoded *d);
+
+/* A fresh schema tree (own strings). */
+int aib_rebuild_schema(const aib_decoded *d, struct ArrowSchema *out, aib_error *err);
+/* A fresh array tree for batch `batch`: buffer = region_bases[region] + offset; every node holds a
+ * reference on owner. Regions whose base is 0 must not be referenced (AIB_E_STATE otherwise). */
+int aib_rebuild_array(const aib_decoded *d, int64_t batch, const uint64_t *region_bases,
+                      size_t n_bases, aib_owner *owner, struct ArrowArray *out, aib_error *err);
+
+/* Streams over the batches of the decoded message attached to owner (aib_owner_attach_decoded).
+ * region_bases are copied. The device stream stamps device_type, device_id and sync_event on every
+ * batch; the host stream is for CPU data only. */
+int aib_device_stream_from_decoded(aib_owner *owner, const uint64_t *region_bases, size_t n_bases,
+                                   int32_t device_type, int64_t device_id, void *sync_event,
+                                   struct ArrowDeviceArrayStream *out, aib_error *err);
+int aib_stream_from_decoded(aib_owner *owner, const uint64_t *region_bases, size_t n_bases,
+                            struct ArrowArrayStream *out, aib_error *err);
+
+#endif

@@ -1,0 +1,61 @@
+"""cffi builder for the C core (API mode): ``setup.py`` names ``ffibuilder`` here.
+
+The C declarations live in real header files; cdef reads them with preprocessor lines stripped
+(cdef understands only ``#define NAME <integer>``). The package version is compiled in, and
+``arrow_ipc_bridge/_ffi.py`` refuses to load a core built from another version.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from cffi import FFI
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+C_SOURCES = ["owner.c", "layout.c", "wire.c"]
+HEADERS = ["arrow_c_abi.h", "bridge.h"]
+_INTEGER_DEFINE = re.compile(r"^#define\s+\w+\s+-?\d+\s*(/\*.*\*/)?\s*$")
+
+
+def _relative(path: Path) -> str:
+    # setuptools wants source paths relative to the project root (setup.py's directory).
+    try:
+        return os.path.relpath(path, Path.cwd())
+    except ValueError:
+        return str(path)
+
+
+def _cdef_text(header: Path) -> str:
+    lines = []
+    for line in header.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#") and not _INTEGER_DEFINE.match(stripped):
+            continue
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _version() -> str:
+    text = (ROOT / "arrow_ipc_bridge" / "_version.py").read_text()
+    match = re.search(r'__version__\s*=\s*"([^"]+)"', text)
+    if match is None:
+        raise RuntimeError("arrow_ipc_bridge/_version.py has no __version__")
+    return match.group(1)
+
+
+ffibuilder = FFI()
+ffibuilder.cdef("\n".join(_cdef_text(HERE / name) for name in HEADERS))
+ffibuilder.set_source(
+    "arrow_ipc_bridge._bridge_core",
+    '#include "bridge.h"\n',
+    sources=[_relative(HERE / name) for name in C_SOURCES],
+    include_dirs=[_relative(HERE)],
+    define_macros=[("AIB_VERSION", '"' + _version() + '"')],
+    extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(tmpdir=str(ROOT), verbose=True)

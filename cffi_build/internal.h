@@ -1,0 +1,36 @@
+/* Declarations shared between the C core's translation units; not part of the cffi surface. */
+#ifndef AIB_INTERNAL_H
+#define AIB_INTERNAL_H
+#include <stdarg.h>
+#include <stdatomic.h>
+#include "bridge.h"
+
+/* Sets err (when non-NULL) and returns code. printf-style message. */
+int aib_fail(aib_error *err, int code, const char *field, const char *path, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+
+extern atomic_llong aib_node_counter;
+
+/* Length in bytes of an ArrowSchema metadata blob (int32 count, then int32-prefixed keys/values),
+ * read from trusted in-process memory. 0 for NULL. */
+size_t aib_metadata_length(const char *metadata);
+
+/* The owner owns a decoded message and frees it when it dies (see aib_owner_attach_decoded). */
+void aib_decoded_release_internal(aib_decoded *d);
+
+/* Node constructors shared by the schema copy, the array share and the rebuild: one allocation per
+ * node holding its children's structs, buffer pointers and strings. */
+int aib_schema_node_init(struct ArrowSchema *dst, const char *format, size_t format_len, const char *name,
+                         size_t name_len, int has_name, const char *metadata, size_t metadata_len,
+                         int64_t flags, int64_t n_children, int has_dictionary);
+int aib_array_node_init(struct ArrowArray *dst, aib_owner *owner, int64_t length, int64_t null_count,
+                        int64_t offset, int64_t n_buffers, int64_t n_children, int has_dictionary);
+void aib_array_node_release(struct ArrowArray *a);
+aib_decoded *aib_owner_decoded(aib_owner *owner);
+
+int aib_layout_is_validity(const aib_layout *layout, int64_t i);
+
+/* Everything a served stream needs to produce batch i. */
+typedef int (*aib_batch_maker)(void *ctx, int64_t index, struct ArrowArray *out, aib_error *err);
+
+#endif
