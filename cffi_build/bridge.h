@@ -208,6 +208,9 @@ aib_buffer_slot *aib_described_buffers(aib_described *d);
 size_t aib_described_pending_count(const aib_described *d);
 const aib_pending_read *aib_described_pending(const aib_described *d);
 int aib_described_set_length(aib_described *d, uint64_t slot, uint64_t length, aib_error *err);
+/* Places every unplaced slot in region `region_index` at offset (address - base): the same-process
+ * fast path (one PROCESS region, base 0) and single-allocation exports. */
+void aib_described_place_all(aib_described *d, uint64_t region_index, uint64_t base);
 size_t aib_described_node_count(const aib_described *d);   /* schema nodes */
 int64_t aib_described_batch_count(const aib_described *d);
 

@@ -95,6 +95,12 @@ static void model_free(model *m) {
   memset(m, 0, sizeof(*m));
 }
 
+/* Sizes the model's arrays once for a typical message, so small messages cost no reallocs. */
+static int model_reserve(model *m, size_t arena_bytes) {
+  return GROW(m, arena, arena_cap, arena_bytes) && GROW(m, nodes, nodes_cap, 32) &&
+         GROW(m, child_list, child_cap, 32) && GROW(m, anodes, anodes_cap, 32) && GROW(m, slots, slots_cap, 64);
+}
+
 static int arena_put(model *m, const void *data, size_t n, uint32_t *off_out) {
   if (m->arena_len + n + 1 > UINT32_MAX) return 0;
   if (!GROW(m, arena, arena_cap, m->arena_len + n + 1)) return 0;
@@ -255,6 +261,7 @@ static int describe_schema_node(model *m, const struct ArrowSchema *s, int32_t p
 int aib_describe_schema(aib_described *d, const struct ArrowSchema *schema, aib_error *err) {
   if (d->m.has_schema) return aib_fail(err, AIB_E_STATE, "", "", "the schema was already described");
   int32_t root;
+  if (!model_reserve(&d->m, 1024)) return aib_fail(err, AIB_E_NOMEM, "", "", "out of memory");
   int rc = describe_schema_node(&d->m, schema, -1, 0, 0, &root, err);
   if (rc != AIB_OK) {
     model_free(&d->m);
@@ -404,6 +411,15 @@ int aib_described_set_length(aib_described *d, uint64_t slot, uint64_t length, a
   b->length = length;
   if (b->address != 0) b->region = length == 0 ? AIB_REGION_EMPTY : REGION_UNASSIGNED;
   return AIB_OK;
+}
+
+void aib_described_place_all(aib_described *d, uint64_t region_index, uint64_t base) {
+  for (size_t i = 0; i < d->m.n_slots; i++) {
+    aib_buffer_slot *b = &d->m.slots[i];
+    if (b->region != REGION_UNASSIGNED) continue;
+    b->region = AIB_REGION_FIRST + region_index;
+    b->offset = b->address - base;
+  }
 }
 
 /* ---------- encode ------------------------------------------------------------------------------ */
@@ -690,29 +706,28 @@ static int check_buffers(const aib_decoded *d, const model *m, int32_t node, int
   }
   for (uint32_t i = 0; rc == AIB_OK && i < a->n_buffers; i++) {
     const aib_buffer_slot *b = &m->slots[a->first_buffer + i];
-    char field[32];
-    snprintf(field, sizeof(field), "buffers[%u]", i);
+    const char *field = "buffers"; /* the message names the index; snprintf per buffer costs too much here */
     if (b->region == AIB_REGION_NULL) {
       int may_be_null = sizes[i] == 0 || (aib_layout_is_validity(L, i) && a->null_count <= 0);
       if (!may_be_null)
-        rc = fail_at(err, AIB_E_WIRE, m, node, batch, field, "buffer is absent but must hold %lld bytes",
-                     (long long)sizes[i]);
+        rc = fail_at(err, AIB_E_WIRE, m, node, batch, field, "buffer %u is absent but must hold %lld bytes",
+                     i, (long long)sizes[i]);
     } else if (b->region == AIB_REGION_EMPTY) {
       if (sizes[i] != 0)
-        rc = fail_at(err, AIB_E_WIRE, m, node, batch, field, "buffer is empty but must hold %lld bytes",
-                     (long long)sizes[i]);
+        rc = fail_at(err, AIB_E_WIRE, m, node, batch, field, "buffer %u is empty but must hold %lld bytes",
+                     i, (long long)sizes[i]);
     } else {
       uint64_t r = b->region - AIB_REGION_FIRST, end;
       if (r >= d->n_regions)
-        rc = fail_at(err, AIB_E_WIRE, m, node, batch, field, "region %llu does not exist (%zu regions)",
-                     (unsigned long long)r, d->n_regions);
+        rc = fail_at(err, AIB_E_WIRE, m, node, batch, field, "buffer %u: region %llu does not exist (%zu regions)",
+                     i, (unsigned long long)r, d->n_regions);
       else if (__builtin_add_overflow(b->offset, b->length, &end) || end > d->regions[r].size)
         rc = fail_at(err, AIB_E_WIRE, m, node, batch, field,
-                     "bytes [%llu, +%llu) lie outside region %llu of %llu bytes", (unsigned long long)b->offset,
+                     "buffer %u: bytes [%llu, +%llu) lie outside region %llu of %llu bytes", i, (unsigned long long)b->offset,
                      (unsigned long long)b->length, (unsigned long long)r, (unsigned long long)d->regions[r].size);
       else if (b->length < (uint64_t)sizes[i])
-        rc = fail_at(err, AIB_E_WIRE, m, node, batch, field, "%llu bytes where length %lld + offset %lld need %lld",
-                     (unsigned long long)b->length, (long long)a->length, (long long)a->offset, (long long)sizes[i]);
+        rc = fail_at(err, AIB_E_WIRE, m, node, batch, field, "buffer %u: %llu bytes where length %lld + offset %lld need %lld",
+                     i, (unsigned long long)b->length, (long long)a->length, (long long)a->offset, (long long)sizes[i]);
     }
   }
   if (sizes != small) free(sizes);
@@ -846,6 +861,10 @@ int aib_decode(const uint8_t *message, size_t length, uint32_t n_fds, aib_decode
   d->kind = kind;
   d->minor = message[5];
   m = &d->m;
+  if (!model_reserve(&d->m, length + 64)) {
+    free(d);
+    return aib_fail(err, AIB_E_NOMEM, "", "", "out of memory");
+  }
   reader rd = {message, length, HEADER_BYTES};
   reader *r = &rd;
   int rc = AIB_OK;
@@ -973,8 +992,10 @@ int aib_rebuild_schema(const aib_decoded *d, struct ArrowSchema *out, aib_error 
   return rebuild_schema_node(&d->m, 0, out, err);
 }
 
-static int rebuild_array_node(const model *m, const anode *base, int32_t idx, int64_t batch, const uint64_t *bases,
-                              size_t n_bases, aib_owner *owner, struct ArrowArray *out, aib_error *err) {
+static int rebuild_array_node(const aib_decoded *d, const anode *base, int32_t idx, int64_t batch,
+                              const uint64_t *bases, size_t n_bases, aib_owner *owner, struct ArrowArray *out,
+                              aib_error *err) {
+  const model *m = &d->m;
   const snode *s = &m->nodes[idx];
   const anode *a = &base[idx];
   int rc = aib_array_node_init(out, owner, a->length, a->null_count, a->offset, a->n_buffers, s->n_children,
@@ -988,7 +1009,8 @@ static int rebuild_array_node(const model *m, const anode *base, int32_t idx, in
       out->buffers[i] = empty_buffer;
     } else {
       uint64_t r = b->region - AIB_REGION_FIRST;
-      if (r >= n_bases || bases[r] == 0) {
+      /* base 0 means "not mapped", except for the same-process region whose base is address 0 */
+      if (r >= n_bases || (bases[r] == 0 && d->regions[r].kind != AIB_REGION_KIND_PROCESS)) {
         rc = fail_at(err, AIB_E_STATE, m, idx, batch, "region", "region %llu is not mapped", (unsigned long long)r);
         break;
       }
@@ -996,9 +1018,10 @@ static int rebuild_array_node(const model *m, const anode *base, int32_t idx, in
     }
   }
   for (int32_t i = 0; rc == AIB_OK && i < s->n_children; i++)
-    rc = rebuild_array_node(m, base, m->child_list[s->first_child + i], batch, bases, n_bases, owner, out->children[i], err);
+    rc = rebuild_array_node(d, base, m->child_list[s->first_child + i], batch, bases, n_bases, owner, out->children[i],
+                            err);
   if (rc == AIB_OK && s->dictionary >= 0)
-    rc = rebuild_array_node(m, base, s->dictionary, batch, bases, n_bases, owner, out->dictionary, err);
+    rc = rebuild_array_node(d, base, s->dictionary, batch, bases, n_bases, owner, out->dictionary, err);
   if (rc != AIB_OK) aib_array_node_release(out);
   return rc;
 }
@@ -1009,5 +1032,5 @@ int aib_rebuild_array(const aib_decoded *d, int64_t batch, const uint64_t *regio
   if (batch < 0 || batch >= d->m.n_batches)
     return aib_fail(err, AIB_E_STATE, "batch", "", "batch %lld out of range", (long long)batch);
   const anode *base = &d->m.anodes[(size_t)batch * d->m.n_nodes];
-  return rebuild_array_node(&d->m, base, 0, batch, region_bases, n_bases, owner, out, err);
+  return rebuild_array_node(d, base, 0, batch, region_bases, n_bases, owner, out, err);
 }

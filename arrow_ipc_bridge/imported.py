@@ -1,0 +1,155 @@
+"""What a consumer holds: imported data served through the Arrow PyCapsule protocol.
+
+An imported object wraps a validated :class:`~arrow_ipc_bridge.metadata.Decoded` message plus the
+base address of each of its regions in this process. Every protocol call rebuilds fresh structs
+that point into the same mapped regions, each holding a reference on the message's owner; the lease
+ends when the object is released *and* the last struct handed out is released by its consumer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
+from arrow_ipc_bridge.capsules import ArrowArrayExporter, ArrowExporter
+from arrow_ipc_bridge.errors import ReleasedError
+from arrow_ipc_bridge.metadata import Decoded
+
+__all__ = ["ImportedArray", "ImportedStream", "imported_from"]
+
+
+class _ImportedBase(ArrowExporter):
+    def __init__(
+        self,
+        decoded: Decoded,
+        region_bases: Sequence[int],
+        *,
+        device_type: int,
+        device_id: int,
+        sync_event: Any = None,
+        name: str | None = None,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
+        self._decoded = decoded
+        self._bases = ffi.new("uint64_t[]", list(region_bases) or [0])
+        self._n_bases = len(region_bases)
+        self._device_type = device_type
+        self._device_id = device_id
+        self._sync = sync_event if sync_event is not None else ffi.NULL
+        self.name = name
+        self._on_release = on_release
+
+    # -- lifetime --
+    @property
+    def released(self) -> bool:
+        return self._decoded.closed
+
+    def release(self) -> None:
+        """Give this object's hold back (idempotent). Structs already handed to consumers stay valid
+        until they are released; the lease ends after the last one."""
+        if not self._decoded.closed:
+            self._decoded.close()
+            if self._on_release is not None:
+                self._on_release()
+
+    def __enter__(self) -> _ImportedBase:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def _live(self) -> Decoded:
+        if self._decoded.closed:
+            raise ReleasedError(
+                f"imported {self.name or 'data'} was released; get it again from the session to use it"
+            )
+        return self._decoded
+
+    # -- facts --
+    @property
+    def device_type(self) -> int:
+        return self._device_type
+
+    @property
+    def device_id(self) -> int:
+        return self._device_id
+
+    @property
+    def batch_count(self) -> int:
+        return self._live().batch_count
+
+    def _sync_event(self) -> Any:
+        return self._sync
+
+    # -- struct builders --
+    def _fill_schema(self, out: Any) -> None:
+        self._live().rebuild_schema(out)
+
+    def _fill_batch(self, index: int, out: Any) -> None:
+        self._live().rebuild_array(index, self._bases, out)
+
+    def _fill_device_stream(self, out: Any) -> None:
+        decoded = self._live()
+        err = new_error()
+        rc = lib.aib_device_stream_from_decoded(
+            decoded.owner, self._bases, self._n_bases, self._device_type, self._device_id, self._sync, out, err
+        )
+        if rc:
+            raise_for(rc, err, "creating a device stream")
+
+    def _fill_stream(self, out: Any) -> None:
+        decoded = self._live()
+        err = new_error()
+        rc = lib.aib_stream_from_decoded(decoded.owner, self._bases, self._n_bases, out, err)
+        if rc:
+            raise_for(rc, err, "creating a stream")
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"device_type={self._device_type}, device_id={self._device_id}"
+        return f"<{type(self).__name__} {self.name or ''} {state}>"
+
+
+class ImportedArray(_ImportedBase, ArrowArrayExporter):
+    """An imported array or record batch.
+
+    Use it wherever an Arrow PyCapsule producer is accepted: ``pa.array(imported)`` /
+    ``pa.record_batch(imported)``, ``polars.DataFrame(imported)``, ``nanoarrow.c_array(imported)``,
+    ``pylibcudf`` for device data. ``release()`` (or the ``with`` block) gives the lease back.
+    """
+
+    def __enter__(self) -> ImportedArray:
+        return self
+
+
+class ImportedStream(_ImportedBase):
+    """An imported table or stream of record batches (``pa.table(imported)``, polars, nanoarrow)."""
+
+    def __enter__(self) -> ImportedStream:
+        return self
+
+
+def imported_from(
+    decoded: Decoded,
+    region_bases: Sequence[int],
+    *,
+    device_type: int,
+    device_id: int,
+    sync_event: Any = None,
+    name: str | None = None,
+    on_release: Callable[[], None] | None = None,
+) -> ImportedArray | ImportedStream:
+    """The right imported object for a decoded message: array messages give arrays."""
+    cls = ImportedStream if decoded.is_stream else ImportedArray
+    return cls(
+        decoded,
+        region_bases,
+        device_type=device_type,
+        device_id=device_id,
+        sync_event=sync_event,
+        name=name,
+        on_release=on_release,
+    )

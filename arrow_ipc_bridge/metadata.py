@@ -1,0 +1,325 @@
+"""The metadata tree: describe captured data, encode it, decode and validate a message, rebuild structs.
+
+The walks and the codec are in the C core (``cffi_build/wire.c``) because they run on every hand-off
+and must cost microseconds; this module is their typed Python face. ``docs/wire-format.md`` is the
+specification of the bytes.
+
+Producer::
+
+    described = Described(captured)                 # layouts checked, buffer sizes known
+    for slot, address, width in described.pending_reads(): ...   # device data only
+    described.place(slot, region, offset)           # region backends place each buffer
+    message = described.encode(MESSAGE_ARRAY, device, regions, n_fds)
+
+Consumer::
+
+    decoded = Decoded(message, n_fds)               # WireFormatError unless fully valid
+    decoded.rebuild_schema(out_schema)
+    decoded.rebuild_array(0, region_bases, out_array)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
+from arrow_ipc_bridge.capsules import HOST_READABLE_DEVICES, CapturedData
+from arrow_ipc_bridge.errors import BridgeError, ReleasedError, WireFormatError
+
+__all__ = [
+    "Described",
+    "Decoded",
+    "Region",
+    "DeviceInfo",
+    "MESSAGE_ARRAY",
+    "MESSAGE_STREAM",
+    "REGION_PROCESS",
+    "REGION_HOST_FD",
+    "REGION_CUDA_LEGACY",
+    "REGION_CUDA_POOL",
+    "REGION_CUDA_VMM",
+    "SLOT_NULL",
+    "SLOT_EMPTY",
+    "SLOT_UNPLACED",
+    "WIRE_VERSION",
+    "MAX_MESSAGE_BYTES",
+]
+
+MESSAGE_ARRAY = int(lib.AIB_MESSAGE_ARRAY)
+MESSAGE_STREAM = int(lib.AIB_MESSAGE_STREAM)
+REGION_PROCESS = int(lib.AIB_REGION_KIND_PROCESS)
+REGION_HOST_FD = int(lib.AIB_REGION_KIND_HOST_FD)
+REGION_CUDA_LEGACY = int(lib.AIB_REGION_KIND_CUDA_LEGACY)
+REGION_CUDA_POOL = int(lib.AIB_REGION_KIND_CUDA_POOL)
+REGION_CUDA_VMM = int(lib.AIB_REGION_KIND_CUDA_VMM)
+# Slot region codes: 0 = NULL pointer, 1 = zero-length non-NULL buffer, 2 + i = region i.
+SLOT_NULL = int(lib.AIB_REGION_NULL)
+SLOT_EMPTY = int(lib.AIB_REGION_EMPTY)
+SLOT_FIRST_REGION = int(lib.AIB_REGION_FIRST)
+SLOT_UNPLACED = 2**64 - 1
+MAX_MESSAGE_BYTES = int(lib.AIB_MAX_MESSAGE_BYTES)
+_PROCESS_SPAN = 2**64 - 1
+_SLOT_WORDS = 4  # aib_buffer_slot: address, length, region, offset (uint64 each)
+_uncleared = ffi.new_allocator(should_clear_after_alloc=False)  # encode writes every byte it returns
+
+
+@dataclass(frozen=True)
+class Region:
+    """One shared allocation as the message describes it (the inert, picklable form).
+
+    ``handle`` is kind-specific (a CUDA IPC handle, pool export data); ``fd_index`` points into the
+    file descriptors that travel beside the message (-1: none).
+    """
+
+    kind: int
+    size: int
+    file_offset: int = 0
+    identity: int = 0
+    fd_index: int = -1
+    handle: bytes = b""
+    flags: int = 0
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The device all buffers of a message live on, and the producer's sync handle if any."""
+
+    device_type: int
+    identity: bytes = b""  # the GPU UUID for CUDA, empty for the CPU
+    sync: bytes = b""  # the interprocess CUDA event handle, empty when none
+
+
+def _fill_device(device: DeviceInfo) -> Any:
+    info = ffi.new("aib_device_info *")
+    info.device_type = device.device_type
+    if len(device.identity) > 64 or len(device.sync) > 128:
+        raise BridgeError("device identity over 64 bytes or sync handle over 128 bytes")
+    info.identity_len = len(device.identity)
+    ffi.memmove(info.identity, device.identity, len(device.identity))
+    info.sync_len = len(device.sync)
+    ffi.memmove(info.sync, device.sync, len(device.sync))
+    return info
+
+
+class Described:
+    """The producer's metadata tree for one captured object (schema plus every batch).
+
+    Parameters
+    ----------
+    captured
+        The data to describe. Its buffers must stay alive while the message is in use, which
+        ``CapturedData`` guarantees until it is closed.
+    host_readable
+        Whether the buffers may be read in this process to find variable data sizes; by default
+        decided from the device type (CPU memory yes, CUDA device memory no: see ``pending_reads``).
+    """
+
+    def __init__(self, captured: CapturedData, *, host_readable: bool | None = None) -> None:
+        if captured.closed:
+            raise ReleasedError("cannot describe closed captured data")
+        if host_readable is None:
+            host_readable = captured.device_type in HOST_READABLE_DEVICES
+        d = lib.aib_describe_new()
+        if d == ffi.NULL:
+            raise MemoryError("allocating a description")
+        self._d = ffi.gc(d, lib.aib_described_free)
+        err = new_error()
+        rc = lib.aib_describe_schema(self._d, captured.schema, err)
+        if rc:
+            raise_for(rc, err, "describing the schema")
+        for batch in captured.arrays:
+            rc = lib.aib_describe_batch(self._d, ffi.addressof(batch, "array"), int(host_readable), err)
+            if rc:
+                raise_for(rc, err, "describing a batch")
+        self.batch_count = len(captured.arrays)
+        self.is_stream = captured.is_stream
+
+    @property
+    def node_count(self) -> int:
+        """Schema nodes in the tree (the root included)."""
+        return int(lib.aib_described_node_count(self._d))
+
+    def slots(self) -> memoryview:
+        """Writable view of the buffer slots as uint64 words: address, length, region, offset.
+
+        Slot ``i`` is ``view[4*i : 4*i + 4]``. Region backends read address/length and write the
+        region code (``SLOT_FIRST_REGION + index``) and the offset inside the region.
+        """
+        n = int(lib.aib_described_buffer_count(self._d))
+        if n == 0:
+            return memoryview(bytearray()).cast("Q")
+        raw = ffi.buffer(lib.aib_described_buffers(self._d), n * _SLOT_WORDS * 8)
+        return memoryview(raw).cast("B").cast("Q")
+
+    def pending_reads(self) -> list[tuple[int, int, int]]:
+        """``(slot, address, width)`` of lengths that must be read from device memory.
+
+        Read ``width`` bytes (a little-endian signed integer) at ``address`` and pass the value to
+        :meth:`set_length`.
+        """
+        n = int(lib.aib_described_pending_count(self._d))
+        pending = lib.aib_described_pending(self._d)
+        return [(int(pending[i].slot), int(pending[i].address), int(pending[i].width)) for i in range(n)]
+
+    def set_length(self, slot: int, length: int) -> None:
+        err = new_error()
+        rc = lib.aib_described_set_length(self._d, slot, length, err)
+        if rc:
+            raise_for(rc, err, "setting a buffer length")
+
+    def place_all(self, region_index: int, base: int = 0) -> None:
+        """Place every unplaced buffer in one region at ``address - base``."""
+        lib.aib_described_place_all(self._d, region_index, base)
+
+    def encode(self, device: DeviceInfo, regions: Sequence[Region], n_fds: int = 0) -> bytes:
+        """The wire message (see docs/wire-format.md)."""
+        kind = MESSAGE_STREAM if self.is_stream else MESSAGE_ARRAY
+        region_array = ffi.new("aib_region[]", max(len(regions), 1))
+        for i, region in enumerate(regions):
+            target = region_array[i]
+            target.kind = region.kind
+            target.flags = region.flags
+            target.size = region.size
+            target.file_offset = region.file_offset
+            target.identity = region.identity
+            target.fd_index = region.fd_index
+            if len(region.handle) > 128:
+                raise BridgeError("a region handle is over 128 bytes")
+            target.handle_len = len(region.handle)
+            ffi.memmove(target.handle, region.handle, len(region.handle))
+        info = _fill_device(device)
+        err = new_error()
+        out_len = ffi.new("size_t *")
+        capacity = 4096
+        while True:
+            out = _uncleared("uint8_t[]", capacity)
+            rc = lib.aib_encode(self._d, kind, info, region_array, len(regions), n_fds, out, capacity, out_len, err)
+            if rc == lib.AIB_E_LIMIT and out_len[0] > capacity and out_len[0] <= MAX_MESSAGE_BYTES:
+                capacity = int(out_len[0])
+                continue
+            if rc:
+                raise_for(rc, err, "encoding the message")
+            return ffi.buffer(out, out_len[0])[:]
+
+
+class Decoded:
+    """A message decoded and validated in full; raises :class:`WireFormatError` otherwise.
+
+    The decoded tree belongs to a C owner record (``owner``): every struct rebuilt from it holds a
+    reference on that owner, so the tree, and whatever the owner depends on (region mappings), lives
+    until this object is closed *and* the last rebuilt struct is released. The owner's ``token``
+    (from ``_reaper.register``) reports that moment: it is the end of the lease.
+
+    Parameters
+    ----------
+    message
+        The bytes as received.
+    n_fds
+        How many file descriptors arrived with it (region fd indexes are checked against it).
+    token
+        Reaper token for the owner; 0 for none.
+    """
+
+    def __init__(self, message: bytes | bytearray | memoryview, n_fds: int = 0, *, token: int = 0) -> None:
+        if not isinstance(message, bytes | bytearray | memoryview):
+            raise WireFormatError(f"a message must be bytes, not {type(message).__name__}", field="message")
+        out = ffi.new("aib_decoded **")
+        err = new_error()
+        rc = lib.aib_decode(ffi.from_buffer(message), len(message), n_fds, out, err)
+        if rc:
+            raise_for(rc, err, "decoding a message", wire=True)
+        owner = lib.aib_owner_new(token)
+        if owner == ffi.NULL:
+            lib.aib_decoded_free(out[0])
+            raise MemoryError("allocating an import owner")
+        lib.aib_owner_attach_decoded(owner, out[0])
+        self._d = out[0]
+        # ffi.gc drops our reference when this object goes away; close() does it early through
+        # ffi.release. (weakref.finalize would cost more than the whole decode.)
+        self.owner = ffi.gc(owner, lib.aib_owner_unref)
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Drop this object's reference on the owner (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            ffi.release(self.owner)
+
+    def _live(self) -> Any:
+        if self._closed:
+            raise ReleasedError("this imported message was released")
+        return self._d
+
+    @property
+    def is_stream(self) -> bool:
+        return int(lib.aib_decoded_message_kind(self._live())) == MESSAGE_STREAM
+
+    @property
+    def minor_version(self) -> int:
+        return int(lib.aib_decoded_minor_version(self._live()))
+
+    @property
+    def batch_count(self) -> int:
+        return int(lib.aib_decoded_batch_count(self._live()))
+
+    @property
+    def node_count(self) -> int:
+        return int(lib.aib_decoded_node_count(self._live()))
+
+    def regions(self) -> list[Region]:
+        d = self._live()
+        n = int(lib.aib_decoded_region_count(d))
+        raw = lib.aib_decoded_regions(d)
+        return [
+            Region(
+                kind=int(r.kind),
+                size=int(r.size),
+                file_offset=int(r.file_offset),
+                identity=int(r.identity),
+                fd_index=int(r.fd_index),
+                handle=ffi.buffer(r.handle, r.handle_len)[:],
+                flags=int(r.flags),
+            )
+            for r in (raw[i] for i in range(n))
+        ]
+
+    def device(self) -> DeviceInfo:
+        info = lib.aib_decoded_device(self._live())
+        return DeviceInfo(
+            device_type=int(info.device_type),
+            identity=ffi.buffer(info.identity, info.identity_len)[:],
+            sync=ffi.buffer(info.sync, info.sync_len)[:],
+        )
+
+    def depend_on(self, region_owner: Any) -> None:
+        """Keep ``region_owner`` (a mapping) alive as long as this message's owner lives."""
+        self._live()
+        if lib.aib_owner_add_dependency(self.owner, region_owner):
+            raise MemoryError("adding an owner dependency")
+
+    def rebuild_schema(self, out: Any) -> None:
+        err = new_error()
+        rc = lib.aib_rebuild_schema(self._live(), out, err)
+        if rc:
+            raise_for(rc, err, "rebuilding the schema")
+
+    def rebuild_array(self, batch: int, region_bases: Any, out: Any) -> None:
+        """Build batch ``batch`` into ``out``; ``region_bases`` is a ``uint64_t[]`` cdata."""
+        err = new_error()
+        rc = lib.aib_rebuild_array(self._live(), batch, region_bases, len(region_bases), self.owner, out, err)
+        if rc:
+            raise_for(rc, err, "rebuilding an array")
+
+
+def process_region() -> Region:
+    """The same-process region: base address 0, spanning the address space.
+
+    Only the in-process fast path uses it; a session refuses it from a peer.
+    """
+    return Region(kind=REGION_PROCESS, size=_PROCESS_SPAN)
