@@ -65,6 +65,10 @@ int64_t aib_live_owners(void);
 int64_t aib_live_nodes(void);
 int64_t aib_live_mappings(void);
 
+/* Test hook: calls array->release on a new pthread (no Python thread state, no GIL) and joins it.
+ * Returns 0, or an errno value when the thread could not start. */
+int aib_debug_release_on_thread(struct ArrowArray *array);
+
 /* ---------- struct allocation, moves, capsules ------------------------------------------------- */
 struct ArrowSchema *aib_schema_alloc(void);                /* zeroed: release == NULL */
 struct ArrowArray *aib_array_alloc(void);

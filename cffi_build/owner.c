@@ -116,6 +116,19 @@ size_t aib_reaper_drain(uint64_t *tokens_out, size_t max) {
   return n;
 }
 
+static void *release_thread_main(void *arg) {
+  struct ArrowArray *a = arg;
+  if (a->release != NULL) a->release(a);
+  return NULL;
+}
+
+int aib_debug_release_on_thread(struct ArrowArray *array) {
+  pthread_t thread;
+  int rc = pthread_create(&thread, NULL, release_thread_main, array);
+  if (rc != 0) return rc;
+  return pthread_join(thread, NULL);
+}
+
 /* ---------- owners ------------------------------------------------------------------------------ */
 struct aib_owner {
   atomic_llong refs;

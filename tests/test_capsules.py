@@ -1,0 +1,230 @@
+"""Capsule ownership: capture from any producer, serve back out, release exactly once."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import nanoarrow
+import nanoarrow.device
+import polars as pl
+import pyarrow as pa
+import pytest
+from arrow_strategies import arrow_arrays, assert_arrays_equal, record_batches, tables
+from hypothesis import given
+
+from arrow_ipc_bridge._ffi import ffi, lib
+from arrow_ipc_bridge.capsules import (
+    ArrowArrayExporter,
+    CapturedArray,
+    CapturedStream,
+    capture,
+    capsule_struct,
+    export_captured,
+    new_capsule,
+)
+from arrow_ipc_bridge.errors import BridgeError, CapsuleError, ReleasedError
+
+
+def _live() -> tuple[int, int]:
+    gc.collect()
+    return int(lib.aib_live_owners()), int(lib.aib_live_nodes())
+
+
+@pytest.fixture
+def baseline() -> tuple[int, int, int]:
+    """Live owners, live nodes and pyarrow's allocated bytes before the test body."""
+    owners, nodes = _live()
+    return owners, nodes, pa.total_allocated_bytes()
+
+
+def _assert_back_to(baseline: tuple[int, int, int]) -> None:
+    owners, nodes = _live()
+    assert (owners, nodes) == baseline[:2]
+    assert pa.total_allocated_bytes() == baseline[2]
+
+
+def test_capture_export_release_returns_memory(baseline: tuple[int, int, int]) -> None:
+    """Capturing moves pyarrow's buffers; after every holder lets go, pyarrow's allocation returns
+    to the baseline and no owner or struct node of ours is left."""
+    arr = pa.array(["a", None, "ccc"] * 10_000)
+    assert pa.total_allocated_bytes() > baseline[2]
+    exported = export_captured(capture(arr))
+    del arr
+    again = pa.array(exported)
+    assert again.to_pylist()[:3] == ["a", None, "ccc"]
+    assert pa.total_allocated_bytes() > baseline[2]  # still alive through the capture
+    del exported
+    assert pa.total_allocated_bytes() > baseline[2]  # still alive through `again`
+    del again
+    _assert_back_to(baseline)
+
+
+def test_consumed_capsule_cannot_be_imported_again(baseline: tuple[int, int, int]) -> None:
+    """A capsule pair that was moved out is released; a second capture says so clearly."""
+    pair = pa.array([1, 2, 3]).__arrow_c_array__()
+    capture(pair).close()
+    with pytest.raises(ReleasedError, match="already consumed"):
+        capture(pair)
+    del pair
+    _assert_back_to(baseline)
+
+
+def test_our_capsule_consumed_by_pyarrow_then_captured_fails() -> None:
+    """pyarrow moves the struct out of our capsule; capturing that capsule again raises ReleasedError."""
+    exported = export_captured(capture(pa.array([1, 2])))
+    pair = exported.__arrow_c_array__()
+    pa.Array._import_from_c_capsule(*pair)
+    with pytest.raises(ReleasedError):
+        capture(pair)
+
+
+def test_wrong_capsule_names_and_non_producers_raise_capsule_error(baseline: tuple[int, int, int]) -> None:
+    """Swapped capsules or objects without the protocol raise CapsuleError and move nothing."""
+    schema, array = pa.array([1, 2]).__arrow_c_array__()
+    with pytest.raises(CapsuleError, match="arrow_schema"):
+        capture((array, schema))
+    # nothing was moved: the right order still works
+    capture((schema, array)).close()
+    with pytest.raises(CapsuleError, match="PyCapsule interface"):
+        capture(object())
+    with pytest.raises(CapsuleError):
+        capsule_struct(b"not a capsule", "schema")
+    del schema, array
+    _assert_back_to(baseline)
+
+
+def test_destructor_tolerates_used_prefix(baseline: tuple[int, int, int]) -> None:
+    """A consumer may rename a capsule to used_<name>; our destructor still releases the struct."""
+    exported = export_captured(capture(pa.array([1, 2, 3])))
+    schema, array = exported.__arrow_c_array__()
+    set_name = ctypes.pythonapi.PyCapsule_SetName
+    set_name.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    used = ctypes.c_char_p(b"used_arrow_array")  # must outlive the capsule
+    assert set_name(array, used) == 0
+    del exported, schema, array
+    _assert_back_to(baseline)
+    del used
+
+
+def test_release_from_a_non_python_thread(baseline: tuple[int, int, int]) -> None:
+    """The release callback runs on a bare pthread (no GIL, no thread state) and frees everything."""
+    exported = export_captured(capture(pa.array(["x"] * 1000)))
+    capsule, array = new_capsule("array")
+    exported._fill_batch(0, array)
+    del exported
+    assert lib.aib_debug_release_on_thread(array) == 0
+    assert array.release == ffi.NULL
+    del capsule
+    _assert_back_to(baseline)
+
+
+def test_released_struct_in_capsule_is_not_released_twice(baseline: tuple[int, int, int]) -> None:
+    """The capsule destructor skips a struct whose release is already NULL (moved or released)."""
+    exported = export_captured(capture(pa.array([1.5, 2.5])))
+    capsule, array = new_capsule("array")
+    exported._fill_batch(0, array)
+    array.release(array)
+    del capsule, exported
+    _assert_back_to(baseline)
+
+
+def test_requested_schema_calling_conventions() -> None:
+    """Positional (pyarrow), keyword (nanoarrow) and no argument (cuDF) all work; unknown keywords
+    are accepted when None and refused otherwise; an incompatible request fails before any work."""
+    batch = pa.record_batch({"a": [1, 2], "b": ["x", "y"]})
+    exported = export_captured(capture(batch))
+    own_schema = batch.schema.__arrow_c_schema__()
+    exported.__arrow_c_device_array__(own_schema)
+    exported.__arrow_c_device_array__(requested_schema=batch.schema.__arrow_c_schema__())
+    exported.__arrow_c_device_array__()
+    exported.__arrow_c_device_array__(None, future_option=None)
+    with pytest.raises(NotImplementedError, match="future_option"):
+        exported.__arrow_c_device_array__(None, future_option=1)
+    other = pa.schema([("only", pa.int8())]).__arrow_c_schema__()
+    with pytest.raises(BridgeError, match="incompatible"):
+        exported.__arrow_c_array__(other)
+
+
+def test_host_methods_refuse_device_data() -> None:
+    """__arrow_c_array__ / __arrow_c_stream__ refuse data whose device is not the CPU."""
+    captured = capture(pa.array([1, 2, 3]))
+    captured.arrays[0].device_type = lib.ARROW_DEVICE_CUDA
+    captured.arrays[0].device_id = 0
+    exported = export_captured(captured)
+    with pytest.raises(BridgeError, match="host memory only"):
+        exported.__arrow_c_array__()
+    with pytest.raises(BridgeError, match="host memory only"):
+        exported.__arrow_c_stream__()
+    schema, device_array = exported.__arrow_c_device_array__()
+    assert capsule_struct(device_array, "device_array").device_type == lib.ARROW_DEVICE_CUDA
+    captured.arrays[0].device_type = lib.ARROW_DEVICE_CPU  # let the release run on a sane struct
+
+
+def test_closed_capture_refuses_export() -> None:
+    """Using captured data after close() raises ReleasedError, never touches freed memory."""
+    captured = capture(pa.array([1]))
+    exported = export_captured(captured)
+    captured.close()
+    captured.close()  # idempotent
+    with pytest.raises(ReleasedError):
+        exported.__arrow_c_array__()
+
+
+def test_streams_are_not_arrays() -> None:
+    """Tables capture as streams: the exporter has no array methods, so consumers pick the stream."""
+    table = pa.table({"a": [1, 2, 3]})
+    exported = export_captured(capture(table))
+    assert isinstance(exported, CapturedStream)
+    assert not isinstance(exported, ArrowArrayExporter)
+    assert pa.table(exported).equals(table)
+    assert isinstance(export_captured(capture(table.to_batches()[0])), CapturedArray)
+
+
+def test_consumers_read_our_host_objects() -> None:
+    """pyarrow, nanoarrow and polars all consume the bridge's host-memory objects."""
+    batch = pa.record_batch({"x": pa.array([1, None, 3]), "s": pa.array(["a", "b", None])})
+    table = pa.Table.from_batches([batch, batch])
+    arr = batch.column("s")
+    exported_batch = export_captured(capture(batch))
+    exported_table = export_captured(capture(table))
+    exported_array = export_captured(capture(arr))
+    assert pa.record_batch(exported_batch).equals(batch)
+    assert pa.table(exported_table).equals(table)
+    assert pa.array(exported_array).equals(arr)
+    assert nanoarrow.c_array(exported_array).length == 3
+    assert nanoarrow.device.c_device_array(exported_array).device_type.name == "CPU"
+    assert pl.DataFrame(exported_batch).shape == (3, 2)
+    assert pl.DataFrame(exported_table).shape == (6, 2)
+    assert pl.Series(exported_array).to_list() == ["a", "b", None]
+
+
+def test_producer_stream_errors_are_reported() -> None:
+    """A producer stream whose get_next fails raises BridgeError with its message; nothing leaks."""
+
+    def failing() -> object:
+        yield pa.record_batch({"a": [1]})
+        raise ValueError("producer exploded")
+
+    reader = pa.RecordBatchReader.from_batches(pa.schema([("a", pa.int64())]), failing())
+    with pytest.raises(BridgeError, match="producer exploded"):
+        capture(reader)
+
+
+@given(arrow_arrays())
+def test_any_array_survives_capture_and_export(arr: pa.Array) -> None:
+    """Every Arrow type, nested, with nulls and offsets, comes back equal through the C structs."""
+    assert_arrays_equal(pa.array(export_captured(capture(arr))), arr)
+
+
+@given(record_batches())
+def test_any_batch_survives_capture_and_export(batch: pa.RecordBatch) -> None:
+    """Record batches come back equal."""
+    assert_arrays_equal(pa.record_batch(export_captured(capture(batch))), batch)
+
+
+@given(tables())
+def test_any_table_survives_capture_and_export(table: pa.Table) -> None:
+    """Tables of several batches come back equal, batch structure included."""
+    again = pa.table(export_captured(capture(table)))
+    assert_arrays_equal(again, table)

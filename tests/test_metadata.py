@@ -1,0 +1,269 @@
+"""The metadata tree: round trips, golden messages, hostile messages, fuzzing."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import wire_craft as wc
+from arrow_strategies import arrow_arrays, assert_arrays_equal, record_batches, tables
+from golden_cases import GOLDEN_CASES, GOLDEN_DIR, placed_message
+from hypothesis import given
+
+from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
+from arrow_ipc_bridge.capsules import capture
+from arrow_ipc_bridge.errors import WireFormatError
+from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
+from arrow_ipc_bridge.metadata import Decoded, Described, DeviceInfo, process_region
+
+TESTS = Path(__file__).parent
+
+
+def roundtrip(obj: object) -> ImportedArray | ImportedStream:
+    """describe -> encode -> decode -> rebuild in this process (the same-process fast path)."""
+    captured = capture(obj)
+    described = Described(captured)
+    described.place_all(0)
+    message = described.encode(DeviceInfo(captured.device_type), [process_region()])
+    decoded = Decoded(message)
+    decoded.depend_on(captured.owner)
+    captured.close()
+    return imported_from(decoded, [0], device_type=1, device_id=-1)
+
+
+@given(arrow_arrays())
+def test_any_array_round_trips(arr: pa.Array) -> None:
+    """Every type, nested, with nulls and offsets: equal after the full message round trip."""
+    assert_arrays_equal(pa.array(roundtrip(arr)), arr)
+
+
+@given(record_batches())
+def test_any_batch_round_trips(batch: pa.RecordBatch) -> None:
+    """Record batches (schema metadata, field flags) come back equal."""
+    assert_arrays_equal(pa.record_batch(roundtrip(batch)), batch)
+
+
+@given(tables())
+def test_any_table_round_trips(table: pa.Table) -> None:
+    """Tables of several batches come back equal through one stream message."""
+    imported = roundtrip(table)
+    assert isinstance(imported, ImportedStream)
+    assert_arrays_equal(pa.table(imported), table)
+
+
+def test_rebuilt_structs_keep_data_alive_and_release_everything() -> None:
+    """The producer's buffers live while any rebuilt struct lives; then every owner goes away."""
+    gc.collect()
+    owners, nodes, allocated = lib.aib_live_owners(), lib.aib_live_nodes(), pa.total_allocated_bytes()
+    arr = pa.array(["x", "y", None] * 5000)
+    imported = roundtrip(arr)
+    del arr
+    first = pa.array(imported)
+    second = pa.array(imported)  # a second consumer of the same import
+    imported.release()
+    assert first.to_pylist() == second.to_pylist()
+    del first, second, imported
+    gc.collect()
+    assert (lib.aib_live_owners(), lib.aib_live_nodes()) == (owners, nodes)
+    assert pa.total_allocated_bytes() == allocated
+
+
+def test_message_is_compact() -> None:
+    """A 16-column primitive table's message stays far under 2 KiB."""
+    assert len((GOLDEN_DIR / "wide_16_float32.bin").read_bytes()) < 2048
+
+
+# ---------- golden messages ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+def test_golden_messages_are_stable(name: str) -> None:
+    """Encoding the golden data gives the checked-in bytes: a format change is deliberate
+    (regenerate with tests/golden_cases.py, bump the wire version, update docs/wire-format.md)."""
+    golden = (GOLDEN_DIR / f"{name}.bin").read_bytes()
+    assert golden[4:6] == bytes(WIRE_VERSION), "golden files were written by another wire version"
+    assert placed_message(GOLDEN_CASES[name]()) == golden
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+def test_golden_messages_decode(name: str) -> None:
+    """Every golden message decodes and validates."""
+    decoded = Decoded((GOLDEN_DIR / f"{name}.bin").read_bytes(), n_fds=1)
+    assert decoded.batch_count >= 1
+    assert decoded.regions()[0].fd_index == 0
+
+
+# ---------- crafted hostile messages ---------------------------------------------------------------
+def _decode(message: bytes, n_fds: int = 1) -> Decoded:
+    return Decoded(message, n_fds)
+
+
+def test_crafted_message_matches_the_spec() -> None:
+    """A message written from the spec by the independent Python writer decodes and rebuilds."""
+    field, node = wc.int64_column()
+    schema = wc.Node("+s", "", children=[field], flags=0)
+    msg = wc.message(schema, [[wc.ArrayNode(4, 0, 0, [(0, 0, 0)]), node]])
+    decoded = _decode(msg)
+    backing = bytearray(b"".join(i.to_bytes(8, "little") for i in range(4)))
+    base = int(ffi.cast("uintptr_t", ffi.from_buffer(backing)))
+    imported = imported_from(decoded, [base], device_type=1, device_id=-1)
+    assert pa.record_batch(imported).column(0).to_pylist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda m: m[:10], "header"),
+        (lambda m: b"XXXX" + m[4:], "magic"),
+        (lambda m: m[:4] + b"\x02" + m[5:], "version"),
+        (lambda m: m[:6] + b"\x07" + m[7:], "kind"),
+        (lambda m: m[:12] + b"\x01\x00\x00\x00" + m[16:], "flags"),
+        (lambda m: m + b"\x00", "body_length"),
+    ],
+)
+def test_header_corruption(mutate: object, field: str) -> None:
+    """Bad magic, unknown major version, unknown kind or flags, wrong lengths: WireFormatError naming
+    the field."""
+    f, n = wc.int64_column()
+    msg = wc.message(f, [[n]])
+    with pytest.raises(WireFormatError) as info:
+        _decode(mutate(msg))  # type: ignore[operator]
+    assert info.value.field == field
+
+
+def test_newer_minor_version_with_optional_extension_is_accepted() -> None:
+    """Same major, newer minor, unknown optional (even tag) extension: still decodes."""
+    f, n = wc.int64_column()
+    decoded = _decode(wc.message(f, [[n]], minor=7, extensions=[(4, b"future")]))
+    assert decoded.minor_version == 7
+
+
+def test_unknown_required_extension_is_refused() -> None:
+    """An odd extension tag means "required": a decoder that does not know it refuses the message."""
+    f, n = wc.int64_column()
+    with pytest.raises(WireFormatError, match="required extension"):
+        _decode(wc.message(f, [[n]], extensions=[(5, b"")]))
+
+
+def test_buffer_past_region_end_names_the_path() -> None:
+    """A buffer reaching past its region fails with the node path and field."""
+    field, node = wc.int64_column(length=4, region_offset=(1 << 20) - 8)
+    schema = wc.Node("+s", children=[field], flags=0)
+    with pytest.raises(WireFormatError, match="outside region") as info:
+        _decode(wc.message(schema, [[wc.ArrayNode(4, 0, 0, [(0, 0, 0)]), node]]))
+    assert info.value.path == "batch0/root/child0"
+    assert info.value.field == "buffers"
+
+
+def test_offset_overflow_is_caught() -> None:
+    """offset + length overflowing 64 bits is refused, not wrapped."""
+    field = wc.Node("l")
+    node = wc.ArrayNode(1, 0, 0, [(0, 0, 0), (2, 2**64 - 4, 8)])
+    with pytest.raises(WireFormatError, match="outside region"):
+        _decode(wc.message(field, [[node]], [wc.Region(size=2**64 - 1)]))
+
+
+def test_buffer_too_small_for_length() -> None:
+    """A data buffer smaller than length x width is refused."""
+    field = wc.Node("l")
+    with pytest.raises(WireFormatError, match="need 32"):
+        _decode(wc.message(field, [[wc.ArrayNode(4, 0, 0, [(0, 0, 0), (2, 0, 31)])]]))
+
+
+def test_missing_region_and_fd_index() -> None:
+    """References to regions or fds that do not exist are refused."""
+    field = wc.Node("l")
+    with pytest.raises(WireFormatError, match="does not exist"):
+        _decode(wc.message(field, [[wc.ArrayNode(1, 0, 0, [(0, 0, 0), (9, 0, 8)])]]))
+    with pytest.raises(WireFormatError, match="fd index"):
+        _decode(wc.message(field, [[wc.ArrayNode(1, 0, 0, [(0, 0, 0), (2, 0, 8)])]]), n_fds=0)
+
+
+def test_null_bitmap_required_when_nulls() -> None:
+    """A NULL validity buffer with a positive null count is refused."""
+    field = wc.Node("l")
+    with pytest.raises(WireFormatError, match="absent"):
+        _decode(wc.message(field, [[wc.ArrayNode(2, 1, 0, [(0, 0, 0), (2, 0, 16)])]]))
+
+
+def test_deep_nesting_is_bounded() -> None:
+    """Nesting deeper than the limit fails cleanly (no stack exhaustion)."""
+    node = wc.Node("n")
+    for _ in range(200):
+        node = wc.Node("+l", children=[node])
+    with pytest.raises(WireFormatError, match="deeper"):
+        _decode(wc.message(node, [[]]))
+
+
+@pytest.mark.parametrize("count_field", ["n_regions", "n_children", "n_batches"])
+def test_huge_counts_do_not_allocate(count_field: str) -> None:
+    """Counts far beyond the message size are refused, naming the count, before any allocation."""
+    huge = wc.varint(2**62)
+    device = wc.varint(1) + wc.blob(b"") + wc.blob(b"")
+    regions = wc.varint(1) + wc.Region().encode()
+    f, n = wc.int64_column()
+    if count_field == "n_regions":
+        body = device + huge
+    elif count_field == "n_children":
+        # format "+s", empty name, no metadata, flags 0, then the child count
+        body = device + regions + wc.blob(b"+s") + wc.varint(1) + wc.varint(0) + wc.varint(0) + huge + b"\x00"
+    else:
+        body = device + regions + f.encode() + huge
+    message = b"AIBM" + bytes([1, 0, 1, 0]) + len(body).to_bytes(4, "little") + bytes(4) + body
+    with pytest.raises(WireFormatError) as info:
+        _decode(message)
+    assert info.value.field == count_field
+
+
+def test_wrong_child_arity_and_bad_dictionary_index() -> None:
+    """A list without a child, or a dictionary with a float index type, is refused."""
+    with pytest.raises(WireFormatError, match="children"):
+        _decode(wc.message(wc.Node("+l"), [[wc.ArrayNode(0, 0, 0, [(0, 0, 0), (0, 0, 0)])]]))
+    with pytest.raises(WireFormatError, match="integer index"):
+        _decode(wc.message(wc.Node("f", dictionary=wc.Node("u")), [[]]))
+
+
+def test_struct_child_shorter_than_parent() -> None:
+    """A struct child shorter than parent offset + length is refused."""
+    f, _ = wc.int64_column(length=2)
+    schema = wc.Node("+s", children=[f], flags=0)
+    batch = [wc.ArrayNode(3, 0, 0, [(0, 0, 0)]), wc.ArrayNode(2, 0, 0, [(0, 0, 0), (2, 0, 16)])]
+    with pytest.raises(WireFormatError, match="shorter"):
+        _decode(wc.message(schema, [batch]))
+
+
+def test_non_bytes_message() -> None:
+    """Anything but bytes-like is refused as a WireFormatError."""
+    with pytest.raises(WireFormatError):
+        Decoded("text")  # type: ignore[arg-type]
+
+
+def test_error_pickles() -> None:
+    """Errors survive pickling with their details (a consumer may forward them)."""
+    import pickle
+
+    try:
+        _decode(b"garbage-garbage-garbage")
+    except WireFormatError as exc:
+        again = pickle.loads(pickle.dumps(exc))
+        assert isinstance(again, WireFormatError)
+        assert again.field == exc.field
+        assert str(again) == str(exc)
+
+
+# ---------- fuzzing in a subprocess (a crash fails the test instead of killing pytest) -------------
+def test_decoder_fuzz_in_subprocess() -> None:
+    """Thousands of mutated messages: only WireFormatError, never a crash or another exception."""
+    iterations = os.environ.get("AIB_FUZZ_ITERATIONS", "30000")
+    result = subprocess.run(
+        [sys.executable, str(TESTS / "fuzz_decoder.py"), iterations, "12345"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "fuzzed" in result.stdout
