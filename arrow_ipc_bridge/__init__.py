@@ -1,5 +1,68 @@
-"""arrow_ipc_bridge: zero-copy hand-off of Apache Arrow data between processes on one host."""
+"""arrow_ipc_bridge: zero-copy hand-off of Apache Arrow data between processes on one host.
+
+Producer::
+
+    with aib.Publisher("/tmp/demo.sock") as pub:
+        pub.publish("trades", table)
+
+Consumer::
+
+    with aib.connect("/tmp/demo.sock") as session, session.get("trades") as imported:
+        pa.table(imported)
+
+Bring your own channel: ``aib.export(obj)`` gives ``.message`` and ``.fds``;
+``aib.Session().import_message(message, fds)`` imports them.
+"""
 
 from arrow_ipc_bridge._version import __version__
+from arrow_ipc_bridge.errors import (
+    BridgeError,
+    BridgeTimeoutError,
+    BuildMismatchError,
+    CapsuleError,
+    CopyRequiredError,
+    CudaError,
+    NotPublishedError,
+    PeerClosedError,
+    PeerRejectedError,
+    ProtocolError,
+    RegionError,
+    ReleasedError,
+    TransportError,
+    UnsupportedFormatError,
+    WireFormatError,
+)
+from arrow_ipc_bridge.exporter import Exported, ExportStats, export
+from arrow_ipc_bridge.imported import ImportedArray, ImportedStream
+from arrow_ipc_bridge.publisher import Publisher
+from arrow_ipc_bridge.session import Session, connect
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    # producer
+    "Publisher",
+    "export",
+    "Exported",
+    "ExportStats",
+    # consumer
+    "connect",
+    "Session",
+    "ImportedArray",
+    "ImportedStream",
+    # errors
+    "BridgeError",
+    "BridgeTimeoutError",
+    "BuildMismatchError",
+    "CapsuleError",
+    "CopyRequiredError",
+    "CudaError",
+    "NotPublishedError",
+    "PeerClosedError",
+    "PeerRejectedError",
+    "ProtocolError",
+    "RegionError",
+    "ReleasedError",
+    "TransportError",
+    "UnsupportedFormatError",
+    "WireFormatError",
+]

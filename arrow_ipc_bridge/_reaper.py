@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from arrow_ipc_bridge._ffi import ffi, lib
 
-__all__ = ["register", "drain", "pending_callbacks"]
+__all__ = ["register", "unregister", "drain", "pending_callbacks"]
 
 _log = logging.getLogger("arrow_ipc_bridge")
 _lock = threading.Lock()
@@ -35,6 +35,12 @@ def register(callback: Callable[[], None]) -> int:
     with _lock:
         _callbacks[token] = callback
     return token
+
+
+def unregister(token: int) -> bool:
+    """Forget ``token``'s callback without running it; False when it already ran (or is running)."""
+    with _lock:
+        return _callbacks.pop(token, None) is not None
 
 
 def pending_callbacks() -> int:

@@ -45,6 +45,8 @@ __all__ = [
     "SLOT_UNPLACED",
     "WIRE_VERSION",
     "MAX_MESSAGE_BYTES",
+    "REGION_FLAG_SEALED",
+    "REGION_FLAG_ZERO_COPY",
 ]
 
 MESSAGE_ARRAY = int(lib.AIB_MESSAGE_ARRAY)
@@ -60,6 +62,10 @@ SLOT_EMPTY = int(lib.AIB_REGION_EMPTY)
 SLOT_FIRST_REGION = int(lib.AIB_REGION_FIRST)
 SLOT_UNPLACED = 2**64 - 1
 MAX_MESSAGE_BYTES = int(lib.AIB_MAX_MESSAGE_BYTES)
+# Host region flags on the wire. Informational: the consumer verifies what it relies on (the seals)
+# on the file descriptor itself.
+REGION_FLAG_SEALED = 1  # a memfd sealed against shrink/grow/write
+REGION_FLAG_ZERO_COPY = 2  # the producer's own memory, not a copy
 _PROCESS_SPAN = 2**64 - 1
 _SLOT_WORDS = 4  # aib_buffer_slot: address, length, region, offset (uint64 each)
 _uncleared = ffi.new_allocator(should_clear_after_alloc=False)  # encode writes every byte it returns

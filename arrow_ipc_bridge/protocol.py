@@ -1,0 +1,143 @@
+"""The publisher/session conversation on top of transport frames (docs/protocol.md).
+
+Frame kinds and their payloads. Hot frames (GET, ITEM, RELEASE) are small binary payloads; rare
+control frames (WELCOME, NAMES, ERROR) carry size-limited JSON. Every parser here treats its input
+as hostile and raises :class:`~arrow_ipc_bridge.errors.ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+from arrow_ipc_bridge.errors import (
+    BridgeError,
+    CopyRequiredError,
+    NotPublishedError,
+    ProtocolError,
+    RegionError,
+    WireFormatError,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "HELLO",
+    "WELCOME",
+    "LIST",
+    "NAMES",
+    "GET",
+    "ITEM",
+    "RELEASE",
+    "ERROR",
+    "encode_hello",
+    "decode_hello",
+    "encode_json",
+    "decode_json",
+    "encode_item",
+    "decode_item",
+    "encode_lease",
+    "decode_lease",
+    "encode_error",
+    "raise_error",
+]
+
+PROTOCOL_VERSION = 1
+
+HELLO = 1  # session -> publisher: u16 protocol version
+WELCOME = 2  # publisher -> session: JSON {"protocol", "wire", "publisher_id", "pid"}
+LIST = 3  # session -> publisher: empty
+NAMES = 4  # publisher -> session: JSON list of names
+GET = 5  # session -> publisher: the name, UTF-8
+ITEM = 6  # publisher -> session: u64 lease id + message bytes; region fds attached
+RELEASE = 7  # session -> publisher: u64 lease id (no reply)
+ERROR = 8  # publisher -> session: JSON {"type", "message"}
+
+MAX_JSON = 1 << 20
+MAX_NAME = 4096
+_U64 = struct.Struct("<Q")
+_U16 = struct.Struct("<H")
+
+# Errors a publisher may report, by name; anything else arrives as BridgeError.
+_ERROR_TYPES: dict[str, type[BridgeError]] = {
+    "NotPublishedError": NotPublishedError,
+    "ProtocolError": ProtocolError,
+    "CopyRequiredError": CopyRequiredError,
+    "RegionError": RegionError,
+    "WireFormatError": WireFormatError,
+    "BridgeError": BridgeError,
+}
+
+
+def encode_hello() -> bytes:
+    return _U16.pack(PROTOCOL_VERSION)
+
+
+def decode_hello(payload: bytes) -> int:
+    if len(payload) != _U16.size:
+        raise ProtocolError(f"HELLO payload of {len(payload)} bytes, expected 2")
+    return int(_U16.unpack(payload)[0])
+
+
+def encode_json(value: object) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def decode_json(payload: bytes, what: str) -> Any:
+    if len(payload) > MAX_JSON:
+        raise ProtocolError(f"{what} payload over {MAX_JSON} bytes")
+    try:
+        return json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"{what} payload is not valid JSON: {exc}") from exc
+
+
+def encode_name(name: str) -> bytes:
+    raw = name.encode()
+    if not raw or len(raw) > MAX_NAME:
+        raise ValueError(f"a published name must be 1 to {MAX_NAME} UTF-8 bytes")
+    return raw
+
+
+def decode_name(payload: bytes) -> str:
+    if not payload or len(payload) > MAX_NAME:
+        raise ProtocolError(f"name of {len(payload)} bytes (1 to {MAX_NAME} allowed)")
+    try:
+        return payload.decode()
+    except UnicodeDecodeError as exc:
+        raise ProtocolError("name is not UTF-8") from exc
+
+
+def encode_item(lease_id: int, message: bytes) -> bytes:
+    return _U64.pack(lease_id) + message
+
+
+def decode_item(payload: bytes) -> tuple[int, bytes]:
+    if len(payload) < _U64.size:
+        raise ProtocolError("ITEM payload shorter than its lease id")
+    return int(_U64.unpack_from(payload)[0]), payload[_U64.size :]
+
+
+def encode_lease(lease_id: int) -> bytes:
+    return _U64.pack(lease_id)
+
+
+def decode_lease(payload: bytes) -> int:
+    if len(payload) != _U64.size:
+        raise ProtocolError(f"RELEASE payload of {len(payload)} bytes, expected 8")
+    return int(_U64.unpack(payload)[0])
+
+
+def encode_error(exc: BaseException) -> bytes:
+    name = type(exc).__name__ if type(exc).__name__ in _ERROR_TYPES else "BridgeError"
+    message = exc.message if isinstance(exc, BridgeError) else str(exc)
+    return encode_json({"type": name, "message": message})
+
+
+def raise_error(payload: bytes) -> None:
+    """Raise the error a publisher reported."""
+    body = decode_json(payload, "ERROR")
+    if not isinstance(body, dict) or not isinstance(body.get("message"), str):
+        raise ProtocolError("ERROR payload is not {type, message}")
+    cls = _ERROR_TYPES.get(str(body.get("type")), BridgeError)
+    raise cls(f"publisher: {body['message']}")

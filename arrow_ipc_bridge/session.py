@@ -1,0 +1,247 @@
+"""Consumer side: decode -> validate -> map -> rebuild, and the connection to a publisher.
+
+A :class:`Session` is the consumer's local session. On its own it imports messages that arrived
+over the user's channel (:meth:`Session.import_message`); made by :func:`connect`, it also talks to
+a :class:`~arrow_ipc_bridge.publisher.Publisher` (``list``, ``get``) and gives each lease back when
+the last struct built from it is released.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from types import TracebackType
+
+from arrow_ipc_bridge import _reaper, protocol, transport
+from arrow_ipc_bridge._ffi import lib
+from arrow_ipc_bridge.capsules import DEVICE_CPU
+from arrow_ipc_bridge.errors import (
+    BridgeError,
+    BridgeTimeoutError,
+    PeerClosedError,
+    ProtocolError,
+    RegionError,
+    WireFormatError,
+)
+from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
+from arrow_ipc_bridge.memory.host_map import HostMappingCache
+from arrow_ipc_bridge.metadata import REGION_FLAG_ZERO_COPY, REGION_HOST_FD, REGION_PROCESS, Decoded
+
+__all__ = ["Session", "connect"]
+
+Imported = ImportedArray | ImportedStream
+
+
+class Session:
+    """The consumer's session: imports messages, maps their regions once, hands out imported objects.
+
+    Parameters
+    ----------
+    mapping_cache_size
+        How many zero-copy file mappings to keep for reuse across imports.
+
+    Examples
+    --------
+    >>> import pyarrow as pa, arrow_ipc_bridge as aib
+    >>> exported = aib.export(pa.record_batch({"x": [1, 2]}))
+    >>> with aib.Session() as session:
+    ...     with session.import_message(exported.message, exported.fds) as imported:
+    ...         pa.record_batch(imported).num_rows
+    2
+    >>> exported.close()
+    """
+
+    def __init__(self, *, mapping_cache_size: int = 256) -> None:
+        self._cache = HostMappingCache(mapping_cache_size)
+        self._imported: weakref.WeakSet[ImportedArray | ImportedStream] = weakref.WeakSet()
+        self._conn: transport.Connection | None = None
+        self._request_lock = threading.Lock()
+        self._timeout: float | None = None
+        self._closed = False
+        self.publisher_info: dict[str, object] = {}
+
+    # ---------- local import ------------------------------------------------------------------------
+    def import_message(self, message: bytes, fds: Sequence[int] = (), *, name: str | None = None) -> Imported:
+        """Import a message that arrived with ``fds`` (borrowed: the caller still owns and closes them).
+
+        Raises :class:`WireFormatError` for a malformed message and :class:`RegionError` when a
+        region cannot be mapped; nothing is leaked either way.
+        """
+        return self._import(message, fds, name=name, token=0)
+
+    def _import(self, message: bytes, fds: Sequence[int], *, name: str | None, token: int) -> Imported:
+        self._check_open()
+        decoded = Decoded(message, len(fds), token=token)
+        try:
+            device = decoded.device()
+            if device.device_type != DEVICE_CPU:
+                raise RegionError(
+                    f"the message holds data on device type {device.device_type}; this build imports host "
+                    "(CPU) memory only"
+                )
+            bases: list[int] = []
+            for region in decoded.regions():
+                if region.kind == REGION_PROCESS:
+                    raise WireFormatError("a same-process region arrived from another process", field="regions")
+                if region.kind != REGION_HOST_FD or region.fd_index < 0:
+                    raise RegionError(f"region kind {region.kind} cannot be imported into host memory")
+                mapped = self._cache.map(
+                    fds[region.fd_index], region, cacheable=bool(region.flags & REGION_FLAG_ZERO_COPY)
+                )
+                try:
+                    decoded.depend_on(mapped.owner)
+                finally:
+                    lib.aib_owner_unref(mapped.owner)
+                bases.append(mapped.base)
+        except BaseException:
+            decoded.close()
+            raise
+        imported = imported_from(decoded, bases, device_type=DEVICE_CPU, device_id=-1, name=name)
+        self._imported.add(imported)
+        return imported
+
+    # ---------- publisher conversation --------------------------------------------------------------
+    def _attach(self, conn: transport.Connection, timeout: float) -> None:
+        self._conn = conn
+        self._timeout = timeout
+        conn.send(protocol.HELLO, protocol.encode_hello(), timeout=timeout)
+        frame = conn.recv(timeout=timeout)
+        frame.close_fds()
+        if frame.kind == protocol.ERROR:
+            protocol.raise_error(frame.payload)
+        if frame.kind != protocol.WELCOME:
+            raise ProtocolError(f"expected WELCOME, got frame kind {frame.kind}")
+        info = protocol.decode_json(frame.payload, "WELCOME")
+        if not isinstance(info, dict):
+            raise ProtocolError("WELCOME payload is not an object")
+        self.publisher_info = info
+
+    def _request(self, kind: int, payload: bytes) -> transport.Frame:
+        conn = self._connection()
+        with self._request_lock:
+            try:
+                conn.send(kind, payload, timeout=self._timeout)
+                frame = conn.recv(timeout=self._timeout)
+            except BridgeTimeoutError:
+                # A late reply would be read as the answer to the next request: this connection is done.
+                conn.close()
+                raise
+        if frame.kind == protocol.ERROR:
+            frame.close_fds()
+            protocol.raise_error(frame.payload)
+        return frame
+
+    def list(self) -> list[str]:
+        """Names the publisher currently serves."""
+        frame = self._request(protocol.LIST, b"")
+        frame.close_fds()
+        if frame.kind != protocol.NAMES:
+            raise ProtocolError(f"expected NAMES, got frame kind {frame.kind}")
+        names = protocol.decode_json(frame.payload, "NAMES")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ProtocolError("NAMES payload is not a list of strings")
+        return names
+
+    def get(self, name: str) -> Imported:
+        """Import the object published as ``name`` under a lease.
+
+        The lease ends when the returned object is released (``release()``, the ``with`` block, or
+        garbage collection) and every struct a consumer built from it is released too.
+        Raises :class:`~arrow_ipc_bridge.errors.NotPublishedError` for an unknown name.
+        """
+        frame = self._request(protocol.GET, protocol.encode_name(name))
+        try:
+            if frame.kind != protocol.ITEM:
+                raise ProtocolError(f"expected ITEM, got frame kind {frame.kind}")
+            lease_id, message = protocol.decode_item(frame.payload)
+            conn = self._connection()
+            token = _reaper.register(lambda: _send_release(conn, lease_id))
+            try:
+                return self._import(message, frame.fds, name=name, token=token)
+            except BaseException:
+                # If the owner never came to life, nobody else will give the lease back.
+                if _reaper.unregister(token):
+                    _send_release(conn, lease_id)
+                raise
+        finally:
+            frame.close_fds()  # the mappings keep the files alive
+
+    def _connection(self) -> transport.Connection:
+        self._check_open()
+        if self._conn is None:
+            raise BridgeError("this session is not connected to a publisher: use arrow_ipc_bridge.connect(path)")
+        return self._conn
+
+    # ---------- lifetime ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BridgeError("this session is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def mapping_cache(self) -> HostMappingCache:
+        return self._cache
+
+    def close(self) -> None:
+        """Release every imported object this session handed out and close the connection (idempotent).
+
+        Structs that consumers (pyarrow, polars, ...) already hold stay valid: they keep their own
+        references on the mapped memory. The publisher ends this session's leases when it sees the
+        connection close.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for imported in list(self._imported):
+            imported.release()
+        if self._conn is not None:
+            self._conn.close()
+        self._cache.close()
+        _reaper.drain()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _send_release(conn: transport.Connection, lease_id: int) -> None:
+    if conn.closed:
+        return  # the publisher released this connection's leases when it closed
+    try:
+        conn.send(protocol.RELEASE, protocol.encode_lease(lease_id), timeout=5.0)
+    except (PeerClosedError, BridgeTimeoutError, OSError):
+        pass  # publisher gone: nothing left to release
+
+
+def connect(path: str | os.PathLike[str], *, timeout: float = 5.0) -> Session:
+    """Connect a new :class:`Session` to the publisher at ``path``.
+
+    Parameters
+    ----------
+    path
+        The publisher's socket file.
+    timeout
+        Seconds for the connection and for every request after it.
+
+    Examples
+    --------
+    >>> with aib.connect("/tmp/demo.sock") as session:  # doctest: +SKIP
+    ...     table = pa.table(session.get("trades"))
+    """
+    session = Session()
+    conn = transport.connect(path, timeout=timeout)
+    try:
+        session._attach(conn, timeout)
+    except BaseException:
+        conn.close()
+        raise
+    return session
