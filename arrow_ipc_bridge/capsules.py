@@ -60,7 +60,9 @@ class ArrowStreamExportable(Protocol):
 
 @runtime_checkable
 class ArrowDeviceStreamExportable(Protocol):
-    def __arrow_c_device_stream__(self, requested_schema: object | None = None, **kwargs: object) -> object: ...
+    def __arrow_c_device_stream__(
+        self, requested_schema: object | None = None, **kwargs: object
+    ) -> object: ...
 
 
 # ---------- raw capsule calls ------------------------------------------------------------------------
@@ -86,7 +88,9 @@ _KINDS = {
     ),
 }
 _NAMES = {kind: ffi.string(lib.aib_capsule_name(code)) for kind, (code, _, _) in _KINDS.items()}
-_NAME_ADDRESSES = {kind: int(ffi.cast("uintptr_t", lib.aib_capsule_name(code))) for kind, (code, _, _) in _KINDS.items()}
+_NAME_ADDRESSES = {
+    kind: int(ffi.cast("uintptr_t", lib.aib_capsule_name(code))) for kind, (code, _, _) in _KINDS.items()
+}
 _DESTRUCTORS = {kind: int(lib.aib_capsule_destructor(code)) for kind, (code, _, _) in _KINDS.items()}
 
 
@@ -146,7 +150,9 @@ def _capsule_name(obj: object) -> str:
 def _check_kwargs(kwargs: dict[str, object]) -> None:
     for key, value in kwargs.items():
         if value is not None:
-            raise NotImplementedError(f"arrow_ipc_bridge does not support the {key!r} keyword (got {value!r})")
+            raise NotImplementedError(
+                f"arrow_ipc_bridge does not support the {key!r} keyword (got {value!r})"
+            )
 
 
 class CapturedData:
@@ -411,7 +417,9 @@ class ArrowExporter:
 class ArrowArrayExporter(ArrowExporter):
     """Adds ``__arrow_c_device_array__`` and (host data only) ``__arrow_c_array__``: one batch."""
 
-    def __arrow_c_device_array__(self, requested_schema: object | None = None, **kwargs: object) -> tuple[object, object]:
+    def __arrow_c_device_array__(
+        self, requested_schema: object | None = None, **kwargs: object
+    ) -> tuple[object, object]:
         _check_kwargs(kwargs)
         self._check_requested(requested_schema)
         schema_capsule, schema = new_capsule("schema")
@@ -423,7 +431,9 @@ class ArrowArrayExporter(ArrowExporter):
         array.sync_event = self._sync_event()
         return schema_capsule, array_capsule
 
-    def __arrow_c_array__(self, requested_schema: object | None = None, **kwargs: object) -> tuple[object, object]:
+    def __arrow_c_array__(
+        self, requested_schema: object | None = None, **kwargs: object
+    ) -> tuple[object, object]:
         _check_kwargs(kwargs)
         self._check_requested(requested_schema)
         self._require_host("__arrow_c_array__")

@@ -1,9 +1,9 @@
 """The one exception hierarchy of the bridge.
 
-Every exception the bridge raises on purpose derives from :class:`BridgeError` and, where one fits, from the
-builtin a caller would already catch (``ValueError`` for bad data, ``TimeoutError`` for waits, ...). All of them
-pickle (a consumer may forward an error to another process) and carry a message that says what failed and
-what to do about it.
+Every exception the bridge raises on purpose derives from :class:`BridgeError` and, where one fits,
+from the builtin a caller would already catch (``ValueError`` for bad data, ``TimeoutError`` for
+waits, ...). All of them pickle (a consumer may forward an error to another process) and carry a
+message that says what failed and what to do about it.
 """
 
 from __future__ import annotations
@@ -55,7 +55,10 @@ def _rebuild_error(cls: type[BridgeError], message: str, details: dict[str, Any]
 
 
 class BuildMismatchError(BridgeError, ImportError):
-    """The compiled C core does not match the Python package (a stale build): rebuild with ``pip install .``."""
+    """The compiled C core does not match the Python package (a stale build).
+
+    Rebuild it with ``pip install .`` (or ``python setup.py build_ext --inplace`` in a checkout).
+    """
 
 
 class UnsupportedFormatError(BridgeError, ValueError):

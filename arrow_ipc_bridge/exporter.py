@@ -137,7 +137,9 @@ def export_captured(captured: CapturedData, *, copy: CopyPolicy = "if_needed") -
     return Exported(message, host.fds(), described.is_stream, stats, captured, host)
 
 
-def export(obj: object, *, copy: CopyPolicy = "if_needed", requested_schema: object | None = None) -> Exported:
+def export(
+    obj: object, *, copy: CopyPolicy = "if_needed", requested_schema: object | None = None
+) -> Exported:
     """Export any Arrow PyCapsule producer for another process.
 
     Parameters

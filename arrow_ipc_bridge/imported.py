@@ -96,7 +96,14 @@ class _ImportedBase(ArrowExporter):
         decoded = self._live()
         err = new_error()
         rc = lib.aib_device_stream_from_decoded(
-            decoded.owner, self._bases, self._n_bases, self._device_type, self._device_id, self._sync, out, err
+            decoded.owner,
+            self._bases,
+            self._n_bases,
+            self._device_type,
+            self._device_id,
+            self._sync,
+            out,
+            err,
         )
         if rc:
             raise_for(rc, err, "creating a device stream")
@@ -109,7 +116,9 @@ class _ImportedBase(ArrowExporter):
             raise_for(rc, err, "creating a stream")
 
     def __repr__(self) -> str:
-        state = "released" if self.released else f"device_type={self._device_type}, device_id={self._device_id}"
+        state = (
+            "released" if self.released else f"device_type={self._device_type}, device_id={self._device_id}"
+        )
         return f"<{type(self).__name__} {self.name or ''} {state}>"
 
 

@@ -201,13 +201,15 @@ class Described:
         capacity = 4096
         while True:
             out = _uncleared("uint8_t[]", capacity)
-            rc = lib.aib_encode(self._d, kind, info, region_array, len(regions), n_fds, out, capacity, out_len, err)
+            rc = lib.aib_encode(
+                self._d, kind, info, region_array, len(regions), n_fds, out, capacity, out_len, err
+            )
             if rc == lib.AIB_E_LIMIT and out_len[0] > capacity and out_len[0] <= MAX_MESSAGE_BYTES:
                 capacity = int(out_len[0])
                 continue
             if rc:
                 raise_for(rc, err, "encoding the message")
-            return ffi.buffer(out, out_len[0])[:]
+            return bytes(ffi.buffer(out, out_len[0]))
 
 
 class Decoded:

@@ -132,7 +132,10 @@ class Publisher:
                     if frame.kind == protocol.HELLO:
                         version = protocol.decode_hello(frame.payload)
                         if version != protocol.PROTOCOL_VERSION:
-                            raise ProtocolError(f"session speaks protocol {version}, this publisher {protocol.PROTOCOL_VERSION}")
+                            raise ProtocolError(
+                                f"session speaks protocol {version}, "
+                                f"this publisher {protocol.PROTOCOL_VERSION}"
+                            )
                         conn.send(protocol.WELCOME, protocol.encode_json(self._welcome()))
                     elif frame.kind == protocol.LIST:
                         conn.send(protocol.NAMES, protocol.encode_json(self.names()))

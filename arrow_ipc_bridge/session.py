@@ -8,6 +8,7 @@ the last struct built from it is released.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -84,7 +85,9 @@ class Session:
             bases: list[int] = []
             for region in decoded.regions():
                 if region.kind == REGION_PROCESS:
-                    raise WireFormatError("a same-process region arrived from another process", field="regions")
+                    raise WireFormatError(
+                        "a same-process region arrived from another process", field="regions"
+                    )
                 if region.kind != REGION_HOST_FD or region.fd_index < 0:
                     raise RegionError(f"region kind {region.kind} cannot be imported into host memory")
                 mapped = self._cache.map(
@@ -171,7 +174,9 @@ class Session:
     def _connection(self) -> transport.Connection:
         self._check_open()
         if self._conn is None:
-            raise BridgeError("this session is not connected to a publisher: use arrow_ipc_bridge.connect(path)")
+            raise BridgeError(
+                "this session is not connected to a publisher: use arrow_ipc_bridge.connect(path)"
+            )
         return self._conn
 
     # ---------- lifetime ----------------------------------------------------------------------------
@@ -216,10 +221,9 @@ class Session:
 def _send_release(conn: transport.Connection, lease_id: int) -> None:
     if conn.closed:
         return  # the publisher released this connection's leases when it closed
-    try:
+    # A publisher that is gone has nothing left to release.
+    with contextlib.suppress(PeerClosedError, BridgeTimeoutError, OSError):
         conn.send(protocol.RELEASE, protocol.encode_lease(lease_id), timeout=5.0)
-    except (PeerClosedError, BridgeTimeoutError, OSError):
-        pass  # publisher gone: nothing left to release
 
 
 def connect(path: str | os.PathLike[str], *, timeout: float = 5.0) -> Session:

@@ -54,7 +54,14 @@ ffibuilder.set_source(
     sources=[_relative(HERE / name) for name in C_SOURCES],
     include_dirs=[_relative(HERE)],
     define_macros=[("AIB_VERSION", '"' + _version() + '"')],
-    extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden"],
+    extra_compile_args=[
+        "-std=gnu11",
+        "-O2",
+        "-Wall",
+        "-Wextra",
+        "-Wno-unused-parameter",
+        "-fvisibility=hidden",
+    ],
 )
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ import pyarrow as pa
 
 from arrow_ipc_bridge.capsules import capture
 from arrow_ipc_bridge.metadata import (
+    REGION_HOST_FD,
     SLOT_FIRST_REGION,
     SLOT_UNPLACED,
     Described,
     DeviceInfo,
     Region,
-    REGION_HOST_FD,
 )
 
 GOLDEN_DIR = Path(__file__).parent / "golden"

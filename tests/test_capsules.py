@@ -18,8 +18,8 @@ from arrow_ipc_bridge.capsules import (
     ArrowArrayExporter,
     CapturedArray,
     CapturedStream,
-    capture,
     capsule_struct,
+    capture,
     export_captured,
     new_capsule,
 )
@@ -156,7 +156,7 @@ def test_host_methods_refuse_device_data() -> None:
         exported.__arrow_c_array__()
     with pytest.raises(BridgeError, match="host memory only"):
         exported.__arrow_c_stream__()
-    schema, device_array = exported.__arrow_c_device_array__()
+    _, device_array = exported.__arrow_c_device_array__()
     assert capsule_struct(device_array, "device_array").device_type == lib.ARROW_DEVICE_CUDA
     captured.arrays[0].device_type = lib.ARROW_DEVICE_CPU  # let the release run on a sane struct
 

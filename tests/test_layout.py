@@ -81,8 +81,28 @@ def test_widths_and_parameters() -> None:
 
 @pytest.mark.parametrize(
     "fmt",
-    ["", "q", "d:", "d:0,1", "d:10", "d:10,2,48", "w:0", "w:-3", "+w:", "+ud:1,1", "+ud:200", "+ud:1,",
-     "ts", "tsx:", "ti", "+x", "vx", "+vz", "w:3x", "d:10,2,128x"],
+    [
+        "",
+        "q",
+        "d:",
+        "d:0,1",
+        "d:10",
+        "d:10,2,48",
+        "w:0",
+        "w:-3",
+        "+w:",
+        "+ud:1,1",
+        "+ud:200",
+        "+ud:1,",
+        "ts",
+        "tsx:",
+        "ti",
+        "+x",
+        "vx",
+        "+vz",
+        "w:3x",
+        "d:10,2,128x",
+    ],
 )
 def test_bad_formats_are_refused(fmt: str) -> None:
     """Malformed or unknown format strings raise UnsupportedFormatError naming the string."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -204,7 +205,7 @@ def test_huge_counts_do_not_allocate(count_field: str) -> None:
     huge = wc.varint(2**62)
     device = wc.varint(1) + wc.blob(b"") + wc.blob(b"")
     regions = wc.varint(1) + wc.Region().encode()
-    f, n = wc.int64_column()
+    f, _ = wc.int64_column()
     if count_field == "n_regions":
         body = device + huge
     elif count_field == "n_children":
@@ -243,15 +244,12 @@ def test_non_bytes_message() -> None:
 
 def test_error_pickles() -> None:
     """Errors survive pickling with their details (a consumer may forward them)."""
-    import pickle
-
-    try:
+    with pytest.raises(WireFormatError) as info:
         _decode(b"garbage-garbage-garbage")
-    except WireFormatError as exc:
-        again = pickle.loads(pickle.dumps(exc))
-        assert isinstance(again, WireFormatError)
-        assert again.field == exc.field
-        assert str(again) == str(exc)
+    again = pickle.loads(pickle.dumps(info.value))
+    assert isinstance(again, WireFormatError)
+    assert again.field == info.value.field == "magic"
+    assert str(again) == str(info.value)
 
 
 # ---------- fuzzing in a subprocess (a crash fails the test instead of killing pytest) -------------

@@ -65,7 +65,12 @@ class ArrayNode:
     buffers: list[tuple[int, int, int]] = field(default_factory=list)  # (region code, offset, length)
 
     def encode(self) -> bytes:
-        out = varint(self.length) + varint(self.null_count + 1) + varint(self.offset) + varint(len(self.buffers))
+        out = (
+            varint(self.length)
+            + varint(self.null_count + 1)
+            + varint(self.offset)
+            + varint(len(self.buffers))
+        )
         for code, offset, length in self.buffers:
             out += varint(code)
             if code >= 2:
@@ -85,8 +90,13 @@ class Region:
 
     def encode(self) -> bytes:
         return (
-            varint(self.kind) + varint(self.flags) + varint(self.size) + varint(self.file_offset)
-            + varint(self.identity) + varint(self.fd_index + 1) + blob(self.handle)
+            varint(self.kind)
+            + varint(self.flags)
+            + varint(self.size)
+            + varint(self.file_offset)
+            + varint(self.identity)
+            + varint(self.fd_index + 1)
+            + blob(self.handle)
         )
 
 

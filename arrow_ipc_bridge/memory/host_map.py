@@ -57,7 +57,8 @@ def map_host_region(fd: int, region: Region) -> MappedRegion:
         raise RegionError("a host region must be a regular file (memfd or /dev/shm), not another kind of fd")
     if region.file_offset + region.size > st.st_size:
         raise RegionError(
-            f"region [{region.file_offset}, +{region.size}) reaches past the end of its {st.st_size}-byte file; "
+            f"region [{region.file_offset}, +{region.size}) reaches past the end of its "
+            f"{st.st_size}-byte file; "
             "mapping it would fault (SIGBUS) on access"
         )
     if region.flags & REGION_FLAG_SEALED:

@@ -1,0 +1,7 @@
+"""``python -m arrow_ipc_bridge`` (see cli.py)."""
+
+import sys
+
+from arrow_ipc_bridge.cli import main
+
+sys.exit(main())

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The README's test command: set up, lint, type-check, run the tests (GPU tests skip without a GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup-venv.sh
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
+.venv/bin/python -m pytest "$@"
