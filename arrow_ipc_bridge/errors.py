@@ -76,7 +76,8 @@ class ReleasedError(BridgeError, ValueError):
 class WireFormatError(BridgeError, ValueError):
     """A metadata message is malformed: truncated, corrupted, over a limit, or inconsistent.
 
-    ``field`` names the offending field and ``path`` the node path (for example ``root/2/child0``).
+    ``field`` names the offending field and ``path`` the node path (for example
+    ``batch0/root/child2/dictionary``).
     """
 
 

@@ -228,14 +228,25 @@ class Decoded:
         How many file descriptors arrived with it (region fd indexes are checked against it).
     token
         Reaper token for the owner; 0 for none.
+    allow_process_regions
+        Accept same-process regions (raw addresses of this process). Only for messages this process
+        encoded itself: the in-process fast path. Never for anything that came from a peer.
     """
 
-    def __init__(self, message: bytes | bytearray | memoryview, n_fds: int = 0, *, token: int = 0) -> None:
+    def __init__(
+        self,
+        message: bytes | bytearray | memoryview,
+        n_fds: int = 0,
+        *,
+        token: int = 0,
+        allow_process_regions: bool = False,
+    ) -> None:
         if not isinstance(message, bytes | bytearray | memoryview):
             raise WireFormatError(f"a message must be bytes, not {type(message).__name__}", field="message")
         out = ffi.new("aib_decoded **")
         err = new_error()
-        rc = lib.aib_decode(ffi.from_buffer(message), len(message), n_fds, out, err)
+        options = lib.AIB_DECODE_ALLOW_PROCESS_REGIONS if allow_process_regions else 0
+        rc = lib.aib_decode(ffi.from_buffer(message), len(message), n_fds, options, out, err)
         if rc:
             raise_for(rc, err, "decoding a message", wire=True)
         owner = lib.aib_owner_new(token)

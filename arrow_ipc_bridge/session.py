@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from types import TracebackType
 
 from arrow_ipc_bridge import _reaper, protocol, transport
-from arrow_ipc_bridge._ffi import lib
+from arrow_ipc_bridge._ffi import WIRE_VERSION, lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU
 from arrow_ipc_bridge.errors import (
     BridgeError,
@@ -119,6 +119,12 @@ class Session:
         info = protocol.decode_json(frame.payload, "WELCOME")
         if not isinstance(info, dict):
             raise ProtocolError("WELCOME payload is not an object")
+        wire = info.get("wire")
+        if not isinstance(wire, list) or len(wire) != 2 or wire[0] != WIRE_VERSION[0]:
+            raise ProtocolError(
+                f"the publisher speaks wire format {wire}, this session {list(WIRE_VERSION)}: "
+                "the major versions must match (upgrade one side)"
+            )
         self.publisher_info = info
 
     def _request(self, kind: int, payload: bytes) -> transport.Frame:

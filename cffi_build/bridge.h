@@ -19,7 +19,11 @@ uint32_t aib_wire_version(void);        /* (major << 16) | minor of the wire for
 #define AIB_E_FORMAT 2        /* format string not understood, or a struct breaks its layout */
 #define AIB_E_NOMEM 3
 #define AIB_E_RELEASED 4      /* struct already released / moved */
-#define AIB_E_LIMIT 5         /* a count or size over a documented limit */
+/* AIB_E_LIMIT: describe/encode met a count or size over a documented limit (also the encoder's
+ * "output buffer too small" answer). The decoder reports malformed and over-limit messages alike as
+ * AIB_E_WIRE, except nesting depth and schema node count (AIB_E_LIMIT); Python maps both to
+ * WireFormatError. */
+#define AIB_E_LIMIT 5
 #define AIB_E_STATE 6         /* call out of order (e.g. batch before schema) */
 #define AIB_E_OS 7            /* a system call failed; errno_value says which */
 
@@ -167,8 +171,8 @@ typedef struct aib_buffer_slot {
 } aib_buffer_slot;
 
 /* A length the core could not read because the memory is not host-readable (device memory): the
- * caller reads `width` bytes (little-endian unsigned) at `address` and stores the value into
- * slot `slot`'s length via aib_described_set_length. */
+ * caller reads `width` bytes (a little-endian signed integer; negative is invalid) at `address`
+ * and stores the value into slot `slot`'s length via aib_described_set_length. */
 typedef struct aib_pending_read {
   uint64_t slot;
   uint64_t address;
@@ -249,7 +253,10 @@ int aib_encode(const aib_described *d, uint32_t message_kind, const aib_device_i
 
 /* Decodes and validates the whole message (every limit, format, arity, buffer bound). On failure
  * returns AIB_E_WIRE/AIB_E_LIMIT/AIB_E_FORMAT with field and path set, and *out stays NULL. */
-int aib_decode(const uint8_t *message, size_t length, uint32_t n_fds, aib_decoded **out,
+/* Decode option: accept same-process regions, only for messages this process encoded itself
+ * (the in-process fast path). */
+#define AIB_DECODE_ALLOW_PROCESS_REGIONS 1
+int aib_decode(const uint8_t *message, size_t length, uint32_t n_fds, uint32_t options, aib_decoded **out,
                aib_error *err);
 void aib_decoded_free(aib_decoded *d);
 uint32_t aib_decoded_message_kind(const aib_decoded *d);

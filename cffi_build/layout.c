@@ -33,6 +33,9 @@ static int parse_int(const char *f, size_t n, size_t *pos, int64_t lo, int64_t h
   return 1;
 }
 
+/* s, m, u or n: a time unit (strchr would also match the terminating NUL). */
+static int is_unit(char c) { return c == 's' || c == 'm' || c == 'u' || c == 'n'; }
+
 static void set_fixed(aib_layout *out, int64_t bits, int is_integer) {
   out->kind = AIB_KIND_FIXED;
   out->n_buffers = 2;
@@ -121,8 +124,8 @@ int aib_layout_parse(const char *f, size_t n, aib_layout *out, aib_error *err) {
   if (starts_with(f, n, "w:")) {
     size_t pos = 2;
     int64_t size;
-    if (!parse_int(f, n, &pos, 1, INT32_MAX, &size) || pos != n)
-      return bad(err, f, n, "fixed-size binary needs a byte width in [1, 2^31)");
+    if (!parse_int(f, n, &pos, 0, INT32_MAX, &size) || pos != n)
+      return bad(err, f, n, "fixed-size binary needs a byte width in [0, 2^31)");
     set_fixed(out, size * 8, 0);
     return AIB_OK;
   }
@@ -135,11 +138,11 @@ int aib_layout_parse(const char *f, size_t n, aib_layout *out, aib_error *err) {
       if (f[2] == 's' || f[2] == 'm') { set_fixed(out, 32, 0); return AIB_OK; }
       if (f[2] == 'u' || f[2] == 'n') { set_fixed(out, 64, 0); return AIB_OK; }
     }
-    if (n >= 4 && f[1] == 's' && strchr("smun", f[2]) != NULL && f[3] == ':') {
+    if (n >= 4 && f[1] == 's' && is_unit(f[2]) && f[3] == ':') {
       set_fixed(out, 64, 0); /* the time zone after ':' is free text, possibly empty */
       return AIB_OK;
     }
-    if (n == 3 && f[1] == 'D' && strchr("smun", f[2]) != NULL) { set_fixed(out, 64, 0); return AIB_OK; }
+    if (n == 3 && f[1] == 'D' && is_unit(f[2])) { set_fixed(out, 64, 0); return AIB_OK; }
     if (n == 3 && f[1] == 'i') {
       if (f[2] == 'M') { set_fixed(out, 32, 0); return AIB_OK; }
       if (f[2] == 'D') { set_fixed(out, 64, 0); return AIB_OK; }

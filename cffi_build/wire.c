@@ -24,6 +24,17 @@
 #define MAX_LENGTH ((uint64_t)1 << 56)
 #define REGION_UNASSIGNED UINT64_MAX
 
+/* Header integers are little-endian on the wire whatever the host's byte order. */
+static void store_u32le(uint8_t *p, uint32_t v) {
+  p[0] = (uint8_t)v;
+  p[1] = (uint8_t)(v >> 8);
+  p[2] = (uint8_t)(v >> 16);
+  p[3] = (uint8_t)(v >> 24);
+}
+static uint32_t load_u32le(const uint8_t *p) {
+  return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
 uint32_t aib_wire_version(void) { return ((uint32_t)WIRE_MAJOR << 16) | WIRE_MINOR; }
 
 /* ---------- the model --------------------------------------------------------------------------- */
@@ -222,7 +233,7 @@ static int describe_schema_node(model *m, const struct ArrowSchema *s, int32_t p
   size_t flen = strlen(s->format);
   int rc = aib_layout_parse(s->format, flen, &n->layout, err);
   if (rc != AIB_OK) {
-    node_path(m, idx, -1, err->path, sizeof(err->path));
+    if (err != NULL) node_path(m, idx, -1, err->path, sizeof(err->path));
     return rc;
   }
   if (s->n_children < 0 || s->n_children > AIB_MAX_SCHEMA_NODES)
@@ -230,6 +241,22 @@ static int describe_schema_node(model *m, const struct ArrowSchema *s, int32_t p
   uint32_t format_off, name_off = 0, md_off = 0;
   size_t nlen = s->name ? strlen(s->name) : 0;
   size_t mlen = aib_metadata_length(s->metadata);
+  /* The decoder's limits, checked here too, so we never encode a message a peer must refuse. */
+  if (flen > AIB_MAX_FORMAT_BYTES)
+    return fail_at(err, AIB_E_LIMIT, m, idx, -1, "format", "format string over %d bytes", AIB_MAX_FORMAT_BYTES);
+  if (nlen > AIB_MAX_NAME_BYTES)
+    return fail_at(err, AIB_E_LIMIT, m, idx, -1, "name", "field name of %zu bytes is over the %d byte limit", nlen,
+                   AIB_MAX_NAME_BYTES);
+  if (mlen > AIB_MAX_METADATA_BYTES)
+    return fail_at(err, AIB_E_LIMIT, m, idx, -1, "metadata", "field metadata of %zu bytes is over the %d byte limit",
+                   mlen, AIB_MAX_METADATA_BYTES);
+  if (mlen > 0) {
+    int32_t pairs;
+    memcpy(&pairs, s->metadata, 4);
+    if (pairs > MAX_METADATA_PAIRS)
+      return fail_at(err, AIB_E_LIMIT, m, idx, -1, "metadata", "%d metadata pairs, over the %d limit", pairs,
+                     MAX_METADATA_PAIRS);
+  }
   if (!arena_put(m, s->format, flen, &format_off) || !arena_put(m, s->name ? s->name : "", nlen, &name_off) ||
       (mlen && !arena_put(m, s->metadata, mlen, &md_off)) || !model_reserve_children(m, idx, s->n_children))
     return aib_fail(err, AIB_E_NOMEM, "", "", "out of memory describing a schema");
@@ -408,6 +435,8 @@ int aib_described_set_length(aib_described *d, uint64_t slot, uint64_t length, a
   if (slot >= d->m.n_slots) return aib_fail(err, AIB_E_STATE, "slot", "", "slot %llu out of range", (unsigned long long)slot);
   if (length > ((uint64_t)1 << 62)) return aib_fail(err, AIB_E_FORMAT, "length", "", "negative or huge data length");
   aib_buffer_slot *b = &d->m.slots[slot];
+  if (b->address == 0 && length > 0)
+    return aib_fail(err, AIB_E_FORMAT, "buffers", "", "a NULL buffer must hold %llu bytes", (unsigned long long)length);
   b->length = length;
   if (b->address != 0) b->region = length == 0 ? AIB_REGION_EMPTY : REGION_UNASSIGNED;
   return AIB_OK;
@@ -476,6 +505,9 @@ int aib_encode(const aib_described *d, uint32_t message_kind, const aib_device_i
     return aib_fail(err, AIB_E_STATE, "kind", "", "an array message needs exactly one batch, has %lld",
                     (long long)m->n_batches);
   if (n_regions > AIB_MAX_REGIONS) return aib_fail(err, AIB_E_LIMIT, "regions", "", "too many regions");
+  if (n_fds > AIB_MAX_FDS) return aib_fail(err, AIB_E_LIMIT, "fds", "", "more than %d file descriptors", AIB_MAX_FDS);
+  if (device->device_type < 1 || device->device_type > 64)
+    return aib_fail(err, AIB_E_STATE, "device_type", "", "device type %d is out of range", device->device_type);
   if (device->identity_len > sizeof(device->identity) || device->sync_len > sizeof(device->sync))
     return aib_fail(err, AIB_E_LIMIT, "device", "", "device identity or sync handle too long");
   for (size_t r = 0; r < n_regions; r++) {
@@ -557,8 +589,7 @@ int aib_encode(const aib_described *d, uint32_t message_kind, const aib_device_i
     return aib_fail(err, AIB_E_LIMIT, "length", "", "message of %zu bytes is over the %d byte limit", w.pos,
                     AIB_MAX_MESSAGE_BYTES);
   if (w.pos > out_cap) return AIB_E_LIMIT; /* *out_len says how much room is needed */
-  uint32_t body = (uint32_t)(w.pos - HEADER_BYTES);
-  memcpy(out + 8, &body, 4);
+  store_u32le(out + 8, (uint32_t)(w.pos - HEADER_BYTES));
   return AIB_OK;
 }
 
@@ -576,6 +607,7 @@ static int get_varint(reader *r, uint64_t *out) {
     if (shift == 63 && b > 1) return 0; /* more than 64 bits */
     v |= (uint64_t)(b & 0x7f) << shift;
     if (!(b & 0x80)) {
+      if (b == 0 && shift > 0) return 0; /* over-long: one value, one encoding */
       *out = v;
       return 1;
     }
@@ -613,7 +645,8 @@ static int decode_metadata(reader *r, model *m, snode *s, int32_t node, aib_erro
   for (uint64_t i = 0; i < 2 * pairs; i++) {
     const uint8_t *p;
     size_t n;
-    if (!get_bytes(r, AIB_MAX_METADATA_BYTES, &p, &n)) return WIRE_FAIL("metadata", "truncated metadata string");
+    if (!get_bytes(r, AIB_MAX_METADATA_BYTES, &p, &n))
+      return WIRE_FAIL("metadata", "metadata string truncated or over %d bytes", AIB_MAX_METADATA_BYTES);
     total += 4 + n;
     if (total > AIB_MAX_METADATA_BYTES) return WIRE_FAIL("metadata", "metadata over %d bytes", AIB_MAX_METADATA_BYTES);
     int32_t len32 = (int32_t)n;
@@ -647,7 +680,7 @@ static int decode_schema_node(reader *r, model *m, int32_t parent, int32_t posit
   m->nodes[node].format_len = (uint32_t)n;
   int rc = aib_layout_parse((const char *)p, n, &m->nodes[node].layout, err);
   if (rc != AIB_OK) {
-    node_path(m, node, -1, err->path, sizeof(err->path));
+    if (err != NULL) node_path(m, node, -1, err->path, sizeof(err->path));
     return rc;
   }
   uint64_t name_tag;
@@ -700,7 +733,7 @@ static int check_buffers(const aib_decoded *d, const model *m, int32_t node, int
   if (sizes == NULL) return aib_fail(err, AIB_E_NOMEM, "", "", "out of memory");
   int rc = aib_layout_min_sizes(L, a->length, a->offset, a->n_buffers, sizes, err);
   if (rc != AIB_OK) {
-    node_path(m, node, batch, err->path, sizeof(err->path));
+    if (err != NULL) node_path(m, node, batch, err->path, sizeof(err->path));
     if (sizes != small) free(sizes);
     return rc;
   }
@@ -834,7 +867,8 @@ void aib_decoded_release_internal(aib_decoded *d) {
 }
 void aib_decoded_free(aib_decoded *d) { aib_decoded_release_internal(d); }
 
-int aib_decode(const uint8_t *message, size_t length, uint32_t n_fds, aib_decoded **out, aib_error *err) {
+int aib_decode(const uint8_t *message, size_t length, uint32_t n_fds, uint32_t options, aib_decoded **out,
+               aib_error *err) {
   *out = NULL;
   const model *m = NULL;
   int32_t node = -1;
@@ -845,11 +879,9 @@ int aib_decode(const uint8_t *message, size_t length, uint32_t n_fds, aib_decode
     return WIRE_FAIL("version", "wire format major version %u is not supported (this build speaks %d.%d)", message[4],
                      WIRE_MAJOR, WIRE_MINOR);
   uint32_t kind = message[6];
-  if ((kind != AIB_MESSAGE_ARRAY && kind != AIB_MESSAGE_STREAM) || message[7] != 0)
-    return WIRE_FAIL("kind", "unknown message kind %u", kind);
-  uint32_t body, flags;
-  memcpy(&body, message + 8, 4);
-  memcpy(&flags, message + 12, 4);
+  if (kind != AIB_MESSAGE_ARRAY && kind != AIB_MESSAGE_STREAM) return WIRE_FAIL("kind", "unknown message kind %u", kind);
+  if (message[7] != 0) return WIRE_FAIL("reserved", "reserved header byte 7 is %u, must be 0", message[7]);
+  uint32_t body = load_u32le(message + 8), flags = load_u32le(message + 12);
   if (length > AIB_MAX_MESSAGE_BYTES) return WIRE_FAIL("length", "message over %d bytes", AIB_MAX_MESSAGE_BYTES);
   if ((size_t)body != length - HEADER_BYTES)
     return WIRE_FAIL("body_length", "header announces %u body bytes, %zu arrived", body, length - HEADER_BYTES);
@@ -913,9 +945,17 @@ int aib_decode(const uint8_t *message, size_t length, uint32_t n_fds, aib_decode
       rc = WIRE_FAIL("regions", "region %zu has unknown kind %llu", i, (unsigned long long)kind_v);
       goto fail;
     }
-    if (flags_v > UINT32_MAX || fd1 > n_fds) {
-      rc = WIRE_FAIL("regions", "region %zu has bad flags or fd index %llu (%u fds arrived)", i,
-                     (unsigned long long)fd1, n_fds);
+    if (kind_v == AIB_REGION_KIND_PROCESS && !(options & AIB_DECODE_ALLOW_PROCESS_REGIONS)) {
+      rc = WIRE_FAIL("regions", "region %zu is a same-process region, which another process cannot send", i);
+      goto fail;
+    }
+    if (flags_v > UINT32_MAX) {
+      rc = WIRE_FAIL("regions", "region %zu has flags 0x%llx over 32 bits", i, (unsigned long long)flags_v);
+      goto fail;
+    }
+    if (fd1 > n_fds) {
+      rc = WIRE_FAIL("regions", "region %zu refers to fd %llu but %u fds arrived", i,
+                     (unsigned long long)fd1 - 1, n_fds);
       goto fail;
     }
     g->kind = (uint32_t)kind_v;

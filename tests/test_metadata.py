@@ -18,7 +18,7 @@ from hypothesis import given
 
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.capsules import capture
-from arrow_ipc_bridge.errors import WireFormatError
+from arrow_ipc_bridge.errors import BridgeError, WireFormatError
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
 from arrow_ipc_bridge.metadata import Decoded, Described, DeviceInfo, process_region
 
@@ -31,7 +31,7 @@ def roundtrip(obj: object) -> ImportedArray | ImportedStream:
     described = Described(captured)
     described.place_all(0)
     message = described.encode(DeviceInfo(captured.device_type), [process_region()])
-    decoded = Decoded(message)
+    decoded = Decoded(message, allow_process_regions=True)
     decoded.depend_on(captured.owner)
     captured.close()
     return imported_from(decoded, [0], device_type=1, device_id=-1)
@@ -179,7 +179,7 @@ def test_missing_region_and_fd_index() -> None:
     field = wc.Node("l")
     with pytest.raises(WireFormatError, match="does not exist"):
         _decode(wc.message(field, [[wc.ArrayNode(1, 0, 0, [(0, 0, 0), (9, 0, 8)])]]))
-    with pytest.raises(WireFormatError, match="fd index"):
+    with pytest.raises(WireFormatError, match="fds arrived"):
         _decode(wc.message(field, [[wc.ArrayNode(1, 0, 0, [(0, 0, 0), (2, 0, 8)])]]), n_fds=0)
 
 
@@ -265,3 +265,37 @@ def test_decoder_fuzz_in_subprocess() -> None:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "fuzzed" in result.stdout
+
+
+def test_same_process_region_is_refused_unless_allowed() -> None:
+    """A same-process region (raw addresses) is refused by default: only the in-process fast path,
+    decoding its own message, may allow it."""
+    f, n = wc.int64_column()
+    msg = wc.message(f, [[n]], [wc.Region(kind=1, size=2**64 - 1, fd_index=-1)])
+    with pytest.raises(WireFormatError, match="same-process"):
+        Decoded(msg, 0)
+    assert Decoded(msg, 0, allow_process_regions=True).batch_count == 1
+
+
+def test_overlong_varint_and_reserved_byte_are_refused() -> None:
+    """One value has one encoding (no over-long varints); the reserved header byte must be 0."""
+    f, n = wc.int64_column()
+    msg = wc.message(f, [[n]])
+    body = b"\x81\x00" + msg[17:]  # device type 1 written in two bytes
+    overlong = msg[:8] + len(body).to_bytes(4, "little") + msg[12:16] + body
+    with pytest.raises(WireFormatError) as info:
+        _decode(overlong)
+    assert info.value.field == "device_type"
+    with pytest.raises(WireFormatError) as info:
+        _decode(msg[:7] + b"\x01" + msg[8:])
+    assert info.value.field == "reserved"
+
+
+def test_encoder_refuses_what_a_decoder_must_refuse() -> None:
+    """Names and metadata over the wire limits fail at describe time, not at the peer."""
+    too_long = pa.record_batch([pa.array([1])], names=["x" * 70_000])
+    with pytest.raises(BridgeError, match="name"):
+        Described(capture(too_long))
+    meta = pa.schema([pa.field("x", pa.int64(), metadata={"k": "v" * (2 << 20)})])
+    with pytest.raises(BridgeError, match="metadata"):
+        Described(capture(pa.record_batch([pa.array([1])], schema=meta)))

@@ -24,7 +24,9 @@ from arrow_ipc_bridge.metadata import REGION_FLAG_SEALED, Region
 __all__ = ["MappedRegion", "map_host_region", "HostMappingCache"]
 
 _PAGE = mmap.PAGESIZE
-_REQUIRED_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
+# What "sealed" promises the consumer: the producer can neither shrink (SIGBUS for us), grow nor
+# write the file any more.
+_REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,8 @@ def map_host_region(fd: int, region: Region) -> MappedRegion:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError:
             seals = 0
-        if not seals & _REQUIRED_SEALS:
-            raise RegionError("the region claims a sealed memfd but the file can still shrink")
+        if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
+            raise RegionError("the region claims a sealed memfd but the file is not sealed against shrink/grow/write")
     address = ffi.new("void **")
     error = ffi.new("int *")
     owner = lib.aib_owner_new_mapping(0, fd, region.file_offset, region.size, address, error)

@@ -1,0 +1,1092 @@
+"""Publisher/session tests across processes: round trips, leases, failures, hostile peers, leaks.
+
+Layout of the multiprocess tests:
+
+* a long-lived *producer child* (``session_children.producer_main``, started once per test by the
+  ``producer`` fixture with the "spawn" start method) publishes what this process sends it: either an
+  object rebuilt from Arrow IPC bytes, or, for exact round trips of every Arrow type hypothesis
+  generates, an object it ``get``s from a publisher in *this* process and republishes as is (the
+  "relay": this process -> child -> this process, all through the bridge, no serialization);
+* a *relay child* over a socketpair (``session_children.fd_relay_main``) for ``export`` +
+  ``Session().import_message`` with the descriptors passed by ``SCM_RIGHTS``;
+* short-lived consumer children (subprocess) that are killed with SIGKILL.
+
+Every test runs under the ``no_leaks`` fixture: open descriptors, the C core's live owners, struct nodes
+and mappings, the reaper's pending callbacks and this process's threads return to what they were before
+the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import multiprocessing
+import multiprocessing.resource_tracker
+import os
+import queue
+import select
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pytest
+import session_children as children
+from arrow_strategies import arrow_arrays, assert_arrays_equal, record_batches, tables
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import arrow_ipc_bridge as aib
+from arrow_ipc_bridge import _reaper, protocol, transport
+from arrow_ipc_bridge._ffi import lib
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+SPAWN = multiprocessing.get_context("spawn")
+JOIN_S = 30.0
+EXAMPLES = settings.default.max_examples
+HYPOTHESIS_WITH_FIXTURES = settings(
+    suppress_health_check=[*settings.default.suppress_health_check, HealthCheck.function_scoped_fixture],
+)
+ANY_ARROW = st.one_of(arrow_arrays(), record_batches(), tables(max_batches=4))
+
+
+# --- helpers ------------------------------------------------------------------------------------------------
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.005) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds passed; its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return predicate()
+        time.sleep(interval)
+
+
+def settle() -> None:
+    """Collect garbage and run the release callbacks of owners that died so far."""
+    gc.collect()
+    _reaper.drain()
+
+
+def snapshot() -> dict[str, int]:
+    settle()
+    return {
+        "fds": fd_count(),
+        "owners": int(lib.aib_live_owners()),
+        "nodes": int(lib.aib_live_nodes()),
+        "mappings": int(lib.aib_live_mappings()),
+        "reaper_callbacks": _reaper.pending_callbacks(),
+        "threads": threading.active_count(),
+    }
+
+
+def assert_back_to(baseline: dict[str, int], timeout: float = 5.0) -> None:
+    """Every counter of :func:`snapshot` returns to ``baseline`` (server threads and the reaper need a
+    moment after a close)."""
+    now: dict[str, int] = {}
+
+    def same() -> bool:
+        now.update(snapshot())
+        return now == baseline
+
+    assert wait_for(same, timeout, interval=0.02), f"leak: before {baseline}, after {now}"
+
+
+def materialize(imported: aib.ImportedArray | aib.ImportedStream, like: object) -> Any:
+    """The pyarrow object ``imported`` stands for (``like`` is the original or a kind string)."""
+    if isinstance(imported, aib.ImportedStream):
+        return pa.table(imported)
+    if isinstance(like, pa.RecordBatch) or like == "batch":
+        return pa.record_batch(imported)
+    return pa.array(imported)
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def read_line(stream: Any, timeout: float) -> str:
+    ready, _, _ = select.select([stream], [], [], timeout)
+    assert ready, f"no output from the child within {timeout} s"
+    return str(stream.readline().decode().strip())
+
+
+def sample_table(rows: int = 2000, batches: int = 1) -> pa.Table:
+    """A table with fixed-width, variable-width, nested, dictionary and null columns."""
+    parts = []
+    for b in range(batches):
+        base = b * rows
+        ids = list(range(base, base + rows))
+        parts.append(
+            pa.record_batch(
+                {
+                    "i": pa.array([i if i % 7 else None for i in ids], pa.int64()),
+                    "s": pa.array([f"value-{i}" if i % 5 else None for i in ids]),
+                    "l": pa.array([[i, i + 1] if i % 3 else [] for i in ids], pa.list_(pa.int32())),
+                    "d": pa.array([f"k{i % 4}" for i in ids]).dictionary_encode(),
+                    "st": pa.array([{"a": i, "b": float(i) / 2} for i in ids]),
+                    "n": pa.nulls(rows),
+                }
+            )
+        )
+    return pa.Table.from_batches(parts)
+
+
+def write_shm_ipc_file(table: pa.Table) -> str:
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="aib-session-", suffix=".arrow", delete=False) as f:
+        path = f.name
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return path
+
+
+# --- fixtures -----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def warm() -> Iterator[dict[str, int]]:
+    """Open once what the library and multiprocessing keep open for the life of the process (the reaper's
+    pipe and thread, /proc/self/maps and pagemap, the resource tracker's pipe), then record the baseline."""
+    multiprocessing.resource_tracker.ensure_running()
+    directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-")
+    shm = write_shm_ipc_file(sample_table(100))
+    try:
+        mapped = pa.ipc.open_file(pa.memory_map(shm)).read_all()
+        with aib.Publisher(os.path.join(directory, "w.sock")) as pub:
+            pub.publish("heap", sample_table(100))
+            pub.publish("mapped", mapped)
+            with aib.connect(pub.path, timeout=10.0) as session:
+                for name in ("heap", "mapped"):
+                    with session.get(name) as imported:
+                        assert pa.table(imported).num_rows == 100
+        del mapped
+    finally:
+        os.unlink(shm)
+        shutil.rmtree(directory, ignore_errors=True)
+    baseline = snapshot()
+    yield baseline
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(warm: dict[str, int]) -> Iterator[None]:
+    """After each test (and all its other fixtures' teardown): nothing of it is left behind."""
+    before = snapshot()
+    yield
+    assert_back_to(before)
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[str]:
+    """A short directory for socket files (AF_UNIX paths are limited to about 107 bytes)."""
+    directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-")
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def publisher(sock_dir: str) -> Iterator[aib.Publisher]:
+    pub = aib.Publisher(os.path.join(sock_dir, "pub.sock"))
+    yield pub
+    pub.close()
+    assert pub.active_leases == 0
+
+
+class ProducerChild:
+    """The spawn-started ``session_children.producer_main``, driven over a multiprocessing pipe."""
+
+    def __init__(self, own_path: str, upstream_path: str | None) -> None:
+        self.conn, child_conn = SPAWN.Pipe()
+        self.process = SPAWN.Process(
+            target=children.producer_main,
+            args=(child_conn, own_path, upstream_path),
+            name="aib-test-producer",
+            daemon=True,
+        )
+        self.process.start()
+        child_conn.close()
+        self.killed = False
+        reply = self._recv(60.0)
+        assert reply[0] == "ready", reply
+        self.pid = reply[1]
+
+    def _recv(self, timeout: float) -> Any:
+        if not self.conn.poll(timeout):
+            raise AssertionError(f"the producer child did not answer within {timeout} s")
+        return self.conn.recv()
+
+    def call(self, *command: Any, timeout: float = 30.0) -> Any:
+        self.conn.send(command)
+        reply = self._recv(timeout)
+        if reply[0] == "error":
+            raise AssertionError(f"the producer child failed {command[0]!r}: {reply[1]}: {reply[2]}")
+        return reply
+
+    def state(self) -> tuple[int, int, list[str]]:
+        _, leases, sessions, names = self.call("state")
+        return leases, sessions, names
+
+    def kill(self) -> None:
+        self.killed = True
+        self.process.kill()
+        self.process.join(JOIN_S)
+        assert self.process.exitcode == -signal.SIGKILL
+
+    def stop(self) -> None:
+        try:
+            if not self.killed:
+                self.conn.send(("stop",))
+                reply = self._recv(JOIN_S)
+                assert reply == ("bye", 0), reply
+            self.process.join(JOIN_S)
+            assert not self.process.is_alive(), "the producer child did not exit"
+            assert self.process.exitcode == (-signal.SIGKILL if self.killed else 0)
+        finally:
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(JOIN_S)
+            self.conn.close()
+            self.process.close()
+
+
+@dataclass
+class ProducerRig:
+    child: ProducerChild
+    upstream: aib.Publisher  # in this process: what the child relays from
+    path: str  # the child's publisher
+    session: aib.Session  # this process's session to the child's publisher
+
+
+@pytest.fixture
+def producer(sock_dir: str) -> Iterator[ProducerRig]:
+    """A producer child (spawn) with its own Publisher, connected to a Publisher in this process."""
+    upstream = aib.Publisher(os.path.join(sock_dir, "up.sock"))
+    path = os.path.join(sock_dir, "child.sock")
+    child = ProducerChild(path, upstream.path)
+    session = None
+    try:
+        session = aib.connect(path, timeout=10.0)
+        yield ProducerRig(child, upstream, path, session)
+    finally:
+        if session is not None:
+            session.close()
+        child.stop()
+        upstream.close()
+        assert upstream.active_leases == 0
+
+
+class FakePublisher:
+    """A hand-written publisher on ``transport.Server``: answers HELLO (or not), answers each GET with
+    the next scripted frame (``None``: never answers), records the RELEASE frames it gets."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        welcome: bool = True,
+        replies: list[tuple[int, bytes, list[int]] | None] | None = None,
+    ) -> None:
+        self.releases: queue.Queue[int] = queue.Queue()
+        self._welcome = welcome
+        self._replies = list(replies or [])
+        self.server = transport.Server(path, self._handle, name="aib-fake")
+        self.path = self.server.path
+
+    def _handle(self, conn: transport.Connection) -> None:
+        while True:
+            try:
+                frame = conn.recv()
+            except aib.PeerClosedError:
+                return
+            frame.close_fds()
+            if frame.kind == protocol.HELLO and self._welcome:
+                info = {"protocol": protocol.PROTOCOL_VERSION, "wire": [1, 0], "publisher_id": "fake", "pid": 0}
+                conn.send(protocol.WELCOME, protocol.encode_json(info))
+            elif frame.kind == protocol.GET:
+                reply = self._replies.pop(0) if self._replies else None
+                if reply is not None:
+                    conn.send(*reply)
+            elif frame.kind == protocol.RELEASE:
+                self.releases.put(protocol.decode_lease(frame.payload))
+
+    def close(self) -> None:
+        self.server.close()
+
+    def __enter__(self) -> FakePublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- 1. cross-process round trips ---------------------------------------------------------------------------
+def relay_round_trip(rig: ProducerRig, obj: Any, name: str = "x") -> None:
+    """Publish ``obj`` here, have the child ``get`` and republish it, ``get`` it back and compare; then
+    check that every lease of the chain ends in both processes."""
+    rig.upstream.publish(name, obj)
+    stats = rig.child.call("relay", name)[1]
+    assert stats["copied_bytes"] >= 0
+    with rig.session.get(name) as imported:
+        got = materialize(imported, obj)
+        # The child's export holds the array structs of its import, so its lease on us lasts until it
+        # unpublishes; a stream without batches has no array struct (the schema needs no lease).
+        holds_arrays = isinstance(imported, aib.ImportedArray) or imported.batch_count > 0
+    if holds_arrays:
+        assert rig.upstream.active_leases == 1
+    else:
+        assert wait_for(lambda: rig.upstream.active_leases == 0, 5.0)
+    assert_arrays_equal(got, obj)
+    del got
+    settle()
+    assert wait_for(lambda: rig.child.state()[0] == 0, 5.0), "our lease on the child did not end"
+    rig.child.call("unpublish", name)
+    rig.upstream.unpublish(name)
+    assert wait_for(lambda: rig.upstream.active_leases == 0, 5.0), "the child's lease on us did not end"
+
+
+@HYPOTHESIS_WITH_FIXTURES
+@given(obj=ANY_ARROW)
+def test_relay_round_trip_all_types(producer: ProducerRig, obj: Any) -> None:
+    """Any array, record batch or table (every Arrow type, nulls, slices, nesting, metadata) published here,
+    imported by the producer child and republished from its own imported object, comes back equal; the
+    leases of both hops end once the pyarrow objects are dropped and the names unpublished."""
+    relay_round_trip(producer, obj)
+
+
+@HYPOTHESIS_WITH_FIXTURES
+@given(obj=ANY_ARROW, data=st.data())
+def test_producer_child_publishes_its_own_data(producer: ProducerRig, obj: Any, data: st.DataObject) -> None:
+    """Data that lives in the producer child's own pyarrow memory (rebuilt there from Arrow IPC bytes, then
+    often sliced to a non-zero offset) arrives equal to the same rebuild done here."""
+    kind, payload = children.to_ipc(obj)
+    expected = children.from_ipc(kind, payload)
+    window = None
+    n = len(expected) if kind == "array" else expected.num_rows
+    if n and data.draw(st.booleans(), label="slice"):
+        offset = data.draw(st.integers(0, n), label="offset")
+        window = (offset, data.draw(st.integers(0, n - offset), label="length"))
+        expected = expected.slice(*window)
+    producer.child.call("ipc", "x", kind, payload, window)
+    with producer.session.get("x") as imported:
+        got = materialize(imported, kind)
+    assert_arrays_equal(got, expected)
+    del got
+    settle()
+    assert wait_for(lambda: producer.child.state()[0] == 0, 5.0)
+
+
+def stream_batch_count(table: pa.Table) -> int:
+    """How many batches pyarrow's own C stream of ``table`` yields (it skips empty chunks)."""
+    return sum(1 for _ in pa.RecordBatchReader.from_stream(table))
+
+
+def check_fifty(rig: ProducerRig, table: pa.Table) -> None:
+    relay_round_trip(rig, table, name="fifty")
+    kind, payload = children.to_ipc(table)
+    expected = children.from_ipc(kind, payload)
+    rig.child.call("ipc", "fifty", kind, payload, None)
+    with rig.session.get("fifty") as imported:
+        assert isinstance(imported, aib.ImportedStream)
+        assert imported.batch_count == stream_batch_count(expected)
+        got = pa.table(imported)
+    assert len(got.to_batches()) == stream_batch_count(expected)
+    assert_arrays_equal(got, expected)
+
+
+@settings(HYPOTHESIS_WITH_FIXTURES, max_examples=max(3, EXAMPLES // 12))
+@given(table=tables(min_batches=50, max_batches=50, max_rows=5, min_columns=1, max_columns=4))
+def test_tables_with_50_batches_both_ways(producer: ProducerRig, table: pa.Table) -> None:
+    """A 50-batch table crosses the relay (both directions) and the child's own-memory path with every
+    batch (as many as pyarrow's own stream yields: it skips empty chunks) and equal data."""
+    check_fifty(producer, table)
+
+
+def test_fifty_non_empty_batches_arrive_as_fifty(producer: ProducerRig) -> None:
+    """A table of 50 non-empty batches arrives as exactly 50 batches, both ways."""
+    table = sample_table(20, batches=50)
+    assert stream_batch_count(table) == 50
+    check_fifty(producer, table)
+
+
+# --- 2. export + import_message over a socketpair ----------------------------------------------------------
+@pytest.fixture
+def fd_relay() -> Iterator[socket.socket]:
+    """A subprocess running ``fd_relay_main`` on one end of a socketpair; this test holds the other."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, session_children as c; c.fd_relay_main(int(sys.argv[1]))",
+            str(theirs.fileno()),
+        ],
+        pass_fds=[theirs.fileno()],
+        env=child_env(),
+    )
+    theirs.close()
+    ours.settimeout(30.0)
+    try:
+        yield ours
+        children.send_message(ours, b"", [])
+        assert proc.wait(timeout=JOIN_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(JOIN_S)
+        ours.close()
+
+
+@HYPOTHESIS_WITH_FIXTURES
+@given(obj=ANY_ARROW)
+def test_export_import_message_across_processes(fd_relay: socket.socket, obj: Any) -> None:
+    """``aib.export`` here, message + fds through SCM_RIGHTS to a child that imports it with
+    ``Session().import_message``, re-exports the imported object and sends it back the same way: the
+    object that arrives equals the original. Our export is closed right after sending and the child's
+    right after our import, before we read a byte: the mappings keep the data. No fd is left open."""
+    before = fd_count()
+    exported = aib.export(obj)
+    children.send_message(fd_relay, exported.message, exported.fds)
+    exported.close()
+    message, fds = children.recv_message(fd_relay)
+    assert not message.startswith(b"ERROR:"), message.decode(errors="replace")
+    with aib.Session() as session:
+        try:
+            imported = session.import_message(message, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        fd_relay.sendall(b"k")  # the child closes its export now
+        with imported:
+            got = materialize(imported, obj)
+    assert_arrays_equal(got, obj)
+    del got
+    assert fd_count() == before
+
+
+# --- 3. many consumers at once ------------------------------------------------------------------------------
+def test_32_concurrent_sessions(publisher: aib.Publisher) -> None:
+    """32 threads, each with its own session, hold leases on every published name at the same moment (the
+    publisher counts 32 sessions and 32 * names leases), all read correct data, and once they are done
+    every lease and every session is gone."""
+    data = {f"t{i}": sample_table(300 + 50 * i) for i in range(3)}
+    for name, table in data.items():
+        publisher.publish(name, table)
+    consumers = 32
+    barrier = threading.Barrier(consumers + 1)
+    errors: list[str] = []
+
+    def consume() -> None:
+        try:
+            with aib.connect(publisher.path, timeout=30.0) as session:
+                assert sorted(session.list()) == sorted(data)
+                held = {name: session.get(name) for name in data}
+                barrier.wait(timeout=60.0)  # everybody holds a lease on every name
+                barrier.wait(timeout=60.0)  # the main thread has counted them
+                for name, imported in held.items():
+                    with imported:
+                        assert_arrays_equal(pa.table(imported), data[name])
+                for name in data:
+                    with session.get(name) as imported:
+                        assert pa.table(imported).num_rows == data[name].num_rows
+        except BaseException as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+            barrier.abort()
+
+    threads = [threading.Thread(target=consume, name=f"consumer{i}") for i in range(consumers)]
+    for thread in threads:
+        thread.start()
+    try:
+        barrier.wait(timeout=60.0)
+        assert publisher.active_sessions == consumers
+        assert publisher.active_leases == consumers * len(data)
+        barrier.wait(timeout=60.0)
+    except threading.BrokenBarrierError:
+        pass  # a consumer failed: its error is reported below
+    for thread in threads:
+        thread.join(JOIN_S)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert wait_for(lambda: publisher.active_leases == 0, 5.0)
+    assert wait_for(lambda: publisher.active_sessions == 0, 5.0)
+
+
+# --- 4. a consumer killed while it holds a lease ------------------------------------------------------------
+def test_killed_consumer_gives_its_lease_back(publisher: aib.Publisher) -> None:
+    """A consumer process that holds a lease (and a pyarrow table built from it) and is killed with
+    SIGKILL loses its lease within 1 s: ``active_leases`` returns to 0 and ``active_sessions`` drops."""
+    publisher.publish("t", sample_table(5000))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, session_children as c; c.hold_lease_main(sys.argv[1], sys.argv[2])",
+            publisher.path,
+            "t",
+        ],
+        stdout=subprocess.PIPE,
+        env=child_env(),
+    )
+    try:
+        assert read_line(proc.stdout, 60.0) == "held 5000"
+        assert publisher.active_leases == 1
+        assert publisher.active_sessions == 1
+        killed_at = time.monotonic()
+        proc.kill()
+        assert wait_for(lambda: publisher.active_leases == 0, 1.0), "lease still held 1 s after SIGKILL"
+        assert wait_for(lambda: publisher.active_sessions == 0, 1.0)
+        assert time.monotonic() - killed_at < 1.5
+        assert proc.wait(JOIN_S) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(JOIN_S)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    # the publisher still serves
+    with aib.connect(publisher.path, timeout=5.0) as session, session.get("t") as imported:
+        assert pa.table(imported).num_rows == 5000
+
+
+# --- 5. the producer killed while we hold its data ----------------------------------------------------------
+def test_consumer_keeps_data_after_producer_is_killed(
+    producer: ProducerRig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After SIGKILL of the producer, everything we imported stays readable and correct (the table built
+    before, and a new table built from the imported object after), releasing it raises nothing (not even on
+    the reaper thread), and a new ``get`` on the dead session raises TransportError at once, not a hang."""
+    caplog.set_level(logging.WARNING, logger="arrow_ipc_bridge")
+    expected = sample_table(20_000, batches=3)
+    kind, payload = children.to_ipc(expected)
+    producer.child.call("ipc", "big", kind, payload, None)
+    imported = producer.session.get("big")
+    before_kill = pa.table(imported)
+    producer.child.kill()
+    assert_arrays_equal(before_kill, expected)
+    after_kill = pa.table(imported)
+    assert_arrays_equal(after_kill, expected)
+    imported.release()
+    imported.release()
+    assert_arrays_equal(after_kill, expected)
+    del before_kill, after_kill
+    settle()
+    started = time.monotonic()
+    with pytest.raises(aib.TransportError):
+        producer.session.get("big")
+    assert time.monotonic() - started < 2.0
+    with pytest.raises(aib.TransportError):
+        producer.session.list()
+    settle()
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+# --- 6. hostile and broken traffic --------------------------------------------------------------------------
+@contextlib.contextmanager
+def good_consumer(path: str, expected: pa.Table) -> Iterator[dict[str, Any]]:
+    """A well-behaved session getting ``t`` in a loop on a thread while the test body runs."""
+    stats: dict[str, Any] = {"ok": 0, "errors": []}
+    stop = threading.Event()
+
+    def loop() -> None:
+        try:
+            with aib.connect(path, timeout=10.0) as session:
+                while not stop.is_set():
+                    with session.get("t") as imported:
+                        assert_arrays_equal(pa.table(imported), expected)
+                    stats["ok"] += 1
+        except BaseException as exc:
+            stats["errors"].append(f"{type(exc).__name__}: {exc}")
+
+    thread = threading.Thread(target=loop, name="good-consumer")
+    thread.start()
+    try:
+        assert wait_for(lambda: stats["ok"] > 0 or bool(stats["errors"]), 10.0)
+        yield stats
+    finally:
+        ok_before_stop = stats["ok"]
+        assert wait_for(lambda: stats["ok"] > ok_before_stop or bool(stats["errors"]), 10.0)
+        stop.set()
+        thread.join(JOIN_S)
+    assert not thread.is_alive()
+    assert stats["errors"] == []
+
+
+def expect_error_then_close(conn: transport.Connection, error_type: str) -> None:
+    frame = conn.recv(timeout=5.0)
+    frame.close_fds()
+    assert frame.kind == protocol.ERROR, frame
+    body = protocol.decode_json(frame.payload, "ERROR")
+    assert body["type"] == error_type, body
+    with pytest.raises(aib.PeerClosedError):
+        conn.recv(timeout=5.0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload"),
+    [
+        pytest.param(999, b"", id="unknown-kind"),
+        pytest.param(protocol.ITEM, struct.pack("<Q", 1) + b"junk", id="item-from-a-session"),
+        pytest.param(protocol.GET, b"\xff\xfe\xfd", id="get-invalid-utf8"),
+        pytest.param(protocol.GET, b"", id="get-empty-name"),
+        pytest.param(protocol.GET, b"n" * (protocol.MAX_NAME + 1), id="get-name-too-long"),
+        pytest.param(protocol.RELEASE, b"\x01\x02\x03", id="release-3-bytes"),
+        pytest.param(protocol.RELEASE, b"\x00" * 9, id="release-9-bytes"),
+        pytest.param(protocol.HELLO, struct.pack("<H", 99), id="hello-wrong-version"),
+        pytest.param(protocol.HELLO, b"\x01", id="hello-short"),
+    ],
+)
+def test_protocol_violations_get_error_and_close(publisher: aib.Publisher, kind: int, payload: bytes) -> None:
+    """A raw client that first takes a lease, then sends a frame the protocol forbids, gets an ERROR
+    (ProtocolError) and a closed connection; its lease is given back; a well-behaved session is served
+    all along."""
+    table = sample_table(200)
+    publisher.publish("t", table)
+    with good_consumer(publisher.path, table), transport.connect(publisher.path, timeout=5.0) as raw:
+        raw.send(protocol.HELLO, protocol.encode_hello())
+        with raw.recv(timeout=5.0) as welcome:
+            assert welcome.kind == protocol.WELCOME
+        raw.send(protocol.GET, b"t")
+        with raw.recv(timeout=5.0) as item:
+            assert item.kind == protocol.ITEM
+            assert item.fds
+        assert wait_for(lambda: publisher.active_leases >= 1, 1.0)
+        raw.send(kind, payload)
+        expect_error_then_close(raw, "ProtocolError")
+        assert wait_for(lambda: publisher.active_sessions == 1, 5.0)  # only the good consumer is left
+    assert wait_for(lambda: publisher.active_leases == 0, 5.0)
+
+
+def test_raw_client_edge_cases_that_are_allowed(publisher: aib.Publisher) -> None:
+    """Releasing an unknown lease id, or one lease twice, is harmless (no reply, no miscount); a GET of
+    an unknown name answers NotPublishedError and the connection stays usable; descriptors a client
+    attaches to its frames are closed by the publisher (our fd count returns to the baseline)."""
+    publisher.publish("t", sample_table(100))
+    base_fds = fd_count()
+    with transport.connect(publisher.path, timeout=5.0) as raw:
+        raw.send(protocol.RELEASE, protocol.encode_lease(12345))
+        raw.send(protocol.GET, b"t")
+        with raw.recv(timeout=5.0) as item:
+            assert item.kind == protocol.ITEM
+            lease_id, _ = protocol.decode_item(item.payload)
+        raw.send(protocol.GET, b"t")
+        with raw.recv(timeout=5.0) as item2:
+            lease_id2, _ = protocol.decode_item(item2.payload)
+        assert lease_id2 != lease_id
+        assert publisher.active_leases == 2
+        raw.send(protocol.RELEASE, protocol.encode_lease(lease_id))
+        raw.send(protocol.RELEASE, protocol.encode_lease(lease_id))
+        raw.send(protocol.LIST, b"")
+        with raw.recv(timeout=5.0) as names:
+            assert names.kind == protocol.NAMES
+        assert publisher.active_leases == 1
+        raw.send(protocol.GET, "nicht veröffentlicht".encode())
+        with raw.recv(timeout=5.0) as error:
+            assert error.kind == protocol.ERROR
+            assert protocol.decode_json(error.payload, "ERROR")["type"] == "NotPublishedError"
+        # descriptors attached by a client: the publisher closes its copies
+        memfds = [os.memfd_create(f"junk{i}", os.MFD_CLOEXEC) for i in range(3)]
+        try:
+            raw.send(protocol.LIST, b"", memfds)
+            with raw.recv(timeout=5.0) as names:
+                assert names.kind == protocol.NAMES
+        finally:
+            for fd in memfds:
+                os.close(fd)
+    assert wait_for(lambda: publisher.active_leases == 0, 5.0)
+    assert wait_for(lambda: fd_count() == base_fds, 2.0)
+
+
+HEADER = struct.Struct("<4sHHIHH")
+
+
+@pytest.mark.parametrize(
+    ("data", "half_close"),
+    [
+        pytest.param(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", False, id="http-request"),
+        pytest.param(HEADER.pack(b"XXXX", 1, protocol.LIST, 0, 0, 0), False, id="bad-magic"),
+        pytest.param(HEADER.pack(b"AIBT", 7, protocol.LIST, 0, 0, 0), False, id="bad-version"),
+        pytest.param(HEADER.pack(b"AIBT", 1, protocol.LIST, 0, 0, 1), False, id="reserved-set"),
+        pytest.param(HEADER.pack(b"AIBT", 1, protocol.GET, 0xFFFFFFFF, 0, 0), False, id="huge-length"),
+        pytest.param(HEADER.pack(b"AIBT", 1, protocol.LIST, 0, 400, 0), False, id="too-many-fds"),
+        pytest.param(HEADER.pack(b"AIBT", 1, protocol.LIST, 0, 2, 0), False, id="fds-announced-missing"),
+        pytest.param(HEADER.pack(b"AIBT", 1, protocol.GET, 0, 0, 0)[:9], True, id="truncated-header"),
+        pytest.param(HEADER.pack(b"AIBT", 1, protocol.GET, 10, 0, 0) + b"abc", True, id="truncated-payload"),
+        pytest.param(b"", True, id="connect-and-hang-up"),
+    ],
+)
+def test_garbage_bytes_are_dropped(publisher: aib.Publisher, data: bytes, half_close: bool) -> None:
+    """Bytes that are not a valid frame (or a frame cut short by the client) end that connection: the
+    client sees end-of-file or a reset, quickly; the publisher keeps serving a well-behaved session."""
+    table = sample_table(200)
+    publisher.publish("t", table)
+    with good_consumer(publisher.path, table):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.settimeout(5.0)
+            raw.connect(publisher.path)
+            raw.sendall(data)
+            if half_close:
+                raw.shutdown(socket.SHUT_WR)
+            received = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := raw.recv(65536):
+                    received += chunk
+            # nothing but (at most) an ERROR frame comes back
+            assert received == b"" or received[:4] == b"AIBT"
+        assert wait_for(lambda: publisher.active_sessions == 1, 5.0)
+    assert publisher.active_leases == 0 or wait_for(lambda: publisher.active_leases == 0, 5.0)
+
+
+def test_fds_with_a_garbage_frame_are_closed(publisher: aib.Publisher) -> None:
+    """Descriptors that arrive with a frame the publisher rejects (more fds than the header announced)
+    are closed: our fd count returns to the baseline once the connection is dropped."""
+    base_fds = fd_count()
+    memfds = [os.memfd_create(f"junk{i}", os.MFD_CLOEXEC) for i in range(4)]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.settimeout(5.0)
+            raw.connect(publisher.path)
+            socket.send_fds(raw, [HEADER.pack(b"AIBT", 1, protocol.LIST, 0, 1, 0)], memfds)
+            with contextlib.suppress(ConnectionResetError):
+                while raw.recv(65536):
+                    pass
+    finally:
+        for fd in memfds:
+            os.close(fd)
+    assert wait_for(lambda: publisher.active_sessions == 0, 5.0)
+    assert wait_for(lambda: fd_count() == base_fds, 2.0)
+
+
+def test_corrupted_item_messages_raise_wire_format_error(sock_dir: str) -> None:
+    """A publisher that answers GET with a corrupted ITEM (flipped header bytes, truncated, padded, fds
+    missing, payload shorter than a lease id) makes ``session.get`` raise WireFormatError (ProtocolError for
+    the short payload); the descriptors that came with it are closed, the session gives the lease back
+    (the fake publisher receives exactly one RELEASE for that lease id) and stays usable. A valid message
+    whose descriptor is not a file (a pipe) raises RegionError, with the same guarantees."""
+    exported = aib.export(sample_table(300))
+    message, fds = exported.message, exported.fds
+    read_end, write_end = os.pipe()
+    cases: list[tuple[str, type[Exception], bytes, list[int], bool]] = [
+        ("flipped magic", aib.WireFormatError, bytes([message[0] ^ 0xFF]) + message[1:], fds, True),
+        ("flipped version", aib.WireFormatError, message[:4] + bytes([message[4] ^ 0x7F]) + message[5:], fds, True),
+        ("truncated by one", aib.WireFormatError, message[:-1], fds, True),
+        ("truncated to half", aib.WireFormatError, message[: len(message) // 2], fds, True),
+        ("truncated to the header", aib.WireFormatError, message[:16], fds, True),
+        ("empty message", aib.WireFormatError, b"", fds, True),
+        ("trailing bytes", aib.WireFormatError, message + b"\x00" * 7, fds, True),
+        ("fds missing", aib.WireFormatError, message, [], True),
+        ("not a file", aib.RegionError, message, [read_end], True),
+        ("payload shorter than a lease id", aib.ProtocolError, b"", fds, False),
+    ]
+    replies: list[tuple[int, bytes, list[int]] | None] = []
+    for lease_id, (_, _, body, item_fds, with_lease) in enumerate(cases, start=100):
+        payload = protocol.encode_item(lease_id, body) if with_lease else b"\x01\x02\x03"
+        replies.append((protocol.ITEM, payload, item_fds))
+    replies.append((protocol.ITEM, protocol.encode_item(7, message), fds))  # finally a good one
+    try:
+        with FakePublisher(os.path.join(sock_dir, "fake.sock"), replies=replies) as fake:
+            base_fds = fd_count()
+            with aib.connect(fake.path, timeout=5.0) as session:
+                base_fds = fd_count()
+                for lease_id, (what, error, _, _, with_lease) in enumerate(cases, start=100):
+                    with pytest.raises(error):
+                        session.get("t")
+                    assert fd_count() == base_fds, f"{what}: received fds were not closed"
+                    if with_lease:
+                        assert fake.releases.get(timeout=2.0) == lease_id, what
+                    settle()
+                    with pytest.raises(queue.Empty):
+                        fake.releases.get(timeout=0.05)
+                with session.get("t") as imported:
+                    assert_arrays_equal(pa.table(imported), sample_table(300))
+                settle()
+                assert fake.releases.get(timeout=2.0) == 7
+    finally:
+        exported.close()
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_error_reply_with_bad_json_is_protocol_error(sock_dir: str) -> None:
+    """An ERROR reply that is not JSON, or JSON of the wrong shape, raises ProtocolError; a well-formed
+    one of an unknown type arrives as BridgeError with the publisher's message."""
+    replies: list[tuple[int, bytes, list[int]] | None] = [
+        (protocol.ERROR, b"\xff not json", []),
+        (protocol.ERROR, b"[1, 2]", []),
+        (protocol.ERROR, protocol.encode_json({"type": "Weird", "message": "boom"}), []),
+        (protocol.NAMES, protocol.encode_json(["t"]), []),
+    ]
+    with FakePublisher(os.path.join(sock_dir, "fake.sock"), replies=replies) as fake:
+        with aib.connect(fake.path, timeout=5.0) as session:
+            with pytest.raises(aib.ProtocolError):
+                session.get("t")
+            with pytest.raises(aib.ProtocolError):
+                session.get("t")
+            with pytest.raises(aib.BridgeError, match="publisher: boom"):
+                session.get("t")
+            with pytest.raises(aib.ProtocolError, match="expected ITEM"):
+                session.get("t")
+
+
+# --- 8. lease semantics -------------------------------------------------------------------------------------
+def test_lease_lasts_until_pyarrow_lets_go(publisher: aib.Publisher) -> None:
+    """get -> pa.table -> release the imported object: the publisher still counts the lease (the table
+    holds the structs); dropping the table ends it shortly after. Releasing twice is harmless; using a
+    released object raises ReleasedError."""
+    expected = sample_table(1000)
+    publisher.publish("t", expected)
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        imported = session.get("t")
+        table = pa.table(imported)
+        imported.release()
+        assert imported.released
+        time.sleep(0.1)
+        assert publisher.active_leases == 1
+        assert_arrays_equal(table, expected)
+        imported.release()
+        with pytest.raises(aib.ReleasedError):
+            pa.table(imported)
+        assert publisher.active_leases == 1
+        del table
+        gc.collect()
+        assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_dropping_imported_without_release_ends_the_lease(publisher: aib.Publisher) -> None:
+    """An imported object that is just dropped (never released) gives its lease back once collected."""
+    publisher.publish("t", sample_table(100))
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        imported = session.get("t")
+        assert publisher.active_leases == 1
+        del imported
+        gc.collect()
+        assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_session_close_releases_everything(publisher: aib.Publisher) -> None:
+    """``session.close()`` releases every imported object it handed out and ends all its leases; tables
+    built before stay valid, even after the publisher itself is closed."""
+    expected = sample_table(500)
+    publisher.publish("a", expected)
+    publisher.publish("b", expected.slice(100, 50))
+    session = aib.connect(publisher.path, timeout=5.0)
+    held = [session.get("a"), session.get("b"), session.get("a")]
+    kept = pa.table(held[0])
+    assert publisher.active_leases == 3
+    session.close()
+    session.close()
+    assert all(imported.released for imported in held)
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+    assert wait_for(lambda: publisher.active_sessions == 0, 2.0)
+    with pytest.raises(aib.BridgeError, match="closed"):
+        session.get("a")
+    publisher.close()
+    assert_arrays_equal(kept, expected)
+
+
+def test_unpublish_while_leased(publisher: aib.Publisher) -> None:
+    """Unpublishing a name while a lease is held keeps the consumer's data valid; a new ``get`` of it
+    raises NotPublishedError (a KeyError) and the session stays usable; unpublishing twice raises too."""
+    expected = sample_table(3000)
+    publisher.publish("t", expected)
+    publisher.publish("other", expected.slice(0, 10))
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        imported = session.get("t")
+        publisher.unpublish("t")
+        assert publisher.names() == ["other"]
+        assert session.list() == ["other"]
+        with pytest.raises(aib.NotPublishedError):
+            session.get("t")
+        with pytest.raises(KeyError):
+            session.get("t")
+        with pytest.raises(aib.NotPublishedError):
+            publisher.unpublish("t")
+        assert publisher.active_leases == 1
+        settle()
+        assert_arrays_equal(pa.table(imported), expected)
+        with session.get("other") as other:
+            assert pa.table(other).num_rows == 10
+        imported.release()
+        settle()
+        assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_republish_replaces_for_new_gets(publisher: aib.Publisher) -> None:
+    """Publishing again under a name serves the new object to new gets, while an earlier lease keeps
+    seeing the old one."""
+    old, new = sample_table(100), pa.table({"x": pa.array(["new"] * 7)})
+    publisher.publish("t", old)
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        first = session.get("t")
+        publisher.publish("t", new)
+        with session.get("t") as second:
+            assert_arrays_equal(pa.table(second), new)
+        settle()
+        assert_arrays_equal(pa.table(first), old)
+        first.release()
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_publish_validation_and_after_close(publisher: aib.Publisher) -> None:
+    """Invalid names raise ValueError; publishing on a closed publisher raises BridgeError and leaves
+    nothing behind (checked by the leak fixture)."""
+    with pytest.raises(ValueError, match="name"):
+        publisher.publish("", pa.array([1]))
+    with pytest.raises(ValueError, match="name"):
+        publisher.publish("n" * (protocol.MAX_NAME + 1), pa.array([1]))
+    with pytest.raises(aib.CapsuleError):
+        publisher.publish("x", object())
+    publisher.close()
+    with pytest.raises(aib.BridgeError, match="closed"):
+        publisher.publish("x", pa.array([1, 2, 3]))
+    assert publisher.names() == []
+
+
+# --- 9. zero copy -------------------------------------------------------------------------------------------
+@pytest.fixture
+def shm_file() -> Iterator[tuple[str, pa.Table]]:
+    table = sample_table(4000, batches=2)
+    path = write_shm_ipc_file(table)
+    yield path, table
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def test_zero_copy_publish_and_mapping_cache(publisher: aib.Publisher, shm_file: tuple[str, pa.Table]) -> None:
+    """A table memory-mapped from an Arrow IPC file in /dev/shm publishes with no byte copied (even under
+    ``copy="never"``); a second get of it hits the session's mapping cache; the data is equal."""
+    path, expected = shm_file
+    mapped = pa.ipc.open_file(pa.memory_map(path)).read_all()
+    stats = publisher.publish("z", mapped, copy="never")
+    assert stats.copied_bytes == 0
+    assert stats.zero_copy_regions >= 1
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        cache = session.mapping_cache
+        with session.get("z") as first:
+            assert_arrays_equal(pa.table(first), expected)
+        hits = cache.hits
+        with session.get("z") as second:
+            assert_arrays_equal(pa.table(second), expected)
+        assert cache.hits > hits
+    del mapped
+
+
+def test_copy_never_refuses_heap_data(publisher: aib.Publisher) -> None:
+    """``copy="never"`` on ordinary heap data raises CopyRequiredError (a RegionError), publishes
+    nothing, and leaves the publisher serving; a publisher made with ``copy="never"`` refuses too."""
+    with pytest.raises(aib.CopyRequiredError):
+        publisher.publish("h", sample_table(100), copy="never")
+    assert publisher.names() == []
+    stats = publisher.publish("h", sample_table(100))
+    assert stats.copied_bytes > 0
+    with aib.Publisher(publisher.path + ".2", copy="never") as strict, pytest.raises(aib.RegionError):
+        strict.publish("h", pa.array([1, 2, 3]))
+
+
+def test_zero_copy_from_producer_child(producer: ProducerRig, shm_file: tuple[str, pa.Table]) -> None:
+    """Across processes: the producer child publishes the memory-mapped table with no copy; two gets here
+    share one cached mapping and read equal data; the data stays valid after the child unpublishes."""
+    path, expected = shm_file
+    stats = producer.child.call("mmap", "z", path, "never")[1]
+    assert stats["copied_bytes"] == 0
+    assert stats["zero_copy_regions"] >= 1
+    cache = producer.session.mapping_cache
+    first = producer.session.get("z")
+    hits = cache.hits
+    with producer.session.get("z") as second:
+        assert_arrays_equal(pa.table(second), expected)
+    assert cache.hits > hits
+    producer.child.call("unpublish", "z")
+    assert_arrays_equal(pa.table(first), expected)
+    first.release()
+    settle()
+    assert wait_for(lambda: producer.child.state()[0] == 0, 5.0)
+
+
+# --- 10. timeouts and unreachable publishers ----------------------------------------------------------------
+def test_connect_without_publisher_fails_fast(sock_dir: str) -> None:
+    """No socket file, a stale socket file and a regular file all raise TransportError within a second."""
+    missing = os.path.join(sock_dir, "missing.sock")
+    stale = os.path.join(sock_dir, "stale.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(stale)
+    regular = os.path.join(sock_dir, "file")
+    with open(regular, "w") as f:
+        f.write("not a socket")
+    for path in (missing, stale, regular):
+        started = time.monotonic()
+        with pytest.raises(aib.TransportError):
+            aib.connect(path, timeout=5.0)
+        assert time.monotonic() - started < 1.0
+
+
+def test_silent_server_times_out(sock_dir: str) -> None:
+    """A server that accepts but never answers HELLO makes ``connect`` raise BridgeTimeoutError after
+    about the timeout; one that welcomes but never answers GET makes ``get`` raise it, after which the
+    session's connection is closed (the next request raises TransportError at once)."""
+    with FakePublisher(os.path.join(sock_dir, "mute.sock"), welcome=False) as mute:
+        started = time.monotonic()
+        with pytest.raises(aib.BridgeTimeoutError):
+            aib.connect(mute.path, timeout=0.5)
+        assert 0.45 <= time.monotonic() - started < 2.0
+    with FakePublisher(os.path.join(sock_dir, "slow.sock")) as slow:
+        session = aib.connect(slow.path, timeout=0.5)
+        try:
+            started = time.monotonic()
+            with pytest.raises(aib.BridgeTimeoutError):
+                session.get("t")
+            assert 0.45 <= time.monotonic() - started < 2.0
+            started = time.monotonic()
+            with pytest.raises(aib.TransportError):
+                session.get("t")
+            assert time.monotonic() - started < 0.5
+        finally:
+            session.close()
+
+
+# --- 11. the socket file ------------------------------------------------------------------------------------
+def test_socket_file_mode_and_exclusive_path(sock_dir: str) -> None:
+    """The socket file is mode 0600; a second Publisher on a live path raises TransportError and leaves
+    the first one serving; a stale socket file is replaced; a regular file is refused; close removes
+    the file."""
+    path = os.path.join(sock_dir, "p.sock")
+    with aib.Publisher(path) as first:
+        st_ = os.stat(path)
+        assert stat.S_ISSOCK(st_.st_mode)
+        assert stat.S_IMODE(st_.st_mode) == 0o600
+        with pytest.raises(aib.TransportError):
+            aib.Publisher(path)
+        first.publish("t", pa.array([1, 2, 3]))
+        with aib.connect(path, timeout=5.0) as session, session.get("t") as imported:
+            assert pa.array(imported).to_pylist() == [1, 2, 3]
+    assert not os.path.exists(path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(path)
+    with aib.Publisher(path) as replacing:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert replacing.names() == []
+    regular = os.path.join(sock_dir, "regular")
+    with open(regular, "w") as f:
+        f.write("x")
+    with pytest.raises(aib.TransportError):
+        aib.Publisher(regular)
+    assert os.path.isfile(regular)
+
+
+# --- 7. nothing left over -----------------------------------------------------------------------------------
+def test_zz_nothing_left_after_all_tests(warm: dict[str, int]) -> None:
+    """After every test above: open fds, live owners/nodes/mappings, reaper callbacks and threads are
+    back to what they were before the first test (runs last in this file)."""
+    assert_back_to(warm)
