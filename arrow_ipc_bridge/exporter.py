@@ -7,11 +7,12 @@ and caches the result per published name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal
 
-from arrow_ipc_bridge.capsules import DEVICE_CPU, CapturedData, capture
+from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA, CapturedData, capture
 from arrow_ipc_bridge.errors import BridgeError
 from arrow_ipc_bridge.memory.host import HostExport, export_host_buffers
 from arrow_ipc_bridge.metadata import (
@@ -45,7 +46,8 @@ class Exported:
     """One exported object: send ``message`` and ``fds`` to the consumer, then keep this alive
     until the consumer is done (or rely on the consumer's own mappings for host memory).
 
-    ``close()`` releases the producer's hold: the captured structs and the region fds.
+    ``close()`` releases the producer's hold: the captured structs, the region fds and, for device
+    data, the sync event and any policy copies.
     """
 
     message: bytes
@@ -53,7 +55,7 @@ class Exported:
     is_stream: bool
     stats: ExportStats
     _captured: CapturedData = field(repr=False)
-    _host: HostExport | None = field(repr=False, default=None)
+    _closers: list[Callable[[], None]] = field(repr=False, default_factory=list)
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -65,8 +67,8 @@ class Exported:
         if self._closed:
             return
         self._closed = True
-        if self._host is not None:
-            self._host.close()
+        for close in self._closers:
+            close()
         self._captured.close()
 
     def __enter__(self) -> Exported:
@@ -112,21 +114,26 @@ def _place_host_buffers(described: Described, copy: CopyPolicy) -> tuple[list[Re
 def export_captured(captured: CapturedData, *, copy: CopyPolicy = "if_needed") -> Exported:
     """Export data already captured (takes ownership of ``captured``)."""
     try:
-        if captured.device_type != DEVICE_CPU:
-            raise BridgeError(
-                f"exporting data on device type {captured.device_type} is not supported by this build: "
-                "only host (CPU) memory can be exported"
-            )
-        described = Described(captured)
-        regions, host = _place_host_buffers(described, copy)
+        if captured.device_type == DEVICE_CPU:
+            return _export_host(captured, copy)
+        if captured.device_type == DEVICE_CUDA:
+            return _export_cuda(captured, copy)
+        raise BridgeError(
+            f"exporting data on device type {captured.device_type} is not supported: "
+            "host (CPU) and CUDA device memory are"
+        )
     except BaseException:
         captured.close()
         raise
+
+
+def _export_host(captured: CapturedData, copy: CopyPolicy) -> Exported:
+    described = Described(captured)
+    regions, host = _place_host_buffers(described, copy)
     try:
         message = described.encode(DeviceInfo(device_type=DEVICE_CPU), regions, n_fds=len(host.regions))
     except BaseException:
         host.close()
-        captured.close()
         raise
     stats = ExportStats(
         regions=len(regions),
@@ -134,7 +141,41 @@ def export_captured(captured: CapturedData, *, copy: CopyPolicy = "if_needed") -
         copied_bytes=host.copied_bytes,
         buffers=len(host.placements),
     )
-    return Exported(message, host.fds(), described.is_stream, stats, captured, host)
+    return Exported(message, host.fds(), described.is_stream, stats, captured, [host.close])
+
+
+def _export_cuda(captured: CapturedData, copy: CopyPolicy) -> Exported:
+    from arrow_ipc_bridge.memory import cuda, cuda_regions
+
+    device = captured.device_id
+    described = Described(captured)
+    placer = cuda_regions.CudaPlacer(device, copy=copy)
+    placer.resolve_pending_lengths(described)
+    placement = placer.place(described)
+    closers: list[Callable[[], None]] = [placement.close]
+    try:
+        # The consumer must not read before the producer's writes are done: our interprocess event
+        # waits on the producer's own sync event (if any) and travels with the message.
+        events = cuda_regions.event_pool(device)
+        event = events.acquire()
+        closers.append(lambda: events.release(event))
+        producer_event = captured.arrays[0].sync_event if captured.arrays else None
+        if producer_event:
+            cuda.stream_wait_event(0, cuda_regions.event_value(producer_event), device=device)
+        event.record(0)
+        info = DeviceInfo(device_type=DEVICE_CUDA, identity=cuda.device_uuid(device), sync=event.ipc_handle())
+        message = described.encode(info, placement.regions, n_fds=len(placement.fds))
+    except BaseException:
+        for close in closers:
+            close()
+        raise
+    stats = ExportStats(
+        regions=len(placement.regions),
+        zero_copy_regions=len(placement.regions) - len(placement.copies),
+        copied_bytes=placement.copied_bytes,
+        buffers=placement.buffers,
+    )
+    return Exported(message, list(placement.fds), described.is_stream, stats, captured, closers)
 
 
 def export(

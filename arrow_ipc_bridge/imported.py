@@ -13,7 +13,7 @@ from types import TracebackType
 from typing import Any
 
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
-from arrow_ipc_bridge.capsules import ArrowArrayExporter, ArrowExporter
+from arrow_ipc_bridge.capsules import ArrowArrayExporter, ArrowExporter, capsule_struct
 from arrow_ipc_bridge.errors import ReleasedError
 from arrow_ipc_bridge.metadata import Decoded
 
@@ -84,6 +84,19 @@ class _ImportedBase(ArrowExporter):
 
     def _sync_event(self) -> Any:
         return self._sync
+
+    @property
+    def root_format(self) -> str:
+        """The Arrow format string of the root (``"+s"`` for record batches and tables)."""
+        capsule = self.__arrow_c_schema__()
+        return str(ffi.string(capsule_struct(capsule, "schema").format).decode())
+
+    def to_host(self) -> Any:
+        """A host copy as pyarrow (``Table`` for streams, ``RecordBatch`` for struct roots, else
+        ``Array``); device data is copied after waiting for the producer's sync event."""
+        from arrow_ipc_bridge.device import to_host
+
+        return to_host(self)  # type: ignore[arg-type]
 
     # -- struct builders --
     def _fill_schema(self, out: Any) -> None:

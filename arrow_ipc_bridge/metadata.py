@@ -255,6 +255,9 @@ class Decoded:
             raise MemoryError("allocating an import owner")
         lib.aib_owner_attach_decoded(owner, out[0])
         self._d = out[0]
+        self._message = bytes(message)
+        self._n_fds = n_fds
+        self._allow_process_regions = allow_process_regions
         # ffi.gc drops our reference when this object goes away; close() does it early through
         # ffi.release. (weakref.finalize would cost more than the whole decode.)
         self.owner = ffi.gc(owner, lib.aib_owner_unref)
@@ -316,6 +319,11 @@ class Decoded:
             sync=ffi.buffer(info.sync, info.sync_len)[:],
         )
 
+    def copy(self) -> Decoded:
+        """The same message decoded again, with an owner of its own (for data copied elsewhere)."""
+        self._live()
+        return Decoded(self._message, self._n_fds, allow_process_regions=self._allow_process_regions)
+
     def depend_on(self, region_owner: Any) -> None:
         """Keep ``region_owner`` (a mapping) alive as long as this message's owner lives."""
         self._live()
@@ -328,10 +336,24 @@ class Decoded:
         if rc:
             raise_for(rc, err, "rebuilding the schema")
 
-    def rebuild_array(self, batch: int, region_bases: Any, out: Any) -> None:
-        """Build batch ``batch`` into ``out``; ``region_bases`` is a ``uint64_t[]`` cdata."""
+    def buffer_refs(self) -> list[tuple[int, int, int]]:
+        """Every buffer reference of every batch: ``(slot code, offset, length)`` (see ``SLOT_*``)."""
+        d = self._live()
+        n = int(lib.aib_decoded_buffer_count(d))
+        if n == 0:
+            return []
+        words = memoryview(ffi.buffer(lib.aib_decoded_buffers(d), n * _SLOT_WORDS * 8)).cast("B").cast("Q")
+        return [(words[i + 2], words[i + 3], words[i + 1]) for i in range(0, n * _SLOT_WORDS, _SLOT_WORDS)]
+
+    def rebuild_array(self, batch: int, region_bases: Any, out: Any, *, owner: Any = None) -> None:
+        """Build batch ``batch`` into ``out``; ``region_bases`` is a ``uint64_t[]`` cdata.
+
+        Every node holds a reference on ``owner`` (default: this message's owner); pass another
+        owner when the buffers live elsewhere (a host copy of device data).
+        """
         err = new_error()
-        rc = lib.aib_rebuild_array(self._live(), batch, region_bases, len(region_bases), self.owner, out, err)
+        holder = self.owner if owner is None else owner
+        rc = lib.aib_rebuild_array(self._live(), batch, region_bases, len(region_bases), holder, out, err)
         if rc:
             raise_for(rc, err, "rebuilding an array")
 

@@ -17,18 +17,17 @@ from types import TracebackType
 
 from arrow_ipc_bridge import _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, lib
-from arrow_ipc_bridge.capsules import DEVICE_CPU
+from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
     PeerClosedError,
     ProtocolError,
     RegionError,
-    WireFormatError,
 )
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
 from arrow_ipc_bridge.memory.host_map import HostMappingCache
-from arrow_ipc_bridge.metadata import REGION_FLAG_ZERO_COPY, REGION_HOST_FD, REGION_PROCESS, Decoded
+from arrow_ipc_bridge.metadata import REGION_FLAG_ZERO_COPY, REGION_HOST_FD, Decoded, DeviceInfo
 
 __all__ = ["Session", "connect"]
 
@@ -77,33 +76,61 @@ class Session:
         decoded = Decoded(message, len(fds), token=token)
         try:
             device = decoded.device()
-            if device.device_type != DEVICE_CPU:
+            if device.device_type == DEVICE_CPU:
+                bases = self._map_host_regions(decoded, fds)
+                imported = imported_from(decoded, bases, device_type=DEVICE_CPU, device_id=-1, name=name)
+            elif device.device_type == DEVICE_CUDA:
+                imported = self._open_cuda_regions(decoded, fds, device, name)
+            else:
                 raise RegionError(
-                    f"the message holds data on device type {device.device_type}; this build imports host "
-                    "(CPU) memory only"
+                    f"the message holds data on device type {device.device_type}, "
+                    "which this build cannot import"
                 )
-            bases: list[int] = []
-            for region in decoded.regions():
-                if region.kind == REGION_PROCESS:
-                    raise WireFormatError(
-                        "a same-process region arrived from another process", field="regions"
-                    )
-                if region.kind != REGION_HOST_FD or region.fd_index < 0:
-                    raise RegionError(f"region kind {region.kind} cannot be imported into host memory")
-                mapped = self._cache.map(
-                    fds[region.fd_index], region, cacheable=bool(region.flags & REGION_FLAG_ZERO_COPY)
-                )
-                try:
-                    decoded.depend_on(mapped.owner)
-                finally:
-                    lib.aib_owner_unref(mapped.owner)
-                bases.append(mapped.base)
         except BaseException:
             decoded.close()
             raise
-        imported = imported_from(decoded, bases, device_type=DEVICE_CPU, device_id=-1, name=name)
         self._imported.add(imported)
         return imported
+
+    def _map_host_regions(self, decoded: Decoded, fds: Sequence[int]) -> list[int]:
+        bases: list[int] = []
+        for region in decoded.regions():
+            if region.kind != REGION_HOST_FD or region.fd_index < 0:
+                raise RegionError(f"region kind {region.kind} cannot be imported into host memory")
+            mapped = self._cache.map(
+                fds[region.fd_index], region, cacheable=bool(region.flags & REGION_FLAG_ZERO_COPY)
+            )
+            try:
+                decoded.depend_on(mapped.owner)
+            finally:
+                lib.aib_owner_unref(mapped.owner)
+            bases.append(mapped.base)
+        return bases
+
+    def _open_cuda_regions(
+        self, decoded: Decoded, fds: Sequence[int], device: DeviceInfo, name: str | None
+    ) -> Imported:
+        from arrow_ipc_bridge.memory import cuda, cuda_regions
+
+        # The producer's GPU, by UUID, in this process's numbering (CUDA_VISIBLE_DEVICES may differ).
+        ordinal = cuda.ordinal_for_uuid(device.identity)
+        opener = cuda_regions.opener()
+        bases: list[int] = []
+        for region in decoded.regions():
+            opened = opener.open(region, list(fds), ordinal)
+            try:
+                decoded.depend_on(opened.owner)
+            finally:
+                lib.aib_owner_unref(opened.owner)
+            bases.append(opened.base)
+        sync = None
+        if device.sync:
+            slot = cuda_regions.owner_slot(decoded.owner)
+            slot[0] = cuda.open_ipc_event(device.sync, ordinal)
+            sync = slot
+        return imported_from(
+            decoded, bases, device_type=DEVICE_CUDA, device_id=ordinal, sync_event=sync, name=name
+        )
 
     # ---------- publisher conversation --------------------------------------------------------------
     def _attach(self, conn: transport.Connection, timeout: float) -> None:

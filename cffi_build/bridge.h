@@ -52,7 +52,13 @@ aib_owner *aib_owner_new_mapping(uint64_t token, int fd, uint64_t file_offset, u
  * are freed too). Releases them when the owner dies: this is how a producer's data stays alive. */
 aib_owner *aib_owner_new_capture(uint64_t token, struct ArrowSchema *schema,
                                  struct ArrowDeviceArray **arrays, int64_t n_arrays);
+/* An owner holding `size` bytes of host memory (64-byte aligned, uninitialised), freed when it
+ * dies: the target of device-to-host copies whose structs must keep it alive. NULL on failure. */
+aib_owner *aib_owner_new_host_buffer(uint64_t token, uint64_t size, void **address_out);
 int aib_owner_add_dependency(aib_owner *owner, aib_owner *dependency);
+/* An 8-byte slot inside the owner, valid while the owner lives: rebuilt device arrays point their
+ * sync_event here (the spec wants a pointer to the CUevent, which must outlive every struct). */
+uint64_t *aib_owner_slot(aib_owner *owner);
 /* The owner takes the decoded message and frees it when it dies, so anything holding the owner
  * (a served stream, an imported array's structs) can keep rebuilding from it. */
 int aib_owner_attach_decoded(aib_owner *owner, aib_decoded *decoded);
@@ -267,6 +273,8 @@ const aib_region *aib_decoded_regions(const aib_decoded *d);
 const aib_device_info *aib_decoded_device(const aib_decoded *d);
 size_t aib_decoded_node_count(const aib_decoded *d);
 size_t aib_decoded_buffer_count(const aib_decoded *d);
+/* Every buffer reference of every batch (address is 0; region, offset, length as decoded). */
+const aib_buffer_slot *aib_decoded_buffers(const aib_decoded *d);
 
 /* A fresh schema tree (own strings). */
 int aib_rebuild_schema(const aib_decoded *d, struct ArrowSchema *out, aib_error *err);

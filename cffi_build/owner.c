@@ -139,6 +139,8 @@ struct aib_owner {
   struct ArrowDeviceArray **arrays;
   int64_t n_arrays;
   aib_decoded *decoded;
+  void *host_buffer; /* host-buffer owners */
+  uint64_t slot;
   aib_owner **deps;
   int n_deps, cap_deps;
 };
@@ -198,6 +200,23 @@ aib_owner *aib_owner_new_capture(uint64_t token, struct ArrowSchema *schema,
   return o;
 }
 
+aib_owner *aib_owner_new_host_buffer(uint64_t token, uint64_t size, void **address_out) {
+  *address_out = NULL;
+  if (size > ((uint64_t)1 << 48)) return NULL;
+  void *p = NULL;
+  if (posix_memalign(&p, 64, size ? (size_t)size : 64) != 0) return NULL;
+  aib_owner *o = owner_alloc(token);
+  if (o == NULL) {
+    free(p);
+    return NULL;
+  }
+  o->host_buffer = p;
+  *address_out = p;
+  return o;
+}
+
+uint64_t *aib_owner_slot(aib_owner *owner) { return &owner->slot; }
+
 int aib_owner_add_dependency(aib_owner *owner, aib_owner *dependency) {
   if (owner->n_deps == owner->cap_deps) {
     int cap = owner->cap_deps ? owner->cap_deps * 2 : 4;
@@ -236,6 +255,7 @@ void aib_owner_unref(aib_owner *owner) {
   free(owner->arrays);
   aib_schema_free(owner->schema);
   if (owner->decoded != NULL) aib_decoded_release_internal(owner->decoded);
+  free(owner->host_buffer);
   for (int i = 0; i < owner->n_deps; i++) aib_owner_unref(owner->deps[i]);
   free(owner->deps);
   uint64_t token = owner->token;

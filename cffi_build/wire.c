@@ -1007,6 +1007,7 @@ const aib_region *aib_decoded_regions(const aib_decoded *d) { return d->regions;
 const aib_device_info *aib_decoded_device(const aib_decoded *d) { return &d->device; }
 size_t aib_decoded_node_count(const aib_decoded *d) { return d->m.n_nodes; }
 size_t aib_decoded_buffer_count(const aib_decoded *d) { return d->m.n_slots; }
+const aib_buffer_slot *aib_decoded_buffers(const aib_decoded *d) { return d->m.slots; }
 
 /* ---------- rebuild ----------------------------------------------------------------------------- */
 /* Zero-length buffers that must not be NULL point here; nobody reads through them. */

@@ -26,7 +26,11 @@ _LEN = struct.Struct("<Q")
 def to_ipc(obj: pa.Array | pa.RecordBatch | pa.Table) -> tuple[str, bytes]:
     """``(kind, bytes)``: ``obj`` as an Arrow IPC stream; arrays travel as a one-column batch."""
     if isinstance(obj, pa.Array):
-        kind, schema, batches = "array", pa.schema([pa.field("", obj.type)]), [pa.record_batch([obj], names=[""])]
+        kind, schema, batches = (
+            "array",
+            pa.schema([pa.field("", obj.type)]),
+            [pa.record_batch([obj], names=[""])],
+        )
     elif isinstance(obj, pa.RecordBatch):
         kind, schema, batches = "batch", obj.schema, [obj]
     else:
@@ -51,7 +55,7 @@ def from_ipc(kind: str, data: bytes) -> pa.Array | pa.RecordBatch | pa.Table:
 def _import_test_types() -> None:
     # The tests' extension type must be registered here too, so that IPC data carrying it is rebuilt
     # as that type (tests/ is on sys.path: spawn copies the parent's, subprocess gets PYTHONPATH).
-    import arrow_strategies  # noqa: F401, PLC0415
+    import arrow_strategies  # noqa: F401
 
 
 # --- a long-lived producer, driven over a multiprocessing pipe ----------------------------------------------
@@ -185,7 +189,7 @@ def fd_relay_main(sock_fd: int) -> None:
         sock.close()
 
 
-# --- a consumer that holds a lease until it is killed --------------------------------------------------------
+# --- a consumer that holds a lease until it is killed ------------------------------------------------------
 def hold_lease_main(path: str, name: str) -> None:
     """Connect, ``get`` ``name``, build a pyarrow table from it, print ``held``, then sleep (to be killed)."""
     session = aib.connect(path, timeout=10.0)
@@ -194,3 +198,31 @@ def hold_lease_main(path: str, name: str) -> None:
     print(f"held {table.num_rows}", flush=True)
     time.sleep(120)
     sys.exit(3)  # only reached if nobody killed us
+
+
+# --- repro of a leak, isolated in its own process -----------------------------------------------------------
+def cache_size_zero_main(ipc_path: str) -> None:
+    """Import a zero-copy table twice through ``Session(mapping_cache_size=0)``: it must work, cache
+    nothing and leave no owner, node or mapping behind. Prints ``ok``; any failure exits non-zero."""
+    import gc
+
+    from arrow_ipc_bridge import _reaper
+    from arrow_ipc_bridge._ffi import lib
+
+    def live() -> tuple[int, int, int]:
+        gc.collect()
+        _reaper.drain()
+        return int(lib.aib_live_owners()), int(lib.aib_live_nodes()), int(lib.aib_live_mappings())
+
+    table = pa.ipc.open_file(pa.memory_map(ipc_path)).read_all()
+    with aib.export(table, copy="never") as exported:
+        before = live()
+        with aib.Session(mapping_cache_size=0) as session:
+            for _ in range(2):
+                with session.import_message(exported.message, exported.fds) as imported:
+                    assert pa.table(imported).equals(table)
+            assert session.mapping_cache.hits == 0
+            assert len(session.mapping_cache) == 0
+        after = live()
+    assert after == before, f"live owners/nodes/mappings before {before}, after {after}"
+    print("ok", flush=True)

@@ -266,6 +266,20 @@ def test_opt_in_allowed_arrays_validate_and_round_trip(arr: pa.Array) -> None:
     assert_arrays_equal(c_round_trip(arr), arr)
 
 
+def test_extension_metadata_travels_in_c_schema_field_metadata() -> None:
+    dtype = pa.struct([pa.field("e", TaggedType(pa.int32(), "ünit"), metadata={"k": "v"})])
+    child = na.c_schema(dtype).child(0)
+    assert child.format == "i"  # the storage type's format
+    metadata = dict(child.metadata)
+    assert metadata[b"ARROW:extension:name"] == b"arrow_ipc_bridge.tests.tagged"
+    assert metadata[b"ARROW:extension:metadata"] == "ünit".encode()
+    assert metadata[b"k"] == b"v"
+    # pyarrow folds the ARROW:extension:* keys back into the type on import.
+    back = pa.DataType._import_from_c_capsule(dtype.__arrow_c_schema__())
+    assert back.field(0).type == TaggedType(pa.int32(), "ünit")
+    assert back.field(0).metadata == {b"k": b"v"}
+
+
 # --------------------------------------------------------------------------------------------
 # The default mix: broad, valid, with the layout features the bridge must handle
 # --------------------------------------------------------------------------------------------
@@ -464,7 +478,8 @@ def test_record_batches_with_given_schema(schema: pa.Schema, data: st.DataObject
     assert batch.schema.equals(schema, check_metadata=True)
     table = data.draw(tables(schema=schema, max_rows=5, min_batches=2))
     assert table.schema.equals(schema, check_metadata=True)
-    assert len(table.to_batches()) >= 2 or table.num_rows == 0
+    # to_batches() drops empty batches; the chunk count keeps them
+    assert table.num_columns == 0 or table.column(0).num_chunks >= 2
 
 
 # --------------------------------------------------------------------------------------------

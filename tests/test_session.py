@@ -19,6 +19,7 @@ the test.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import logging
 import multiprocessing
@@ -40,6 +41,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import nanoarrow as na
+import polars as pl
 import pyarrow as pa
 import pytest
 import session_children as children
@@ -49,7 +52,8 @@ from hypothesis import strategies as st
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import _reaper, protocol, transport
-from arrow_ipc_bridge._ffi import lib
+from arrow_ipc_bridge._ffi import WIRE_VERSION, lib
+from arrow_ipc_bridge.metadata import Decoded
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 SPAWN = multiprocessing.get_context("spawn")
@@ -111,7 +115,7 @@ def materialize(imported: aib.ImportedArray | aib.ImportedStream, like: object) 
     """The pyarrow object ``imported`` stands for (``like`` is the original or a kind string)."""
     if isinstance(imported, aib.ImportedStream):
         return pa.table(imported)
-    if isinstance(like, pa.RecordBatch) or like == "batch":
+    if isinstance(like, pa.RecordBatch) or (isinstance(like, str) and like == "batch"):
         return pa.record_batch(imported)
     return pa.array(imported)
 
@@ -150,7 +154,9 @@ def sample_table(rows: int = 2000, batches: int = 1) -> pa.Table:
 
 
 def write_shm_ipc_file(table: pa.Table) -> str:
-    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="aib-session-", suffix=".arrow", delete=False) as f:
+    with tempfile.NamedTemporaryFile(
+        dir="/dev/shm", prefix="aib-session-", suffix=".arrow", delete=False
+    ) as f:
         path = f.name
     with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
@@ -159,7 +165,7 @@ def write_shm_ipc_file(table: pa.Table) -> str:
 
 # --- fixtures -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", autouse=True)
-def warm() -> Iterator[dict[str, int]]:
+def warm() -> dict[str, int]:
     """Open once what the library and multiprocessing keep open for the life of the process (the reaper's
     pipe and thread, /proc/self/maps and pagemap, the resource tracker's pipe), then record the baseline."""
     multiprocessing.resource_tracker.ensure_running()
@@ -178,8 +184,7 @@ def warm() -> Iterator[dict[str, int]]:
     finally:
         os.unlink(shm)
         shutil.rmtree(directory, ignore_errors=True)
-    baseline = snapshot()
-    yield baseline
+    return snapshot()
 
 
 @pytest.fixture(autouse=True)
@@ -297,10 +302,13 @@ class FakePublisher:
         self,
         path: str,
         *,
-        welcome: bool = True,
+        welcome: bool | bytes = True,
         replies: list[tuple[int, bytes, list[int]] | None] | None = None,
     ) -> None:
         self.releases: queue.Queue[int] = queue.Queue()
+        if welcome is True:
+            info = {"protocol": protocol.PROTOCOL_VERSION, "wire": list(WIRE_VERSION), "publisher_id": "fake"}
+            welcome = protocol.encode_json({**info, "pid": os.getpid()})
         self._welcome = welcome
         self._replies = list(replies or [])
         self.server = transport.Server(path, self._handle, name="aib-fake")
@@ -314,8 +322,7 @@ class FakePublisher:
                 return
             frame.close_fds()
             if frame.kind == protocol.HELLO and self._welcome:
-                info = {"protocol": protocol.PROTOCOL_VERSION, "wire": [1, 0], "publisher_id": "fake", "pid": 0}
-                conn.send(protocol.WELCOME, protocol.encode_json(info))
+                conn.send(protocol.WELCOME, self._welcome)
             elif frame.kind == protocol.GET:
                 reply = self._replies.pop(0) if self._replies else None
                 if reply is not None:
@@ -499,9 +506,9 @@ def test_32_concurrent_sessions(publisher: aib.Publisher) -> None:
                 for name, imported in held.items():
                     with imported:
                         assert_arrays_equal(pa.table(imported), data[name])
-                for name in data:
+                for name, table in data.items():
                     with session.get(name) as imported:
-                        assert pa.table(imported).num_rows == data[name].num_rows
+                        assert pa.table(imported).num_rows == table.num_rows
         except BaseException as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
             barrier.abort()
@@ -522,6 +529,143 @@ def test_32_concurrent_sessions(publisher: aib.Publisher) -> None:
     assert errors == []
     assert wait_for(lambda: publisher.active_leases == 0, 5.0)
     assert wait_for(lambda: publisher.active_sessions == 0, 5.0)
+
+
+def test_one_session_shared_by_threads(publisher: aib.Publisher, shm_file: tuple[str, pa.Table]) -> None:
+    """Eight threads share one session and get a zero-copy and a copied object concurrently: every get
+    returns the right data, the zero-copy file is mapped once and then served from the mapping cache,
+    and all leases end."""
+    path, expected = shm_file
+    mapped = pa.ipc.open_file(pa.memory_map(path)).read_all()
+    heap = sample_table(700)
+    publisher.publish("z", mapped, copy="never")
+    publisher.publish("h", heap)
+    errors: list[str] = []
+    with aib.connect(publisher.path, timeout=10.0) as session:
+
+        def work() -> None:
+            try:
+                for _ in range(15):
+                    with session.get("z") as z, session.get("h") as h:
+                        assert_arrays_equal(pa.table(z), expected)
+                        assert_arrays_equal(pa.table(h), heap)
+            except BaseException as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=work, name=f"sharer{i}") for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(JOIN_S)
+        assert not any(t.is_alive() for t in threads)
+        assert errors == []
+        assert session.mapping_cache.misses == 1
+        assert session.mapping_cache.hits == 8 * 15 - 1
+        settle()
+        assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+    del mapped
+
+
+def test_publish_churn_while_consumers_get(publisher: aib.Publisher) -> None:
+    """While one thread republishes and unpublishes a name as fast as it can, four consumers keep getting
+    it: each get returns one complete version (never a mix, never garbage) or NotPublishedError; afterwards
+    no lease is left and every replaced version's memory was freed (checked by the leak fixture)."""
+    versions = [
+        pa.table({"v": pa.array([k] * 500, pa.int64()), "s": [f"{k}-{i}" for i in range(500)]})
+        for k in range(3)
+    ]
+    publisher.publish("t", versions[0])
+    stop = threading.Event()
+    errors: list[str] = []
+    seen: set[int] = set()
+
+    def churn() -> None:
+        k = 0
+        while not stop.is_set():
+            k += 1
+            if k % 7 == 0:
+                with contextlib.suppress(aib.NotPublishedError):
+                    publisher.unpublish("t")
+            else:
+                publisher.publish("t", versions[k % 3])
+
+    def consume() -> None:
+        try:
+            with aib.connect(publisher.path, timeout=10.0) as session:
+                while not stop.is_set():
+                    try:
+                        with session.get("t") as imported:
+                            table = pa.table(imported)
+                    except aib.NotPublishedError:
+                        continue
+                    version = table["v"][0].as_py()
+                    assert_arrays_equal(table, versions[version])
+                    seen.add(version)
+        except BaseException as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=churn, name="churn")]
+    threads += [threading.Thread(target=consume, name=f"churn-consumer{i}") for i in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.5)
+    stop.set()
+    for thread in threads:
+        thread.join(JOIN_S)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert len(seen) >= 2
+    settle()
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_close_while_consumers_are_busy(publisher: aib.Publisher) -> None:
+    """Closing the publisher while eight consumers are in the middle of getting makes every one of them
+    stop with TransportError (never a hang or another exception), and no lease survives."""
+    publisher.publish("t", sample_table(500))
+    outcomes: list[str] = []
+    started = threading.Barrier(9)
+
+    def consume() -> None:
+        try:
+            with aib.connect(publisher.path, timeout=10.0) as session:
+                started.wait(timeout=30.0)
+                while True:
+                    with session.get("t") as imported:
+                        pa.table(imported)
+        except aib.TransportError:
+            outcomes.append("transport")
+        except BaseException as exc:
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=consume, name=f"busy{i}") for i in range(8)]
+    for thread in threads:
+        thread.start()
+    started.wait(timeout=30.0)
+    time.sleep(0.2)
+    publisher.close()
+    for thread in threads:
+        thread.join(JOIN_S)
+    assert not any(t.is_alive() for t in threads)
+    assert outcomes == ["transport"] * 8
+    assert publisher.active_leases == 0
+
+
+def test_names_are_utf8_and_listed_sorted(publisher: aib.Publisher) -> None:
+    """Any non-empty UTF-8 name up to 4096 bytes can be published, listed (sorted) and got back."""
+    names = ["b", "a", "ü 日本/x", "with\nnewline", "é" * 2048]  # the last one is 4096 UTF-8 bytes
+    for i, name in enumerate(names):
+        publisher.publish(name, pa.array([i]))
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        assert session.list() == sorted(names)
+        for i, name in enumerate(names):
+            with session.get(name) as imported:
+                assert imported.name == name
+                assert pa.array(imported).to_pylist() == [i]
+        with pytest.raises(ValueError, match="name"):
+            session.get("é" * 2049)
+        with pytest.raises(aib.NotPublishedError):
+            session.get("c")
 
 
 # --- 4. a consumer killed while it holds a lease ------------------------------------------------------------
@@ -591,6 +735,37 @@ def test_consumer_keeps_data_after_producer_is_killed(
         producer.session.list()
     settle()
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_get_in_flight_fails_when_producer_dies(producer: ProducerRig) -> None:
+    """A ``get`` waiting on a stopped producer (SIGSTOP) raises TransportError as soon as the producer is
+    killed, long before the session's 20 s timeout."""
+    producer.child.call("ipc", "t", *children.to_ipc(sample_table(100)), None)
+    waiting = aib.connect(producer.path, timeout=20.0)
+    outcome: list[BaseException | None] = []
+    try:
+        os.kill(producer.child.pid, signal.SIGSTOP)
+
+        def get() -> None:
+            try:
+                waiting.get("t").release()
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=get, name="in-flight-get")
+        thread.start()
+        time.sleep(0.3)
+        assert not outcome, "the stopped producer answered"
+        killed_at = time.monotonic()
+        producer.child.kill()
+        thread.join(JOIN_S)
+        assert not thread.is_alive()
+        assert time.monotonic() - killed_at < 3.0
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], aib.TransportError), outcome
+    finally:
+        waiting.close()
 
 
 # --- 6. hostile and broken traffic --------------------------------------------------------------------------
@@ -774,13 +949,28 @@ def test_corrupted_item_messages_raise_wire_format_error(sock_dir: str) -> None:
     missing, payload shorter than a lease id) makes ``session.get`` raise WireFormatError (ProtocolError for
     the short payload); the descriptors that came with it are closed, the session gives the lease back
     (the fake publisher receives exactly one RELEASE for that lease id) and stays usable. A valid message
-    whose descriptor is not a file (a pipe) raises RegionError, with the same guarantees."""
+    whose descriptor is not a file (a pipe), is not sealed although the region says so, or is smaller than
+    the region raises RegionError, with the same guarantees."""
     exported = aib.export(sample_table(300))
     message, fds = exported.message, exported.fds
     read_end, write_end = os.pipe()
+    decoded = Decoded(message, len(fds))
+    region_size = decoded.regions()[0].size
+    decoded.close()
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, region_size)
+    too_small = os.memfd_create("small", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(too_small, region_size // 2)
+    fcntl.fcntl(too_small, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
     cases: list[tuple[str, type[Exception], bytes, list[int], bool]] = [
         ("flipped magic", aib.WireFormatError, bytes([message[0] ^ 0xFF]) + message[1:], fds, True),
-        ("flipped version", aib.WireFormatError, message[:4] + bytes([message[4] ^ 0x7F]) + message[5:], fds, True),
+        (
+            "flipped version",
+            aib.WireFormatError,
+            message[:4] + bytes([message[4] ^ 0x7F]) + message[5:],
+            fds,
+            True,
+        ),
         ("truncated by one", aib.WireFormatError, message[:-1], fds, True),
         ("truncated to half", aib.WireFormatError, message[: len(message) // 2], fds, True),
         ("truncated to the header", aib.WireFormatError, message[:16], fds, True),
@@ -788,6 +978,8 @@ def test_corrupted_item_messages_raise_wire_format_error(sock_dir: str) -> None:
         ("trailing bytes", aib.WireFormatError, message + b"\x00" * 7, fds, True),
         ("fds missing", aib.WireFormatError, message, [], True),
         ("not a file", aib.RegionError, message, [read_end], True),
+        ("memfd not sealed", aib.RegionError, message, [unsealed], True),
+        ("memfd smaller than the region", aib.RegionError, message, [too_small], True),
         ("payload shorter than a lease id", aib.ProtocolError, b"", fds, False),
     ]
     replies: list[tuple[int, bytes, list[int]] | None] = []
@@ -815,8 +1007,8 @@ def test_corrupted_item_messages_raise_wire_format_error(sock_dir: str) -> None:
                 assert fake.releases.get(timeout=2.0) == 7
     finally:
         exported.close()
-        os.close(read_end)
-        os.close(write_end)
+        for fd in (read_end, write_end, unsealed, too_small):
+            os.close(fd)
 
 
 def test_error_reply_with_bad_json_is_protocol_error(sock_dir: str) -> None:
@@ -828,16 +1020,60 @@ def test_error_reply_with_bad_json_is_protocol_error(sock_dir: str) -> None:
         (protocol.ERROR, protocol.encode_json({"type": "Weird", "message": "boom"}), []),
         (protocol.NAMES, protocol.encode_json(["t"]), []),
     ]
-    with FakePublisher(os.path.join(sock_dir, "fake.sock"), replies=replies) as fake:
-        with aib.connect(fake.path, timeout=5.0) as session:
-            with pytest.raises(aib.ProtocolError):
-                session.get("t")
-            with pytest.raises(aib.ProtocolError):
-                session.get("t")
-            with pytest.raises(aib.BridgeError, match="publisher: boom"):
-                session.get("t")
-            with pytest.raises(aib.ProtocolError, match="expected ITEM"):
-                session.get("t")
+    with (
+        FakePublisher(os.path.join(sock_dir, "fake.sock"), replies=replies) as fake,
+        aib.connect(fake.path, timeout=5.0) as session,
+    ):
+        with pytest.raises(aib.ProtocolError):
+            session.get("t")
+        with pytest.raises(aib.ProtocolError):
+            session.get("t")
+        with pytest.raises(aib.BridgeError, match="publisher: boom"):
+            session.get("t")
+        with pytest.raises(aib.ProtocolError, match="expected ITEM"):
+            session.get("t")
+
+
+def test_item_with_extra_fds_closes_them(sock_dir: str) -> None:
+    """An ITEM that carries more descriptors than its message uses (here 100 extra) still imports; every
+    received descriptor is closed once the import holds its mappings."""
+    exported = aib.export(sample_table(300))
+    junk = [os.memfd_create(f"junk{i}", os.MFD_CLOEXEC) for i in range(100)]
+    try:
+        item = (protocol.ITEM, protocol.encode_item(5, exported.message), [*exported.fds, *junk])
+        with (
+            FakePublisher(os.path.join(sock_dir, "fake.sock"), replies=[item]) as fake,
+            aib.connect(fake.path, timeout=5.0) as session,
+        ):
+            base_fds = fd_count()
+            with session.get("t") as imported:
+                assert fd_count() == base_fds
+                assert_arrays_equal(pa.table(imported), sample_table(300))
+            settle()
+            assert fake.releases.get(timeout=2.0) == 5
+    finally:
+        exported.close()
+        for fd in junk:
+            os.close(fd)
+
+
+@pytest.mark.parametrize(
+    "welcome",
+    [
+        pytest.param(b"\xffnot json", id="not-json"),
+        pytest.param(b"[1, 2]", id="not-an-object"),
+        pytest.param(b'{"protocol": 1}', id="no-wire-version"),
+        pytest.param(b'{"protocol": 1, "wire": [99, 0]}', id="other-wire-major"),
+    ],
+)
+def test_malformed_welcome_fails_connect(sock_dir: str, welcome: bytes) -> None:
+    """``connect`` to a publisher whose WELCOME is not JSON, not an object, or announces another wire major
+    version raises ProtocolError and closes its connection (no descriptor left open)."""
+    with FakePublisher(os.path.join(sock_dir, "fake.sock"), welcome=welcome) as fake:
+        base_fds = fd_count()
+        with pytest.raises(aib.ProtocolError):
+            aib.connect(fake.path, timeout=5.0)
+        assert wait_for(lambda: fd_count() == base_fds, 2.0)  # the fake server's end closes on EOF
 
 
 # --- 8. lease semantics -------------------------------------------------------------------------------------
@@ -872,6 +1108,42 @@ def test_dropping_imported_without_release_ends_the_lease(publisher: aib.Publish
         assert publisher.active_leases == 1
         del imported
         gc.collect()
+        assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+CONSUMERS: dict[str, Callable[[Any], Any]] = {
+    "pyarrow": pa.table,
+    "polars": pl.DataFrame,
+    "nanoarrow-array": na.Array,
+    "nanoarrow-stream": lambda imported: na.ArrayStream(imported).read_all(),
+}
+
+
+def rows_of(built: Any) -> list[tuple[Any, Any]]:
+    if isinstance(built, pa.Table):
+        return list(zip(built["i"].to_pylist(), built["s"].to_pylist(), strict=True))
+    if isinstance(built, pl.DataFrame):
+        return list(zip(built["i"].to_list(), built["s"].to_list(), strict=True))
+    return [(row["i"], row["s"]) for row in built.to_pylist()]
+
+
+@pytest.mark.parametrize("consumer", list(CONSUMERS))
+def test_any_consumer_holds_the_lease(publisher: aib.Publisher, consumer: str) -> None:
+    """What pyarrow, polars or nanoarrow build from an imported table keeps the lease (and the data) after
+    the imported object is released and the name unpublished; dropping it ends the lease."""
+    ids = list(range(3000))
+    expected = [(i if i % 3 else None, f"s{i}" if i % 4 else None) for i in ids]
+    publisher.publish("t", pa.table({"i": [e[0] for e in expected], "s": [e[1] for e in expected]}))
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        imported = session.get("t")
+        built = CONSUMERS[consumer](imported)
+        imported.release()
+        publisher.unpublish("t")
+        settle()
+        assert publisher.active_leases == 1
+        assert rows_of(built) == expected
+        del built
+        settle()
         assert wait_for(lambda: publisher.active_leases == 0, 2.0)
 
 
@@ -954,6 +1226,85 @@ def test_publish_validation_and_after_close(publisher: aib.Publisher) -> None:
     assert publisher.names() == []
 
 
+def test_publisher_close_with_hung_and_leasing_clients(publisher: aib.Publisher) -> None:
+    """``close()`` returns promptly although one client is silent and another stopped halfway through a
+    frame header; every session is disconnected and every lease ended; data a session already imported
+    stays valid; that session's next request raises TransportError; the socket file is removed."""
+    expected = sample_table(2000)
+    publisher.publish("t", expected)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    partial = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    session = aib.connect(publisher.path, timeout=5.0)
+    try:
+        silent.connect(publisher.path)
+        partial.connect(publisher.path)
+        partial.sendall(HEADER.pack(b"AIBT", 1, protocol.GET, 10, 0, 0)[:7])
+        imported = session.get("t")
+        assert wait_for(lambda: publisher.active_sessions == 3, 2.0)
+        assert publisher.active_leases == 1
+        started = time.monotonic()
+        publisher.close()
+        assert time.monotonic() - started < 2.0
+        assert publisher.closed
+        assert publisher.active_sessions == 0
+        assert publisher.active_leases == 0
+        assert not os.path.exists(publisher.path)
+        assert_arrays_equal(pa.table(imported), expected)
+        imported.release()
+        with pytest.raises(aib.TransportError):
+            session.get("t")
+        for raw in (silent, partial):
+            raw.settimeout(5.0)
+            with contextlib.suppress(ConnectionResetError):
+                assert raw.recv(100) == b""
+    finally:
+        session.close()
+        silent.close()
+        partial.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_other_users_cannot_connect(publisher: aib.Publisher, sock_dir: str) -> None:
+    """Another user (``nobody``) cannot connect at all, the socket file being 0600 (the directory is opened
+    up for this test, so only the file's mode stops it); with the file opened up too, the publisher still
+    drops the connection because that uid is not allowed (SO_PEERCRED)."""
+    os.chmod(sock_dir, 0o755)
+    hello = HEADER.pack(b"AIBT", 1, protocol.HELLO, 2, 0, 0) + protocol.encode_hello()
+
+    def as_nobody() -> int:
+        """Fork a child that connects as uid/gid 65534 and says HELLO: 13 = EACCES on connect,
+        0 = dropped by the publisher, 1 = served, 2 = anything else."""
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            code = 2
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(5.0)
+                    try:
+                        sock.connect(publisher.path)
+                    except PermissionError:
+                        code = 13
+                    else:
+                        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                            sock.sendall(hello)
+                        try:
+                            code = 1 if sock.recv(HEADER.size) else 0
+                        except ConnectionResetError:
+                            code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+    assert stat.S_IMODE(os.stat(publisher.path).st_mode) == 0o600
+    assert as_nobody() == 13
+    os.chmod(publisher.path, 0o666)
+    assert as_nobody() == 0
+    assert wait_for(lambda: publisher.active_sessions == 0, 2.0)
+
+
 # --- 9. zero copy -------------------------------------------------------------------------------------------
 @pytest.fixture
 def shm_file() -> Iterator[tuple[str, pa.Table]]:
@@ -964,7 +1315,9 @@ def shm_file() -> Iterator[tuple[str, pa.Table]]:
         os.unlink(path)
 
 
-def test_zero_copy_publish_and_mapping_cache(publisher: aib.Publisher, shm_file: tuple[str, pa.Table]) -> None:
+def test_zero_copy_publish_and_mapping_cache(
+    publisher: aib.Publisher, shm_file: tuple[str, pa.Table]
+) -> None:
     """A table memory-mapped from an Arrow IPC file in /dev/shm publishes with no byte copied (even under
     ``copy="never"``); a second get of it hits the session's mapping cache; the data is equal."""
     path, expected = shm_file
@@ -1013,6 +1366,98 @@ def test_zero_copy_from_producer_child(producer: ProducerRig, shm_file: tuple[st
     first.release()
     settle()
     assert wait_for(lambda: producer.child.state()[0] == 0, 5.0)
+
+
+def test_more_regions_than_one_frame_can_carry(publisher: aib.Publisher, sock_dir: str) -> None:
+    """A table whose buffers live in 300 different shareable files (more than the 253 descriptors one frame
+    can carry) either fails at publish time with a BridgeError that names the descriptor limit, or is
+    served correctly; it never breaks a session at get time."""
+    paths = []
+    parts = []
+    try:
+        for i in range(300):
+            path = write_shm_ipc_file(pa.table({"x": pa.array(range(i * 4, i * 4 + 4), pa.int64())}))
+            paths.append(path)
+            parts.append(pa.ipc.open_file(pa.memory_map(path)).read_all())
+        table = pa.concat_tables(parts)
+        del parts
+        refusal = ""
+        try:
+            publisher.publish("many", table)
+        except aib.BridgeError as exc:
+            refusal = str(exc)
+        if refusal:
+            assert "descriptor" in refusal
+            assert publisher.names() == []
+        else:
+            with aib.connect(publisher.path, timeout=5.0) as session, session.get("many") as imported:
+                assert_arrays_equal(pa.table(imported), table)
+        publisher.publish("small", pa.array([1]))
+        with aib.connect(publisher.path, timeout=5.0) as session, session.get("small") as imported:
+            assert pa.array(imported).to_pylist() == [1]
+        del table
+        gc.collect()
+    finally:
+        for path in paths:
+            os.unlink(path)
+
+
+CACHE_ZERO_CHILD = "import sys, session_children as c; c.cache_size_zero_main(sys.argv[1])"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: HostMappingCache.map evicts with dict.popitem() even when the cache is empty, so "
+    "mapping_cache_size=0 raises KeyError on every zero-copy import and leaks the new mapping",
+)
+def test_mapping_cache_size_zero_disables_caching(shm_file: tuple[str, pa.Table]) -> None:
+    """``Session(mapping_cache_size=0)`` imports zero-copy data without caching it: no error, no hit, no
+    entry, and no owner/node/mapping left (run in a fresh interpreter, so a leak cannot spill into the
+    other tests)."""
+    path, _ = shm_file
+    proc = subprocess.run(
+        [sys.executable, "-c", CACHE_ZERO_CHILD, path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    "zero_copy",
+    [
+        pytest.param(False, id="copied-region"),
+        pytest.param(
+            True,
+            id="zero-copy-region",
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=OSError,
+                reason="bug: HostMappingCache.map calls _file_key -> os.fstat(fd) outside map_host_region's "
+                "error handling, so an unusable fd for a zero-copy region raises a bare OSError instead of "
+                "RegionError",
+            ),
+        ),
+    ],
+)
+def test_import_message_with_unusable_fd_raises_region_error(
+    shm_file: tuple[str, pa.Table], zero_copy: bool
+) -> None:
+    """``import_message`` given a descriptor number that is not open raises RegionError (as documented:
+    "RegionError when a region cannot be mapped"), whether the region is a copy or zero-copy, and leaks
+    nothing (checked by the leak fixture)."""
+    path, _ = shm_file
+    source = pa.ipc.open_file(pa.memory_map(path)).read_all() if zero_copy else sample_table(100)
+    with aib.export(source, copy="never" if zero_copy else "always") as exported:
+        assert exported.stats.zero_copy_regions == (1 if zero_copy else 0)
+        not_open = 1_000_000  # far above any descriptor this process has open
+        with aib.Session() as session, pytest.raises(aib.RegionError):
+            session.import_message(exported.message, [not_open] * len(exported.fds))
+    del source
 
 
 # --- 10. timeouts and unreachable publishers ----------------------------------------------------------------

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import fcntl
 import functools
+import gc
 import logging
 import multiprocessing
 import os
@@ -26,6 +27,7 @@ import struct
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -690,6 +692,24 @@ def test_close_closes_fds_of_partial_frame(hostile: tuple[Connection, socket.soc
         with pytest.raises(BridgeTimeoutError):
             conn.recv(timeout=0.05)
         conn.close()
+
+
+def test_dropped_connection_closes_fds_of_partial_frame() -> None:
+    """A connection garbage-collected without close() still closes the descriptors of a partial frame."""
+    a, b = socket.socketpair()
+    with no_fd_leak(closes=1):
+        conn = Connection(a)
+        del a  # the connection holds the only reference to its socket
+        mem = memfd_with(b"x")
+        send_raw(b, header(length=100, nfds=1)[:5], [mem])
+        os.close(mem)
+        with pytest.raises(BridgeTimeoutError):
+            conn.recv(timeout=0.05)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # the unclosed socket, on purpose here
+            del conn
+            gc.collect()
+    b.close()
 
 
 def test_send_timeout_when_nothing_fits_keeps_connection(hostile: tuple[Connection, socket.socket]) -> None:

@@ -410,6 +410,7 @@ CUresult cuCtxSynchronize(void);
 CUresult cuMemGetInfo_v2(size_t *free, size_t *total);
 CUresult cuMemFree_v2(CUdeviceptr dptr);
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount);
+CUresult cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount);
 CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount);
 CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N);
 
@@ -1266,6 +1267,26 @@ def memcpy_htod(dst_dev: int, src_host_addr: int, n: int, *, device: int | None 
     lib, ffi = _api()
     with device_context(_device_of(dst) if device is None else device):
         _check("cuMemcpyHtoD_v2", lib.cuMemcpyHtoD_v2(dst, ffi.cast("const void *", src), n))
+
+
+def memcpy_dtod(dst_dev: int, src_dev: int, n: int, *, device: int | None = None) -> None:
+    """Copy ``n`` bytes between device allocations (``cuMemcpyDtoD_v2``; ordered on the legacy stream).
+
+    Parameters
+    ----------
+    dst_dev, src_dev : int
+        Device addresses.
+    n : int
+        Byte count.
+    device : int, optional
+        Device ordinal whose context runs the copy; default: the one ``dst_dev`` lives on.
+    """
+    dst, src, n = _address(dst_dev, "dst_dev"), _address(src_dev, "src_dev"), _nbytes(n)
+    if n == 0:
+        return
+    lib, _ = _api()
+    with device_context(_device_of(dst) if device is None else device):
+        _check("cuMemcpyDtoD_v2", lib.cuMemcpyDtoD_v2(dst, src, n))
 
 
 def read_device(ptr: int, n: int, *, device: int | None = None) -> bytes:
@@ -2276,6 +2297,11 @@ def import_pool(fd: int, device: int) -> ImportedPool:
             lib.cuMemPoolDestroy(pool)
             raise
     return ImportedPool(pool, device)
+
+
+def own_pool(handle: int) -> IpcMemoryPool | None:
+    """The :class:`IpcMemoryPool` of this process with that ``CUmemoryPool`` handle, if it is alive."""
+    return _OWN_POOLS.get(handle)
 
 
 def pool_of_pointer(ptr: int) -> int:

@@ -627,7 +627,7 @@ class SharedHostBuffer:
 
     def as_pyarrow(self) -> pa.Buffer:
         """The memory as a ``pyarrow.Buffer`` (zero-copy); it keeps the mapping alive."""
-        import pyarrow as pa  # noqa: PLC0415 -- lazy: exporting works without importing pyarrow
+        import pyarrow as pa  # lazy: exporting works without importing pyarrow
 
         return pa.foreign_buffer(self._address, self._size, base=self._live())
 

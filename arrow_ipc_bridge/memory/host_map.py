@@ -39,7 +39,10 @@ class MappedRegion:
 
 
 def _file_key(fd: int, region: Region) -> tuple[int, int, int, int]:
-    st = os.fstat(fd)
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise RegionError(f"received file descriptor {fd} is unusable: {exc}") from exc
     return (st.st_dev, st.st_ino, region.file_offset, region.size)
 
 
@@ -69,7 +72,9 @@ def map_host_region(fd: int, region: Region) -> MappedRegion:
         except OSError:
             seals = 0
         if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
-            raise RegionError("the region claims a sealed memfd but the file is not sealed against shrink/grow/write")
+            raise RegionError(
+                "the region claims a sealed memfd but the file is not sealed against shrink/grow/write"
+            )
     address = ffi.new("void **")
     error = ffi.new("int *")
     owner = lib.aib_owner_new_mapping(0, fd, region.file_offset, region.size, address, error)
@@ -97,6 +102,7 @@ class HostMappingCache:
 
     def map(self, fd: int, region: Region, *, cacheable: bool) -> MappedRegion:
         """A mapping for the caller, who owns one owner reference on it."""
+        cacheable = cacheable and self._max > 0
         if cacheable:
             key = _file_key(fd, region)
             with self._lock:

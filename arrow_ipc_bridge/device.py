@@ -1,0 +1,217 @@
+"""Moving Arrow data to and from the GPU, and wrapping GPU arrays as Arrow columns.
+
+- :func:`to_device` uploads host Arrow data into the bridge's IPC-enabled memory pool, so what it
+  returns is shared with other processes at pool-import cost;
+- :func:`from_cuda_array` / :func:`from_cuda_arrays` wrap CuPy / PyTorch / Numba arrays
+  (``__cuda_array_interface__``) or DLPack producers as Arrow columns without copying;
+- :func:`to_host` copies imported device data into host memory as pyarrow objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+
+from arrow_ipc_bridge import _reaper
+from arrow_ipc_bridge._ffi import ffi, lib
+from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA, CapturedArray, capture, export_captured
+from arrow_ipc_bridge.errors import BridgeError, RegionError
+from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
+from arrow_ipc_bridge.metadata import (
+    SLOT_FIRST_REGION,
+    SLOT_UNPLACED,
+    Decoded,
+    Described,
+    DeviceInfo,
+    process_region,
+)
+
+__all__ = ["to_device", "from_cuda_array", "from_cuda_arrays", "to_host"]
+
+_ALIGN = 256  # cudaMalloc's alignment; columns placed at this alignment suit every consumer
+_TYPESTRS = {
+    "i1": pa.int8(),
+    "i2": pa.int16(),
+    "i4": pa.int32(),
+    "i8": pa.int64(),
+    "u1": pa.uint8(),
+    "u2": pa.uint16(),
+    "u4": pa.uint32(),
+    "u8": pa.uint64(),
+    "f2": pa.float16(),
+    "f4": pa.float32(),
+    "f8": pa.float64(),
+}
+
+
+def to_device(obj: object, device: int = 0) -> ImportedArray | ImportedStream:
+    """Upload host Arrow data to GPU ``device``; returns an object exporting ``__arrow_c_device_array__``.
+
+    All buffers go into one allocation from the bridge's IPC-enabled pool (one host-to-device copy
+    per buffer), so publishing the result shares it without another copy.
+
+    Examples
+    --------
+    >>> gpu = aib.to_device(pa.table({"x": [1.0, 2.0]}))  # doctest: +SKIP
+    >>> pub.publish("x", gpu)                              # doctest: +SKIP
+    """
+    from arrow_ipc_bridge.memory import cuda, cuda_regions
+
+    captured = capture(obj)
+    try:
+        if captured.device_type != DEVICE_CPU:
+            raise BridgeError(f"to_device needs host data; this is on device type {captured.device_type}")
+        described = Described(captured)
+        slots = described.slots()
+        layout: list[tuple[int, int]] = []
+        total = 0
+        for i in range(0, len(slots), 4):
+            if slots[i + 2] == SLOT_UNPLACED:
+                layout.append((i, total))
+                total += (slots[i + 1] + _ALIGN - 1) // _ALIGN * _ALIGN
+        pool = cuda_regions.bridge_pool(device)
+        base = pool.allocate(max(total, _ALIGN))
+        owner = lib.aib_owner_new(_reaper.register(lambda: pool.free(base)))
+        try:
+            for i, offset in layout:
+                cuda.memcpy_htod(base + offset, slots[i], slots[i + 1], device=device)
+                # same-process region at address 0: the slot offset is the device address itself
+                slots[i + 2] = SLOT_FIRST_REGION
+                slots[i + 3] = base + offset
+            info = DeviceInfo(device_type=DEVICE_CUDA, identity=cuda.device_uuid(device))
+            decoded = Decoded(described.encode(info, [process_region()]), allow_process_regions=True)
+            decoded.depend_on(owner)
+        finally:
+            lib.aib_owner_unref(owner)  # the decoded message holds it now (or nobody, on error)
+    finally:
+        captured.close()
+    return imported_from(decoded, [0], device_type=DEVICE_CUDA, device_id=device)
+
+
+def _column(obj: Any) -> tuple[pa.Array, int]:
+    """A pyarrow array whose data buffer is the GPU array's memory (never read on the host)."""
+    from arrow_ipc_bridge.memory import cuda
+
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is None and hasattr(obj, "__dlpack__"):
+        import cupy
+
+        obj = cupy.from_dlpack(obj)  # zero-copy view; keeps the producer alive
+        cai = obj.__cuda_array_interface__
+    if cai is None:
+        raise BridgeError(f"{type(obj).__name__} has neither __cuda_array_interface__ nor __dlpack__")
+    shape = tuple(cai["shape"])
+    typestr = str(cai["typestr"])
+    if len(shape) != 1:
+        raise BridgeError(f"only 1-D arrays become Arrow columns (got shape {shape})")
+    arrow_type = _TYPESTRS.get(typestr[1:])
+    if arrow_type is None or typestr[0] not in "<|":
+        raise BridgeError(
+            f"array type {typestr!r} has no zero-copy Arrow equivalent (little-endian numbers only)"
+        )
+    itemsize = arrow_type.bit_width // 8
+    strides = cai.get("strides")
+    if strides is not None and tuple(strides) != (itemsize,):
+        raise BridgeError("the array is not contiguous: make it so (e.g. cupy.ascontiguousarray) first")
+    if cai.get("mask") is not None:
+        raise BridgeError("masked GPU arrays are not supported; build the validity bitmap yourself")
+    ptr = int(cai["data"][0])
+    length = shape[0]
+    device = 0
+    if length:
+        info = cuda.pointer_info(ptr)
+        if info is None or info.memory_type == "host":
+            raise RegionError(f"{type(obj).__name__} data at {ptr:#x} is not CUDA device memory")
+        device = info.device
+    stream = cai.get("stream")
+    if stream not in (None, 0, 1, 2):  # CAI v3: the producer's stream, to be synchronised with
+        cuda.stream_synchronize(int(stream), device=device)
+    buffer = pa.foreign_buffer(ptr, length * itemsize, base=obj)
+    return pa.Array.from_buffers(arrow_type, length, [None, buffer]), device
+
+
+def _as_device(captured_array: CapturedArray, device: int) -> CapturedArray:
+    for array in captured_array._captured.arrays:
+        array.device_type = DEVICE_CUDA
+        array.device_id = device
+    return captured_array
+
+
+def from_cuda_array(obj: Any) -> CapturedArray:
+    """Wrap a 1-D GPU array (CuPy, PyTorch, Numba, or any DLPack producer) as an Arrow column.
+
+    No copy: the column's data buffer is the array's memory, kept alive as long as any consumer holds
+    it. If the array announces a stream (``__cuda_array_interface__`` v3), that stream is
+    synchronised first, so the data is complete when the column is shared.
+    """
+    column, device = _column(obj)
+    return _as_device(export_captured(capture(column)), device)  # type: ignore[arg-type]
+
+
+def from_cuda_arrays(columns: Mapping[str, Any]) -> CapturedArray:
+    """Wrap several 1-D GPU arrays of one length, on one device, as an Arrow record batch."""
+    arrays: list[pa.Array] = []
+    devices: set[int] = set()
+    for value in columns.values():
+        column, device = _column(value)
+        arrays.append(column)
+        devices.add(device)
+    if len(devices) > 1:
+        raise BridgeError(f"columns live on several devices {sorted(devices)}; a batch has one device")
+    batch = pa.RecordBatch.from_arrays(arrays, names=list(columns))
+    return _as_device(export_captured(capture(batch)), devices.pop() if devices else 0)  # type: ignore[arg-type]
+
+
+def to_host(imported: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBatch | pa.Table:
+    """Copy imported data into host memory as pyarrow: a ``Table`` for streams, a ``RecordBatch`` for
+    struct-typed roots (record batches), an ``Array`` otherwise. Host data is not copied."""
+    if imported.device_type == DEVICE_CPU:
+        return _to_pyarrow(imported)
+    if imported.device_type != DEVICE_CUDA:
+        raise BridgeError(f"cannot copy data from device type {imported.device_type}")
+    from arrow_ipc_bridge.memory import cuda, cuda_regions
+
+    decoded = imported._live()
+    sync = imported._sync_event()
+    if sync != ffi.NULL:
+        cuda.event_synchronize(cuda_regions.event_value(sync))
+    bases = imported._bases
+    spans: dict[int, tuple[int, int]] = {}
+    for code, offset, length in decoded.buffer_refs():
+        if code >= SLOT_FIRST_REGION and length:
+            lo, hi = spans.get(code - SLOT_FIRST_REGION, (offset, offset + length))
+            spans[code - SLOT_FIRST_REGION] = (min(lo, offset), max(hi, offset + length))
+    total = sum((hi - lo + 63) // 64 * 64 for lo, hi in spans.values())
+    address = ffi.new("void **")
+    owner = lib.aib_owner_new_host_buffer(0, max(total, 64), address)
+    if owner == ffi.NULL:
+        raise MemoryError(f"allocating {total} bytes of host memory")
+    try:
+        host = int(ffi.cast("uintptr_t", address[0]))
+        host_bases = [0] * len(decoded.regions())
+        cursor = 0
+        for region, (lo, hi) in spans.items():
+            cuda.memcpy_dtoh(host + cursor, int(bases[region]) + lo, hi - lo, device=imported.device_id)
+            host_bases[region] = host + cursor - lo
+            cursor += (hi - lo + 63) // 64 * 64
+        # A second decode of the same message gives the host copy its own owner, which keeps the
+        # host buffer alive for as long as pyarrow holds what we build from it.
+        copy_decoded = decoded.copy()
+        copy_decoded.depend_on(owner)
+    finally:
+        lib.aib_owner_unref(owner)
+    copy = imported_from(copy_decoded, host_bases, device_type=DEVICE_CPU, device_id=-1, name=imported.name)
+    try:
+        return _to_pyarrow(copy)
+    finally:
+        copy.release()
+
+
+def _to_pyarrow(source: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBatch | pa.Table:
+    if isinstance(source, ImportedStream):
+        return pa.table(source)
+    if source.root_format == "+s":
+        return pa.record_batch(source)
+    return pa.array(source)

@@ -1,0 +1,350 @@
+"""CUDA regions: place a described tree's device buffers in shareable allocations, and open them.
+
+Producer (:class:`CudaPlacer`): each distinct allocation behind the buffers becomes one region, by
+allocation kind:
+
+- IPC-enabled memory pool -> ``REGION_CUDA_POOL``: the pool's fd travels with the message, the
+  handle is ``nonce(16) | pool handle(8) | cuMemPoolExportPointer data(64)``;
+- legacy ``cudaMalloc`` memory -> ``REGION_CUDA_LEGACY``: the 64-byte ``cuIpcGetMemHandle`` handle,
+  cached per allocation (buffer id);
+- VMM memory exportable as a POSIX fd -> ``REGION_CUDA_VMM``: the fd travels with the message, the
+  handle is ``nonce(16) | buffer id(8)``;
+- anything else (managed memory, a pool without IPC): ``CopyRequiredError``, or with ``copy`` allowing
+  it, one device-to-device copy into the bridge's own IPC pool, counted.
+
+The nonce is random per producer process, so consumer caches keyed on it never confuse two producers.
+
+Consumer (:class:`CudaOpener`, one per process): opens regions and caches what is safe to cache.
+Legacy handles stay open (bounded LRU) because re-opening costs 90-400 µs; pool imports are cached per
+producer pool (the first import costs ~100 µs, a pointer ~1.5 µs), but imported *pointers* are freed
+when the last array using them is released, because CUDA requires the importer to free a pool
+allocation before the exporter does; VMM imports are unmapped with their last array.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from arrow_ipc_bridge import _reaper
+from arrow_ipc_bridge._ffi import ffi, lib
+from arrow_ipc_bridge.errors import CopyRequiredError, RegionError
+from arrow_ipc_bridge.memory import cuda
+from arrow_ipc_bridge.metadata import (
+    REGION_CUDA_LEGACY,
+    REGION_CUDA_POOL,
+    REGION_CUDA_VMM,
+    SLOT_FIRST_REGION,
+    SLOT_UNPLACED,
+    Described,
+    Region,
+)
+
+__all__ = [
+    "CudaPlacer",
+    "CudaPlacement",
+    "CudaOpener",
+    "bridge_pool",
+    "cuda_stats",
+    "opener",
+    "owner_slot",
+    "event_pool",
+    "event_value",
+]
+
+_log = logging.getLogger("arrow_ipc_bridge")
+_NONCE = os.urandom(16)
+_lock = threading.Lock()
+_bridge_pools: dict[int, cuda.IpcMemoryPool] = {}
+_legacy_handles = cuda.LegacyHandleCache()
+_stats = {"copied_bytes": 0, "copies": 0, "legacy_opens": 0, "legacy_hits": 0, "pool_imports": 0}
+
+
+def cuda_stats() -> dict[str, int]:
+    """Process-wide counters: device bytes copied by policy, handle opens and cache hits."""
+    with _lock:
+        return dict(_stats)
+
+
+def bridge_pool(device: int) -> cuda.IpcMemoryPool:
+    """The bridge's own IPC-enabled memory pool on ``device`` (copies and ``to_device`` use it)."""
+    with _lock:
+        pool = _bridge_pools.get(device)
+        if pool is None:
+            pool = _bridge_pools[device] = cuda.IpcMemoryPool(device)
+        return pool
+
+
+@dataclass
+class CudaPlacement:
+    """What a producer must keep until the consumers are done: fds to send, copies it made."""
+
+    regions: list[Region]
+    fds: list[int]
+    copied_bytes: int = 0
+    buffers: int = 0
+    copies: list[tuple[cuda.IpcMemoryPool, int]] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Close the fds and free the policy copies (idempotent)."""
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+        for pool, ptr in self.copies:
+            pool.free(ptr)
+        self.copies = []
+
+
+class CudaPlacer:
+    """Places the unplaced buffers of a description in CUDA regions (producer side)."""
+
+    def __init__(self, device: int, *, copy: str = "if_needed") -> None:
+        self.device = device
+        self.copy = copy
+
+    def resolve_pending_lengths(self, described: Described) -> None:
+        """Read from the device the lengths the describe walk could not read (string data sizes)."""
+        for slot, address, width in described.pending_reads():
+            raw = cuda.read_device(address, width, device=self.device)
+            described.set_length(slot, int.from_bytes(raw, "little", signed=True))
+
+    def place(self, described: Described) -> CudaPlacement:
+        slots = described.slots()
+        wanted = sorted(
+            (i for i in range(0, len(slots), 4) if slots[i + 2] == SLOT_UNPLACED), key=lambda i: slots[i]
+        )
+        placement = CudaPlacement(regions=[], fds=[], buffers=len(wanted))
+        try:
+            by_allocation: dict[int, int] = {}  # buffer id -> region index
+            pool_fds: dict[int, int] = {}  # pool handle -> fd index
+            current: cuda.PointerInfo | None = None
+            for i in wanted:
+                address, length = slots[i], slots[i + 1]
+                # Buffers sorted by address: consecutive ones often share an allocation (CuPy's pool
+                # carves arrays out of big blocks), so one attribute query serves many buffers.
+                if current is None or not (
+                    current.base <= address and address + length <= current.base + current.size
+                ):
+                    current = cuda.pointer_info(address)
+                    if current is None or current.memory_type == "host":
+                        raise RegionError(f"buffer at {address:#x} is not CUDA device memory")
+                info = current
+                if info.is_managed or not self._shareable(info):
+                    if self.copy == "never":
+                        raise CopyRequiredError(
+                            f"a {length}-byte buffer at {address:#x} lives in {info.memory_type} memory that "
+                            "cannot be shared through CUDA IPC; pass copy='if_needed' to copy it (counted)"
+                        )
+                    region, offset = self._copy_region(placement, address, length)
+                    slots[i + 2] = SLOT_FIRST_REGION + region
+                    slots[i + 3] = offset
+                    continue
+                region_index = by_allocation.get(info.buffer_id)
+                if region_index is None:
+                    region_index = len(placement.regions)
+                    placement.regions.append(self._region_for(info, placement, pool_fds))
+                    by_allocation[info.buffer_id] = region_index
+                slots[i + 2] = SLOT_FIRST_REGION + region_index
+                slots[i + 3] = address - info.base
+        except BaseException:
+            placement.close()
+            raise
+        return placement
+
+    @staticmethod
+    def _shareable(info: cuda.PointerInfo) -> bool:
+        if info.mempool:
+            return cuda.pool_is_ipc_capable(info.mempool)
+        return info.legacy_ipc_capable or bool(
+            info.allowed_handle_types & cuda.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        )
+
+    def _region_for(
+        self, info: cuda.PointerInfo, placement: CudaPlacement, pool_fds: dict[int, int]
+    ) -> Region:
+        if info.mempool:
+            pool = _own_pool(info.mempool)
+            fd_index = pool_fds.get(info.mempool)
+            if fd_index is None:
+                fd_index = pool_fds[info.mempool] = len(placement.fds)
+                placement.fds.append(pool.export_pool_fd())
+            export = pool.export_pointer(info.base)
+            handle = _NONCE + info.mempool.to_bytes(8, "little") + export
+            return Region(
+                REGION_CUDA_POOL, size=info.size, identity=info.buffer_id, fd_index=fd_index, handle=handle
+            )
+        if info.legacy_ipc_capable:
+            handle = _legacy_handles.get(info.base, info.buffer_id)
+            return Region(REGION_CUDA_LEGACY, size=info.size, identity=info.buffer_id, handle=handle)
+        fd_index = len(placement.fds)
+        placement.fds.append(cuda.vmm_export_fd(info.base, device=self.device))
+        handle = _NONCE + info.buffer_id.to_bytes(8, "little")
+        return Region(
+            REGION_CUDA_VMM, size=info.size, identity=info.buffer_id, fd_index=fd_index, handle=handle
+        )
+
+    def _copy_region(self, placement: CudaPlacement, address: int, length: int) -> tuple[int, int]:
+        pool = bridge_pool(self.device)
+        target = pool.allocate(length)
+        placement.copies.append((pool, target))
+        cuda.memcpy_dtod(target, address, length, device=self.device)
+        placement.copied_bytes += length
+        with _lock:
+            _stats["copied_bytes"] += length
+            _stats["copies"] += 1
+        _log.info(
+            "arrow_ipc_bridge: copied %d device bytes at %#x into the bridge pool (copy policy)",
+            length,
+            address,
+        )
+        info = cuda.pointer_info(target)
+        assert info is not None
+        fd_index = len(placement.fds)
+        placement.fds.append(pool.export_pool_fd())
+        handle = _NONCE + pool.handle.to_bytes(8, "little") + pool.export_pointer(info.base)
+        placement.regions.append(
+            Region(
+                REGION_CUDA_POOL, size=info.size, identity=info.buffer_id, fd_index=fd_index, handle=handle
+            )
+        )
+        return len(placement.regions) - 1, target - info.base
+
+
+def _own_pool(handle: int) -> cuda.IpcMemoryPool:
+    pool = cuda.own_pool(handle)
+    if pool is None:
+        raise RegionError(
+            "the buffer comes from an IPC-capable memory pool this process did not create through "
+            "arrow_ipc_bridge.memory.cuda.IpcMemoryPool; its pool fd cannot be exported here"
+        )
+    return pool
+
+
+# ---------- consumer ---------------------------------------------------------------------------------
+@dataclass
+class _Opened:
+    base: int
+    owner: Any  # aib_owner*, one reference held by the cache entry (when cached)
+
+
+class CudaOpener:
+    """Opens CUDA regions in this process (one instance per process: handles are per process)."""
+
+    def __init__(self, max_legacy: int = 256) -> None:
+        self._lock = threading.Lock()
+        self._legacy: OrderedDict[bytes, _Opened] = OrderedDict()
+        self._pools: dict[bytes, cuda.ImportedPool] = {}
+        self._max_legacy = max_legacy
+
+    def open(self, region: Region, fds: list[int] | tuple[int, ...], device: int) -> _Opened:
+        """Open ``region``; the caller receives one owner reference (drop it with aib_owner_unref)."""
+        if region.kind == REGION_CUDA_LEGACY:
+            return self._open_legacy(region, device)
+        if region.kind == REGION_CUDA_POOL:
+            return self._open_pool_pointer(region, fds, device)
+        if region.kind == REGION_CUDA_VMM:
+            return self._open_vmm(region, fds, device)
+        raise RegionError(f"region kind {region.kind} is not a CUDA region")
+
+    def _open_legacy(self, region: Region, device: int) -> _Opened:
+        if len(region.handle) != 64:
+            raise RegionError("a legacy CUDA IPC handle is 64 bytes", field="handle")
+        with self._lock:
+            hit = self._legacy.get(region.handle)
+            if hit is not None:
+                self._legacy.move_to_end(region.handle)
+                lib.aib_owner_ref(hit.owner)
+                _stats["legacy_hits"] += 1
+                return hit
+        ptr = cuda.ipc_open_mem_handle(region.handle, device)
+        token = _reaper.register(lambda: _close_quietly(cuda.ipc_close_mem_handle, ptr, device))
+        owner = lib.aib_owner_new(token)
+        opened = _Opened(ptr, owner)
+        lib.aib_owner_ref(owner)  # the caller's reference; the cache keeps the first
+        evicted = None
+        with self._lock:
+            _stats["legacy_opens"] += 1
+            self._legacy[region.handle] = opened
+            if len(self._legacy) > self._max_legacy:
+                evicted = self._legacy.popitem(last=False)[1]
+        if evicted is not None:
+            lib.aib_owner_unref(evicted.owner)  # closes once no array uses it
+        return opened
+
+    def _open_pool_pointer(self, region: Region, fds: list[int] | tuple[int, ...], device: int) -> _Opened:
+        if len(region.handle) != 88 or region.fd_index < 0:
+            raise RegionError("a pool region needs a pool fd and an 88-byte handle", field="handle")
+        pool_key = region.handle[:24]
+        with self._lock:
+            pool = self._pools.get(pool_key)
+        if pool is None:
+            imported = cuda.import_pool(fds[region.fd_index], device)
+            with self._lock:
+                pool = self._pools.setdefault(pool_key, imported)
+                _stats["pool_imports"] += 1
+            if pool is not imported:
+                imported.close()
+        ptr = pool.import_pointer(region.handle[24:])
+        token = _reaper.register(lambda: _close_quietly(pool.free_imported, ptr))
+        return _Opened(ptr, lib.aib_owner_new(token))
+
+    def _open_vmm(self, region: Region, fds: list[int] | tuple[int, ...], device: int) -> _Opened:
+        if region.fd_index < 0:
+            raise RegionError("a VMM region needs its fd", field="fd_index")
+        mapping = cuda.vmm_import(fds[region.fd_index], region.size, device)
+        token = _reaper.register(mapping.close)
+        return _Opened(mapping.ptr, lib.aib_owner_new(token))
+
+    def close(self) -> None:
+        """Drop the cache's references (handles close as their last arrays go)."""
+        with self._lock:
+            legacy, self._legacy = list(self._legacy.values()), OrderedDict()
+        for entry in legacy:
+            lib.aib_owner_unref(entry.owner)
+
+
+def _close_quietly(close: Any, *args: Any) -> None:
+    try:
+        close(*args)
+    except Exception as exc:  # cleanup never raises; the process may be shutting down
+        _log.warning("arrow_ipc_bridge: closing a CUDA import failed: %s", exc)
+
+
+_opener: CudaOpener | None = None
+
+
+def opener() -> CudaOpener:
+    """The process-wide opener (CUDA handles are per process, so their caches are too)."""
+    global _opener
+    with _lock:
+        if _opener is None:
+            _opener = CudaOpener()
+        return _opener
+
+
+_event_pools: dict[int, cuda.EventPool] = {}
+
+
+def event_pool(device: int) -> cuda.EventPool:
+    """The producer's pool of interprocess events on ``device`` (creating one costs ~225 µs)."""
+    with _lock:
+        pool = _event_pools.get(device)
+        if pool is None:
+            pool = _event_pools[device] = cuda.EventPool(device)
+        return pool
+
+
+def event_value(sync_event: Any) -> int:
+    """The CUevent a C Device interface ``sync_event`` points to (the spec's pointer-to-CUevent)."""
+    return int(ffi.cast("uintptr_t *", sync_event)[0])
+
+
+def owner_slot(owner: Any) -> Any:
+    """Address inside ``owner`` where a CUevent value can live as long as the owner."""
+    return lib.aib_owner_slot(owner)
