@@ -15,6 +15,7 @@ Bring your own channel: ``aib.export(obj)`` gives ``.message`` and ``.fds``;
 """
 
 from arrow_ipc_bridge._version import __version__
+from arrow_ipc_bridge.device import from_cuda_array, from_cuda_arrays, to_device, to_host
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -49,6 +50,11 @@ __all__ = [
     "Session",
     "ImportedArray",
     "ImportedStream",
+    # devices
+    "to_device",
+    "to_host",
+    "from_cuda_array",
+    "from_cuda_arrays",
     # errors
     "BridgeError",
     "BridgeTimeoutError",

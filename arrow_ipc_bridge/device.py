@@ -16,7 +16,14 @@ import pyarrow as pa
 
 from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA, CapturedArray, capture, export_captured
+from arrow_ipc_bridge.capsules import (
+    DEVICE_CPU,
+    DEVICE_CUDA,
+    CapturedArray,
+    capsule_struct,
+    capture,
+    export_captured,
+)
 from arrow_ipc_bridge.errors import BridgeError, RegionError
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
 from arrow_ipc_bridge.metadata import (
@@ -90,8 +97,9 @@ def to_device(obj: object, device: int = 0) -> ImportedArray | ImportedStream:
     return imported_from(decoded, [0], device_type=DEVICE_CUDA, device_id=device)
 
 
-def _column(obj: Any) -> tuple[pa.Array, int]:
-    """A pyarrow array whose data buffer is the GPU array's memory (never read on the host)."""
+def _column(obj: Any) -> tuple[pa.Array, int, int | None]:
+    """A pyarrow array whose data buffer is the GPU array's memory (never read on the host), the
+    device it lives on, and the stream its producer announced (``__cuda_array_interface__`` v3)."""
     from arrow_ipc_bridge.memory import cuda
 
     cai = getattr(obj, "__cuda_array_interface__", None)
@@ -126,16 +134,35 @@ def _column(obj: Any) -> tuple[pa.Array, int]:
             raise RegionError(f"{type(obj).__name__} data at {ptr:#x} is not CUDA device memory")
         device = info.device
     stream = cai.get("stream")
-    if stream not in (None, 0, 1, 2):  # CAI v3: the producer's stream, to be synchronised with
-        cuda.stream_synchronize(int(stream), device=device)
     buffer = pa.foreign_buffer(ptr, length * itemsize, base=obj)
-    return pa.Array.from_buffers(arrow_type, length, [None, buffer]), device
+    return pa.Array.from_buffers(arrow_type, length, [None, buffer]), device, stream
 
 
-def _as_device(captured_array: CapturedArray, device: int) -> CapturedArray:
-    for array in captured_array._captured.arrays:
+def _as_device(captured_array: CapturedArray, device: int, streams: set[int]) -> CapturedArray:
+    """Mark captured structs as CUDA data and attach a sync event for the producer's stream(s)."""
+    from arrow_ipc_bridge.memory import cuda, cuda_regions
+
+    captured = captured_array._captured
+    sync = ffi.NULL
+    # CAI v3 stream values 1 and 2 mean the legacy and per-thread default streams; None/0: no
+    # synchronisation needed. Work pending on a real stream becomes an event consumers wait on.
+    pending = {s for s in streams if s not in (None, 0)}
+    if pending:
+        for stream in sorted(pending)[1:]:
+            cuda.stream_synchronize(stream, device=device)  # one event per batch: settle the others
+        events = cuda_regions.event_pool(device)
+        event = events.acquire()
+        event.record(sorted(pending)[0])
+        holder = lib.aib_owner_new(_reaper.register(lambda: events.release(event)))
+        lib.aib_owner_add_dependency(captured.owner, holder)
+        lib.aib_owner_unref(holder)
+        slot = lib.aib_owner_slot(captured.owner)
+        slot[0] = event.handle
+        sync = slot
+    for array in captured.arrays:
         array.device_type = DEVICE_CUDA
         array.device_id = device
+        array.sync_event = sync
     return captured_array
 
 
@@ -143,25 +170,28 @@ def from_cuda_array(obj: Any) -> CapturedArray:
     """Wrap a 1-D GPU array (CuPy, PyTorch, Numba, or any DLPack producer) as an Arrow column.
 
     No copy: the column's data buffer is the array's memory, kept alive as long as any consumer holds
-    it. If the array announces a stream (``__cuda_array_interface__`` v3), that stream is
-    synchronised first, so the data is complete when the column is shared.
+    it. If the array announces a stream (``__cuda_array_interface__`` v3), an event recorded on that
+    stream becomes the column's ``sync_event``: consumers wait for the producer's pending work.
     """
-    column, device = _column(obj)
-    return _as_device(export_captured(capture(column)), device)  # type: ignore[arg-type]
+    column, device, stream = _column(obj)
+    return _as_device(export_captured(capture(column)), device, {stream} if stream else set())  # type: ignore[arg-type]
 
 
 def from_cuda_arrays(columns: Mapping[str, Any]) -> CapturedArray:
     """Wrap several 1-D GPU arrays of one length, on one device, as an Arrow record batch."""
     arrays: list[pa.Array] = []
     devices: set[int] = set()
+    streams: set[int] = set()
     for value in columns.values():
-        column, device = _column(value)
+        column, device, stream = _column(value)
         arrays.append(column)
         devices.add(device)
+        if stream:
+            streams.add(stream)
     if len(devices) > 1:
         raise BridgeError(f"columns live on several devices {sorted(devices)}; a batch has one device")
     batch = pa.RecordBatch.from_arrays(arrays, names=list(columns))
-    return _as_device(export_captured(capture(batch)), devices.pop() if devices else 0)  # type: ignore[arg-type]
+    return _as_device(export_captured(capture(batch)), devices.pop() if devices else 0, streams)  # type: ignore[arg-type]
 
 
 def to_host(imported: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBatch | pa.Table:
@@ -210,8 +240,12 @@ def to_host(imported: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBat
 
 
 def _to_pyarrow(source: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBatch | pa.Table:
+    """A stream becomes a Table; a struct root without top-level nulls a RecordBatch (what record
+    batches export as); anything else an Array."""
     if isinstance(source, ImportedStream):
         return pa.table(source)
-    if source.root_format == "+s":
-        return pa.record_batch(source)
-    return pa.array(source)
+    schema_capsule, array_capsule = source.__arrow_c_array__()
+    root = capsule_struct(array_capsule, "array")
+    if source.root_format == "+s" and root.null_count == 0:
+        return pa.RecordBatch._import_from_c_capsule(schema_capsule, array_capsule)
+    return pa.Array._import_from_c_capsule(schema_capsule, array_capsule)

@@ -79,10 +79,14 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=5000)
     parser.add_argument("--json")
     args = parser.parse_args()
-    rows = [measure(int(c), max(200, args.iterations // max(1, int(c) // 16))) for c in args.columns.split(",")]
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    columns = [int(c) for c in args.columns.split(",")]
+    rows = [measure(c, max(200, args.iterations // max(1, c // 16))) for c in columns]
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
     print(f"# {time.strftime('%Y-%m-%d')} {platform.python_version()} on {os.cpu_count()} cores, {cpu}")
-    print(f"{'columns':>8} {'nodes':>6} {'bytes':>6} {'producer µs':>12} {'consumer µs':>12} {'total µs':>9} {'µs/node':>8}")
+    widths = (8, 6, 6, 12, 12, 9, 8)
+    header = ("columns", "nodes", "bytes", "producer µs", "consumer µs", "total µs", "µs/node")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
     for r in rows:
         print(
             f"{r['columns']:>8} {r['nodes']:>6} {r['message_bytes']:>6} {r['producer_us']:>12} "

@@ -1,0 +1,122 @@
+"""Child-process entry points for the GPU tests (spawned: CUDA must never be initialised before a fork).
+
+Every entry point takes plain picklable arguments, talks to the parent over a multiprocessing
+connection, and exits 0 on success, non-zero (with the traceback printed) on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pyarrow as pa
+
+
+def _ipc_bytes(obj: Any) -> bytes:
+    """Arrow IPC stream bytes of an array (as a one-column table), batch or table."""
+    if isinstance(obj, pa.Table):
+        table = obj
+    elif isinstance(obj, pa.RecordBatch):
+        table = pa.Table.from_batches([obj])
+    else:  # an array (a struct array with top-level nulls, for instance)
+        table = pa.table({"value": obj})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def consumer_loop(socket_path: str, conn: Connection) -> None:
+    """Serve the parent: for each name received, get it, copy to host, send Arrow IPC bytes back."""
+    import arrow_ipc_bridge as aib
+
+    try:
+        with aib.connect(socket_path, timeout=30.0) as session:
+            while True:
+                name = conn.recv()
+                if name is None:
+                    break
+                try:
+                    with session.get(name) as imported:
+                        host = imported.to_host()
+                        conn.send(("ok", _ipc_bytes(host), imported.device_id))
+                except Exception as exc:  # report, keep serving
+                    conn.send(("error", f"{type(exc).__name__}: {exc}", -1))
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
+
+
+def cudf_style_reader(socket_path: str, name: str, conn: Connection) -> None:
+    """Like cuDF: take the device array capsule, wait on its sync_event on a stream, then read a buffer
+    with a kernel on that stream; send the values of the first column back."""
+    import cupy
+
+    import arrow_ipc_bridge as aib
+    from arrow_ipc_bridge._ffi import ffi
+    from arrow_ipc_bridge.capsules import capsule_struct
+    from arrow_ipc_bridge.memory import cuda, cuda_regions
+
+    try:
+        with aib.connect(socket_path, timeout=30.0) as session, session.get(name) as imported:
+            schema_capsule, array_capsule = imported.__arrow_c_device_array__()
+            device_array = capsule_struct(array_capsule, "device_array")
+            cupy.cuda.Device(int(device_array.device_id)).use()
+            stream = cupy.cuda.Stream(non_blocking=True)
+            if device_array.sync_event:
+                cuda.stream_wait_event(stream.ptr, cuda_regions.event_value(device_array.sync_event))
+            column = device_array.array.children[0]
+            length = int(column.length)
+            ptr = int(ffi.cast("uintptr_t", column.buffers[1]))
+            memory = cupy.cuda.UnownedMemory(ptr, length * 4, owner=imported)
+            values = cupy.ndarray((length,), cupy.float32, cupy.cuda.MemoryPointer(memory, 0))
+            with stream:
+                copy = values * 1  # a kernel on the stream that waited on the producer's event
+            stream.synchronize()
+            conn.send(cupy.asnumpy(copy).tolist())
+            del schema_capsule, array_capsule
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
+
+
+def cupy_producer(socket_path: str, conn: Connection, rows: int) -> None:
+    """Publish CuPy columns (legacy IPC memory), carved from one bigger allocation at an offset,
+    tell the parent, then wait to be killed or told to stop."""
+    import cupy
+
+    import arrow_ipc_bridge as aib
+
+    try:
+        block = cupy.arange(rows * 3, dtype=cupy.float32)
+        columns = {"a": block[rows : 2 * rows], "b": cupy.arange(rows, dtype=cupy.int64) * 2}
+        cupy.cuda.runtime.deviceSynchronize()
+        with aib.Publisher(socket_path) as pub:
+            pub.publish("cupy", aib.from_cuda_arrays(columns))
+            conn.send(("ready", os.getpid()))
+            while True:
+                if conn.poll(0.1):
+                    message = conn.recv()
+                    if message == "stop":
+                        break
+                    if message == "leases":
+                        conn.send(pub.active_leases)
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
+
+
+def holding_consumer(socket_path: str, name: str, conn: Connection) -> None:
+    """Get ``name``, build a device array capsule from it, tell the parent, then sleep until killed."""
+    import arrow_ipc_bridge as aib
+
+    session = aib.connect(socket_path, timeout=30.0)
+    imported = session.get(name)
+    capsules = imported.__arrow_c_device_array__()
+    conn.send("held")
+    time.sleep(600)
+    del capsules

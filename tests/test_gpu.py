@@ -1,0 +1,291 @@
+"""The GPU path across processes: CUDA regions, sync events, device-aware import (marker: gpu).
+
+Run on the lent GPU machine by scripts/gpu-check.sh; every test here skips with the reason
+elsewhere. Child processes are spawned (never forked after CUDA init), joined with timeouts, and
+their exit codes asserted.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import pyarrow as pa
+import pytest
+from arrow_strategies import TYPE_KINDS, arrow_arrays, assert_arrays_equal
+from hypothesis import HealthCheck, given, settings
+
+import arrow_ipc_bridge as aib
+
+pytestmark = pytest.mark.gpu
+_CTX = mp.get_context("spawn")
+# IPC (how the child sends data back) cannot carry dictionaries of extension values; extension
+# types are covered by the host-memory suites, and the device path does not look at types.
+_GPU_KINDS = TYPE_KINDS - {"extension", "uuid", "opaque", "bool8", "json"}
+
+
+def _socket_path() -> str:
+    return os.path.join(tempfile.mkdtemp(dir="/tmp"), "gpu.sock")
+
+
+def _from_ipc(data: bytes) -> pa.Table:
+    return pa.ipc.open_stream(data).read_all()
+
+
+def _join(process: Any, timeout: float = 60) -> None:
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+        pytest.fail("child process did not finish in time")
+    assert process.exitcode == 0, f"child exited with {process.exitcode}"
+
+
+@pytest.fixture
+def cupy(cuda_device: int) -> Any:
+    return pytest.importorskip("cupy")
+
+
+@pytest.fixture
+def publisher(cuda_device: int) -> Iterator[aib.Publisher]:
+    with aib.Publisher(_socket_path()) as pub:
+        yield pub
+
+
+@pytest.fixture
+def consumer(publisher: aib.Publisher) -> Iterator[Any]:
+    """A consumer process serving get + to_host requests for names the test publishes."""
+    import gpu_children
+
+    parent, child = _CTX.Pipe()
+    process = _CTX.Process(target=gpu_children.consumer_loop, args=(str(publisher.path), child))
+    process.start()
+
+    def fetch(name: str) -> tuple[pa.Table, int]:
+        parent.send(name)
+        assert parent.poll(60), "consumer did not answer"
+        status, payload, device_id = parent.recv()
+        assert status == "ok", payload
+        return _from_ipc(payload), device_id
+
+    yield fetch
+    parent.send(None)
+    _join(process)
+
+
+def _as_table(obj: pa.Array | pa.RecordBatch | pa.Table) -> pa.Table:
+    if isinstance(obj, pa.Table):
+        return obj
+    if isinstance(obj, pa.RecordBatch):
+        return pa.Table.from_batches([obj])
+    return pa.table({"value": obj})
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arrow_arrays(allow=_GPU_KINDS, max_depth=2))
+def test_any_array_moves_across_processes_on_the_gpu(
+    publisher: aib.Publisher, consumer: Any, arr: pa.Array
+) -> None:
+    """All Arrow types: uploaded with to_device (IPC pool regions), imported in another process
+    on the same GPU (device_id from the UUID), copied back: equal to the original."""
+    publisher.publish("x", aib.to_device(pa.record_batch({"value": arr})))
+    table, device_id = consumer("x")
+    assert device_id == 0
+    assert_arrays_equal(table.column(0), arr)
+
+
+def test_tables_with_many_batches(publisher: aib.Publisher, consumer: Any) -> None:
+    """A table of 20 batches uploaded to the GPU comes back equal through a device stream."""
+    batch = pa.record_batch({"s": pa.array(["a", None, "ccc"] * 10), "v": pa.array(range(30))})
+    table = pa.Table.from_batches([batch] * 20)
+    publisher.publish("t", aib.to_device(table))
+    again, _ = consumer("t")
+    assert again.equals(table)
+
+
+def test_cupy_columns_sliced_from_a_pool_block(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:
+    """CuPy arrays carved out of one allocation (offsets inside a shared block) travel as legacy IPC
+    handles; one region per allocation, values intact."""
+    block = cupy.arange(3000, dtype=cupy.float32)
+    columns = {"a": block[1000:2000], "b": block[2000:3000]}
+    stats = publisher.publish("c", aib.from_cuda_arrays(columns))
+    assert stats.regions == 1
+    assert stats.copied_bytes == 0
+    table, _ = consumer("c")
+    assert table.column("a").to_pylist() == [float(i) for i in range(1000, 2000)]
+    assert table.column("b").to_pylist() == [float(i) for i in range(2000, 3000)]
+
+
+def test_consumer_sees_final_data_of_a_running_kernel(publisher: aib.Publisher, cupy: Any) -> None:
+    """The producer's kernel is still running when the message is sent; a cuDF-style consumer waits
+    on sync_event on its own stream and reads the final values, never the stale ones."""
+    import gpu_children
+
+    spin = cupy.RawKernel(
+        r"""
+        extern "C" __global__ void spin_then_fill(float *out, int n, long long cycles) {
+            long long start = clock64();
+            while (clock64() - start < cycles) { }
+            int i = blockIdx.x * blockDim.x + threadIdx.x;
+            if (i < n) out[i] = 7.0f;
+        }
+        """,
+        "spin_then_fill",
+    )
+    n = 4096
+    data = cupy.zeros(n, dtype=cupy.float32)
+    cupy.cuda.runtime.deviceSynchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        spin((n // 256,), (256,), (data, cupy.int32(n), cupy.int64(2_000_000_000)))  # ~1 s
+        publisher.publish("slow", aib.from_cuda_arrays({"v": data}))  # records an event on `stream`
+    parent, child = _CTX.Pipe()
+    process = _CTX.Process(target=gpu_children.cudf_style_reader, args=(str(publisher.path), "slow", child))
+    process.start()
+    assert parent.poll(120), "reader did not answer"
+    values = parent.recv()
+    _join(process)
+    assert values == [7.0] * n
+
+
+def test_producer_exit_leaves_consumer_data_valid(cuda_device: int, cupy: Any) -> None:
+    """The producer process is killed while the consumer holds its data: the data stays readable."""
+    import gpu_children
+
+    path = _socket_path()
+    parent, child = _CTX.Pipe()
+    producer = _CTX.Process(target=gpu_children.cupy_producer, args=(path, child, 1000))
+    producer.start()
+    assert parent.poll(120), "producer did not start"
+    assert parent.recv()[0] == "ready"
+    session = aib.connect(path, timeout=30.0)
+    imported = session.get("cupy")
+    os.kill(producer.pid, signal.SIGKILL)
+    producer.join(30)
+    host = imported.to_host()
+    assert host.column("a").to_pylist() == [float(i) for i in range(1000, 2000)]
+    assert host.column("b").to_pylist() == [2 * i for i in range(1000)]
+    imported.release()
+    with pytest.raises(aib.TransportError):
+        session.get("cupy")
+    session.close()
+
+
+def test_killed_consumer_gives_its_leases_back(cuda_device: int, cupy: Any) -> None:
+    """A consumer holding a device lease is SIGKILLed: the producer's lease count returns to 0."""
+    import gpu_children
+
+    path = _socket_path()
+    parent, child = _CTX.Pipe()
+    producer = _CTX.Process(target=gpu_children.cupy_producer, args=(path, child, 100))
+    producer.start()
+    assert parent.poll(120), "producer did not start"
+    assert parent.recv()[0] == "ready"
+    holder_parent, holder_child = _CTX.Pipe()
+    holder = _CTX.Process(target=gpu_children.holding_consumer, args=(path, "cupy", holder_child))
+    holder.start()
+    assert holder_parent.poll(120), "consumer did not start"
+    assert holder_parent.recv() == "held"
+    parent.send("leases")
+    assert parent.recv() == 1
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(30)
+    deadline = time.monotonic() + 1.0
+    leases = 1
+    while time.monotonic() < deadline:
+        parent.send("leases")
+        leases = parent.recv()
+        if leases == 0:
+            break
+        time.sleep(0.02)
+    assert leases == 0
+    parent.send("stop")
+    _join(producer)
+
+
+def test_ten_thousand_imports_do_not_grow(publisher: aib.Publisher, cupy: Any) -> None:
+    """10,000 get/release cycles in one session: open handles, fds, owners and GPU memory stay flat."""
+    from arrow_ipc_bridge._ffi import lib
+    from arrow_ipc_bridge.memory import cuda, cuda_regions
+
+    publisher.publish("legacy", aib.from_cuda_arrays({"v": cupy.arange(1 << 16, dtype=cupy.float32)}))
+    publisher.publish("pool", aib.to_device(pa.table({"v": pa.array(range(1 << 14))})))
+    with aib.connect(publisher.path, timeout=30.0) as session:
+
+        def cycle(name: str) -> None:
+            with session.get(name) as imported:
+                capsules = imported.__arrow_c_device_array__()
+                del capsules
+
+        for name in ("legacy", "pool"):
+            cycle(name)
+        gc.collect()
+        free_before = cuda.mem_get_info(0)[0]
+        fds_before = len(os.listdir("/proc/self/fd"))
+        owners_before = lib.aib_live_owners()
+        for i in range(10_000):
+            cycle("legacy" if i % 2 else "pool")
+        gc.collect()
+        time.sleep(0.2)
+        from arrow_ipc_bridge import _reaper
+
+        _reaper.drain()
+        assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+        assert lib.aib_live_owners() <= owners_before + 2
+        assert cuda.mem_get_info(0)[0] >= free_before - (64 << 20)
+        stats = cuda_regions.cuda_stats()
+        assert stats["legacy_hits"] >= 4_999  # the handle was opened once, then reused
+    assert publisher.active_leases == 0
+
+
+def test_managed_memory_needs_the_copy_policy(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:
+    """Managed memory cannot travel through CUDA IPC: copy='never' refuses with CopyRequiredError,
+    'if_needed' copies it into the bridge pool (counted) and the consumer reads the right values."""
+    memory = cupy.cuda.malloc_managed(1024 * 4)
+    values = cupy.ndarray((1024,), cupy.float32, memory)
+    values[:] = cupy.arange(1024, dtype=cupy.float32)
+    cupy.cuda.runtime.deviceSynchronize()
+    with pytest.raises(aib.CopyRequiredError):
+        publisher.publish("m", aib.from_cuda_arrays({"v": values}), copy="never")
+    stats = publisher.publish("m", aib.from_cuda_arrays({"v": values}), copy="if_needed")
+    assert stats.copied_bytes == 1024 * 4
+    table, _ = consumer("m")
+    assert table.column("v").to_pylist() == [float(i) for i in range(1024)]
+
+
+def test_vmm_allocation_travels_as_an_fd(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:
+    """A VMM allocation (cuMemCreate) is exported as a POSIX fd region and read in another process."""
+    from arrow_ipc_bridge.memory import cuda
+
+    allocation = cuda.vmm_allocate(1 << 21, 0)
+    n = 1000
+    cuda.write_device(allocation.ptr, pa.array(range(n), pa.int64()).buffers()[1].to_pybytes())
+
+    class VmmColumn:
+        __cuda_array_interface__: ClassVar[dict[str, Any]] = {
+            "shape": (n,),
+            "typestr": "<i8",
+            "data": (allocation.ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+
+    stats = publisher.publish("vmm", aib.from_cuda_arrays({"v": VmmColumn()}))
+    assert stats.regions == 1
+    table, _ = consumer("vmm")
+    assert table.column("v").to_pylist() == list(range(n))
+
+
+def test_to_host_round_trip_in_process(cuda_device: int) -> None:
+    """to_device then to_host in one process returns the same data (pool memory, no IPC)."""
+    table = pa.table({"x": pa.array([1.5, None, 3.0]), "s": pa.array(["a", None, "bcd"])})
+    gpu = aib.to_device(table)
+    assert gpu.device_type == 2
+    assert gpu.to_host().equals(table)
