@@ -163,6 +163,10 @@ def _close_fds(fds: Iterable[int]) -> None:
 
 def _fds_in(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     """The descriptors of the SCM_RIGHTS messages in ``ancdata``."""
+    if len(ancdata) == 1:  # the usual case, in one step
+        level, ctype, cdata = ancdata[0]
+        if level == _SOL_SOCKET and ctype == _SCM_RIGHTS and not len(cdata) % _FD_SIZE:
+            return array.array("i", cdata).tolist()
     fds: list[int] = []
     for level, ctype, cdata in ancdata:
         if level == _SOL_SOCKET and ctype == _SCM_RIGHTS:
@@ -634,20 +638,22 @@ class Connection:
                 self._fd_groups.append((self._rend - 1, _fds_in(ancdata)))
                 if msg_flags & _MSG_CTRUNC:
                     raise _truncated_error()
-                self._check_pending_fds()
+                if len(self._fd_groups) > 1:  # one group is at most SCM_MAX_FD == MAX_FDS descriptors
+                    self._check_pending_fds()
 
     def _check_pending_fds(self) -> None:
         # Whether a frame got exactly the descriptors it announced is checked when it is complete; this
         # only bounds what a peer can pile up before that. Frames are handed out as soon as they are
         # complete, so a legal stream has descriptors pending for at most the current frame and the next.
-        groups = self._fd_groups
-        pending = len(groups[0][1]) if len(groups) == 1 else sum(len(fds) for _, fds in groups)
+        pending = sum(len(fds) for _, fds in self._fd_groups)
         if pending > 2 * MAX_FDS:
             raise ProtocolError(f"{pending} descriptors arrived for incomplete frames", field="fds")
 
     def _frame_fds(self, end: int) -> list[int]:
         """Take the descriptors of the frame that ends at ``end`` out of the pending groups."""
         groups = self._fd_groups
+        if len(groups) == 1 and groups[0][0] < end:  # the usual case
+            return groups.pop()[1]
         fds: list[int] = []
         while groups and groups[0][0] < end:
             fds.extend(groups.pop(0)[1])
@@ -656,7 +662,9 @@ class Connection:
     def _compact(self) -> None:
         """Move the unconsumed bytes to the front of the receive buffer to make room behind them."""
         start, end = self._rstart, self._rend
-        self._rbuf[: end - start] = self._rview[start:end]
+        # Through a copy: bytearray slice assignment from a view of itself is a plain memcpy, and the two
+        # ranges may overlap. This runs at most once per frame that straddles the end of the buffer.
+        self._rbuf[: end - start] = self._rview[start:end].tobytes()
         self._rstart, self._rend = 0, end - start
         self._fd_groups = [(offset - start, fds) for offset, fds in self._fd_groups]
 
@@ -671,6 +679,8 @@ class Connection:
         self._big, self._big_got, self._big_fds = big, have, fds
         self._kind, self._nfds = kind, nfds
         self._rstart = self._rend = 0
+        if len(fds) > nfds:
+            raise _fd_count_error(nfds, len(fds))
 
     def _recv_big(self, deadline: float | None, timeout: float | None) -> Frame:
         """Receive the rest of a large frame straight into its own buffer, never past its end."""

@@ -113,6 +113,17 @@ def read_fd(fd: int, size: int) -> bytes:
     return os.pread(fd, size, 0)
 
 
+def fill_send_buffer(conn: Connection) -> int:
+    """Send empty frames with timeout=0 until the socket buffer is full; return how many went out."""
+    count = 0
+    while True:
+        try:
+            conn.send(1, timeout=0)
+        except BridgeTimeoutError:
+            return count
+        count += 1
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -309,6 +320,65 @@ def test_fds_stay_with_their_frames(pair: tuple[Connection, Connection]) -> None
                 assert frame.payload == bytes([i % 251]) * size
                 assert [read_fd(fd, 20) for fd in frame.fds] == [f"{i}/{j}".encode() for j in range(nfds)]
         sender.join(10)
+        assert not errors
+
+
+def test_small_receive_buffer_frames_straddling_its_end() -> None:
+    """With a small max_payload the receive buffer is small too: frames and headers that straddle its end
+    are moved to the front and completed, in order, descriptors included."""
+    a, b = socket.socketpair()
+    with Connection(a, max_payload=100) as sender, Connection(b, max_payload=100) as receiver, no_fd_leak():
+        mem = memfd_with(b"m")
+        plan = [(i % 4) * 33 for i in range(40)]
+        for i, size in enumerate(plan):
+            sender.send(i, bytes([i]) * size, [mem] if i % 5 == 0 else [])
+        os.close(mem)
+        for i, size in enumerate(plan):
+            with receiver.recv(timeout=5) as frame:
+                assert (frame.kind, frame.payload) == (i, bytes([i]) * size)
+                assert len(frame.fds) == (1 if i % 5 == 0 else 0)
+
+
+def test_send_waits_for_room_then_passes_fds(pair: tuple[Connection, Connection]) -> None:
+    """A timed send that finds the socket buffer full waits for room and then sends the frame with its
+    descriptors."""
+    a, b = pair
+    with no_fd_leak():
+        frames = fill_send_buffer(a)
+        mem = memfd_with(b"after the wait")
+        sender, errors = run_thread(lambda: a.send(2, b"late", [mem], timeout=5))
+        time.sleep(0.1)
+        for _ in range(frames):
+            assert b.recv(timeout=5).kind == 1
+        with b.recv(timeout=5) as frame:
+            assert (frame.kind, frame.payload) == (2, b"late")
+            assert read_fd(frame.fds[0], 100) == b"after the wait"
+        sender.join(5)
+        assert not errors
+        os.close(mem)
+
+
+def test_lock_waits_honour_the_timeout(pair: tuple[Connection, Connection]) -> None:
+    """recv/send with a timeout give up in time while another thread holds the connection's receive or
+    send side, without disturbing that thread's call."""
+    a, b = pair
+    received: queue.Queue[Frame] = queue.Queue()
+    reader, reader_errors = run_thread(lambda: received.put(a.recv(timeout=10)))
+    big = bytes(8 * 1024 * 1024)
+    writer, writer_errors = run_thread(lambda: a.send(1, big, timeout=10))
+    time.sleep(0.1)  # the reader is blocked in recv, the writer in send (b reads nothing yet)
+    start = time.monotonic()
+    with pytest.raises(BridgeTimeoutError, match="another receiver"):
+        a.recv(timeout=0.1)
+    with pytest.raises(BridgeTimeoutError, match="another sender"):
+        a.send(2, b"x", timeout=0.1)
+    assert time.monotonic() - start < 1.0
+    assert not a.closed
+    assert b.recv(timeout=10).payload == big
+    b.send(3, b"for the reader")
+    assert received.get(timeout=5).payload == b"for the reader"
+    for thread, errors in ((reader, reader_errors), (writer, writer_errors)):
+        thread.join(5)
         assert not errors
 
 
@@ -551,6 +621,43 @@ def test_fds_without_announcement_in_payload(hostile: tuple[Connection, socket.s
     assert conn.closed
 
 
+@pytest.mark.parametrize("late", [False, True])
+def test_fds_smuggled_into_large_frame(hostile: tuple[Connection, socket.socket], late: bool) -> None:
+    """Descriptors attached to the payload of a frame too large for the receive buffer that announced
+    none: ProtocolError, closed, whether they come with its first bytes or after the receiver switched to
+    the frame's own buffer."""
+    conn, peer = hostile
+    with no_fd_leak(closes=1):
+        mem = memfd_with(b"a")
+        send_raw(peer, header(length=200_000) + bytes(100))
+        if not late:
+            send_raw(peer, bytes(100), [mem])
+        reader, errors = run_thread(lambda: conn.recv(timeout=5))
+        if late:
+            time.sleep(0.05)  # the receiver is now reading into the frame's own buffer
+            send_raw(peer, bytes(100_000), [mem])
+        os.close(mem)
+        reader.join(5)
+        assert len(errors) == 1
+        assert isinstance(errors[0], ProtocolError)
+        assert "more descriptors" in str(errors[0])
+
+
+def test_descriptor_flood_before_frame_completes(hostile: tuple[Connection, socket.socket]) -> None:
+    """A peer piling up descriptors on the bytes of an incomplete frame is cut off once more are pending
+    than any legal stream could have (2 * MAX_FDS); all of them are closed."""
+    conn, peer = hostile
+    with no_fd_leak(closes=1):
+        mine = [memfd_with(b"x") for _ in range(MAX_FDS)]
+        send_raw(peer, header(length=60_000))
+        for _ in range(3):
+            send_raw(peer, b"z", mine)
+        for fd in mine:
+            os.close(fd)
+        with pytest.raises(ProtocolError, match="incomplete frames"):
+            conn.recv(timeout=5)
+
+
 def test_fewer_fds_than_announced(hostile: tuple[Connection, socket.socket]) -> None:
     """A header announcing three descriptors that arrives with one: ProtocolError, the one is closed."""
     conn, peer = hostile
@@ -716,16 +823,7 @@ def test_send_timeout_when_nothing_fits_keeps_connection(hostile: tuple[Connecti
     """send(timeout=0) into a full socket buffer raises BridgeTimeoutError without sending anything, so the
     connection stays open and every frame sent before is intact."""
     conn, peer = hostile
-    sent = 0
-
-    def fill() -> None:
-        nonlocal sent
-        while True:
-            conn.send(1, timeout=0)
-            sent += 1
-
-    with pytest.raises(BridgeTimeoutError):
-        fill()
+    sent = fill_send_buffer(conn)
     assert sent > 0
     assert not conn.closed
     peer_conn = Connection(peer)
@@ -1084,7 +1182,7 @@ def test_server_close_unblocks_blocked_handlers(sock_path: str) -> None:
             outcomes.put(exc)
             raise
 
-    srv = Server(sock_path, handler)
+    srv = Server(sock_path, handler, name="aib-close-test")
     clients = [connect(sock_path) for _ in range(5)]
     assert wait_until(lambda: srv.active_connections() == 5)
     time.sleep(0.05)
@@ -1094,7 +1192,7 @@ def test_server_close_unblocks_blocked_handlers(sock_path: str) -> None:
     assert srv.active_connections() == 0
     for _ in clients:
         assert isinstance(outcomes.get(timeout=1), PeerClosedError)
-    alive = [t.name for t in threading.enumerate() if t.name.startswith("aib-server")]
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("aib-close-test")]
     assert alive == []
     for conn in clients:
         with pytest.raises(PeerClosedError):
@@ -1178,13 +1276,18 @@ def test_peer_death_seen_by_handler(sock_path: str) -> None:
         assert wait_until(lambda: srv.active_connections() == 0)
 
 
-def _child_echo(sock: socket.socket, raw: bool) -> None:
-    """Child process for the benchmark: echo frames (or raw bytes) until the peer closes."""
-    if raw:
+def _child_echo(sock: socket.socket, mode: str) -> None:
+    """Child process for the benchmark: echo frames (or raw bytes, with their descriptors) until the peer
+    closes."""
+    if mode.startswith("raw"):
         with sock:
-            while data := sock.recv(65536):
-                sock.sendall(data)
-        return
+            while True:
+                data, ancdata, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(4))
+                if not data:
+                    return
+                sock.sendmsg([data], ancdata)
+                for _, _, cdata in ancdata:
+                    os.close(int.from_bytes(cdata[:4], "little"))
     with Connection(sock) as conn:
         try:
             while True:
@@ -1202,41 +1305,43 @@ def _percentiles(samples: list[float]) -> tuple[float, float]:
 @pytest.mark.slow
 def test_benchmark_round_trip(capsys: pytest.CaptureFixture[str]) -> None:
     """Micro-benchmark (no time limit asserted): 64-byte round trips to an echo process, raw socket bytes
-    versus frames without and with one descriptor; prints p50/p99 in microseconds."""
+    (one sendmsg/recvmsg each way) versus frames, each without and with one descriptor; prints p50/p99 in
+    microseconds."""
     ctx = multiprocessing.get_context("spawn")
     rounds, warmup = 5000, 500
     payload = b"x" * 64
     results = {}
-    for mode in ("raw socket", "frame", "frame + 1 fd"):
+    mem = memfd_with(b"x")
+    for mode in ("raw socket", "frame", "raw socket + 1 fd", "frame + 1 fd"):
         a, b = socket.socketpair()
-        child = ctx.Process(target=_child_echo, args=(b, mode == "raw socket"), daemon=True)
+        child = ctx.Process(target=_child_echo, args=(b, mode), daemon=True)
         child.start()
         b.close()
         samples = []
         clock = time.perf_counter
-        if mode == "raw socket":
+        fds = [mem] if mode.endswith("fd") else []
+        if mode.startswith("raw"):
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
             for _ in range(rounds + warmup):
                 start = clock()
-                a.sendall(payload)
-                got = 0
-                while got < len(payload):
-                    got += len(a.recv(65536))
+                a.sendmsg([payload], anc)
+                _, ancdata, _, _ = a.recvmsg(65536, socket.CMSG_SPACE(4))
+                for _, _, cdata in ancdata:
+                    os.close(int.from_bytes(cdata[:4], "little"))
                 samples.append(clock() - start)
             a.close()
         else:
-            mem = memfd_with(b"x")
-            fds = [mem] if mode == "frame + 1 fd" else []
             with Connection(a) as conn:
                 for _ in range(rounds + warmup):
                     start = clock()
                     conn.send(1, payload, fds)
                     conn.recv().close_fds()
                     samples.append(clock() - start)
-            os.close(mem)
         child.join(10)
         assert child.exitcode == 0
         results[mode] = _percentiles(samples[warmup:])
+    os.close(mem)
     with capsys.disabled():
         print()
         for mode, (p50, p99) in results.items():
-            print(f"    64-byte round trip, {mode:13s}: p50 {p50:6.1f} us   p99 {p99:6.1f} us")
+            print(f"    64-byte round trip, {mode:17s}: p50 {p50:6.1f} us   p99 {p99:6.1f} us")
