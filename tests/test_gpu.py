@@ -209,39 +209,70 @@ def test_killed_consumer_gives_its_leases_back(cuda_device: int, cupy: Any) -> N
     _join(producer)
 
 
-def test_ten_thousand_imports_do_not_grow(publisher: aib.Publisher, cupy: Any) -> None:
-    """10,000 get/release cycles in one session: open handles, fds, owners and GPU memory stay flat."""
+def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
+    """10,000 get/release cycles from another process's publisher (legacy handles and IPC-pool
+    pointers): open handles, fds, owners and GPU memory stay flat; the legacy handle is opened once."""
+    import gpu_children
+
+    from arrow_ipc_bridge import _reaper
     from arrow_ipc_bridge._ffi import lib
     from arrow_ipc_bridge.memory import cuda, cuda_regions
 
-    publisher.publish("legacy", aib.from_cuda_arrays({"v": cupy.arange(1 << 16, dtype=cupy.float32)}))
-    publisher.publish("pool", aib.to_device(pa.table({"v": pa.array(range(1 << 14))})))
+    path = _socket_path()
+    parent, child = _CTX.Pipe()
+    producer = _CTX.Process(target=gpu_children.cupy_producer, args=(path, child, 1 << 16))
+    producer.start()
+    assert parent.poll(120), "producer did not start"
+    assert parent.recv()[0] == "ready"
+    try:
+        with aib.connect(path, timeout=30.0) as session:
+
+            def cycle(name: str) -> None:
+                with session.get(name) as imported:
+                    capsules = imported.__arrow_c_device_array__()
+                    del capsules
+
+            for name in ("cupy", "pool"):
+                cycle(name)
+            gc.collect()
+            _reaper.drain()
+            free_before = cuda.mem_get_info(0)[0]
+            fds_before = len(os.listdir("/proc/self/fd"))
+            owners_before = lib.aib_live_owners()
+            hits_before = cuda_regions.cuda_stats()["legacy_hits"]
+            opens_before = cuda_regions.cuda_stats()["legacy_opens"]
+            for i in range(10_000):
+                cycle("cupy" if i % 2 else "pool")
+            gc.collect()
+            time.sleep(0.2)
+            _reaper.drain()
+            assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+            assert lib.aib_live_owners() <= owners_before + 2
+            assert cuda.mem_get_info(0)[0] >= free_before - (64 << 20)
+            stats = cuda_regions.cuda_stats()
+            assert stats["legacy_opens"] == opens_before  # opened once, before the loop
+            assert stats["legacy_hits"] - hits_before == 5_000
+        parent.send("leases")
+        assert parent.recv() == 0
+    finally:
+        parent.send("stop")
+        _join(producer)
+
+
+def test_same_process_publisher_and_session(publisher: aib.Publisher, cupy: Any) -> None:
+    """CUDA will not open a legacy handle in the process that made it: a session in the producer's
+    own process resolves its regions from the producer's records instead, and reads the data."""
+    from arrow_ipc_bridge.memory import cuda_regions
+
+    publisher.publish("legacy", aib.from_cuda_arrays({"v": cupy.arange(100, dtype=cupy.float32)}))
+    publisher.publish("pool", aib.to_device(pa.table({"v": pa.array(range(100))})))
+    before = cuda_regions.cuda_stats()["same_process"]
     with aib.connect(publisher.path, timeout=30.0) as session:
-
-        def cycle(name: str) -> None:
-            with session.get(name) as imported:
-                capsules = imported.__arrow_c_device_array__()
-                del capsules
-
-        for name in ("legacy", "pool"):
-            cycle(name)
-        gc.collect()
-        free_before = cuda.mem_get_info(0)[0]
-        fds_before = len(os.listdir("/proc/self/fd"))
-        owners_before = lib.aib_live_owners()
-        for i in range(10_000):
-            cycle("legacy" if i % 2 else "pool")
-        gc.collect()
-        time.sleep(0.2)
-        from arrow_ipc_bridge import _reaper
-
-        _reaper.drain()
-        assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
-        assert lib.aib_live_owners() <= owners_before + 2
-        assert cuda.mem_get_info(0)[0] >= free_before - (64 << 20)
-        stats = cuda_regions.cuda_stats()
-        assert stats["legacy_hits"] >= 4_999  # the handle was opened once, then reused
-    assert publisher.active_leases == 0
+        with session.get("legacy") as imported:
+            assert imported.to_host().column("v").to_pylist() == [float(i) for i in range(100)]
+        with session.get("pool") as imported:
+            assert imported.to_host().column("v").to_pylist() == list(range(100))
+    assert cuda_regions.cuda_stats()["same_process"] - before == 2
 
 
 def test_managed_memory_needs_the_copy_policy(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:

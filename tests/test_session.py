@@ -47,7 +47,7 @@ import pyarrow as pa
 import pytest
 import session_children as children
 from arrow_strategies import arrow_arrays, assert_arrays_equal, record_batches, tables
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 import arrow_ipc_bridge as aib
@@ -378,9 +378,13 @@ def test_relay_round_trip_all_types(producer: ProducerRig, obj: Any) -> None:
 @given(obj=ANY_ARROW, data=st.data())
 def test_producer_child_publishes_its_own_data(producer: ProducerRig, obj: Any, data: st.DataObject) -> None:
     """Data that lives in the producer child's own pyarrow memory (rebuilt there from Arrow IPC bytes, then
-    often sliced to a non-zero offset) arrives equal to the same rebuild done here."""
-    kind, payload = children.to_ipc(obj)
-    expected = children.from_ipc(kind, payload)
+    often sliced to a non-zero offset) arrives equal to the same rebuild done here. (Arrow IPC is lossy for
+    a few exotic types; the relay test above covers every type exactly.)"""
+    try:
+        kind, payload = children.to_ipc(obj)
+        expected = children.from_ipc(kind, payload)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        reject()  # Arrow IPC itself cannot carry this (e.g. a dictionary of uuid): not what is tested here
     window = None
     n = len(expected) if kind == "array" else expected.num_rows
     if n and data.draw(st.booleans(), label="slice"):

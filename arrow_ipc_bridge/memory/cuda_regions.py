@@ -62,7 +62,27 @@ _NONCE = os.urandom(16)
 _lock = threading.Lock()
 _bridge_pools: dict[int, cuda.IpcMemoryPool] = {}
 _legacy_handles = cuda.LegacyHandleCache()
-_stats = {"copied_bytes": 0, "copies": 0, "legacy_opens": 0, "legacy_hits": 0, "pool_imports": 0}
+_stats = {
+    "copied_bytes": 0,
+    "copies": 0,
+    "legacy_opens": 0,
+    "legacy_hits": 0,
+    "pool_imports": 0,
+    "same_process": 0,
+}
+# Handles this process exported, by handle bytes -> device address. CUDA refuses to open a legacy
+# handle (or import a pool) in the process that made it, so a consumer in the producer's own process
+# resolves its regions here instead. Bounded: entries of freed allocations age out.
+_LOCAL_MAX = 4096
+_local_exports: OrderedDict[bytes, int] = OrderedDict()
+
+
+def _remember_local(handle: bytes, base: int) -> None:
+    with _lock:
+        _local_exports[handle] = base
+        _local_exports.move_to_end(handle)
+        while len(_local_exports) > _LOCAL_MAX:
+            _local_exports.popitem(last=False)
 
 
 def cuda_stats() -> dict[str, int]:
@@ -176,15 +196,18 @@ class CudaPlacer:
                 placement.fds.append(pool.export_pool_fd())
             export = pool.export_pointer(info.base)
             handle = _NONCE + info.mempool.to_bytes(8, "little") + export
+            _remember_local(handle, info.base)
             return Region(
                 REGION_CUDA_POOL, size=info.size, identity=info.buffer_id, fd_index=fd_index, handle=handle
             )
         if info.legacy_ipc_capable:
             handle = _legacy_handles.get(info.base, info.buffer_id)
+            _remember_local(handle, info.base)
             return Region(REGION_CUDA_LEGACY, size=info.size, identity=info.buffer_id, handle=handle)
         fd_index = len(placement.fds)
         placement.fds.append(cuda.vmm_export_fd(info.base, device=self.device))
         handle = _NONCE + info.buffer_id.to_bytes(8, "little")
+        _remember_local(handle, info.base)
         return Region(
             REGION_CUDA_VMM, size=info.size, identity=info.buffer_id, fd_index=fd_index, handle=handle
         )
@@ -208,6 +231,7 @@ class CudaPlacer:
         fd_index = len(placement.fds)
         placement.fds.append(pool.export_pool_fd())
         handle = _NONCE + pool.handle.to_bytes(8, "little") + pool.export_pointer(info.base)
+        _remember_local(handle, info.base)
         placement.regions.append(
             Region(
                 REGION_CUDA_POOL, size=info.size, identity=info.buffer_id, fd_index=fd_index, handle=handle
@@ -244,6 +268,13 @@ class CudaOpener:
 
     def open(self, region: Region, fds: list[int] | tuple[int, ...], device: int) -> _Opened:
         """Open ``region``; the caller receives one owner reference (drop it with aib_owner_unref)."""
+        with _lock:
+            local = _local_exports.get(region.handle)
+            if local is not None:
+                _stats["same_process"] += 1
+        if local is not None:
+            # Our own export: the memory is already mapped here, and the producer's lease keeps it.
+            return _Opened(local, lib.aib_owner_new(0))
         if region.kind == REGION_CUDA_LEGACY:
             return self._open_legacy(region, device)
         if region.kind == REGION_CUDA_POOL:
