@@ -224,7 +224,9 @@ def to_host(imported: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBat
         cursor = 0
         for region, (lo, hi) in spans.items():
             cuda.memcpy_dtoh(host + cursor, int(bases[region]) + lo, hi - lo, device=imported.device_id)
-            host_bases[region] = host + cursor - lo
+            # modulo 2**64: the C rebuild adds the buffer offset back with unsigned wrap-around
+            # (offsets of same-process regions are device addresses, larger than `host`)
+            host_bases[region] = (host + cursor - lo) % (1 << 64)
             cursor += (hi - lo + 63) // 64 * 64
         # A second decode of the same message gives the host copy its own owner, which keeps the
         # host buffer alive for as long as pyarrow holds what we build from it.

@@ -163,7 +163,9 @@ def _export_cuda(captured: CapturedData, copy: CopyPolicy) -> Exported:
         if producer_event:
             cuda.stream_wait_event(0, cuda_regions.event_value(producer_event), device=device)
         event.record(0)
-        info = DeviceInfo(device_type=DEVICE_CUDA, identity=cuda.device_uuid(device), sync=event.ipc_handle())
+        sync = event.ipc_handle()
+        cuda_regions.remember_local_event(sync, event.handle)
+        info = DeviceInfo(device_type=DEVICE_CUDA, identity=cuda.device_uuid(device), sync=sync)
         message = described.encode(info, placement.regions, n_fds=len(placement.fds))
     except BaseException:
         for close in closers:

@@ -126,7 +126,7 @@ class Session:
         sync = None
         if device.sync:
             slot = cuda_regions.owner_slot(decoded.owner)
-            slot[0] = cuda.open_ipc_event(device.sync, ordinal)
+            slot[0] = cuda_regions.open_event(device.sync, ordinal)
             sync = slot
         return imported_from(
             decoded, bases, device_type=DEVICE_CUDA, device_id=ordinal, sync_event=sync, name=name

@@ -97,7 +97,7 @@ def cupy_producer(socket_path: str, conn: Connection, rows: int) -> None:
         cupy.cuda.runtime.deviceSynchronize()
         with aib.Publisher(socket_path) as pub:
             pub.publish("cupy", aib.from_cuda_arrays(columns))
-            pub.publish("pool", aib.to_device(pa.table({"v": pa.array(range(rows))})))
+            pub.publish("pool", aib.to_device(pa.record_batch({"v": pa.array(range(rows))})))
             conn.send(("ready", os.getpid()))
             while True:
                 if conn.poll(0.1):

@@ -1012,6 +1012,7 @@ def test_cupy_allocator_serves_pool_shareable_memory(cupy: Any, cuda_device: int
     try:
         cupy.cuda.set_allocator(allocator)
         x = cupy.arange(1000, dtype=cupy.float32)
+        cupy.cuda.runtime.deviceSynchronize()  # a stream-ordered allocation exports once it ran
         info = cuda.pointer_info(x.data.ptr)
         assert info is not None
         assert info.mempool == allocator.pool.handle

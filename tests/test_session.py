@@ -1409,15 +1409,10 @@ def test_more_regions_than_one_frame_can_carry(publisher: aib.Publisher, sock_di
 CACHE_ZERO_CHILD = "import sys, session_children as c; c.cache_size_zero_main(sys.argv[1])"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: HostMappingCache.map evicts with dict.popitem() even when the cache is empty, so "
-    "mapping_cache_size=0 raises KeyError on every zero-copy import and leaks the new mapping",
-)
 def test_mapping_cache_size_zero_disables_caching(shm_file: tuple[str, pa.Table]) -> None:
     """``Session(mapping_cache_size=0)`` imports zero-copy data without caching it: no error, no hit, no
     entry, and no owner/node/mapping left (run in a fresh interpreter, so a leak cannot spill into the
-    other tests)."""
+    other tests). Regression test: it used to raise KeyError from dict.popitem() and leak the mapping."""
     path, _ = shm_file
     proc = subprocess.run(
         [sys.executable, "-c", CACHE_ZERO_CHILD, path],
@@ -1435,17 +1430,7 @@ def test_mapping_cache_size_zero_disables_caching(shm_file: tuple[str, pa.Table]
     "zero_copy",
     [
         pytest.param(False, id="copied-region"),
-        pytest.param(
-            True,
-            id="zero-copy-region",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=OSError,
-                reason="bug: HostMappingCache.map calls _file_key -> os.fstat(fd) outside map_host_region's "
-                "error handling, so an unusable fd for a zero-copy region raises a bare OSError instead of "
-                "RegionError",
-            ),
-        ),
+        pytest.param(True, id="zero-copy-region"),
     ],
 )
 def test_import_message_with_unusable_fd_raises_region_error(
@@ -1453,7 +1438,8 @@ def test_import_message_with_unusable_fd_raises_region_error(
 ) -> None:
     """``import_message`` given a descriptor number that is not open raises RegionError (as documented:
     "RegionError when a region cannot be mapped"), whether the region is a copy or zero-copy, and leaks
-    nothing (checked by the leak fixture)."""
+    nothing (checked by the leak fixture). Regression test: the zero-copy case used to raise a bare
+    OSError from the mapping cache's fstat."""
     path, _ = shm_file
     source = pa.ipc.open_file(pa.memory_map(path)).read_all() if zero_copy else sample_table(100)
     with aib.export(source, copy="never" if zero_copy else "always") as exported:

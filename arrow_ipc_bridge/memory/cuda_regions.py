@@ -33,7 +33,7 @@ from typing import Any
 
 from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.errors import CopyRequiredError, RegionError
+from arrow_ipc_bridge.errors import CopyRequiredError, CudaError, RegionError
 from arrow_ipc_bridge.memory import cuda
 from arrow_ipc_bridge.metadata import (
     REGION_CUDA_LEGACY,
@@ -75,6 +75,26 @@ _stats = {
 # resolves its regions here instead. Bounded: entries of freed allocations age out.
 _LOCAL_MAX = 4096
 _local_exports: OrderedDict[bytes, int] = OrderedDict()
+
+
+_local_events: OrderedDict[bytes, int] = OrderedDict()
+
+
+def remember_local_event(handle: bytes, event: int) -> None:
+    """Record an event this process exported, so a same-process consumer uses it directly (CUDA
+    refuses to open an IPC event handle in the process that made it)."""
+    with _lock:
+        _local_events[handle] = event
+        _local_events.move_to_end(handle)
+        while len(_local_events) > _LOCAL_MAX:
+            _local_events.popitem(last=False)
+
+
+def open_event(handle: bytes, device: int) -> int:
+    """The CUevent for an IPC event handle: our own event, or the opened (and cached) import."""
+    with _lock:
+        local = _local_events.get(handle)
+    return local if local is not None else cuda.open_ipc_event(handle, device)
 
 
 def _remember_local(handle: bytes, base: int) -> None:
@@ -194,7 +214,7 @@ class CudaPlacer:
             if fd_index is None:
                 fd_index = pool_fds[info.mempool] = len(placement.fds)
                 placement.fds.append(pool.export_pool_fd())
-            export = pool.export_pointer(info.base)
+            export = _export_pool_pointer(pool, info.base, self.device)
             handle = _NONCE + info.mempool.to_bytes(8, "little") + export
             _remember_local(handle, info.base)
             return Region(
@@ -238,6 +258,19 @@ class CudaPlacer:
             )
         )
         return len(placement.regions) - 1, target - info.base
+
+
+def _export_pool_pointer(pool: cuda.IpcMemoryPool, base: int, device: int) -> bytes:
+    try:
+        return pool.export_pointer(base)
+    except CudaError:
+        # A stream-ordered allocation whose allocating work has not run yet cannot be exported;
+        # once the device has caught up it can.
+        _log.debug(
+            "arrow_ipc_bridge: pool pointer %#x not exportable yet; synchronizing device %d", base, device
+        )
+        cuda.synchronize(device)
+        return pool.export_pointer(base)
 
 
 def _own_pool(handle: int) -> cuda.IpcMemoryPool:
@@ -294,7 +327,9 @@ class CudaOpener:
                 _stats["legacy_hits"] += 1
                 return hit
         ptr = cuda.ipc_open_mem_handle(region.handle, device)
-        token = _reaper.register(lambda: _close_quietly(cuda.ipc_close_mem_handle, ptr, device))
+        token = _reaper.register(
+            lambda: _close_quietly(lambda: cuda.ipc_close_mem_handle(ptr, device=device))
+        )
         owner = lib.aib_owner_new(token)
         opened = _Opened(ptr, owner)
         lib.aib_owner_ref(owner)  # the caller's reference; the cache keeps the first
@@ -322,7 +357,7 @@ class CudaOpener:
             if pool is not imported:
                 imported.close()
         ptr = pool.import_pointer(region.handle[24:])
-        token = _reaper.register(lambda: _close_quietly(pool.free_imported, ptr))
+        token = _reaper.register(lambda: _close_quietly(lambda: pool.free_imported(ptr)))
         return _Opened(ptr, lib.aib_owner_new(token))
 
     def _open_vmm(self, region: Region, fds: list[int] | tuple[int, ...], device: int) -> _Opened:
@@ -340,9 +375,9 @@ class CudaOpener:
             lib.aib_owner_unref(entry.owner)
 
 
-def _close_quietly(close: Any, *args: Any) -> None:
+def _close_quietly(close: Any) -> None:
     try:
-        close(*args)
+        close()
     except Exception as exc:  # cleanup never raises; the process may be shutting down
         _log.warning("arrow_ipc_bridge: closing a CUDA import failed: %s", exc)
 
