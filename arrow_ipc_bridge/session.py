@@ -12,11 +12,14 @@ import contextlib
 import os
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 from arrow_ipc_bridge import _reaper, protocol, transport
-from arrow_ipc_bridge._ffi import WIRE_VERSION, lib
+from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.errors import (
     BridgeError,
@@ -27,11 +30,28 @@ from arrow_ipc_bridge.errors import (
 )
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
 from arrow_ipc_bridge.memory.host_map import HostMappingCache
-from arrow_ipc_bridge.metadata import REGION_FLAG_ZERO_COPY, REGION_HOST_FD, Decoded, DeviceInfo
+from arrow_ipc_bridge.metadata import (
+    REGION_CUDA_LEGACY,
+    REGION_FLAG_ZERO_COPY,
+    REGION_HOST_FD,
+    Decoded,
+    DeviceInfo,
+)
 
 __all__ = ["Session", "connect"]
 
 Imported = ImportedArray | ImportedStream
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """Regions of a message already opened in this session (steady-state re-gets skip the opens)."""
+
+    bases: list[int]
+    regions_owner: Any  # aib_owner* holding every region's owner; one reference held by the cache
+    device_type: int
+    device_id: int
+    event: int  # the opened producer event, 0 when none
 
 
 class Session:
@@ -55,6 +75,9 @@ class Session:
 
     def __init__(self, *, mapping_cache_size: int = 256) -> None:
         self._cache = HostMappingCache(mapping_cache_size)
+        # message bytes -> regions already open for it; bounded, entries hold their regions open
+        self._resolved: OrderedDict[bytes, _Resolved] = OrderedDict()
+        self._resolved_max = 64
         self._imported: weakref.WeakSet[ImportedArray | ImportedStream] = weakref.WeakSet()
         self._conn: transport.Connection | None = None
         self._request_lock = threading.Lock()
@@ -75,22 +98,43 @@ class Session:
         self._check_open()
         decoded = Decoded(message, len(fds), token=token)
         try:
-            device = decoded.device()
-            if device.device_type == DEVICE_CPU:
-                bases = self._map_host_regions(decoded, fds)
-                imported = imported_from(decoded, bases, device_type=DEVICE_CPU, device_id=-1, name=name)
-            elif device.device_type == DEVICE_CUDA:
-                imported = self._open_cuda_regions(decoded, fds, device, name)
+            hit = self._resolved.get(message)
+            if hit is not None:
+                self._resolved.move_to_end(message)
+                imported = self._import_resolved(decoded, hit, name)
             else:
-                raise RegionError(
-                    f"the message holds data on device type {device.device_type}, "
-                    "which this build cannot import"
-                )
+                device = decoded.device()
+                if device.device_type == DEVICE_CPU:
+                    bases = self._map_host_regions(decoded, fds)
+                    imported = imported_from(decoded, bases, device_type=DEVICE_CPU, device_id=-1, name=name)
+                elif device.device_type == DEVICE_CUDA:
+                    imported = self._open_cuda_regions(decoded, message, fds, device, name)
+                else:
+                    raise RegionError(
+                        f"the message holds data on device type {device.device_type}, "
+                        "which this build cannot import"
+                    )
         except BaseException:
             decoded.close()
             raise
         self._imported.add(imported)
         return imported
+
+    def _import_resolved(self, decoded: Decoded, hit: _Resolved, name: str | None) -> Imported:
+        """The steady state: the same message again (same publication), its regions already open."""
+        decoded.depend_on(hit.regions_owner)
+        sync = None
+        if hit.event:
+            sync = lib.aib_owner_slot(decoded.owner)
+            sync[0] = hit.event
+        return imported_from(
+            decoded,
+            hit.bases,
+            device_type=hit.device_type,
+            device_id=hit.device_id,
+            sync_event=sync,
+            name=name,
+        )
 
     def _map_host_regions(self, decoded: Decoded, fds: Sequence[int]) -> list[int]:
         bases: list[int] = []
@@ -108,7 +152,7 @@ class Session:
         return bases
 
     def _open_cuda_regions(
-        self, decoded: Decoded, fds: Sequence[int], device: DeviceInfo, name: str | None
+        self, decoded: Decoded, message: bytes, fds: Sequence[int], device: DeviceInfo, name: str | None
     ) -> Imported:
         from arrow_ipc_bridge.memory import cuda, cuda_regions
 
@@ -116,21 +160,40 @@ class Session:
         ordinal = cuda.ordinal_for_uuid(device.identity)
         opener = cuda_regions.opener()
         bases: list[int] = []
-        for region in decoded.regions():
-            opened = opener.open(region, list(fds), ordinal)
-            try:
-                decoded.depend_on(opened.owner)
-            finally:
-                lib.aib_owner_unref(opened.owner)
-            bases.append(opened.base)
+        regions = decoded.regions()
+        # Only legacy handles stay open beyond a lease, so only all-legacy messages are remembered.
+        remember = all(r.kind == REGION_CUDA_LEGACY for r in regions)
+        group = lib.aib_owner_new(0) if remember else ffi.NULL
+        try:
+            for region in regions:
+                opened = opener.open(region, list(fds), ordinal)
+                try:
+                    decoded.depend_on(opened.owner)
+                    if remember:
+                        lib.aib_owner_add_dependency(group, opened.owner)
+                finally:
+                    lib.aib_owner_unref(opened.owner)
+                bases.append(opened.base)
+            event = cuda_regions.open_event(device.sync, ordinal) if device.sync else 0
+            if remember:
+                self._remember(message, _Resolved(bases, group, DEVICE_CUDA, ordinal, event))
+                group = ffi.NULL
+        finally:
+            if group != ffi.NULL:
+                lib.aib_owner_unref(group)
         sync = None
-        if device.sync:
-            slot = cuda_regions.owner_slot(decoded.owner)
-            slot[0] = cuda_regions.open_event(device.sync, ordinal)
-            sync = slot
+        if event:
+            sync = cuda_regions.owner_slot(decoded.owner)
+            sync[0] = event
         return imported_from(
             decoded, bases, device_type=DEVICE_CUDA, device_id=ordinal, sync_event=sync, name=name
         )
+
+    def _remember(self, message: bytes, resolved: _Resolved) -> None:
+        self._resolved[message] = resolved
+        while len(self._resolved) > self._resolved_max:
+            _, old = self._resolved.popitem(last=False)
+            lib.aib_owner_unref(old.regions_owner)
 
     # ---------- publisher conversation --------------------------------------------------------------
     def _attach(self, conn: transport.Connection, timeout: float) -> None:
@@ -240,6 +303,9 @@ class Session:
         if self._conn is not None:
             self._conn.close()
         self._cache.close()
+        for resolved in self._resolved.values():
+            lib.aib_owner_unref(resolved.regions_owner)
+        self._resolved.clear()
         _reaper.drain()
 
     def __enter__(self) -> Session:
