@@ -297,6 +297,7 @@ class CudaOpener:
         self._lock = threading.Lock()
         self._legacy: OrderedDict[bytes, _Opened] = OrderedDict()
         self._pools: dict[bytes, cuda.ImportedPool] = {}
+        self._pool_pointers: dict[bytes, list[int]] = {}  # handle -> [pointer, leases using it]
         self._max_legacy = max_legacy
 
     def open(self, region: Region, fds: list[int] | tuple[int, ...], device: int) -> _Opened:
@@ -319,6 +320,8 @@ class CudaOpener:
     def _open_legacy(self, region: Region, device: int) -> _Opened:
         if len(region.handle) != 64:
             raise RegionError("a legacy CUDA IPC handle is 64 bytes", field="handle")
+        evicted = None
+        # The open happens under the lock: two threads must not open (and later close) one handle twice.
         with self._lock:
             hit = self._legacy.get(region.handle)
             if hit is not None:
@@ -326,15 +329,13 @@ class CudaOpener:
                 lib.aib_owner_ref(hit.owner)
                 _stats["legacy_hits"] += 1
                 return hit
-        ptr = cuda.ipc_open_mem_handle(region.handle, device)
-        token = _reaper.register(
-            lambda: _close_quietly(lambda: cuda.ipc_close_mem_handle(ptr, device=device))
-        )
-        owner = lib.aib_owner_new(token)
-        opened = _Opened(ptr, owner)
-        lib.aib_owner_ref(owner)  # the caller's reference; the cache keeps the first
-        evicted = None
-        with self._lock:
+            ptr = cuda.ipc_open_mem_handle(region.handle, device)
+            token = _reaper.register(
+                lambda: _close_quietly(lambda: cuda.ipc_close_mem_handle(ptr, device=device))
+            )
+            owner = lib.aib_owner_new(token)
+            opened = _Opened(ptr, owner)
+            lib.aib_owner_ref(owner)  # the caller's reference; the cache keeps the first
             _stats["legacy_opens"] += 1
             self._legacy[region.handle] = opened
             if len(self._legacy) > self._max_legacy:
@@ -356,9 +357,30 @@ class CudaOpener:
                 _stats["pool_imports"] += 1
             if pool is not imported:
                 imported.close()
-        ptr = pool.import_pointer(region.handle[24:])
-        token = _reaper.register(lambda: _close_quietly(lambda: pool.free_imported(ptr)))
+        # One import per allocation however many leases use it at once: CUDA maps a pointer once
+        # per process, and the first free would pull it from under the other leases. Each lease
+        # counts; the last one to end frees the import (before the producer may free the memory).
+        key = region.handle
+        with self._lock:
+            entry = self._pool_pointers.get(key)
+            if entry is None:
+                entry = self._pool_pointers[key] = [pool.import_pointer(region.handle[24:]), 0]
+            entry[1] += 1
+            ptr = entry[0]
+        token = _reaper.register(lambda: self._release_pool_pointer(key, pool))
         return _Opened(ptr, lib.aib_owner_new(token))
+
+    def _release_pool_pointer(self, key: bytes, pool: cuda.ImportedPool) -> None:
+        with self._lock:
+            entry = self._pool_pointers.get(key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del self._pool_pointers[key]
+            ptr = entry[0]
+        _close_quietly(lambda: pool.free_imported(ptr))
 
     def _open_vmm(self, region: Region, fds: list[int] | tuple[int, ...], device: int) -> _Opened:
         if region.fd_index < 0:
