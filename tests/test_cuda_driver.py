@@ -1011,14 +1011,14 @@ def test_cupy_allocator_serves_pool_shareable_memory(cupy: Any, cuda_device: int
     allocator = cuda.cupy_allocator(cuda_device)
     try:
         cupy.cuda.set_allocator(allocator)
-        x = cupy.arange(1000, dtype=cupy.float32)
+        x = cupy.arange(1 << 18, dtype=cupy.float32)  # 1 MiB, the size the GPU benchmark shares
         cupy.cuda.runtime.deviceSynchronize()  # a stream-ordered allocation exports once it ran
         info = cuda.pointer_info(x.data.ptr)
         assert info is not None
         assert info.mempool == allocator.pool.handle
         assert cuda.pool_is_ipc_capable(info.mempool)
-        assert len(allocator.pool.export_pointer(info.base)) == 64
-        assert float((x * 2).sum()) == 999_000.0
+        assert len(allocator.pool.export_pointer(x.data.ptr)) == 64
+        assert float((x[:1000] * 2).sum()) == 999_000.0
         empty = cupy.empty(0, dtype=cupy.float32)
         assert empty.size == 0
         del x, empty

@@ -132,6 +132,15 @@ def read_line(stream: Any, timeout: float) -> str:
     return str(stream.readline().decode().strip())
 
 
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is in the stopped state (after SIGSTOP)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/stat") as f:
+            states.append(f.read().rpartition(")")[2].split()[0])
+    return bool(states) and all(state == "T" for state in states)
+
+
 def sample_table(rows: int = 2000, batches: int = 1) -> pa.Table:
     """A table with fixed-width, variable-width, nested, dictionary and null columns."""
     parts = []
@@ -749,6 +758,9 @@ def test_get_in_flight_fails_when_producer_dies(producer: ProducerRig) -> None:
     outcome: list[BaseException | None] = []
     try:
         os.kill(producer.child.pid, signal.SIGSTOP)
+        # A group stop takes effect when the thread picked for the signal runs, which may be a few ms
+        # later: until every thread of the child is stopped, it could still answer.
+        assert wait_for(lambda: all_threads_stopped(producer.child.pid), 5.0)
 
         def get() -> None:
             try:
