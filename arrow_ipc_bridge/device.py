@@ -35,7 +35,7 @@ from arrow_ipc_bridge.metadata import (
     process_region,
 )
 
-__all__ = ["to_device", "from_cuda_array", "from_cuda_arrays", "to_host"]
+__all__ = ["to_device", "from_cuda_array", "from_cuda_arrays", "to_host", "cuda_column", "CudaColumnView"]
 
 _ALIGN = 256  # cudaMalloc's alignment; columns placed at this alignment suit every consumer
 _TYPESTRS = {
@@ -251,3 +251,93 @@ def _to_pyarrow(source: ImportedArray | ImportedStream) -> pa.Array | pa.RecordB
     if source.root_format == "+s" and root.null_count == 0:
         return pa.RecordBatch._import_from_c_capsule(schema_capsule, array_capsule)
     return pa.Array._import_from_c_capsule(schema_capsule, array_capsule)
+
+
+_FORMAT_TYPESTRS = {
+    "c": "|i1",
+    "C": "|u1",
+    "s": "<i2",
+    "S": "<u2",
+    "i": "<i4",
+    "I": "<u4",
+    "l": "<i8",
+    "L": "<u8",
+    "e": "<f2",
+    "f": "<f4",
+    "g": "<f8",
+}
+
+
+class CudaColumnView:
+    """A zero-copy ``__cuda_array_interface__`` (v3) view of one numeric column of imported GPU data.
+
+    Made by :func:`cuda_column`. It holds the Arrow structs it points into, so the data (and the
+    lease) stay alive as long as the view, or anything built from it (``cupy.asarray(view)``,
+    ``torch.as_tensor(view, device="cuda")``), lives.
+    """
+
+    def __init__(self, capsules: tuple[object, object], pointer: int, length: int, typestr: str) -> None:
+        self._capsules = capsules  # keeps the rebuilt structs, and through them the lease, alive
+        self.__cuda_array_interface__ = {
+            "shape": (length,),
+            "typestr": typestr,
+            "data": (pointer, True),
+            "version": 3,
+            "strides": None,
+            "stream": None,  # ordering was settled in cuda_column (event wait or sync)
+        }
+
+
+def cuda_column(imported: ImportedArray, column: int | str, *, stream: int | None = None) -> CudaColumnView:
+    """A zero-copy view of a numeric column (int8..uint64, float16/32/64, no nulls) of imported GPU data.
+
+    Parameters
+    ----------
+    imported
+        An imported record batch (or a numeric array: pass ``column=0``) on a CUDA device.
+    column
+        Index or field name.
+    stream
+        A CUDA stream (``cupy.cuda.Stream.ptr``, ``torch.cuda.Stream.cuda_stream``) that should wait for
+        the producer's writes; without one, this call waits on the host until they are done.
+    """
+    from arrow_ipc_bridge.memory import cuda, cuda_regions
+
+    if imported.device_type != DEVICE_CUDA:
+        raise BridgeError("cuda_column needs data on a CUDA device")
+    schema_capsule, array_capsule = imported.__arrow_c_device_array__()
+    schema = capsule_struct(schema_capsule, "schema")
+    device_array = capsule_struct(array_capsule, "device_array")
+    node, field = device_array.array, schema
+    if ffi.string(schema.format) == b"+s":
+        index = column if isinstance(column, int) else _field_index(schema, column)
+        if not 0 <= index < schema.n_children:
+            raise BridgeError(f"no column {column!r} (the batch has {schema.n_children})")
+        node, field = node.children[index], schema.children[index]
+    elif column not in (0, None):
+        raise BridgeError("a plain array has one column: 0")
+    fmt = ffi.string(field.format).decode()
+    typestr = _FORMAT_TYPESTRS.get(fmt)
+    if typestr is None or field.dictionary != ffi.NULL:
+        raise BridgeError(f"column format {fmt!r} has no __cuda_array_interface__ equivalent (numbers only)")
+    if node.null_count != 0:
+        raise BridgeError(
+            "the column has nulls (or an unknown null count); a plain GPU array cannot show them"
+        )
+    if device_array.sync_event != ffi.NULL:
+        event = cuda_regions.event_value(device_array.sync_event)
+        if stream is None:
+            cuda.event_synchronize(event)
+        else:
+            cuda.stream_wait_event(stream, event, device=int(device_array.device_id))
+    itemsize = int(typestr[2:])
+    pointer = int(ffi.cast("uintptr_t", node.buffers[1])) + int(node.offset) * itemsize
+    return CudaColumnView((schema_capsule, array_capsule), pointer, int(node.length), typestr)
+
+
+def _field_index(schema: Any, name: str) -> int:
+    for i in range(schema.n_children):
+        child = schema.children[i]
+        if child.name != ffi.NULL and ffi.string(child.name).decode() == name:
+            return i
+    raise BridgeError(f"no column named {name!r}")

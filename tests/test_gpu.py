@@ -321,3 +321,20 @@ def test_to_host_round_trip_in_process(cuda_device: int) -> None:
     gpu = aib.to_device(table)
     assert gpu.device_type == 2
     assert gpu.to_host().equals(table)
+
+
+def test_cuda_column_view_is_zero_copy(publisher: aib.Publisher, cupy: Any) -> None:
+    """cuda_column gives a __cuda_array_interface__ view at the producer's memory: CuPy reads the same
+    values with no copy, through the consumer's own stream after waiting on the producer's event."""
+    values = cupy.arange(2048, dtype=cupy.float64)
+    publisher.publish("v", aib.from_cuda_arrays({"a": values[1024:], "b": values[:1024]}))
+    with aib.connect(publisher.path, timeout=30.0) as session, session.get("v") as imported:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        view = aib.cuda_column(imported, "a", stream=stream.ptr)
+        assert view.__cuda_array_interface__["data"][0] == values[1024:].data.ptr
+        with stream:
+            seen = cupy.asarray(view) * 1
+        stream.synchronize()
+        assert bool((seen == values[1024:]).all())
+        with pytest.raises(aib.BridgeError, match="no column"):
+            aib.cuda_column(imported, "missing")
