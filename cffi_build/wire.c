@@ -337,6 +337,10 @@ static int describe_array_node(model *m, int32_t idx, const struct ArrowArray *a
     return fail_at(err, AIB_E_FORMAT, m, idx, batch, "dictionary", "array and schema disagree about a dictionary");
   if (a->n_buffers < 0 || a->n_buffers > 3 + MAX_VARIADIC)
     return fail_at(err, AIB_E_LIMIT, m, idx, batch, "n_buffers", "bad buffer count %lld", (long long)a->n_buffers);
+  /* Older producers (pyarrow <= 25 for extension types over null storage) export a null array with
+   * one (NULL) validity buffer; the specification gives the null type none. Nothing is read from a
+   * null array's buffers, so we describe it as the specification has it. */
+  int64_t n_buffers = L->kind == AIB_KIND_NULL ? 0 : a->n_buffers;
   if (a->null_count < -1 || a->null_count > a->length)
     return fail_at(err, AIB_E_FORMAT, m, idx, batch, "null_count", "null_count %lld for length %lld",
                    (long long)a->null_count, (long long)a->length);
@@ -344,18 +348,18 @@ static int describe_array_node(model *m, int32_t idx, const struct ArrowArray *a
   an->length = a->length;
   an->null_count = a->null_count;
   an->offset = a->offset;
-  an->n_buffers = (uint32_t)a->n_buffers;
+  an->n_buffers = (uint32_t)n_buffers;
   an->first_buffer = (uint32_t)m->n_slots;
   int64_t small[8];
-  int64_t *sizes = a->n_buffers <= 8 ? small : malloc((size_t)a->n_buffers * sizeof(int64_t));
+  int64_t *sizes = n_buffers <= 8 ? small : malloc((size_t)n_buffers * sizeof(int64_t));
   if (sizes == NULL) return aib_fail(err, AIB_E_NOMEM, "", "", "out of memory");
-  int rc = aib_layout_min_sizes(L, a->length, a->offset, a->n_buffers, sizes, err);
-  if (rc == AIB_OK && m->n_slots + (size_t)a->n_buffers > AIB_MAX_BUFFERS)
+  int rc = aib_layout_min_sizes(L, a->length, a->offset, n_buffers, sizes, err);
+  if (rc == AIB_OK && m->n_slots + (size_t)n_buffers > AIB_MAX_BUFFERS)
     rc = aib_fail(err, AIB_E_LIMIT, "buffers", "", "more than %d buffers", AIB_MAX_BUFFERS);
-  if (rc == AIB_OK && !GROW(m, slots, slots_cap, m->n_slots + (size_t)a->n_buffers))
+  if (rc == AIB_OK && !GROW(m, slots, slots_cap, m->n_slots + (size_t)n_buffers))
     rc = aib_fail(err, AIB_E_NOMEM, "", "", "out of memory");
   int64_t end = a->offset + a->length;
-  for (int64_t i = 0; rc == AIB_OK && i < a->n_buffers; i++) {
+  for (int64_t i = 0; rc == AIB_OK && i < n_buffers; i++) {
     size_t slot = m->n_slots++;
     aib_buffer_slot *b = &m->slots[slot];
     b->address = (uint64_t)(uintptr_t)a->buffers[i];
@@ -370,8 +374,8 @@ static int describe_array_node(model *m, int32_t idx, const struct ArrowArray *a
         }
         rc = data_length(m, slot, (const char *)a->buffers[1] + (size_t)end * w, w, host_readable, idx, batch, err);
       }
-    } else if (L->kind == AIB_KIND_VIEW && i >= 2 && i < a->n_buffers - 1) {
-      const void *variadic_sizes = a->buffers[a->n_buffers - 1];
+    } else if (L->kind == AIB_KIND_VIEW && i >= 2 && i < n_buffers - 1) {
+      const void *variadic_sizes = a->buffers[n_buffers - 1];
       if (variadic_sizes == NULL) {
         rc = fail_at(err, AIB_E_FORMAT, m, idx, batch, "buffers", "variadic sizes buffer is NULL");
         break;

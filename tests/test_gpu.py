@@ -338,3 +338,20 @@ def test_cuda_column_view_is_zero_copy(publisher: aib.Publisher, cupy: Any) -> N
         assert bool((seen == values[1024:]).all())
         with pytest.raises(aib.BridgeError, match="no column"):
             aib.cuda_column(imported, "missing")
+
+
+def test_cupy_pool_allocator_arrays_travel_as_pool_regions(
+    publisher: aib.Publisher, consumer: Any, cupy: Any
+) -> None:
+    """With the bridge's IPC-pool allocator installed, new CuPy arrays are shared as pool regions
+    (pool fd once, then per-pointer export data) and read correctly in another process."""
+    from arrow_ipc_bridge.memory import cuda
+
+    allocator = cuda.cupy_allocator(0)
+    with cupy.cuda.using_allocator(allocator):
+        values = cupy.arange(1 << 16, dtype=cupy.int32)
+    cupy.cuda.runtime.deviceSynchronize()
+    stats = publisher.publish("pooled", aib.from_cuda_arrays({"v": values}))
+    assert stats.regions == 1
+    table, _ = consumer("pooled")
+    assert table.column("v").to_pylist() == list(range(1 << 16))

@@ -299,3 +299,25 @@ def test_encoder_refuses_what_a_decoder_must_refuse() -> None:
     meta = pa.schema([pa.field("x", pa.int64(), metadata={"k": "v" * (2 << 20)})])
     with pytest.raises(BridgeError, match="metadata"):
         Described(capture(pa.record_batch([pa.array([1])], schema=meta)))
+
+
+@ffi.callback("void(struct ArrowArray *)")
+def _release_handmade(array: object) -> None:
+    array.release = ffi.NULL  # type: ignore[attr-defined]
+
+
+def test_null_array_with_a_legacy_validity_buffer() -> None:
+    """Older producers (pyarrow <= 25) export a null array with one NULL buffer; it is described as
+    the specification has it (no buffers) and comes back as a valid null array."""
+    from arrow_ipc_bridge.capsules import new_capsule
+
+    schema_capsule = pa.null().__arrow_c_schema__()
+    array_capsule, array = new_capsule("array")
+    buffers = ffi.new("const void *[1]", [ffi.NULL])
+    array.length = 3
+    array.null_count = 3
+    array.n_buffers = 1
+    array.buffers = buffers
+    array.release = _release_handmade
+    imported = roundtrip((schema_capsule, array_capsule))
+    assert pa.array(imported).to_pylist() == [None, None, None]
