@@ -960,13 +960,20 @@ def test_fds_with_a_garbage_frame_are_closed(publisher: aib.Publisher) -> None:
     assert wait_for(lambda: fd_count() == base_fds, 2.0)
 
 
+def with_device(message: bytes, device_type: int) -> bytes:
+    """``message`` (a CPU message: device type 1 at byte 16) claiming another one-byte device type."""
+    assert message[16] == 1
+    return message[:16] + bytes([device_type]) + message[17:]
+
+
 def test_corrupted_item_messages_raise_wire_format_error(sock_dir: str) -> None:
     """A publisher that answers GET with a corrupted ITEM (flipped header bytes, truncated, padded, fds
     missing, payload shorter than a lease id) makes ``session.get`` raise WireFormatError (ProtocolError for
     the short payload); the descriptors that came with it are closed, the session gives the lease back
     (the fake publisher receives exactly one RELEASE for that lease id) and stays usable. A valid message
     whose descriptor is not a file (a pipe), is not sealed although the region says so, or is smaller than
-    the region raises RegionError, with the same guarantees."""
+    the region, or that claims a device this session cannot map, raises RegionError (or CudaError), with
+    the same guarantees."""
     exported = aib.export(sample_table(300))
     message, fds = exported.message, exported.fds
     read_end, write_end = os.pipe()
@@ -978,7 +985,7 @@ def test_corrupted_item_messages_raise_wire_format_error(sock_dir: str) -> None:
     too_small = os.memfd_create("small", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(too_small, region_size // 2)
     fcntl.fcntl(too_small, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
-    cases: list[tuple[str, type[Exception], bytes, list[int], bool]] = [
+    cases: list[tuple[str, type[Exception] | tuple[type[Exception], ...], bytes, list[int], bool]] = [
         ("flipped magic", aib.WireFormatError, bytes([message[0] ^ 0xFF]) + message[1:], fds, True),
         (
             "flipped version",
@@ -994,6 +1001,15 @@ def test_corrupted_item_messages_raise_wire_format_error(sock_dir: str) -> None:
         ("trailing bytes", aib.WireFormatError, message + b"\x00" * 7, fds, True),
         ("fds missing", aib.WireFormatError, message, [], True),
         ("not a file", aib.RegionError, message, [read_end], True),
+        # byte 16 is the device type (docs/wire-format.md): a valid message about memory we cannot map
+        (
+            "device type CUDA, no GPU UUID",
+            (aib.RegionError, aib.CudaError),
+            with_device(message, 2),
+            fds,
+            True,
+        ),
+        ("device type 7 (an unsupported device)", aib.RegionError, with_device(message, 7), fds, True),
         ("memfd not sealed", aib.RegionError, message, [unsealed], True),
         ("memfd smaller than the region", aib.RegionError, message, [too_small], True),
         ("payload shorter than a lease id", aib.ProtocolError, b"", fds, False),
