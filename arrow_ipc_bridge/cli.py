@@ -36,21 +36,44 @@ def _zero_copy_table(rows: int, columns: int, directory: str) -> Any:
     return pa.ipc.open_file(pa.memory_map(path)).read_all()
 
 
+def _gpu_present() -> bool:
+    from arrow_ipc_bridge.memory import cuda
+
+    return cuda.driver_available() and cuda.device_count() > 0
+
+
 def _run_producer(socket_path: str, rows: int, columns: int, shm_dir: str) -> int:
     import arrow_ipc_bridge as aib
 
     with aib.Publisher(socket_path) as pub:
-        copied = pub.publish("copied", _demo_table(rows, columns))
+        table = _demo_table(rows, columns)
+        if _gpu_present():
+            gpu = pub.publish("gpu", aib.to_device(table))
+            where = (
+                f"'gpu' ({gpu.regions} region in the bridge's CUDA IPC pool, {gpu.copied_bytes} bytes copied)"
+            )
+        else:
+            where = "no GPU table (no CUDA GPU here)"
+        copied = pub.publish("copied", table)
         zero = pub.publish("zero_copy", _zero_copy_table(rows, columns, shm_dir))
         print(
-            f"producer pid {os.getpid()}: published 'copied' "
-            f"({copied.copied_bytes / 2**20:.1f} MiB copied once "
-            f"into a sealed memfd) and 'zero_copy' ({zero.copied_bytes} bytes copied, "
-            f"{zero.zero_copy_regions} zero-copy region)",
+            f"producer pid {os.getpid()}: published {where}, 'copied' "
+            f"({copied.copied_bytes / 2**20:.1f} MiB copied once into a sealed memfd) and 'zero_copy' "
+            f"({zero.copied_bytes} bytes copied, {zero.zero_copy_regions} zero-copy region)",
             flush=True,
         )
         sys.stdin.readline()  # the parent closes our stdin when the consumer is done
     return 0
+
+
+def _timed_gets(session: Any, name: str, use: Any, repeat: int = 20) -> list[float]:
+    timings = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        with session.get(name) as imported:
+            use(imported)
+            timings.append(time.perf_counter() - start)
+    return sorted(timings)
 
 
 def _run_consumer(socket_path: str) -> int:
@@ -60,20 +83,30 @@ def _run_consumer(socket_path: str) -> int:
     import arrow_ipc_bridge as aib
 
     with aib.connect(socket_path, timeout=10.0) as session:
-        print(f"consumer pid {os.getpid()}: publisher serves {session.list()}", flush=True)
-        for name in ("copied", "zero_copy"):
-            timings = []
-            for _ in range(20):
-                start = time.perf_counter()
-                with session.get(name) as imported:
-                    table = pa.table(imported)
-                    timings.append(time.perf_counter() - start)
-                    nbytes = table.nbytes
-                    total = pc.sum(table.column(table.num_columns - 1)).as_py()
-                del table
-            timings.sort()
+        names = session.list()
+        print(f"consumer pid {os.getpid()}: publisher serves {names}", flush=True)
+        if "gpu" in names:
+            # What a device-aware consumer (cuDF, CuPy) does: take the device array capsule.
+            timings = _timed_gets(session, "gpu", lambda imported: imported.__arrow_c_device_stream__())
+            with session.get("gpu") as imported:
+                host = imported.to_host()  # checking the values, outside the timing
+                device = f"CUDA device {imported.device_id}"
+            total = pc.sum(host.column(host.num_columns - 1)).as_py()
             print(
-                f"  {name:9s}: {nbytes / 2**20:.1f} MiB, {len(timings)} gets, median "
+                f"  gpu      : {host.nbytes / 2**20:.1f} MiB on {device}, {len(timings)} gets, median "
+                f"{timings[len(timings) // 2] * 1e6:.0f} us from request to a device stream capsule "
+                f"(best {timings[0] * 1e6:.0f} us); last column sums to {total}",
+                flush=True,
+            )
+        for name in ("copied", "zero_copy"):
+            timings = _timed_gets(session, name, pa.table)
+            with session.get(name) as imported:
+                table = pa.table(imported)
+                total = pc.sum(table.column(table.num_columns - 1)).as_py()
+                nbytes = table.nbytes
+                del table
+            print(
+                f"  {name:9s}: {nbytes / 2**20:.1f} MiB in host shared memory, {len(timings)} gets, median "
                 f"{timings[len(timings) // 2] * 1e6:.0f} us from request to pyarrow table "
                 f"(best {timings[0] * 1e6:.0f} us); last column sums to {total}",
                 flush=True,
@@ -83,13 +116,8 @@ def _run_consumer(socket_path: str) -> int:
 
 def demo(rows: int, columns: int) -> int:
     """Run a producer and a consumer process sharing a table; print what happened."""
-    from arrow_ipc_bridge.memory import cuda
-
-    if cuda.driver_available():
-        print(
-            "note: a CUDA driver is present, but this build's demo shares host memory "
-            "(GPU regions are the next step)"
-        )
+    if _gpu_present():
+        print("CUDA GPU found: sharing the table on the GPU (and through host shared memory)")
     else:
         print("no CUDA GPU here: sharing the table through host shared memory")
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None

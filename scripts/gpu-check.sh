@@ -22,6 +22,8 @@ export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
   echo "== host suites on the GPU machine (smoke)"
   # polars is not carried (its runtime wheel is 54 MB), so test_capsules (which imports it) runs in CI
   python3 -m pytest -p no:cacheprovider -q -x tests/test_metadata.py tests/test_layout.py -k "not fuzz"
+  echo "== the README's main job, on the GPU"
+  python3 -m arrow_ipc_bridge demo --rows 1000000
   echo "== benchmarks"
   python3 benchmarks/bench_metadata.py --json "$OUT/bench-metadata.json"
   if [ -f benchmarks/bench_gpu.py ]; then
