@@ -14,6 +14,7 @@ import mmap
 import os
 import stat
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,7 +95,7 @@ class HostMappingCache:
     """
 
     def __init__(self, max_entries: int = 256) -> None:
-        self._entries: dict[tuple[int, int, int, int], MappedRegion] = {}
+        self._entries: OrderedDict[tuple[int, int, int, int], MappedRegion] = OrderedDict()
         self._max = max_entries
         self._lock = threading.Lock()
         self.hits = 0
@@ -108,6 +109,7 @@ class HostMappingCache:
             with self._lock:
                 hit = self._entries.get(key)
                 if hit is not None:
+                    self._entries.move_to_end(key)
                     lib.aib_owner_ref(hit.owner)
                     self.hits += 1
                     return hit
@@ -116,7 +118,7 @@ class HostMappingCache:
             with self._lock:
                 self.misses += 1
                 if len(self._entries) >= self._max:
-                    _, evicted = self._entries.popitem()
+                    _, evicted = self._entries.popitem(last=False)  # the least recently used
                     lib.aib_owner_unref(evicted.owner)
                 lib.aib_owner_ref(mapped.owner)
                 self._entries[mapped.key] = mapped
@@ -127,6 +129,6 @@ class HostMappingCache:
 
     def close(self) -> None:
         with self._lock:
-            entries, self._entries = self._entries, {}
+            entries, self._entries = self._entries, OrderedDict()
         for entry in entries.values():
             lib.aib_owner_unref(entry.owner)
