@@ -656,6 +656,25 @@ static void stream_release(struct ArrowArrayStream *st) {
   st->release = NULL;
 }
 
+static void install_device_stream(struct ArrowDeviceArrayStream *out, served_stream *s) {
+  memset(out, 0, sizeof(*out));
+  out->device_type = s->device_type;
+  out->get_schema = dstream_get_schema;
+  out->get_next = dstream_get_next;
+  out->get_last_error = dstream_last_error;
+  out->release = dstream_release;
+  out->private_data = s;
+}
+
+static void install_host_stream(struct ArrowArrayStream *out, served_stream *s) {
+  memset(out, 0, sizeof(*out));
+  out->get_schema = stream_get_schema;
+  out->get_next = stream_get_next;
+  out->get_last_error = stream_last_error;
+  out->release = stream_release;
+  out->private_data = s;
+}
+
 static served_stream *served_new(const struct ArrowSchema *schema, aib_owner *owner, aib_error *err) {
   served_stream *s = calloc(1, sizeof(*s));
   if (s == NULL) {
@@ -682,13 +701,7 @@ int aib_device_stream_from_capture(aib_owner *owner, struct ArrowDeviceArrayStre
   s->device_type = s->n_batches ? s->arrays[0]->device_type : ARROW_DEVICE_CPU;
   s->device_id = s->n_batches ? s->arrays[0]->device_id : -1;
   s->sync_event = s->n_batches ? s->arrays[0]->sync_event : NULL;
-  memset(out, 0, sizeof(*out));
-  out->device_type = s->device_type;
-  out->get_schema = dstream_get_schema;
-  out->get_next = dstream_get_next;
-  out->get_last_error = dstream_last_error;
-  out->release = dstream_release;
-  out->private_data = s;
+  install_device_stream(out, s);
   return AIB_OK;
 }
 
@@ -699,12 +712,7 @@ int aib_stream_from_capture(aib_owner *owner, struct ArrowArrayStream *out, aib_
   if (s == NULL) return err ? err->code : AIB_E_NOMEM;
   s->arrays = owner->arrays;
   s->n_batches = owner->n_arrays;
-  memset(out, 0, sizeof(*out));
-  out->get_schema = stream_get_schema;
-  out->get_next = stream_get_next;
-  out->get_last_error = stream_last_error;
-  out->release = stream_release;
-  out->private_data = s;
+  install_host_stream(out, s);
   return AIB_OK;
 }
 
@@ -744,13 +752,7 @@ int aib_device_stream_from_decoded(aib_owner *owner, const uint64_t *region_base
   s->device_type = device_type;
   s->device_id = device_id;
   s->sync_event = sync_event;
-  memset(out, 0, sizeof(*out));
-  out->device_type = device_type;
-  out->get_schema = dstream_get_schema;
-  out->get_next = dstream_get_next;
-  out->get_last_error = dstream_last_error;
-  out->release = dstream_release;
-  out->private_data = s;
+  install_device_stream(out, s);
   return AIB_OK;
 }
 
@@ -759,11 +761,6 @@ int aib_stream_from_decoded(aib_owner *owner, const uint64_t *region_bases, size
   if (out->release != NULL) return aib_fail(err, AIB_E_STATE, "", "", "destination stream is not released");
   served_stream *s = served_from_decoded(owner, region_bases, n_bases, err);
   if (s == NULL) return err ? err->code : AIB_E_NOMEM;
-  memset(out, 0, sizeof(*out));
-  out->get_schema = stream_get_schema;
-  out->get_next = stream_get_next;
-  out->get_last_error = stream_last_error;
-  out->release = stream_release;
-  out->private_data = s;
+  install_host_stream(out, s);
   return AIB_OK;
 }
