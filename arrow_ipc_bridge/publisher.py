@@ -75,9 +75,12 @@ class Publisher:
         the export cost (regions, bytes copied).
         """
         protocol.encode_name(name)  # validates the name
+        self._check_open()
         exported = export(obj, copy=copy or self._copy)
         with self._lock:
-            self._check_open()
+            if self._server.closed:  # closed while we exported
+                exported.close()
+                raise BridgeError("this publisher is closed")
             previous = self._entries.get(name)
             self._entries[name] = _Entry(name, exported)
         if previous is not None:

@@ -226,3 +226,55 @@ def cache_size_zero_main(ipc_path: str) -> None:
         after = live()
     assert after == before, f"live owners/nodes/mappings before {before}, after {after}"
     print("ok", flush=True)
+
+
+def concurrent_miss_main(ipc_path: str) -> None:
+    """Two threads import the same zero-copy region through one session at the same moment, both missing
+    the mapping cache (``map_host_region`` is slowed down to make the race certain). Both imports must be
+    correct, the cache must hold one entry, and once the session is closed no owner, node or mapping may
+    be left. Prints ``ok``; any failure exits non-zero."""
+    import gc
+    import threading
+
+    from arrow_ipc_bridge import _reaper
+    from arrow_ipc_bridge._ffi import lib
+    from arrow_ipc_bridge.memory import host_map
+
+    real_map = host_map.map_host_region
+
+    def slow_map(fd: int, region: Any) -> Any:
+        time.sleep(0.2)  # both threads are past the cache lookup before either inserts
+        return real_map(fd, region)
+
+    host_map.map_host_region = slow_map  # type: ignore[assignment]
+
+    def live() -> tuple[int, int, int]:
+        gc.collect()
+        _reaper.drain()
+        return int(lib.aib_live_owners()), int(lib.aib_live_nodes()), int(lib.aib_live_mappings())
+
+    table = pa.ipc.open_file(pa.memory_map(ipc_path)).read_all()
+    with aib.export(table, copy="never") as exported:
+        before = live()
+        results: list[object] = []
+        with aib.Session() as session:
+            barrier = threading.Barrier(2)
+
+            def work() -> None:
+                barrier.wait(timeout=30)
+                try:
+                    with session.import_message(exported.message, exported.fds) as imported:
+                        results.append(pa.table(imported).equals(table))
+                except Exception as exc:
+                    results.append(exc)
+
+            threads = [threading.Thread(target=work) for _ in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+            assert results == [True, True], results
+            assert len(session.mapping_cache) == 1
+        after = live()
+    assert after == before, f"live owners/nodes/mappings before {before}, after {after}"
+    print("ok", flush=True)

@@ -475,8 +475,9 @@ def fd_relay() -> Iterator[socket.socket]:
 def test_export_import_message_across_processes(fd_relay: socket.socket, obj: Any) -> None:
     """``aib.export`` here, message + fds through SCM_RIGHTS to a child that imports it with
     ``Session().import_message``, re-exports the imported object and sends it back the same way: the
-    object that arrives equals the original. Our export is closed right after sending and the child's
-    right after our import, before we read a byte: the mappings keep the data. No fd is left open."""
+    object that arrives equals the original. Our export is closed right after sending, and the child is
+    told to close its own as soon as our import holds its mappings: the mappings keep the data. No fd is
+    left open."""
     before = fd_count()
     exported = aib.export(obj)
     children.send_message(fd_relay, exported.message, exported.fds)
@@ -546,7 +547,7 @@ def test_32_concurrent_sessions(publisher: aib.Publisher) -> None:
 
 def test_one_session_shared_by_threads(publisher: aib.Publisher, shm_file: tuple[str, pa.Table]) -> None:
     """Eight threads share one session and get a zero-copy and a copied object concurrently: every get
-    returns the right data, the zero-copy file is mapped once and then served from the mapping cache,
+    returns the right data, the zero-copy file (mapped once beforehand) is served from the mapping cache,
     and all leases end."""
     path, expected = shm_file
     mapped = pa.ipc.open_file(pa.memory_map(path)).read_all()
@@ -554,14 +555,19 @@ def test_one_session_shared_by_threads(publisher: aib.Publisher, shm_file: tuple
     publisher.publish("z", mapped, copy="never")
     publisher.publish("h", heap)
     errors: list[str] = []
+    rounds = 10
     with aib.connect(publisher.path, timeout=10.0) as session:
+        # Map the zero-copy file once before the threads start: two threads missing the cache at the same
+        # moment leak a mapping (test_concurrent_cache_misses_leak_nothing), which is not what this tests.
+        with session.get("z") as first:
+            assert pa.table(first).equals(expected)
 
         def work() -> None:
             try:
-                for _ in range(15):
+                for _ in range(rounds):
                     with session.get("z") as z, session.get("h") as h:
-                        assert_arrays_equal(pa.table(z), expected)
-                        assert_arrays_equal(pa.table(h), heap)
+                        assert pa.table(z).equals(expected)
+                        assert pa.table(h).equals(heap)
             except BaseException as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -573,7 +579,7 @@ def test_one_session_shared_by_threads(publisher: aib.Publisher, shm_file: tuple
         assert not any(t.is_alive() for t in threads)
         assert errors == []
         assert session.mapping_cache.misses == 1
-        assert session.mapping_cache.hits == 8 * 15 - 1
+        assert session.mapping_cache.hits == 8 * rounds
         settle()
         assert wait_for(lambda: publisher.active_leases == 0, 2.0)
     del mapped
@@ -861,9 +867,10 @@ def test_protocol_violations_get_error_and_close(publisher: aib.Publisher, kind:
 
 
 def test_raw_client_edge_cases_that_are_allowed(publisher: aib.Publisher) -> None:
-    """Releasing an unknown lease id, or one lease twice, is harmless (no reply, no miscount); a GET of
-    an unknown name answers NotPublishedError and the connection stays usable; descriptors a client
-    attaches to its frames are closed by the publisher (our fd count returns to the baseline)."""
+    """Releasing an unknown lease id, another connection's lease id, or one lease twice, is harmless (no
+    reply, no miscount); a GET of an unknown name answers NotPublishedError and the connection stays
+    usable; descriptors a client attaches to its frames are closed by the publisher (our fd count returns
+    to the baseline)."""
     publisher.publish("t", sample_table(100))
     base_fds = fd_count()
     with transport.connect(publisher.path, timeout=5.0) as raw:
@@ -876,6 +883,14 @@ def test_raw_client_edge_cases_that_are_allowed(publisher: aib.Publisher) -> Non
         with raw.recv(timeout=5.0) as item2:
             lease_id2, _ = protocol.decode_item(item2.payload)
         assert lease_id2 != lease_id
+        assert publisher.active_leases == 2
+        # lease ids belong to their connection: another client cannot release ours
+        with transport.connect(publisher.path, timeout=5.0) as other:
+            for foreign in (lease_id, lease_id2):
+                other.send(protocol.RELEASE, protocol.encode_lease(foreign))
+            other.send(protocol.LIST, b"")
+            with other.recv(timeout=5.0) as names:
+                assert names.kind == protocol.NAMES
         assert publisher.active_leases == 2
         raw.send(protocol.RELEASE, protocol.encode_lease(lease_id))
         raw.send(protocol.RELEASE, protocol.encode_lease(lease_id))
@@ -1200,6 +1215,69 @@ def test_session_close_releases_everything(publisher: aib.Publisher) -> None:
     assert_arrays_equal(kept, expected)
 
 
+@pytest.mark.filterwarnings("ignore:unclosed:ResourceWarning")
+def test_session_dropped_without_close_gives_everything_back(publisher: aib.Publisher) -> None:
+    """A session that is simply dropped (never closed), with its imported object and a table built from
+    it, keeps its lease while the table lives; once everything is collected the lease ends and the
+    connection goes away."""
+    publisher.publish("t", sample_table(100))
+    session = aib.connect(publisher.path, timeout=5.0)
+    imported = session.get("t")
+    table = pa.table(imported)
+    del session, imported
+    settle()
+    assert publisher.active_leases == 1
+    assert table.num_rows == 100
+    del table
+
+    def all_given_back() -> bool:
+        settle()
+        return publisher.active_leases == 0 and publisher.active_sessions == 0
+
+    assert wait_for(all_given_back, 2.0)
+
+
+def test_publisher_restart_on_the_same_path(sock_dir: str) -> None:
+    """When a publisher closes and a new one takes its path, the old session's data stays valid, its
+    requests raise TransportError, and a new session gets the new publisher's objects."""
+    path = os.path.join(sock_dir, "p.sock")
+    old_data, new_data = sample_table(300), pa.table({"x": ["new"]})
+    first = aib.Publisher(path)
+    first.publish("t", old_data)
+    session = aib.connect(path, timeout=5.0)
+    try:
+        imported = session.get("t")
+        first.close()
+        with aib.Publisher(path) as second:
+            second.publish("t", new_data)
+            with pytest.raises(aib.TransportError):
+                session.get("t")
+            assert_arrays_equal(pa.table(imported), old_data)
+            imported.release()
+            with aib.connect(path, timeout=5.0) as fresh, fresh.get("t") as again:
+                assert_arrays_equal(pa.table(again), new_data)
+    finally:
+        session.close()
+        first.close()
+
+
+def test_lazy_stream_reader_outlives_everything(publisher: aib.Publisher) -> None:
+    """A pyarrow RecordBatchReader opened on an imported stream and read one batch at a time keeps working
+    after the imported object is released, the name unpublished and the session closed."""
+    expected = sample_table(1000, batches=5)
+    publisher.publish("t", expected)
+    session = aib.connect(publisher.path, timeout=5.0)
+    imported = session.get("t")
+    reader = pa.RecordBatchReader.from_stream(imported)
+    first = reader.read_next_batch()
+    imported.release()
+    publisher.unpublish("t")
+    session.close()
+    settle()
+    rest = reader.read_all()
+    assert_arrays_equal(pa.Table.from_batches([first, *rest.to_batches()]), expected)
+
+
 def test_unpublish_while_leased(publisher: aib.Publisher) -> None:
     """Unpublishing a name while a lease is held keeps the consumer's data valid; a new ``get`` of it
     raises NotPublishedError (a KeyError) and the session stays usable; unpublishing twice raises too."""
@@ -1442,6 +1520,32 @@ def test_more_regions_than_one_frame_can_carry(publisher: aib.Publisher, sock_di
             os.unlink(path)
 
 
+def test_mapping_cache_evicts_the_least_recently_used() -> None:
+    """With a 2-entry mapping cache, after importing four different zero-copy files in turn, the two most
+    recently used files are the ones cached: importing them again hits the cache (the oldest were evicted).
+    Regression test: the cache used to evict its newest entry (dict.popitem()), pinning the oldest forever."""
+    paths = [write_shm_ipc_file(pa.table({"x": pa.array([i] * 100, pa.int64())})) for i in range(4)]
+    exports: list[aib.Exported] = []
+    try:
+        tables_ = [pa.ipc.open_file(pa.memory_map(path)).read_all() for path in paths]
+        exports = [aib.export(table, copy="never") for table in tables_]
+        del tables_
+        with aib.Session(mapping_cache_size=2) as session:
+            cache = session.mapping_cache
+            for exported in exports:
+                session.import_message(exported.message, exported.fds).release()
+            assert (cache.hits, cache.misses, len(cache)) == (0, 4, 2)
+            for newest in (3, 2):
+                hits = cache.hits
+                session.import_message(exports[newest].message, exports[newest].fds).release()
+                assert cache.hits == hits + 1, f"file {newest} (recently used) was evicted"
+    finally:
+        for exported in exports:
+            exported.close()
+        for path in paths:
+            os.unlink(path)
+
+
 CACHE_ZERO_CHILD = "import sys, session_children as c; c.cache_size_zero_main(sys.argv[1])"
 
 
@@ -1452,6 +1556,26 @@ def test_mapping_cache_size_zero_disables_caching(shm_file: tuple[str, pa.Table]
     path, _ = shm_file
     proc = subprocess.run(
         [sys.executable, "-c", CACHE_ZERO_CHILD, path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok"
+
+
+CONCURRENT_MISS_CHILD = "import sys, session_children as c; c.concurrent_miss_main(sys.argv[1])"
+
+
+def test_concurrent_cache_misses_leak_nothing(shm_file: tuple[str, pa.Table]) -> None:
+    """Two threads of one session importing the same zero-copy region at once (both missing the cache)
+    both get correct data, the cache ends with one entry, and closing the session leaves no owner, node or
+    mapping behind (run in a fresh interpreter, so a leak cannot spill into the other tests)."""
+    path, _ = shm_file
+    proc = subprocess.run(
+        [sys.executable, "-c", CONCURRENT_MISS_CHILD, path],
         capture_output=True,
         text=True,
         timeout=60,

@@ -113,15 +113,24 @@ class HostMappingCache:
                     lib.aib_owner_ref(hit.owner)
                     self.hits += 1
                     return hit
-        mapped = map_host_region(fd, region)
+        mapped = map_host_region(fd, region)  # outside the lock: mmap of a large file is not instant
         if cacheable:
             with self._lock:
-                self.misses += 1
-                if len(self._entries) >= self._max:
-                    _, evicted = self._entries.popitem(last=False)  # the least recently used
-                    lib.aib_owner_unref(evicted.owner)
-                lib.aib_owner_ref(mapped.owner)
-                self._entries[mapped.key] = mapped
+                raced = self._entries.get(mapped.key)
+                if raced is not None:
+                    # Another thread mapped the same file meanwhile: use its entry, drop ours.
+                    lib.aib_owner_ref(raced.owner)
+                    self.hits += 1
+                else:
+                    self.misses += 1
+                    if len(self._entries) >= self._max:
+                        _, evicted = self._entries.popitem(last=False)  # the least recently used
+                        lib.aib_owner_unref(evicted.owner)
+                    lib.aib_owner_ref(mapped.owner)
+                    self._entries[mapped.key] = mapped
+            if raced is not None:
+                lib.aib_owner_unref(mapped.owner)  # unmaps our duplicate
+                return raced
         return mapped
 
     def __len__(self) -> int:
