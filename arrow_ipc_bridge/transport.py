@@ -359,7 +359,10 @@ class Connection:
             fds = [fd for _, group in self._fd_groups for fd in group] + self._big_fds
         except AttributeError:  # __init__ failed before the receive state existed
             return
-        _close_fds(fds)
+        if fds:
+            # At interpreter shutdown module globals may already be gone; cleanup never raises.
+            with contextlib.suppress(Exception):
+                _close_fds(fds)
 
     # -- send ------------------------------------------------------------------------------------------
 
