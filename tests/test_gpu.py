@@ -355,3 +355,43 @@ def test_cupy_pool_allocator_arrays_travel_as_pool_regions(
     assert stats.regions == 1
     table, _ = consumer("pooled")
     assert table.column("v").to_pylist() == list(range(1 << 16))
+
+
+def test_evicted_legacy_handle_stays_open_for_its_arrays(cuda_device: int, cupy: Any) -> None:
+    """With a one-entry handle cache, a handle evicted while its arrays live is reused (not opened
+    twice) by the next get, stays valid, and is closed once when the last array goes."""
+    import gpu_children
+
+    from arrow_ipc_bridge import _reaper
+    from arrow_ipc_bridge.memory import cuda_regions
+
+    path = _socket_path()
+    parent, child = _CTX.Pipe()
+    producer = _CTX.Process(target=gpu_children.cupy_producer, args=(path, child, 1000))
+    producer.start()
+    assert parent.poll(120), "producer did not start"
+    assert parent.recv()[0] == "ready"
+    saved = cuda_regions._opener
+    cuda_regions._opener = opener = cuda_regions.CudaOpener(max_legacy=1)
+    try:
+        # two sessions, so the session-level message cache does not hide the opener
+        with aib.connect(path, timeout=30.0) as first, aib.connect(path, timeout=30.0) as second:
+            held = first.get("cupy")
+            capsules = held.__arrow_c_device_array__()
+            opens = cuda_regions.cuda_stats()["legacy_opens"]
+            other = second.get("cupy")  # same handles: hits the LRU or reuses the live ones
+            assert cuda_regions.cuda_stats()["legacy_opens"] == opens
+            assert other.to_host().column("a").to_pylist() == [float(i) for i in range(1000, 2000)]
+            other.release()
+            assert held.to_host().column("b").to_pylist() == [2 * i for i in range(1000)]
+            del capsules
+            held.release()
+        opener.close()
+        gc.collect()
+        time.sleep(0.1)
+        _reaper.drain()
+        assert opener._legacy_live == {}  # every handle closed exactly once
+    finally:
+        cuda_regions._opener = saved
+        parent.send("stop")
+        _join(producer)

@@ -295,7 +295,8 @@ class CudaOpener:
 
     def __init__(self, max_legacy: int = 256) -> None:
         self._lock = threading.Lock()
-        self._legacy: OrderedDict[bytes, _Opened] = OrderedDict()
+        self._legacy: OrderedDict[bytes, _Opened] = OrderedDict()  # LRU of open handles kept open
+        self._legacy_live: dict[bytes, list[int]] = {}  # handle -> [pointer, owners using it]
         self._pools: dict[bytes, cuda.ImportedPool] = {}
         self._pool_pointers: dict[bytes, list[int]] = {}  # handle -> [pointer, leases using it]
         self._max_legacy = max_legacy
@@ -320,29 +321,46 @@ class CudaOpener:
     def _open_legacy(self, region: Region, device: int) -> _Opened:
         if len(region.handle) != 64:
             raise RegionError("a legacy CUDA IPC handle is 64 bytes", field="handle")
+        handle = region.handle
         evicted = None
-        # The open happens under the lock: two threads must not open (and later close) one handle twice.
+        # Opens and closes happen under the lock, and a handle is opened once per process however
+        # many owners use it: an evicted entry whose arrays are still alive keeps its mapping, and a
+        # new get of the same handle reuses it instead of opening it again (a later close would
+        # otherwise pull the mapping from under the new one).
         with self._lock:
-            hit = self._legacy.get(region.handle)
+            hit = self._legacy.get(handle)
             if hit is not None:
-                self._legacy.move_to_end(region.handle)
+                self._legacy.move_to_end(handle)
                 lib.aib_owner_ref(hit.owner)
                 _stats["legacy_hits"] += 1
                 return hit
-            ptr = cuda.ipc_open_mem_handle(region.handle, device)
-            token = _reaper.register(
-                lambda: _close_quietly(lambda: cuda.ipc_close_mem_handle(ptr, device=device))
-            )
-            owner = lib.aib_owner_new(token)
+            live = self._legacy_live.get(handle)
+            if live is None:
+                live = self._legacy_live[handle] = [cuda.ipc_open_mem_handle(handle, device), 0]
+                _stats["legacy_opens"] += 1
+            live[1] += 1
+            ptr = live[0]
+            owner = lib.aib_owner_new(_reaper.register(lambda: self._release_legacy(handle, device)))
             opened = _Opened(ptr, owner)
             lib.aib_owner_ref(owner)  # the caller's reference; the cache keeps the first
-            _stats["legacy_opens"] += 1
-            self._legacy[region.handle] = opened
+            self._legacy[handle] = opened
             if len(self._legacy) > self._max_legacy:
                 evicted = self._legacy.popitem(last=False)[1]
         if evicted is not None:
-            lib.aib_owner_unref(evicted.owner)  # closes once no array uses it
+            lib.aib_owner_unref(evicted.owner)  # its handle closes once no array uses it
         return opened
+
+    def _release_legacy(self, handle: bytes, device: int) -> None:
+        with self._lock:
+            live = self._legacy_live.get(handle)
+            if live is None:
+                return
+            live[1] -= 1
+            if live[1] > 0:
+                return
+            del self._legacy_live[handle]
+            ptr = live[0]
+            _close_quietly(lambda: cuda.ipc_close_mem_handle(ptr, device=device))
 
     def _open_pool_pointer(self, region: Region, fds: list[int] | tuple[int, ...], device: int) -> _Opened:
         if len(region.handle) != 88 or region.fd_index < 0:
@@ -371,6 +389,8 @@ class CudaOpener:
         return _Opened(ptr, lib.aib_owner_new(token))
 
     def _release_pool_pointer(self, key: bytes, pool: cuda.ImportedPool) -> None:
+        # The free happens under the lock: a get that arrives meanwhile would otherwise import the
+        # same allocation again (the driver hands back the same address) and then lose it to this free.
         with self._lock:
             entry = self._pool_pointers.get(key)
             if entry is None:
@@ -380,7 +400,7 @@ class CudaOpener:
                 return
             del self._pool_pointers[key]
             ptr = entry[0]
-        _close_quietly(lambda: pool.free_imported(ptr))
+            _close_quietly(lambda: pool.free_imported(ptr))
 
     def _open_vmm(self, region: Region, fds: list[int] | tuple[int, ...], device: int) -> _Opened:
         if region.fd_index < 0:
