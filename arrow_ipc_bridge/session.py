@@ -78,6 +78,7 @@ class Session:
         # message bytes -> regions already open for it; bounded, entries hold their regions open
         self._resolved: OrderedDict[bytes, _Resolved] = OrderedDict()
         self._resolved_max = 64
+        self._resolved_lock = threading.Lock()
         self._imported: weakref.WeakSet[ImportedArray | ImportedStream] = weakref.WeakSet()
         self._conn: transport.Connection | None = None
         self._request_lock = threading.Lock()
@@ -98,9 +99,13 @@ class Session:
         self._check_open()
         decoded = Decoded(message, len(fds), token=token)
         try:
-            hit = self._resolved.get(message)
+            with self._resolved_lock:
+                hit = self._resolved.get(message)
+                if hit is not None:
+                    # Take our reference under the lock: another thread may evict the entry next.
+                    self._resolved.move_to_end(message)
+                    decoded.depend_on(hit.regions_owner)
             if hit is not None:
-                self._resolved.move_to_end(message)
                 imported = self._import_resolved(decoded, hit, name)
             else:
                 device = decoded.device()
@@ -122,7 +127,6 @@ class Session:
 
     def _import_resolved(self, decoded: Decoded, hit: _Resolved, name: str | None) -> Imported:
         """The steady state: the same message again (same publication), its regions already open."""
-        decoded.depend_on(hit.regions_owner)
         sync = None
         if hit.event:
             sync = lib.aib_owner_slot(decoded.owner)
@@ -190,10 +194,14 @@ class Session:
         )
 
     def _remember(self, message: bytes, resolved: _Resolved) -> None:
-        self._resolved[message] = resolved
-        while len(self._resolved) > self._resolved_max:
-            _, old = self._resolved.popitem(last=False)
-            lib.aib_owner_unref(old.regions_owner)
+        with self._resolved_lock:
+            previous = self._resolved.pop(message, None)  # two threads resolved the same message
+            self._resolved[message] = resolved
+            evicted = [previous] if previous is not None else []
+            while len(self._resolved) > self._resolved_max:
+                evicted.append(self._resolved.popitem(last=False)[1])
+            for old in evicted:
+                lib.aib_owner_unref(old.regions_owner)
 
     # ---------- publisher conversation --------------------------------------------------------------
     def _attach(self, conn: transport.Connection, timeout: float) -> None:
@@ -303,9 +311,10 @@ class Session:
         if self._conn is not None:
             self._conn.close()
         self._cache.close()
-        for resolved in self._resolved.values():
-            lib.aib_owner_unref(resolved.regions_owner)
-        self._resolved.clear()
+        with self._resolved_lock:
+            for resolved in self._resolved.values():
+                lib.aib_owner_unref(resolved.regions_owner)
+            self._resolved.clear()
         _reaper.drain()
 
     def __enter__(self) -> Session:
