@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
+from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.capsules import ArrowArrayExporter, ArrowExporter, capsule_struct
 from arrow_ipc_bridge.errors import ReleasedError
@@ -53,6 +54,9 @@ class _ImportedBase(ArrowExporter):
             self._decoded.close()
             if self._on_release is not None:
                 self._on_release()
+            # When that was the last hold, the lease ended just now: deliver the notice on this
+            # thread instead of waking the reaper thread (one thread switch less per get).
+            _reaper.drain()
 
     def __enter__(self) -> _ImportedBase:
         return self
