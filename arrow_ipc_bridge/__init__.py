@@ -15,7 +15,7 @@ Bring your own channel: ``aib.export(obj)`` gives ``.message`` and ``.fds``;
 """
 
 from arrow_ipc_bridge._version import __version__
-from arrow_ipc_bridge.device import cuda_column, from_cuda_array, from_cuda_arrays, to_device, to_host
+from arrow_ipc_bridge.device import column_view, from_cuda_array, from_cuda_arrays, to_device, to_host
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -55,7 +55,7 @@ __all__ = [
     "to_host",
     "from_cuda_array",
     "from_cuda_arrays",
-    "cuda_column",
+    "column_view",
     # errors
     "BridgeError",
     "BridgeTimeoutError",

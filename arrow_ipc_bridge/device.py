@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,7 +36,7 @@ from arrow_ipc_bridge.metadata import (
     process_region,
 )
 
-__all__ = ["to_device", "from_cuda_array", "from_cuda_arrays", "to_host", "cuda_column", "CudaColumnView"]
+__all__ = ["to_device", "from_cuda_array", "from_cuda_arrays", "to_host", "column_view", "ColumnView"]
 
 _ALIGN = 256  # cudaMalloc's alignment; columns placed at this alignment suit every consumer
 _TYPESTRS = {
@@ -266,45 +267,108 @@ _FORMAT_TYPESTRS = {
     "f": "<f4",
     "g": "<f8",
 }
+_DLPACK_CODES = {"i": 0, "u": 1, "f": 2}  # kDLInt, kDLUInt, kDLFloat
+_DLPACK_CPU, _DLPACK_CUDA = 1, 2
+_api = ctypes.pythonapi
+_api.PyCapsule_New.restype = ctypes.py_object
+_api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
 
 
-class CudaColumnView:
-    """A zero-copy ``__cuda_array_interface__`` (v3) view of one numeric column of imported GPU data.
+class ColumnView:
+    """A zero-copy view of one numeric column of imported data, for array libraries.
 
-    Made by :func:`cuda_column`. It holds the Arrow structs it points into, so the data (and the
-    lease) stay alive as long as the view, or anything built from it (``cupy.asarray(view)``,
-    ``torch.as_tensor(view, device="cuda")``), lives.
+    Made by :func:`column_view`. Speaks DLPack (``numpy.from_dlpack``, ``cupy.from_dlpack``,
+    ``torch.from_dlpack``) for host and CUDA data, and ``__cuda_array_interface__`` (v3) for CUDA
+    data. Every tensor handed out holds a reference on the imported message, so the data (and the
+    lease) live as long as the view or anything built from it.
     """
 
-    def __init__(self, capsules: tuple[object, object], pointer: int, length: int, typestr: str) -> None:
-        self._capsules = capsules  # keeps the rebuilt structs, and through them the lease, alive
-        self.__cuda_array_interface__ = {
-            "shape": (length,),
-            "typestr": typestr,
-            "data": (pointer, True),
-            "version": 3,
-            "strides": None,
-            "stream": None,  # ordering was settled in cuda_column (event wait or sync)
-        }
+    def __init__(
+        self,
+        owner: Any,
+        pointer: int,
+        length: int,
+        *,
+        typestr: str,
+        device_type: int,
+        device_id: int,
+        event: int,
+    ) -> None:
+        self._owner = ffi.gc(owner, lib.aib_owner_unref)  # our own reference on the imported message
+        lib.aib_owner_ref(owner)
+        self._pointer = pointer
+        self._length = length
+        self._typestr = typestr
+        self._device_type = device_type
+        self._device_id = device_id
+        self._event = event  # producer's CUevent still to honour in __dlpack__(stream=...); 0: none
+        if device_type == DEVICE_CUDA:
+            self.__cuda_array_interface__ = {
+                "shape": (length,),
+                "typestr": typestr,
+                "data": (pointer, True),
+                "version": 3,
+                "strides": None,
+                "stream": None,  # ordering was settled by column_view (event wait or host sync)
+            }
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        if self._device_type == DEVICE_CUDA:
+            return (_DLPACK_CUDA, self._device_id)
+        return (_DLPACK_CPU, 0)
+
+    def __dlpack__(self, *, stream: int | None = None, **kwargs: object) -> object:
+        """A legacy ``dltensor`` capsule; with a CUDA ``stream``, that stream waits for the producer."""
+        for key, value in kwargs.items():
+            if key not in ("max_version", "dl_device", "copy") or (key == "copy" and value):
+                raise BufferError(f"column views do not support __dlpack__({key}={value!r})")
+        if self._event and stream not in (None, -1):
+            from arrow_ipc_bridge.memory import cuda
+
+            cuda.stream_wait_event(stream, self._event, device=self._device_id)
+        typestr = self._typestr
+        tensor = lib.aib_dlpack_new(
+            self._owner,
+            self._pointer,
+            self.__dlpack_device__()[0],
+            self.__dlpack_device__()[1],
+            _DLPACK_CODES[typestr[1]],
+            int(typestr[2:]) * 8,
+            self._length,
+        )
+        if tensor == ffi.NULL:
+            raise MemoryError("allocating a DLPack tensor")
+        address = int(ffi.cast("uintptr_t", tensor))
+        name = int(ffi.cast("uintptr_t", lib.aib_dlpack_capsule_name()))
+        try:
+            return _api.PyCapsule_New(address, name, lib.aib_dlpack_capsule_destructor())
+        except BaseException:
+            tensor.deleter(tensor)
+            raise
 
 
-def cuda_column(imported: ImportedArray, column: int | str, *, stream: int | None = None) -> CudaColumnView:
-    """A zero-copy view of a numeric column (int8..uint64, float16/32/64, no nulls) of imported GPU data.
+def column_view(imported: ImportedArray, column: int | str = 0, *, stream: int | None = None) -> ColumnView:
+    """A zero-copy view of a numeric column (int8..uint64, float16/32/64, no nulls) of imported data.
 
     Parameters
     ----------
     imported
-        An imported record batch (or a numeric array: pass ``column=0``) on a CUDA device.
+        An imported record batch (or a numeric array: ``column=0``), in host memory or on a CUDA device.
     column
         Index or field name.
     stream
-        A CUDA stream (``cupy.cuda.Stream.ptr``, ``torch.cuda.Stream.cuda_stream``) that should wait for
-        the producer's writes; without one, this call waits on the host until they are done.
-    """
-    from arrow_ipc_bridge.memory import cuda, cuda_regions
+        CUDA data only: a stream (``cupy.cuda.Stream.ptr``, ``torch.cuda.Stream.cuda_stream``) that
+        should wait for the producer's writes before anything it runs reads the view; without one,
+        this call waits on the host until they are done.
 
-    if imported.device_type != DEVICE_CUDA:
-        raise BridgeError("cuda_column needs data on a CUDA device")
+    Examples
+    --------
+    >>> import numpy as np
+    >>> values = np.from_dlpack(aib.column_view(imported, "x"))  # doctest: +SKIP
+    >>> gpu = cupy.asarray(aib.column_view(imported_gpu, "x", stream=s.ptr))  # doctest: +SKIP
+    """
+    if imported.device_type not in (DEVICE_CPU, DEVICE_CUDA):
+        raise BridgeError(f"column views support host and CUDA data, not device type {imported.device_type}")
     schema_capsule, array_capsule = imported.__arrow_c_device_array__()
     schema = capsule_struct(schema_capsule, "schema")
     device_array = capsule_struct(array_capsule, "device_array")
@@ -319,12 +383,13 @@ def cuda_column(imported: ImportedArray, column: int | str, *, stream: int | Non
     fmt = ffi.string(field.format).decode()
     typestr = _FORMAT_TYPESTRS.get(fmt)
     if typestr is None or field.dictionary != ffi.NULL:
-        raise BridgeError(f"column format {fmt!r} has no __cuda_array_interface__ equivalent (numbers only)")
+        raise BridgeError(f"column format {fmt!r} has no plain-array equivalent (numbers only)")
     if node.null_count != 0:
-        raise BridgeError(
-            "the column has nulls (or an unknown null count); a plain GPU array cannot show them"
-        )
+        raise BridgeError("the column has nulls (or an unknown null count); a plain array cannot show them")
+    event = 0
     if device_array.sync_event != ffi.NULL:
+        from arrow_ipc_bridge.memory import cuda, cuda_regions
+
         event = cuda_regions.event_value(device_array.sync_event)
         if stream is None:
             cuda.event_synchronize(event)
@@ -332,7 +397,15 @@ def cuda_column(imported: ImportedArray, column: int | str, *, stream: int | Non
             cuda.stream_wait_event(stream, event, device=int(device_array.device_id))
     itemsize = int(typestr[2:])
     pointer = int(ffi.cast("uintptr_t", node.buffers[1])) + int(node.offset) * itemsize
-    return CudaColumnView((schema_capsule, array_capsule), pointer, int(node.length), typestr)
+    return ColumnView(
+        imported._live().owner,
+        pointer,
+        int(node.length),
+        typestr=typestr,
+        device_type=imported.device_type,
+        device_id=int(device_array.device_id),
+        event=event,
+    )
 
 
 def _field_index(schema: Any, name: str) -> int:

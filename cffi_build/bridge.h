@@ -122,6 +122,43 @@ int aib_array_share(const struct ArrowArray *src, aib_owner *owner, struct Arrow
 int aib_device_stream_from_capture(aib_owner *owner, struct ArrowDeviceArrayStream *out, aib_error *err);
 int aib_stream_from_capture(aib_owner *owner, struct ArrowArrayStream *out, aib_error *err);
 
+/* ---------- DLPack (legacy "dltensor" capsules) for zero-copy column views -----------------------
+ * The DLPack 0.8 ABI, enough for a 1-D contiguous tensor. The managed tensor holds a reference on
+ * the owner of the memory; its deleter drops it. */
+typedef struct DLDevice {
+  int32_t device_type; /* kDLCPU = 1, kDLCUDA = 2 */
+  int32_t device_id;
+} DLDevice;
+
+typedef struct DLDataType {
+  uint8_t code; /* kDLInt = 0, kDLUInt = 1, kDLFloat = 2 */
+  uint8_t bits;
+  uint16_t lanes;
+} DLDataType;
+
+typedef struct DLTensor {
+  void *data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t *shape;
+  int64_t *strides;
+  uint64_t byte_offset;
+} DLTensor;
+
+typedef struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void *manager_ctx;
+  void (*deleter)(struct DLManagedTensor *self);
+} DLManagedTensor;
+
+DLManagedTensor *aib_dlpack_new(aib_owner *owner, uint64_t data, int32_t device_type, int32_t device_id,
+                                uint8_t code, uint8_t bits, int64_t length);
+/* Destructor for a "dltensor" PyCapsule: runs the deleter unless a consumer took the tensor
+ * (renamed the capsule "used_dltensor"). */
+uintptr_t aib_dlpack_capsule_destructor(void);
+const char *aib_dlpack_capsule_name(void);
+
 /* ---------- layout rules ----------------------------------------------------------------------- */
 #define AIB_KIND_NULL 1
 #define AIB_KIND_BOOL 2

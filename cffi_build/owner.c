@@ -764,3 +764,49 @@ int aib_stream_from_decoded(aib_owner *owner, const uint64_t *region_bases, size
   install_host_stream(out, s);
   return AIB_OK;
 }
+
+/* ---------- DLPack ------------------------------------------------------------------------------ */
+typedef struct dlpack_block {
+  DLManagedTensor tensor;
+  int64_t shape[1];
+  aib_owner *owner;
+} dlpack_block;
+
+static void dlpack_delete(DLManagedTensor *self) {
+  if (self == NULL) return;
+  dlpack_block *b = (dlpack_block *)self;
+  aib_owner *owner = b->owner;
+  free(b);
+  aib_owner_unref(owner);
+}
+
+DLManagedTensor *aib_dlpack_new(aib_owner *owner, uint64_t data, int32_t device_type, int32_t device_id,
+                                uint8_t code, uint8_t bits, int64_t length) {
+  dlpack_block *b = calloc(1, sizeof(*b));
+  if (b == NULL) return NULL;
+  b->shape[0] = length;
+  b->owner = owner;
+  aib_owner_ref(owner);
+  b->tensor.dl_tensor.data = (void *)(uintptr_t)data;
+  b->tensor.dl_tensor.device.device_type = device_type;
+  b->tensor.dl_tensor.device.device_id = device_id;
+  b->tensor.dl_tensor.ndim = 1;
+  b->tensor.dl_tensor.dtype.code = code;
+  b->tensor.dl_tensor.dtype.bits = bits;
+  b->tensor.dl_tensor.dtype.lanes = 1;
+  b->tensor.dl_tensor.shape = b->shape;
+  b->tensor.dl_tensor.strides = NULL; /* compact row-major */
+  b->tensor.manager_ctx = b;
+  b->tensor.deleter = dlpack_delete;
+  return &b->tensor;
+}
+
+static void destroy_dlpack_capsule(PyObject *capsule) {
+  /* A consumer that took the tensor renamed the capsule "used_dltensor" and owns it now. */
+  if (!PyCapsule_IsValid(capsule, "dltensor")) return;
+  DLManagedTensor *t = PyCapsule_GetPointer(capsule, "dltensor");
+  if (t != NULL && t->deleter != NULL) t->deleter(t);
+}
+
+uintptr_t aib_dlpack_capsule_destructor(void) { return (uintptr_t)&destroy_dlpack_capsule; }
+const char *aib_dlpack_capsule_name(void) { return "dltensor"; }

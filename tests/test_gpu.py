@@ -323,21 +323,29 @@ def test_to_host_round_trip_in_process(cuda_device: int) -> None:
     assert gpu.to_host().equals(table)
 
 
-def test_cuda_column_view_is_zero_copy(publisher: aib.Publisher, cupy: Any) -> None:
-    """cuda_column gives a __cuda_array_interface__ view at the producer's memory: CuPy reads the same
-    values with no copy, through the consumer's own stream after waiting on the producer's event."""
+def test_column_view_is_zero_copy_on_the_gpu(publisher: aib.Publisher, cupy: Any) -> None:
+    """column_view gives __cuda_array_interface__ and DLPack views at the producer's memory: CuPy and
+    PyTorch read the same values with no copy, ordered after the producer's event on their stream."""
     values = cupy.arange(2048, dtype=cupy.float64)
     publisher.publish("v", aib.from_cuda_arrays({"a": values[1024:], "b": values[:1024]}))
     with aib.connect(publisher.path, timeout=30.0) as session, session.get("v") as imported:
         stream = cupy.cuda.Stream(non_blocking=True)
-        view = aib.cuda_column(imported, "a", stream=stream.ptr)
+        view = aib.column_view(imported, "a", stream=stream.ptr)
         assert view.__cuda_array_interface__["data"][0] == values[1024:].data.ptr
+        assert view.__dlpack_device__() == (2, 0)
         with stream:
             seen = cupy.asarray(view) * 1
+            via_dlpack = cupy.from_dlpack(aib.column_view(imported, "b", stream=stream.ptr))
+            assert via_dlpack.data.ptr == values[:1024].data.ptr
         stream.synchronize()
         assert bool((seen == values[1024:]).all())
+        assert bool((via_dlpack == values[:1024]).all())
+        torch = pytest.importorskip("torch")
+        tensor = torch.from_dlpack(aib.column_view(imported, "a"))
+        assert tensor.device.type == "cuda"
+        assert float(tensor.sum()) == float(values[1024:].sum())
         with pytest.raises(aib.BridgeError, match="no column"):
-            aib.cuda_column(imported, "missing")
+            aib.column_view(imported, "missing")
 
 
 def test_cupy_pool_allocator_arrays_travel_as_pool_regions(
