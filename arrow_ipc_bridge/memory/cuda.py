@@ -1395,6 +1395,8 @@ class _DriverResource:
     def __del__(self) -> None:
         if getattr(self, "_closed", True):
             return
+        if globals().get("contextlib") is None:  # interpreter shutdown cleared this module's globals
+            return
         # A finalizer never raises: not at interpreter shutdown, not with warnings turned into errors.
         with contextlib.suppress(Exception):
             warnings.warn(
