@@ -121,3 +121,20 @@ def holding_consumer(socket_path: str, name: str, conn: Connection) -> None:
     conn.send("held")
     time.sleep(600)
     del capsules
+
+
+def swapped_gpu_producer(socket_path: str, conn: Connection) -> None:
+    """Publish a table from a process that sees the GPUs in the opposite order (CUDA_VISIBLE_DEVICES
+    "1,0"), so its device 0 is the consumer's device 1: the message must name the GPU by UUID."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = "1,0"  # before CUDA initialises in this process
+    import arrow_ipc_bridge as aib
+    from arrow_ipc_bridge.memory import cuda
+
+    try:
+        with aib.Publisher(socket_path) as pub:
+            pub.publish("t", aib.to_device(pa.table({"v": pa.array(range(1000))}), device=0))
+            conn.send(("ready", cuda.device_uuid(0).hex()))
+            conn.recv()  # "stop"
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)

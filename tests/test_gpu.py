@@ -403,3 +403,29 @@ def test_evicted_legacy_handle_stays_open_for_its_arrays(cuda_device: int, cupy:
         cuda_regions._opener = saved
         parent.send("stop")
         _join(producer)
+
+
+def test_gpu_is_named_by_uuid_not_ordinal(cuda_device: int) -> None:
+    """A producer that numbers the GPUs differently (CUDA_VISIBLE_DEVICES swapped) publishes from its
+    device 0; the consumer maps the UUID to its own ordinal (1), opens the data there, and reads it."""
+    import gpu_children
+
+    from arrow_ipc_bridge.memory import cuda
+
+    if cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
+    path = _socket_path()
+    parent, child = _CTX.Pipe()
+    producer = _CTX.Process(target=gpu_children.swapped_gpu_producer, args=(path, child))
+    producer.start()
+    try:
+        assert parent.poll(120), "producer did not start"
+        status, producer_uuid = parent.recv()
+        assert status == "ready"
+        assert producer_uuid == cuda.device_uuid(1).hex()  # its device 0 is our device 1
+        with aib.connect(path, timeout=30.0) as session, session.get("t") as imported:
+            assert imported.device_id == 1
+            assert imported.to_host().column("v").to_pylist() == list(range(1000))
+    finally:
+        parent.send("stop")
+        _join(producer)
