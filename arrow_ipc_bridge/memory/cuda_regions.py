@@ -296,7 +296,8 @@ class CudaOpener:
     def __init__(self, max_legacy: int = 256) -> None:
         self._lock = threading.Lock()
         self._legacy: OrderedDict[bytes, _Opened] = OrderedDict()  # LRU of open handles kept open
-        self._legacy_live: dict[bytes, list[int]] = {}  # handle -> [pointer, owners using it]
+        # handle -> [pointer, owners using it]: each is opened once per process, closed by its last owner
+        self._legacy_live: dict[bytes, list[int]] = {}
         self._pools: dict[bytes, cuda.ImportedPool] = {}
         self._pool_pointers: dict[bytes, list[int]] = {}  # handle -> [pointer, leases using it]
         self._max_legacy = max_legacy
@@ -334,13 +335,16 @@ class CudaOpener:
                 lib.aib_owner_ref(hit.owner)
                 _stats["legacy_hits"] += 1
                 return hit
-            live = self._legacy_live.get(handle)
-            if live is None:
-                live = self._legacy_live[handle] = [cuda.ipc_open_mem_handle(handle, device), 0]
+            if handle not in self._legacy_live:
                 _stats["legacy_opens"] += 1
-            live[1] += 1
-            ptr = live[0]
-            owner = lib.aib_owner_new(_reaper.register(lambda: self._release_legacy(handle, device)))
+            ptr = _acquire(self._legacy_live, handle, lambda: cuda.ipc_open_mem_handle(handle, device))
+            owner = lib.aib_owner_new(
+                _reaper.register(
+                    lambda: self._release(
+                        self._legacy_live, handle, lambda ptr: cuda.ipc_close_mem_handle(ptr, device=device)
+                    )
+                )
+            )
             opened = _Opened(ptr, owner)
             lib.aib_owner_ref(owner)  # the caller's reference; the cache keeps the first
             self._legacy[handle] = opened
@@ -350,17 +354,19 @@ class CudaOpener:
             lib.aib_owner_unref(evicted.owner)  # its handle closes once no array uses it
         return opened
 
-    def _release_legacy(self, handle: bytes, device: int) -> None:
+    def _release(self, table: dict[bytes, list[int]], key: bytes, close: Any) -> None:
+        """One owner of ``key`` ended; the last one closes it. Under the lock: a get arriving
+        meanwhile would otherwise open the same handle again (the driver hands back the same
+        address) and then lose it to this close."""
         with self._lock:
-            live = self._legacy_live.get(handle)
-            if live is None:
+            entry = table.get(key)
+            if entry is None:
                 return
-            live[1] -= 1
-            if live[1] > 0:
+            entry[1] -= 1
+            if entry[1] > 0:
                 return
-            del self._legacy_live[handle]
-            ptr = live[0]
-            _close_quietly(lambda: cuda.ipc_close_mem_handle(ptr, device=device))
+            del table[key]
+            _close_quietly(lambda: close(entry[0]))
 
     def _open_pool_pointer(self, region: Region, fds: list[int] | tuple[int, ...], device: int) -> _Opened:
         if len(region.handle) != 88 or region.fd_index < 0:
@@ -380,27 +386,9 @@ class CudaOpener:
         # counts; the last one to end frees the import (before the producer may free the memory).
         key = region.handle
         with self._lock:
-            entry = self._pool_pointers.get(key)
-            if entry is None:
-                entry = self._pool_pointers[key] = [pool.import_pointer(region.handle[24:]), 0]
-            entry[1] += 1
-            ptr = entry[0]
-        token = _reaper.register(lambda: self._release_pool_pointer(key, pool))
+            ptr = _acquire(self._pool_pointers, key, lambda: pool.import_pointer(key[24:]))
+        token = _reaper.register(lambda: self._release(self._pool_pointers, key, pool.free_imported))
         return _Opened(ptr, lib.aib_owner_new(token))
-
-    def _release_pool_pointer(self, key: bytes, pool: cuda.ImportedPool) -> None:
-        # The free happens under the lock: a get that arrives meanwhile would otherwise import the
-        # same allocation again (the driver hands back the same address) and then lose it to this free.
-        with self._lock:
-            entry = self._pool_pointers.get(key)
-            if entry is None:
-                return
-            entry[1] -= 1
-            if entry[1] > 0:
-                return
-            del self._pool_pointers[key]
-            ptr = entry[0]
-            _close_quietly(lambda: pool.free_imported(ptr))
 
     def _open_vmm(self, region: Region, fds: list[int] | tuple[int, ...], device: int) -> _Opened:
         if region.fd_index < 0:
@@ -415,6 +403,15 @@ class CudaOpener:
             legacy, self._legacy = list(self._legacy.values()), OrderedDict()
         for entry in legacy:
             lib.aib_owner_unref(entry.owner)
+
+
+def _acquire(table: dict[bytes, list[int]], key: bytes, open_: Any) -> int:
+    """The pointer for ``key``, opened on first use; counts one more owner (caller holds the lock)."""
+    entry = table.get(key)
+    if entry is None:
+        entry = table[key] = [open_(), 0]
+    entry[1] += 1
+    return entry[0]
 
 
 def _close_quietly(close: Any) -> None:
