@@ -79,6 +79,19 @@ def consumer(publisher: aib.Publisher) -> Iterator[Any]:
     _join(process)
 
 
+def _start_cupy_producer(rows: int) -> tuple[str, Any, Any]:
+    """A producer process publishing CuPy columns ("cupy") and a pool-backed batch ("pool"), ready."""
+    import gpu_children
+
+    path = _socket_path()
+    parent, child = _CTX.Pipe()
+    producer = _CTX.Process(target=gpu_children.cupy_producer, args=(path, child, rows))
+    producer.start()
+    assert parent.poll(120), "producer did not start"
+    assert parent.recv()[0] == "ready"
+    return path, parent, producer
+
+
 def _as_table(obj: pa.Array | pa.RecordBatch | pa.Table) -> pa.Table:
     if isinstance(obj, pa.Table):
         return obj
@@ -156,14 +169,8 @@ def test_consumer_sees_final_data_of_a_running_kernel(publisher: aib.Publisher, 
 
 def test_producer_exit_leaves_consumer_data_valid(cuda_device: int, cupy: Any) -> None:
     """The producer process is killed while the consumer holds its data: the data stays readable."""
-    import gpu_children
 
-    path = _socket_path()
-    parent, child = _CTX.Pipe()
-    producer = _CTX.Process(target=gpu_children.cupy_producer, args=(path, child, 1000))
-    producer.start()
-    assert parent.poll(120), "producer did not start"
-    assert parent.recv()[0] == "ready"
+    path, _parent, producer = _start_cupy_producer(1000)
     session = aib.connect(path, timeout=30.0)
     imported = session.get("cupy")
     os.kill(producer.pid, signal.SIGKILL)
@@ -181,12 +188,7 @@ def test_killed_consumer_gives_its_leases_back(cuda_device: int, cupy: Any) -> N
     """A consumer holding a device lease is SIGKILLed: the producer's lease count returns to 0."""
     import gpu_children
 
-    path = _socket_path()
-    parent, child = _CTX.Pipe()
-    producer = _CTX.Process(target=gpu_children.cupy_producer, args=(path, child, 100))
-    producer.start()
-    assert parent.poll(120), "producer did not start"
-    assert parent.recv()[0] == "ready"
+    path, parent, producer = _start_cupy_producer(100)
     holder_parent, holder_child = _CTX.Pipe()
     holder = _CTX.Process(target=gpu_children.holding_consumer, args=(path, "cupy", holder_child))
     holder.start()
@@ -212,18 +214,12 @@ def test_killed_consumer_gives_its_leases_back(cuda_device: int, cupy: Any) -> N
 def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
     """10,000 get/release cycles from another process's publisher (legacy handles and IPC-pool
     pointers): open handles, fds, owners and GPU memory stay flat; the legacy handle is opened once."""
-    import gpu_children
 
     from arrow_ipc_bridge import _reaper
     from arrow_ipc_bridge._ffi import lib
     from arrow_ipc_bridge.memory import cuda, cuda_regions
 
-    path = _socket_path()
-    parent, child = _CTX.Pipe()
-    producer = _CTX.Process(target=gpu_children.cupy_producer, args=(path, child, 1 << 16))
-    producer.start()
-    assert parent.poll(120), "producer did not start"
-    assert parent.recv()[0] == "ready"
+    path, parent, producer = _start_cupy_producer(1 << 16)
     try:
         with aib.connect(path, timeout=30.0) as session:
 
@@ -368,17 +364,11 @@ def test_cupy_pool_allocator_arrays_travel_as_pool_regions(
 def test_evicted_legacy_handle_stays_open_for_its_arrays(cuda_device: int, cupy: Any) -> None:
     """With a one-entry handle cache, a handle evicted while its arrays live is reused (not opened
     twice) by the next get, stays valid, and is closed once when the last array goes."""
-    import gpu_children
 
     from arrow_ipc_bridge import _reaper
     from arrow_ipc_bridge.memory import cuda_regions
 
-    path = _socket_path()
-    parent, child = _CTX.Pipe()
-    producer = _CTX.Process(target=gpu_children.cupy_producer, args=(path, child, 1000))
-    producer.start()
-    assert parent.poll(120), "producer did not start"
-    assert parent.recv()[0] == "ready"
+    path, parent, producer = _start_cupy_producer(1000)
     saved = cuda_regions._opener
     cuda_regions._opener = opener = cuda_regions.CudaOpener(max_legacy=1)
     try:
