@@ -39,19 +39,23 @@ from arrow_ipc_bridge.metadata import (
 __all__ = ["to_device", "from_cuda_array", "from_cuda_arrays", "to_host", "column_view", "ColumnView"]
 
 _ALIGN = 256  # cudaMalloc's alignment; columns placed at this alignment suit every consumer
-_TYPESTRS = {
-    "i1": pa.int8(),
-    "i2": pa.int16(),
-    "i4": pa.int32(),
-    "i8": pa.int64(),
-    "u1": pa.uint8(),
-    "u2": pa.uint16(),
-    "u4": pa.uint32(),
-    "u8": pa.uint64(),
-    "f2": pa.float16(),
-    "f4": pa.float32(),
-    "f8": pa.float64(),
-}
+# The numeric types a plain array (``__cuda_array_interface__``, DLPack) can show:
+# (Arrow format, array-interface typestr, pyarrow type). Both lookups below come from this table.
+_NUMERIC_TYPES = [
+    ("c", "|i1", pa.int8()),
+    ("s", "<i2", pa.int16()),
+    ("i", "<i4", pa.int32()),
+    ("l", "<i8", pa.int64()),
+    ("C", "|u1", pa.uint8()),
+    ("S", "<u2", pa.uint16()),
+    ("I", "<u4", pa.uint32()),
+    ("L", "<u8", pa.uint64()),
+    ("e", "<f2", pa.float16()),
+    ("f", "<f4", pa.float32()),
+    ("g", "<f8", pa.float64()),
+]
+_TYPESTRS = {typestr[1:]: arrow_type for _, typestr, arrow_type in _NUMERIC_TYPES}  # "f4" -> float32
+_FORMAT_TYPESTRS = {fmt: typestr for fmt, typestr, _ in _NUMERIC_TYPES}  # "f" -> "<f4"
 
 
 def to_device(obj: object, device: int = 0) -> ImportedArray | ImportedStream:
@@ -254,19 +258,6 @@ def _to_pyarrow(source: ImportedArray | ImportedStream) -> pa.Array | pa.RecordB
     return pa.Array._import_from_c_capsule(schema_capsule, array_capsule)
 
 
-_FORMAT_TYPESTRS = {
-    "c": "|i1",
-    "C": "|u1",
-    "s": "<i2",
-    "S": "<u2",
-    "i": "<i4",
-    "I": "<u4",
-    "l": "<i8",
-    "L": "<u8",
-    "e": "<f2",
-    "f": "<f4",
-    "g": "<f8",
-}
 _DLPACK_CODES = {"i": 0, "u": 1, "f": 2}  # kDLInt, kDLUInt, kDLFloat
 _DLPACK_CPU, _DLPACK_CUDA = 1, 2
 _api = ctypes.pythonapi
