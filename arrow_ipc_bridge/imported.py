@@ -25,7 +25,7 @@ class _ImportedBase(ArrowExporter):
     def __init__(
         self,
         decoded: Decoded,
-        region_bases: Sequence[int],
+        region_bases: Sequence[int] | Any,
         *,
         device_type: int,
         device_id: int,
@@ -34,7 +34,10 @@ class _ImportedBase(ArrowExporter):
         on_release: Callable[[], None] | None = None,
     ) -> None:
         self._decoded = decoded
-        self._bases = ffi.new("uint64_t[]", list(region_bases) or [0])
+        if isinstance(region_bases, ffi.CData):  # a uint64_t[] shared with the session's cache
+            self._bases = region_bases
+        else:
+            self._bases = ffi.new("uint64_t[]", list(region_bases) or [0])
         self._n_bases = len(region_bases)
         self._device_type = device_type
         self._device_id = device_id
@@ -51,12 +54,16 @@ class _ImportedBase(ArrowExporter):
         """Give this object's hold back (idempotent). Structs already handed to consumers stay valid
         until they are released; the lease ends after the last one."""
         if not self._decoded.closed:
-            self._decoded.close()
-            if self._on_release is not None:
-                self._on_release()
-            # When that was the last hold, the lease ended just now: deliver the notice on this
-            # thread instead of waking the reaper thread (one thread switch less per get).
-            _reaper.drain()
+            # When that was the last hold, the lease ends just now: deliver the notice on this
+            # thread instead of waking the reaper thread (a thread switch and GIL hand-off less).
+            lib.aib_reaper_quiet(1)
+            try:
+                self._decoded.close()
+                if self._on_release is not None:
+                    self._on_release()
+            finally:
+                lib.aib_reaper_quiet(0)
+                _reaper.drain()
 
     def __enter__(self) -> _ImportedBase:
         return self
@@ -160,7 +167,7 @@ class ImportedStream(_ImportedBase):
 
 def imported_from(
     decoded: Decoded,
-    region_bases: Sequence[int],
+    region_bases: Sequence[int] | Any,
     *,
     device_type: int,
     device_id: int,

@@ -263,6 +263,35 @@ class Decoded:
         self.owner = ffi.gc(owner, lib.aib_owner_unref)
         self._closed = False
 
+    @classmethod
+    def sharing(cls, decoded: Decoded, token: int = 0) -> Decoded:
+        """Another handle on the same validated message, with an owner of its own (``token``) that
+        keeps ``decoded``'s owner alive: an identical message seen again is not decoded twice, and
+        each lease still ends on its own."""
+        d = decoded._live()
+        owner = lib.aib_owner_new(token)
+        if owner == ffi.NULL:
+            raise MemoryError("allocating an import owner")
+        if lib.aib_owner_share_decoded(owner, decoded.owner):
+            lib.aib_owner_unref(owner)
+            raise MemoryError("adding an owner dependency")
+        self = cls.__new__(cls)
+        self._d = d
+        self._message = decoded._message
+        self._n_fds = decoded._n_fds
+        self._allow_process_regions = decoded._allow_process_regions
+        self.owner = ffi.gc(owner, lib.aib_owner_unref)
+        self._closed = False
+        return self
+
+    @property
+    def n_fds(self) -> int:
+        return self._n_fds
+
+    @property
+    def message(self) -> bytes:
+        return self._message
+
     @property
     def closed(self) -> bool:
         return self._closed

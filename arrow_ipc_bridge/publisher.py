@@ -1,10 +1,12 @@
 """Producer side server: publish named Arrow objects, serve them to sessions under leases.
 
 Each published name holds an :class:`~arrow_ipc_bridge.exporter.Exported` (captured data, its region
-fds and the encoded message, made once at publish time, so a ``get`` costs one frame). Every ``get``
-takes a lease on that entry; the entry, and with it the producer's buffers, lives until it is
-unpublished *and* every lease on it ended. A session that disconnects or dies gives back all its
-leases at once (the connection's handler sees the socket close).
+fds and the encoded message, made once at publish time, so a ``get`` costs one frame). The names,
+messages and leases live in the C core (``cffi_build/serve.c``), whose serve loop answers GET and
+RELEASE frames without the GIL; this module handles the handshake, LIST and errors. An entry, and
+with it the producer's buffers, lives until it is unpublished *and* every lease on it ended; then
+its keeper owner dies and the reaper closes the export record. A session that disconnects or dies
+gives back all its leases at once (its connection's lease table is freed when the socket closes).
 """
 
 from __future__ import annotations
@@ -15,23 +17,15 @@ import threading
 from types import TracebackType
 from typing import Any
 
-from arrow_ipc_bridge import protocol, transport
-from arrow_ipc_bridge._ffi import WIRE_VERSION
-from arrow_ipc_bridge.errors import BridgeError, NotPublishedError, PeerClosedError, ProtocolError
-from arrow_ipc_bridge.exporter import CopyPolicy, Exported, ExportStats, export
+from arrow_ipc_bridge import _reaper, protocol, transport
+from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
+from arrow_ipc_bridge.channel import Channel, frame_from
+from arrow_ipc_bridge.errors import BridgeError, NotPublishedError, ProtocolError
+from arrow_ipc_bridge.exporter import CopyPolicy, ExportStats, export
 
 __all__ = ["Publisher"]
 
 _log = logging.getLogger("arrow_ipc_bridge")
-
-
-class _Entry:
-    """One published object and the count of holds on it (1 while published, +1 per lease)."""
-
-    def __init__(self, name: str, exported: Exported) -> None:
-        self.name = name
-        self.exported = exported
-        self.holds = 1
 
 
 class Publisher:
@@ -60,8 +54,11 @@ class Publisher:
         copy: CopyPolicy = "if_needed",
     ) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[str, _Entry] = {}
-        self._leases = 0
+        self._names: set[str] = set()
+        table = lib.aib_pubtable_new()
+        if table == ffi.NULL:
+            raise MemoryError("allocating the publication table")
+        self._table = ffi.gc(table, lib.aib_pubtable_unref)
         self._copy: CopyPolicy = copy
         self.publisher_id = os.urandom(16).hex()
         self._server = transport.Server(path, self._serve, allowed_uids=allowed_uids, name="aib-publisher")
@@ -74,47 +71,54 @@ class Publisher:
         Sessions holding leases on the replaced object keep it until they release it. Returns what
         the export cost (regions, bytes copied).
         """
-        protocol.encode_name(name)  # validates the name
+        raw_name = protocol.encode_name(name)  # validates the name
         self._check_open()
         exported = export(obj, copy=copy or self._copy)
-        with self._lock:
-            if self._server.closed:  # closed while we exported
-                exported.close()
-                raise BridgeError("this publisher is closed")
-            previous = self._entries.get(name)
-            self._entries[name] = _Entry(name, exported)
-        if previous is not None:
-            self._drop(previous)
+        # The entry's keeper: when the last of (publication, leases) lets go, the reaper closes it.
+        keeper = lib.aib_owner_new(_reaper.register(exported.close))
+        if keeper == ffi.NULL:
+            exported.close()
+            raise MemoryError("allocating a publication keeper")
+        fds = list(exported.fds)
+        err = new_error()
+        try:
+            with self._lock:
+                if self._server.closed:  # closed while we exported
+                    raise BridgeError("this publisher is closed")
+                message = exported.message
+                rc = lib.aib_pubtable_put(
+                    self._table, raw_name, len(raw_name), message, len(message), fds, len(fds), keeper, err
+                )
+                if rc:
+                    raise_for(rc, err, f"publishing {name!r}")
+                self._names.add(name)
+        finally:
+            lib.aib_owner_unref(keeper)  # the entry holds its own reference (or none: then it closes)
+            _reaper.drain()  # a replaced object without leases is closed now, not later
         return exported.stats
 
     def unpublish(self, name: str) -> None:
         """Stop serving ``name``; its data lives on until every lease on it has ended."""
+        raw_name = protocol.encode_name(name)
         with self._lock:
-            entry = self._entries.pop(name, None)
-        if entry is None:
+            absent = lib.aib_pubtable_remove(self._table, raw_name, len(raw_name))
+            self._names.discard(name)
+        if absent:
             raise NotPublishedError(f"nothing is published as {name!r}")
-        self._drop(entry)
+        _reaper.drain()
 
     def names(self) -> list[str]:
         with self._lock:
-            return sorted(self._entries)
+            return sorted(self._names)
 
     @property
     def active_leases(self) -> int:
         """Leases currently held by sessions (all names together)."""
-        with self._lock:
-            return self._leases
+        return int(lib.aib_pubtable_leases(self._table))
 
     @property
     def active_sessions(self) -> int:
         return self._server.active_connections()
-
-    def _drop(self, entry: _Entry) -> None:
-        with self._lock:
-            entry.holds -= 1
-            last = entry.holds == 0
-        if last:
-            entry.exported.close()
 
     def _check_open(self) -> None:
         if self._server.closed:
@@ -122,52 +126,55 @@ class Publisher:
 
     # ---------- serving one session -----------------------------------------------------------------
     def _serve(self, conn: transport.Connection) -> None:
-        leases: dict[int, _Entry] = {}
-        next_lease = 1
+        channel = Channel(conn)
+        served = lib.aib_server_conn_new(self._table, channel.raw)
+        if served == ffi.NULL:
+            raise MemoryError("allocating a connection's lease table")
+        raw_frame = ffi.new("aib_frame *")
+        err = new_error()
+        recv_lock, send_lock = channel.locked()
         try:
             while True:
+                # GET for published names and RELEASE are answered in C; the rest comes back here.
+                with recv_lock, send_lock:
+                    conn.check_open()
+                    rc = lib.aib_serve(served, raw_frame, err)
+                    if rc == lib.AIB_E_PEER_CLOSED:
+                        return
+                    if rc != lib.AIB_SERVE_FRAME:
+                        raise channel.failed(rc, err, "serving a session", holding="both")
+                    frame = frame_from(raw_frame)
                 try:
-                    frame = conn.recv()
-                except PeerClosedError:
-                    return
-                frame.close_fds()  # sessions never send descriptors
-                try:
-                    if frame.kind == protocol.HELLO:
-                        version = protocol.decode_hello(frame.payload)
-                        if version != protocol.PROTOCOL_VERSION:
-                            raise ProtocolError(
-                                f"session speaks protocol {version}, "
-                                f"this publisher {protocol.PROTOCOL_VERSION}"
-                            )
-                        conn.send(protocol.WELCOME, protocol.encode_json(self._welcome()))
-                    elif frame.kind == protocol.LIST:
-                        conn.send(protocol.NAMES, protocol.encode_json(self.names()))
-                    elif frame.kind == protocol.GET:
-                        name = protocol.decode_name(frame.payload)
-                        entry = self._take(name)
-                        lease_id = next_lease
-                        next_lease += 1
-                        leases[lease_id] = entry
-                        conn.send(
-                            protocol.ITEM,
-                            protocol.encode_item(lease_id, entry.exported.message),
-                            entry.exported.fds,
-                        )
-                    elif frame.kind == protocol.RELEASE:
-                        entry_or_none = leases.pop(protocol.decode_lease(frame.payload), None)
-                        if entry_or_none is not None:  # releasing twice is harmless
-                            self._give_back(entry_or_none)
-                    else:
-                        raise ProtocolError(f"unexpected frame kind {frame.kind}")
+                    self._answer(channel, frame)
                 except NotPublishedError as exc:
-                    conn.send(protocol.ERROR, protocol.encode_error(exc))
+                    channel.send(protocol.ERROR, protocol.encode_error(exc))
                 except ProtocolError as exc:
                     _log.warning("arrow_ipc_bridge: closing session pid %s: %s", conn.peer_pid, exc)
-                    conn.send(protocol.ERROR, protocol.encode_error(exc))
+                    channel.send(protocol.ERROR, protocol.encode_error(exc))
                     return
         finally:
-            for entry in leases.values():
-                self._give_back(entry)
+            lib.aib_server_conn_free(served)  # gives this session's leases back
+            _reaper.drain()
+
+    def _answer(self, channel: Channel, frame: transport.Frame) -> None:
+        """The frames the C loop leaves to Python: handshake, LIST, unknown names, bad frames."""
+        if frame.kind == protocol.HELLO:
+            version = protocol.decode_hello(frame.payload)
+            if version != protocol.PROTOCOL_VERSION:
+                raise ProtocolError(
+                    f"session speaks protocol {version}, this publisher {protocol.PROTOCOL_VERSION}"
+                )
+            channel.send(protocol.WELCOME, protocol.encode_json(self._welcome()))
+        elif frame.kind == protocol.LIST:
+            channel.send(protocol.NAMES, protocol.encode_json(self.names()))
+        elif frame.kind == protocol.GET:
+            name = protocol.decode_name(frame.payload)  # ProtocolError for a malformed name
+            raise NotPublishedError(f"nothing is published as {name!r}")
+        elif frame.kind == protocol.RELEASE:
+            protocol.decode_lease(frame.payload)  # the C loop takes every well-formed RELEASE
+            raise ProtocolError("malformed RELEASE frame")
+        else:
+            raise ProtocolError(f"unexpected frame kind {frame.kind}")
 
     def _welcome(self) -> dict[str, Any]:
         return {
@@ -176,20 +183,6 @@ class Publisher:
             "publisher_id": self.publisher_id,
             "pid": os.getpid(),
         }
-
-    def _take(self, name: str) -> _Entry:
-        with self._lock:
-            entry = self._entries.get(name)
-            if entry is None:
-                raise NotPublishedError(f"nothing is published as {name!r}")
-            entry.holds += 1
-            self._leases += 1
-            return entry
-
-    def _give_back(self, entry: _Entry) -> None:
-        with self._lock:
-            self._leases -= 1
-        self._drop(entry)
 
     # ---------- lifetime ----------------------------------------------------------------------------
     @property
@@ -200,9 +193,9 @@ class Publisher:
         """Stop serving (idempotent). Sessions are disconnected; what they already mapped stays valid."""
         self._server.close(timeout)
         with self._lock:
-            entries, self._entries = list(self._entries.values()), {}
-        for entry in entries:
-            self._drop(entry)
+            lib.aib_pubtable_clear(self._table)
+            self._names.clear()
+        _reaper.drain()
 
     def __enter__(self) -> Publisher:
         return self

@@ -21,6 +21,7 @@ from typing import Any
 from arrow_ipc_bridge import _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
+from arrow_ipc_bridge.channel import Channel
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -45,10 +46,11 @@ Imported = ImportedArray | ImportedStream
 
 @dataclass(frozen=True)
 class _Resolved:
-    """Regions of a message already opened in this session (steady-state re-gets skip the opens)."""
+    """A message already imported in this session, its regions still open: re-gets of the same
+    publication (the steady state) skip the decode and the opens."""
 
-    bases: list[int]
-    regions_owner: Any  # aib_owner* holding every region's owner; one reference held by the cache
+    template: Decoded  # the validated message; its owner holds every region's owner open
+    bases: Any  # uint64_t[] of region bases, shared read-only by every import of the message
     device_type: int
     device_id: int
     event: int  # the opened producer event, 0 when none
@@ -81,6 +83,7 @@ class Session:
         self._resolved_lock = threading.Lock()
         self._imported: weakref.WeakSet[ImportedArray | ImportedStream] = weakref.WeakSet()
         self._conn: transport.Connection | None = None
+        self._channel: Channel | None = None  # the C side of the connection once the handshake is done
         self._request_lock = threading.Lock()
         self._timeout: float | None = None
         self._closed = False
@@ -97,48 +100,64 @@ class Session:
 
     def _import(self, message: bytes, fds: Sequence[int], *, name: str | None, token: int) -> Imported:
         self._check_open()
-        decoded = Decoded(message, len(fds), token=token)
-        try:
-            with self._resolved_lock:
-                hit = self._resolved.get(message)
-                if hit is not None:
-                    # Take our reference under the lock: another thread may evict the entry next.
-                    self._resolved.move_to_end(message)
-                    decoded.depend_on(hit.regions_owner)
-            if hit is not None:
-                imported = self._import_resolved(decoded, hit, name)
+        with self._resolved_lock:
+            hit = self._resolved.get(message)
+            if hit is not None and hit.template.n_fds == len(fds):
+                # Share under the lock: another thread may evict the entry next.
+                self._resolved.move_to_end(message)
+                decoded = Decoded.sharing(hit.template, token)
             else:
-                device = decoded.device()
-                if device.device_type == DEVICE_CPU:
-                    bases = self._map_host_regions(decoded, fds)
-                    imported = imported_from(decoded, bases, device_type=DEVICE_CPU, device_id=-1, name=name)
-                elif device.device_type == DEVICE_CUDA:
-                    imported = self._open_cuda_regions(decoded, message, fds, device, name)
-                else:
-                    raise RegionError(
-                        f"the message holds data on device type {device.device_type}, "
-                        "which this build cannot import"
-                    )
+                hit = None
+        if hit is not None:
+            return self._import_resolved(decoded, hit, name)
+        template = Decoded(message, len(fds))
+        try:
+            decoded = Decoded.sharing(template, token)
+        except BaseException:
+            template.close()
+            raise
+        template_kept = False
+        try:
+            device = decoded.device()
+            if device.device_type == DEVICE_CPU:
+                bases = self._map_host_regions(decoded, fds)
+                imported = imported_from(decoded, bases, device_type=DEVICE_CPU, device_id=-1, name=name)
+            elif device.device_type == DEVICE_CUDA:
+                imported, template_kept = self._open_cuda_regions(template, decoded, fds, device, name)
+            else:
+                raise RegionError(
+                    f"the message holds data on device type {device.device_type}, "
+                    "which this build cannot import"
+                )
         except BaseException:
             decoded.close()
             raise
+        finally:
+            if not template_kept:
+                template.close()  # the import's owner keeps what it needs alive
         self._imported.add(imported)
         return imported
 
     def _import_resolved(self, decoded: Decoded, hit: _Resolved, name: str | None) -> Imported:
         """The steady state: the same message again (same publication), its regions already open."""
-        sync = None
-        if hit.event:
-            sync = lib.aib_owner_slot(decoded.owner)
-            sync[0] = hit.event
-        return imported_from(
-            decoded,
-            hit.bases,
-            device_type=hit.device_type,
-            device_id=hit.device_id,
-            sync_event=sync,
-            name=name,
-        )
+        try:
+            sync = None
+            if hit.event:
+                sync = lib.aib_owner_slot(decoded.owner)
+                sync[0] = hit.event
+            imported = imported_from(
+                decoded,
+                hit.bases,
+                device_type=hit.device_type,
+                device_id=hit.device_id,
+                sync_event=sync,
+                name=name,
+            )
+        except BaseException:
+            decoded.close()
+            raise
+        self._imported.add(imported)
+        return imported
 
     def _map_host_regions(self, decoded: Decoded, fds: Sequence[int]) -> list[int]:
         bases: list[int] = []
@@ -156,8 +175,10 @@ class Session:
         return bases
 
     def _open_cuda_regions(
-        self, decoded: Decoded, message: bytes, fds: Sequence[int], device: DeviceInfo, name: str | None
-    ) -> Imported:
+        self, template: Decoded, decoded: Decoded, fds: Sequence[int], device: DeviceInfo, name: str | None
+    ) -> tuple[Imported, bool]:
+        """Opens the regions (held by ``decoded``'s owner); all-legacy messages are also remembered
+        with ``template`` holding them open. Returns the import and whether the template was kept."""
         from arrow_ipc_bridge.memory import cuda, cuda_regions
 
         # The producer's GPU, by UUID, in this process's numbering (CUDA_VISIBLE_DEVICES may differ).
@@ -167,41 +188,38 @@ class Session:
         regions = decoded.regions()
         # Only legacy handles stay open beyond a lease, so only all-legacy messages are remembered.
         remember = all(r.kind == REGION_CUDA_LEGACY for r in regions)
-        group = lib.aib_owner_new(0) if remember else ffi.NULL
-        try:
-            for region in regions:
-                opened = opener.open(region, list(fds), ordinal)
-                try:
-                    decoded.depend_on(opened.owner)
-                    if remember:
-                        lib.aib_owner_add_dependency(group, opened.owner)
-                finally:
-                    lib.aib_owner_unref(opened.owner)
-                bases.append(opened.base)
-            event = cuda_regions.open_event(device.sync, ordinal) if device.sync else 0
-            if remember:
-                self._remember(message, _Resolved(bases, group, DEVICE_CUDA, ordinal, event))
-                group = ffi.NULL
-        finally:
-            if group != ffi.NULL:
-                lib.aib_owner_unref(group)
+        for region in regions:
+            opened = opener.open(region, list(fds), ordinal)
+            try:
+                decoded.depend_on(opened.owner)
+                if remember:
+                    template.depend_on(opened.owner)
+            finally:
+                lib.aib_owner_unref(opened.owner)
+            bases.append(opened.base)
+        event = cuda_regions.open_event(device.sync, ordinal) if device.sync else 0
+        base_array = ffi.new("uint64_t[]", bases or [0])
+        if remember:
+            self._remember(template, _Resolved(template, base_array, DEVICE_CUDA, ordinal, event))
         sync = None
         if event:
             sync = cuda_regions.owner_slot(decoded.owner)
             sync[0] = event
-        return imported_from(
-            decoded, bases, device_type=DEVICE_CUDA, device_id=ordinal, sync_event=sync, name=name
+        imported = imported_from(
+            decoded, base_array, device_type=DEVICE_CUDA, device_id=ordinal, sync_event=sync, name=name
         )
+        return imported, remember
 
-    def _remember(self, message: bytes, resolved: _Resolved) -> None:
+    def _remember(self, template: Decoded, resolved: _Resolved) -> None:
+        key = template.message
         with self._resolved_lock:
-            previous = self._resolved.pop(message, None)  # two threads resolved the same message
-            self._resolved[message] = resolved
+            previous = self._resolved.pop(key, None)  # two threads resolved the same message
+            self._resolved[key] = resolved
             evicted = [previous] if previous is not None else []
             while len(self._resolved) > self._resolved_max:
                 evicted.append(self._resolved.popitem(last=False)[1])
             for old in evicted:
-                lib.aib_owner_unref(old.regions_owner)
+                old.template.close()
 
     # ---------- publisher conversation --------------------------------------------------------------
     def _attach(self, conn: transport.Connection, timeout: float) -> None:
@@ -224,17 +242,15 @@ class Session:
                 "the major versions must match (upgrade one side)"
             )
         self.publisher_info = info
+        # From here on requests and lease releases go through the C core (one call per round trip).
+        self._channel = Channel(conn)
 
     def _request(self, kind: int, payload: bytes) -> transport.Frame:
-        conn = self._connection()
+        channel = self._connection()
         with self._request_lock:
-            try:
-                conn.send(kind, payload, timeout=self._timeout)
-                frame = conn.recv(timeout=self._timeout)
-            except BridgeTimeoutError:
-                # A late reply would be read as the answer to the next request: this connection is done.
-                conn.close()
-                raise
+            # Any failure closes the connection: after a timeout a late reply would be read as the
+            # answer to the next request.
+            frame = channel.request(kind, payload, timeout=self._timeout)
         if frame.kind == protocol.ERROR:
             frame.close_fds()
             protocol.raise_error(frame.payload)
@@ -263,25 +279,25 @@ class Session:
             if frame.kind != protocol.ITEM:
                 raise ProtocolError(f"expected ITEM, got frame kind {frame.kind}")
             lease_id, message = protocol.decode_item(frame.payload)
-            conn = self._connection()
-            token = _reaper.register(lambda: _send_release(conn, lease_id))
+            channel = self._connection()
+            token = _reaper.register(lambda: _send_release(channel, lease_id))
             try:
                 return self._import(message, frame.fds, name=name, token=token)
             except BaseException:
                 # If the owner never came to life, nobody else will give the lease back.
                 if _reaper.unregister(token):
-                    _send_release(conn, lease_id)
+                    _send_release(channel, lease_id)
                 raise
         finally:
             frame.close_fds()  # the mappings keep the files alive
 
-    def _connection(self) -> transport.Connection:
+    def _connection(self) -> Channel:
         self._check_open()
-        if self._conn is None:
+        if self._channel is None:
             raise BridgeError(
                 "this session is not connected to a publisher: use arrow_ipc_bridge.connect(path)"
             )
-        return self._conn
+        return self._channel
 
     # ---------- lifetime ----------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -313,7 +329,7 @@ class Session:
         self._cache.close()
         with self._resolved_lock:
             for resolved in self._resolved.values():
-                lib.aib_owner_unref(resolved.regions_owner)
+                resolved.template.close()
             self._resolved.clear()
         _reaper.drain()
 
@@ -326,12 +342,12 @@ class Session:
         self.close()
 
 
-def _send_release(conn: transport.Connection, lease_id: int) -> None:
-    if conn.closed:
+def _send_release(channel: Channel, lease_id: int) -> None:
+    if channel.conn.closed:
         return  # the publisher released this connection's leases when it closed
     # A publisher that is gone has nothing left to release.
     with contextlib.suppress(PeerClosedError, BridgeTimeoutError, OSError):
-        conn.send(protocol.RELEASE, protocol.encode_lease(lease_id), timeout=5.0)
+        channel.send(protocol.RELEASE, protocol.encode_lease(lease_id), timeout=5.0)
 
 
 def connect(path: str | os.PathLike[str], *, timeout: float = 5.0) -> Session:

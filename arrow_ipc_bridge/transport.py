@@ -323,6 +323,7 @@ class Connection:
         self._big_fds: list[int] = []
         self._kind = 0
         self._nfds = 0
+        self._handed_over = False  # hand_over_receive(): the C channel receives now
 
     # -- properties ------------------------------------------------------------------------------------
 
@@ -552,6 +553,8 @@ class Connection:
         try:
             if self._closed:
                 raise self._closed_error()
+            if self._handed_over:
+                raise BridgeError("this connection's receiving side was handed over to a C channel")
             try:
                 return self._recv_frame(deadline, timeout)
             except BridgeTimeoutError:
@@ -790,6 +793,39 @@ class Connection:
             f"the connection is closed ({self._close_reason or 'closed'})", closed_locally=True
         )
 
+    # -- handing the socket to the C channel ------------------------------------------------------------
+
+    def hand_over_receive(self) -> bytes:
+        """Stop receiving here and return the bytes already buffered, for the C core's channel
+        (``arrow_ipc_bridge.channel``) to carry on from. Later :meth:`recv` calls raise.
+
+        Raises :class:`~arrow_ipc_bridge.errors.ProtocolError` when a frame with descriptors or a
+        large frame is partly received (nothing the publisher/session protocol produces).
+        """
+        with self._recv_lock:
+            if self._fd_groups or self._big is not None:
+                raise ProtocolError("cannot hand over a connection in the middle of a frame")
+            data = bytes(self._rview[self._rstart : self._rend])
+            self._rstart = self._rend = 0
+            self._handed_over = True
+            return data
+
+    def io_locks(self) -> tuple[threading.Lock, threading.Lock]:
+        """The receive and send locks, for calls made on the socket elsewhere (the C channel): hold
+        them around each call, so that :meth:`close` waits for it before closing the descriptor,
+        and check :meth:`check_open` once holding them."""
+        return self._recv_lock, self._send_lock
+
+    def check_open(self) -> None:
+        """Raise :class:`~arrow_ipc_bridge.errors.PeerClosedError` when the connection is closed."""
+        if self._closed:
+            raise self._closed_error()
+
+    def abort(self, reason: str, *, holding: str) -> None:
+        """Close the connection while holding its :meth:`io_locks` (the stream is out of sync);
+        ``holding`` is ``"recv"``, ``"send"`` or ``"both"``."""
+        self._teardown(reason, holding=holding)
+
     # -- close -----------------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -819,7 +855,7 @@ class Connection:
         acquired: list[threading.Lock] = []
         try:
             for name, lock in (("recv", self._recv_lock), ("send", self._send_lock)):
-                if name == holding:
+                if holding in (name, "both"):
                     continue
                 if lock.acquire(timeout=_CLOSE_WAIT_S):
                     acquired.append(lock)
@@ -827,7 +863,7 @@ class Connection:
                     logger.warning(
                         "%r: a %s call did not end within %s s of shutdown", self, name, _CLOSE_WAIT_S
                     )
-            if holding == "recv" or self._recv_lock in acquired:
+            if holding in ("recv", "both") or self._recv_lock in acquired:
                 self._drop_partial()
             self._sock.close()
         finally:

@@ -943,6 +943,7 @@ class _BridgeConsumer:
         root = device_array.array
         column = root.children[root.n_children - 1]
         ptr = int(ffi.cast("uintptr_t", column.buffers[1])) + int(column.offset) * F32
+        t_ready = _perf()  # the consumer can launch work: device pointer in hand, stream ordered
         result = self._launch_sum(ptr, int(column.length) * F32, imported)
         t1 = _perf()
         self.stream.synchronize()
@@ -955,7 +956,7 @@ class _BridgeConsumer:
         _reaper.drain()  # lease release + handle/pointer frees now, not during the next timed get
         t3 = _perf()
         check_close(name, got, expected)
-        return t1 - t0, {"release_s": t3 - t2, "sync_event": float(has_sync)}
+        return t_ready - t0, {"launched_s": t1 - t0, "release_s": t3 - t2, "sync_event": float(has_sync)}
 
     @contextlib.contextmanager
     def _count_opens(self) -> Iterator[dict[str, Any]]:
@@ -1106,6 +1107,7 @@ class _BridgeConsumer:
                     if cached:
                         cache[handle] = base
                 last = (base + offset, nbytes)
+            t_ready = _perf()
             result = self._launch_sum(last[0], last[1], None)
             t1 = _perf()
             self.stream.synchronize()
@@ -1117,8 +1119,9 @@ class _BridgeConsumer:
                     cuda.ipc_close_mem_handle(base, device=0)
                 extra["close_s"] = _perf() - t2
             extra["opens"] = float(len(opened))
+            extra["launched_s"] = t1 - t0
             check_close(key, got, expected_now[0])
-            return t1 - t0, extra
+            return t_ready - t0, extra
 
         try:
             result = run_loop(one, warmup=warmup, n=n, budget_s=budget)
@@ -1164,11 +1167,13 @@ class _BridgeConsumer:
             batch = pa.ipc.open_stream(data).read_next_batch()
             if self.host_only:
                 cols = [np.asarray(batch.column(c).to_numpy(zero_copy_only=True)) for c in range(NCOLS)]
+                t_ready = _perf()
                 result: Any = cols[-1].sum(dtype=np.float64)
             else:
                 cp = self.cp
                 with self.stream:
                     cols = [cp.asarray(batch.column(c).to_numpy(zero_copy_only=True)) for c in range(NCOLS)]
+                    t_ready = _perf()
                     result = cols[-1].sum()
             t1 = _perf()
             if not self.host_only:
@@ -1178,7 +1183,8 @@ class _BridgeConsumer:
                 info = json.loads(ctl.reply())
             del cols, batch, data, result
             check_close("d2h_ipc", got, expected)
-            return t1 - t0, {
+            return t_ready - t0, {
+                "launched_s": t1 - t0,
                 "producer_d2h_s": info["d2h_us"] / 1e6,
                 "producer_serialize_s": info["serialize_us"] / 1e6,
                 "producer_send_s": info["send_us"] / 1e6,
@@ -1336,19 +1342,21 @@ class _TorchConsumer:
         prep = self.answer()
         t0 = _perf()
         self.conn.send(("fresh",))
-        tensors = self.receive()
+        tensors = self.receive()  # rebuilt: handles open, the producer's event waited on
+        t_ready = _perf()
         r = tensors[-1].sum()
         t1 = _perf()
         self.sync()
         got = float(r)
         del r, tensors  # dropped: the next transfer has to open its handles again
         check_close("torch_fresh", got, prep["expected"])
-        return t1 - t0, {"producer_alloc_s": prep["alloc_s"]}
+        return t_ready - t0, {"producer_alloc_s": prep["alloc_s"], "launched_s": t1 - t0}
 
     def one_steady(self, i: int, keep: bool) -> tuple[float, dict[str, float]]:
         t0 = _perf()
         self.conn.send(("steady",))
-        tensors = self.receive()
+        tensors = self.receive()  # rebuilt: handles open, the producer's event waited on
+        t_ready = _perf()
         r = tensors[-1].sum()
         t1 = _perf()
         self.sync()
@@ -1359,7 +1367,7 @@ class _TorchConsumer:
         self.held = tensors if keep else None
         del tensors
         check_close("torch_steady", got, self.expected)
-        return t1 - t0, {}
+        return t_ready - t0, {"launched_s": t1 - t0}
 
     def past_deadline(self) -> bool:
         return time.time() > float(self.cfg["deadline_epoch"])

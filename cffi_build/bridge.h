@@ -26,6 +26,9 @@ uint32_t aib_wire_version(void);        /* (major << 16) | minor of the wire for
 #define AIB_E_LIMIT 5
 #define AIB_E_STATE 6         /* call out of order (e.g. batch before schema) */
 #define AIB_E_OS 7            /* a system call failed; errno_value says which */
+#define AIB_E_PEER_CLOSED 8   /* the peer closed the connection (EOF at a frame boundary, reset) */
+#define AIB_E_TIMEOUT 9       /* a wait went past its deadline */
+#define AIB_E_PROTOCOL 10     /* the peer broke the framing (bad header, EOF mid-frame, fd count) */
 
 typedef struct aib_error {
   int code;
@@ -62,6 +65,9 @@ uint64_t *aib_owner_slot(aib_owner *owner);
 /* The owner takes the decoded message and frees it when it dies, so anything holding the owner
  * (a served stream, an imported array's structs) can keep rebuilding from it. */
 int aib_owner_attach_decoded(aib_owner *owner, aib_decoded *decoded);
+/* The owner keeps source alive and uses source's decoded message as its own (an identical message
+ * imported again shares the first decode). AIB_E_STATE when source has none or owner has one. */
+int aib_owner_share_decoded(aib_owner *owner, aib_owner *source);
 void aib_owner_ref(aib_owner *owner);
 void aib_owner_unref(aib_owner *owner);
 int64_t aib_owner_refcount(aib_owner *owner);
@@ -69,6 +75,9 @@ uint64_t aib_owner_token(aib_owner *owner);
 
 int aib_reaper_fd(void);                                   /* read end of the wake-up pipe */
 size_t aib_reaper_drain(uint64_t *tokens_out, size_t max); /* pops up to max dead-owner tokens */
+/* on != 0: owners dying on this thread queue their tokens without waking the reaper thread; the
+ * caller drains the queue itself when it sets it back to 0. */
+void aib_reaper_quiet(int on);
 
 /* Leak accounting for tests: live owners, live struct nodes built by the core, live mappings. */
 int64_t aib_live_owners(void);
@@ -329,4 +338,49 @@ int aib_device_stream_from_decoded(aib_owner *owner, const uint64_t *region_base
 int aib_stream_from_decoded(aib_owner *owner, const uint64_t *region_bases, size_t n_bases,
                             struct ArrowArrayStream *out, aib_error *err);
 
+/* ---------- frames over a socket (channel.c) and the publisher's serve loop (serve.c) ------------
+ * The framing is transport.py's, byte for byte. A channel borrows a connected Unix stream socket's
+ * fd; callers serialise receives and sends (the Python Connection's locks) and never use the
+ * Connection's own recv after handing its buffered bytes (seed) to the channel. timeout_ms < 0
+ * blocks. A receive that fails leaves the channel unusable: close the connection. */
+typedef struct aib_channel aib_channel;
+typedef struct aib_frame {
+  uint32_t kind;
+  uint32_t n_fds;
+  uint64_t length;
+  const uint8_t *payload;  /* valid until the next receive on the channel */
+  int fds[253];            /* received descriptors, owned by the caller */
+} aib_frame;
+aib_channel *aib_channel_new(int fd, uint32_t max_payload, const uint8_t *seed, size_t seed_len);
+void aib_channel_free(aib_channel *ch);   /* closes descriptors received but not handed out */
+size_t aib_channel_buffered(const aib_channel *ch);
+/* One frame: header, part_a then part_b as its payload, fds attached. */
+int aib_channel_send(aib_channel *ch, uint32_t kind, const uint8_t *part_a, size_t len_a,
+                     const uint8_t *part_b, size_t len_b, const int *fds, uint32_t n_fds,
+                     int64_t timeout_ms, aib_error *err);
+int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_error *err);
+/* send then receive the answer, both within timeout_ms */
+int aib_channel_request(aib_channel *ch, uint32_t kind, const uint8_t *payload, size_t length,
+                        int64_t timeout_ms, aib_frame *out, aib_error *err);
+/* Published entries by name. put copies name and message, borrows the fds and takes a reference on
+ * keeper; the entry lives while published or leased, then drops the keeper (whose token tells
+ * Python to close the export record). remove returns 1 when the name was not published. */
+typedef struct aib_pubtable aib_pubtable;
+aib_pubtable *aib_pubtable_new(void);
+void aib_pubtable_unref(aib_pubtable *t);
+void aib_pubtable_clear(aib_pubtable *t);
+int aib_pubtable_put(aib_pubtable *t, const uint8_t *name, size_t name_len, const uint8_t *message,
+                     size_t message_len, const int *fds, uint32_t n_fds, aib_owner *keeper, aib_error *err);
+int aib_pubtable_remove(aib_pubtable *t, const uint8_t *name, size_t name_len);
+int64_t aib_pubtable_leases(const aib_pubtable *t);
+/* One session's connection: its leases (given back by free) and the serve loop. aib_serve answers
+ * GET for published names (ITEM + lease) and RELEASE until another frame arrives, which it returns
+ * with AIB_SERVE_FRAME for Python to handle (the frame's fds are then the caller's); any other
+ * return is an error code (AIB_E_PEER_CLOSED when the session went away). */
+#define AIB_SERVE_FRAME 100
+typedef struct aib_server_conn aib_server_conn;
+aib_server_conn *aib_server_conn_new(aib_pubtable *t, aib_channel *ch);
+void aib_server_conn_free(aib_server_conn *c);
+int64_t aib_server_conn_leases(const aib_server_conn *c);
+int aib_serve(aib_server_conn *c, aib_frame *out, aib_error *err);
 #endif

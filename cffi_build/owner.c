@@ -71,6 +71,12 @@ int aib_reaper_fd(void) {
   return reaper_pipe[0];
 }
 
+/* Set by a thread that drains the queue itself right after (ImportedArray.release): its pushes skip
+ * the wake-up write, so the reaper thread is not woken to contend for the GIL for nothing. */
+static _Thread_local int reaper_quiet;
+
+void aib_reaper_quiet(int on) { reaper_quiet = on; }
+
 static void reaper_push(uint64_t token) {
   pthread_once(&reaper_once, reaper_init);
   pthread_mutex_lock(&reaper_lock);
@@ -88,7 +94,7 @@ static void reaper_push(uint64_t token) {
   }
   reaper_tokens[reaper_len++] = token;
   pthread_mutex_unlock(&reaper_lock);
-  if (reaper_pipe[1] >= 0) {
+  if (reaper_pipe[1] >= 0 && !reaper_quiet) {
     char byte = 1;
     /* A full pipe is fine: the reader drains every queued token per wake-up. */
     ssize_t ignored = write(reaper_pipe[1], &byte, 1);
@@ -139,6 +145,7 @@ struct aib_owner {
   struct ArrowDeviceArray **arrays;
   int64_t n_arrays;
   aib_decoded *decoded;
+  aib_decoded *shared_decoded; /* borrowed from a dependency (aib_owner_share_decoded) */
   void *host_buffer; /* host-buffer owners */
   uint64_t slot;
   aib_owner **deps;
@@ -236,7 +243,18 @@ int aib_owner_attach_decoded(aib_owner *owner, aib_decoded *decoded) {
   return AIB_OK;
 }
 
-aib_decoded *aib_owner_decoded(aib_owner *owner) { return owner->decoded; }
+aib_decoded *aib_owner_decoded(aib_owner *owner) {
+  return owner->decoded != NULL ? owner->decoded : owner->shared_decoded;
+}
+
+int aib_owner_share_decoded(aib_owner *owner, aib_owner *source) {
+  aib_decoded *d = aib_owner_decoded(source);
+  if (d == NULL || aib_owner_decoded(owner) != NULL) return AIB_E_STATE;
+  int rc = aib_owner_add_dependency(owner, source);
+  if (rc) return rc;
+  owner->shared_decoded = d; /* lives as long as source, which owner now keeps alive */
+  return AIB_OK;
+}
 
 void aib_owner_ref(aib_owner *owner) { atomic_fetch_add_explicit(&owner->refs, 1, memory_order_relaxed); }
 

@@ -1,0 +1,136 @@
+"""The hot path of the publisher/session protocol: frames sent and received by the C core.
+
+:mod:`~arrow_ipc_bridge.transport` connects, checks credentials and frames the handshake in Python.
+Once a session or a publisher's connection handler has said hello, it hands the socket's receiving
+side to a :class:`Channel`, whose calls run in C without the GIL (``cffi_build/channel.c``): a
+request round trip then costs about what the socket costs, where the Python framing on both ends
+added ~40 µs. The bytes on the wire are the same (transport.py's docstring is their spec).
+
+The :class:`~arrow_ipc_bridge.transport.Connection` still owns the socket: every channel call holds
+the connection's receive or send lock, so ``close()`` from any thread waits for it, and errors
+close the connection the same way transport does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from arrow_ipc_bridge._ffi import ffi, lib, new_error
+from arrow_ipc_bridge.errors import (
+    BridgeError,
+    BridgeTimeoutError,
+    PeerClosedError,
+    ProtocolError,
+    TransportError,
+)
+from arrow_ipc_bridge.transport import Connection, Frame
+
+__all__ = ["Channel", "error_for"]
+
+
+def _millis(timeout: float | None) -> int:
+    return -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
+
+
+def error_for(code: int, err: Any, what: str, timeout: float | None = None) -> BridgeError:
+    """The package exception for a failed channel call."""
+    message = ffi.string(err.message).decode("utf-8", "replace")
+    text = f"{what}: {message}"
+    if code == lib.AIB_E_PEER_CLOSED:
+        return PeerClosedError(text)
+    if code == lib.AIB_E_TIMEOUT:
+        return BridgeTimeoutError(f"{what} timed out after {timeout} s", timeout=timeout)
+    if code == lib.AIB_E_PROTOCOL:
+        return ProtocolError(text)
+    if code == lib.AIB_E_NOMEM:
+        return TransportError(f"{what}: out of memory")
+    return TransportError(text, errno=int(err.errno_value) or None)
+
+
+def frame_from(raw: Any) -> Frame:
+    """A Python frame (payload copied, descriptors now the caller's) from a received C frame."""
+    payload = ffi.buffer(raw.payload, raw.length)[:] if raw.length else b""
+    return Frame(int(raw.kind), payload, [int(raw.fds[i]) for i in range(raw.n_fds)])
+
+
+class Channel:
+    """Frames over a connection's socket, sent and received in C.
+
+    Parameters
+    ----------
+    conn
+        A connection whose receiving side is handed over here (its own ``recv`` is refused from
+        now on); sending through the connection stays allowed and is serialised with ours.
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        seed = conn.hand_over_receive()
+        raw = lib.aib_channel_new(conn.fileno(), conn.max_payload, seed, len(seed))
+        if raw == ffi.NULL:
+            raise MemoryError("allocating a channel")
+        self.conn = conn
+        self.raw = ffi.gc(raw, lib.aib_channel_free)
+        self._recv_lock, self._send_lock = conn.io_locks()
+        self._frame = ffi.new("aib_frame *")  # receives happen one at a time (receive lock)
+
+    def send(
+        self, kind: int, payload: bytes = b"", fds: Sequence[int] = (), *, timeout: float | None = None
+    ) -> None:
+        """Send one frame. A timeout before anything went out leaves the connection usable; any
+        other failure closes it."""
+        err = new_error()
+        fd_array = ffi.new("int[]", list(fds)) if fds else ffi.NULL
+        with self._send_lock:
+            self.conn.check_open()
+            rc = lib.aib_channel_send(
+                self.raw, kind, payload, len(payload), ffi.NULL, 0, fd_array, len(fds), _millis(timeout), err
+            )
+        if rc:
+            exc = error_for(rc, err, "sending a frame", timeout)
+            if rc != lib.AIB_E_TIMEOUT:
+                # Closed after letting go of the send lock: close() takes the receive lock first,
+                # and a request holds both in that order.
+                self.conn.close()
+            raise exc
+
+    def recv(self, *, timeout: float | None = None) -> Frame:
+        """The next frame; on any failure (a timeout too) the connection is closed."""
+        err = new_error()
+        with self._recv_lock:
+            self.conn.check_open()
+            rc = lib.aib_channel_recv(self.raw, _millis(timeout), self._frame, err)
+            if rc:
+                raise self.failed(rc, err, "receiving a frame", timeout, holding="recv")
+            return frame_from(self._frame)
+
+    def request(self, kind: int, payload: bytes, *, timeout: float | None) -> Frame:
+        """Send a request and receive its answer (the session's round trip, one C call).
+
+        The caller serialises requests; the send lock is held too so that lease releases from
+        other threads never interleave with the request's bytes.
+        """
+        err = new_error()
+        with self._recv_lock, self._send_lock:
+            self.conn.check_open()
+            rc = lib.aib_channel_request(
+                self.raw, kind, payload, len(payload), _millis(timeout), self._frame, err
+            )
+            if rc:
+                raise self.failed(rc, err, "a request", timeout, holding="both")
+            return frame_from(self._frame)
+
+    def locked(self) -> tuple[threading.Lock, threading.Lock]:
+        """Both locks, for a C call that receives and sends on this channel (the serve loop)."""
+        return self._recv_lock, self._send_lock
+
+    def failed(
+        self, rc: int, err: Any, what: str, timeout: float | None = None, *, holding: str
+    ) -> BridgeError:
+        """The exception for a failed call; the connection is closed (the stream position is unknown
+        after a failed receive: a timed-out frame is not kept). Call it holding the lock(s) named:
+        ``"recv"`` or ``"both"`` (never the send lock alone: the locks are taken receive first)."""
+        exc = error_for(rc, err, what, timeout)
+        self.conn.abort(f"{what} failed: {exc}", holding=holding)
+        return exc

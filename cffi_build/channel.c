@@ -1,0 +1,366 @@
+/* Frames over a connected Unix stream socket, in C: the hot path of the publisher/session protocol.
+ *
+ * The byte format is transport.py's (16-byte header "AIBT", u16 version 1, u16 kind, u32 payload
+ * length, u16 fd count, u16 reserved 0; descriptors by SCM_RIGHTS on the sendmsg carrying the first
+ * header byte). Python's transport.Connection does the handshake; the publisher's serve loop and the
+ * session's requests then run here without the GIL, because a frame round trip through the Python
+ * framing costs ~40 µs more than the socket itself (benchmarks/results, docs/benchmarks.md).
+ *
+ * A channel borrows the socket's fd: the Python Connection still owns it, and callers hold the
+ * Connection's receive (send) lock around every receive (send) here so that close() cannot close the
+ * fd under a call in progress. One receiver at a time; sends are serialised by the caller.
+ *
+ * Unlike transport.py, a receive that times out does not keep its partial frame: the session closes
+ * the connection on any timeout anyway (a late reply would answer the wrong request). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define HEADER_SIZE 16
+#define BUFFER_SIZE (64 * 1024)
+#define PENDING_FDS_MAX (2 * AIB_MAX_FDS)
+
+struct aib_channel {
+  int fd;
+  uint32_t max_payload;
+  uint8_t *buf; /* BUFFER_SIZE bytes; [start, end) received and not yet handed out */
+  size_t start, end;
+  uint8_t *big; /* payload of the last frame too large for buf; freed at the next receive */
+  /* Descriptors received but not yet handed out, each with the buffer position just past the last
+   * byte of the read that brought it: it belongs to the frame holding that byte (transport.py). */
+  int pending_fds[PENDING_FDS_MAX];
+  size_t pending_end[PENDING_FDS_MAX];
+  int n_pending;
+};
+
+static void close_all(const int *fds, int n) {
+  for (int i = 0; i < n; i++) close(fds[i]);
+}
+
+aib_channel *aib_channel_new(int fd, uint32_t max_payload, const uint8_t *seed, size_t seed_len) {
+  if (fd < 0 || seed_len > BUFFER_SIZE) return NULL;
+  aib_channel *ch = calloc(1, sizeof(*ch));
+  if (ch == NULL) return NULL;
+  ch->buf = malloc(BUFFER_SIZE);
+  if (ch->buf == NULL) {
+    free(ch);
+    return NULL;
+  }
+  ch->fd = fd;
+  ch->max_payload = max_payload;
+  if (seed_len) memcpy(ch->buf, seed, seed_len);
+  ch->end = seed_len;
+  return ch;
+}
+
+void aib_channel_free(aib_channel *ch) {
+  if (ch == NULL) return;
+  close_all(ch->pending_fds, ch->n_pending);
+  free(ch->big);
+  free(ch->buf);
+  free(ch);
+}
+
+size_t aib_channel_buffered(const aib_channel *ch) { return ch->end - ch->start; }
+
+/* ---------- deadlines ---------------------------------------------------------------------------- */
+static int64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Waits for `events` on fd until the deadline (-1: forever). AIB_OK, AIB_E_TIMEOUT or AIB_E_OS. */
+static int wait_for(int fd, short events, int64_t deadline, aib_error *err) {
+  for (;;) {
+    int wait = -1;
+    if (deadline >= 0) {
+      int64_t left = deadline - now_ms();
+      if (left <= 0) return aib_fail(err, AIB_E_TIMEOUT, "", "", "no answer before the deadline");
+      wait = left > 0x7fffffff ? 0x7fffffff : (int)left;
+    }
+    struct pollfd p = {.fd = fd, .events = events};
+    int n = poll(&p, 1, wait);
+    if (n > 0) return AIB_OK; /* readable, writable, or HUP/ERR: the next call reports which */
+    if (n == 0) continue;     /* re-checks the deadline */
+    if (errno == EINTR) continue;
+    int e = errno;
+    aib_fail(err, AIB_E_OS, "", "", "poll failed: %s", strerror(e));
+    err->errno_value = e;
+    return AIB_E_OS;
+  }
+}
+
+static int os_failure(aib_error *err, int e, const char *op) {
+  if (e == ECONNRESET || e == EPIPE || e == ENOTCONN || e == ESHUTDOWN)
+    return aib_fail(err, AIB_E_PEER_CLOSED, "", "", "the peer closed the connection (%s: %s)", op,
+                    strerror(e));
+  aib_fail(err, AIB_E_OS, "", "", "%s failed: %s", op, strerror(e));
+  if (err) err->errno_value = e;
+  return AIB_E_OS;
+}
+
+/* ---------- send ------------------------------------------------------------------------------- */
+int aib_channel_send(aib_channel *ch, uint32_t kind, const uint8_t *part_a, size_t len_a,
+                     const uint8_t *part_b, size_t len_b, const int *fds, uint32_t n_fds,
+                     int64_t timeout_ms, aib_error *err) {
+  if (kind > 0xffff) return aib_fail(err, AIB_E_STATE, "kind", "", "frame kind %u over 65535", kind);
+  if (n_fds > AIB_MAX_FDS) return aib_fail(err, AIB_E_LIMIT, "fds", "", "%u descriptors, at most %d", n_fds, AIB_MAX_FDS);
+  uint64_t total = (uint64_t)len_a + len_b;
+  if (total > ch->max_payload)
+    return aib_fail(err, AIB_E_LIMIT, "payload", "", "payload of %llu bytes over the limit of %u",
+                    (unsigned long long)total, ch->max_payload);
+  uint8_t header[HEADER_SIZE] = {'A', 'I', 'B', 'T', 1, 0};
+  header[6] = kind & 0xff;
+  header[7] = kind >> 8;
+  for (int i = 0; i < 4; i++) header[8 + i] = (uint8_t)(total >> (8 * i));
+  header[12] = n_fds & 0xff;
+  header[13] = n_fds >> 8;
+  struct iovec iov[3] = {{header, HEADER_SIZE}, {(void *)part_a, len_a}, {(void *)part_b, len_b}};
+  int n_iov = 3;
+  struct iovec *cur = iov;
+  union {
+    struct cmsghdr align;
+    char bytes[CMSG_SPACE(AIB_MAX_FDS * sizeof(int))];
+  } control;
+  int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+  int first = 1;
+  size_t left = HEADER_SIZE + (size_t)total;
+  while (left > 0) {
+    struct msghdr msg = {.msg_iov = cur, .msg_iovlen = (size_t)n_iov};
+    if (first && n_fds > 0) {
+      memset(&control, 0, sizeof(control));
+      msg.msg_control = control.bytes;
+      msg.msg_controllen = CMSG_SPACE(n_fds * sizeof(int));
+      struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(n_fds * sizeof(int));
+      memcpy(CMSG_DATA(c), fds, n_fds * sizeof(int));
+    }
+    ssize_t sent = sendmsg(ch->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (sent < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN) {
+        int rc = wait_for(ch->fd, POLLOUT, deadline, err);
+        if (rc) return first ? rc : (rc == AIB_E_TIMEOUT ? aib_fail(err, AIB_E_PROTOCOL, "", "", "send timed out in the middle of a frame") : rc);
+        continue;
+      }
+      return os_failure(err, errno, "sendmsg");
+    }
+    first = 0;
+    left -= (size_t)sent;
+    /* Skip what went out. */
+    size_t done = (size_t)sent;
+    while (n_iov > 0 && done >= cur->iov_len) {
+      done -= cur->iov_len;
+      cur++;
+      n_iov--;
+    }
+    if (n_iov > 0) {
+      cur->iov_base = (uint8_t *)cur->iov_base + done;
+      cur->iov_len -= done;
+    }
+  }
+  return AIB_OK;
+}
+
+/* ---------- receive ---------------------------------------------------------------------------- */
+/* One recvmsg into dst (cap bytes). Descriptors that came with it are appended to the pending list,
+ * tagged with `tag_end` (the buffer position after the read, or a marker for big frames). Returns
+ * bytes read (0 = EOF) or -1 with the error set. */
+static ssize_t read_some(aib_channel *ch, uint8_t *dst, size_t cap, int64_t deadline, int big,
+                         size_t position_after, aib_error *err, int *rc_out) {
+  union {
+    struct cmsghdr align;
+    char bytes[CMSG_SPACE(AIB_MAX_FDS * sizeof(int))];
+  } control;
+  for (;;) {
+    struct iovec iov = {dst, cap};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.bytes,
+                         .msg_controllen = sizeof(control.bytes)};
+    ssize_t got = recvmsg(ch->fd, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN) {
+        int rc = wait_for(ch->fd, POLLIN, deadline, err);
+        if (rc) {
+          *rc_out = rc;
+          return -1;
+        }
+        continue;
+      }
+      *rc_out = os_failure(err, errno, "recvmsg");
+      return -1;
+    }
+    int truncated = (msg.msg_flags & MSG_CTRUNC) != 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      int n = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+      const int *in = (const int *)CMSG_DATA(c);
+      for (int i = 0; i < n; i++) {
+        if (ch->n_pending == PENDING_FDS_MAX) {
+          close(in[i]);
+          truncated = 1;
+          continue;
+        }
+        ch->pending_fds[ch->n_pending] = in[i];
+        ch->pending_end[ch->n_pending] = big ? (size_t)-1 : position_after + (size_t)got;
+        ch->n_pending++;
+      }
+    }
+    if (truncated) {
+      *rc_out = aib_fail(err, AIB_E_PROTOCOL, "fds", "", "the peer sent more descriptors than a frame may carry");
+      return -1;
+    }
+    return got;
+  }
+}
+
+/* Moves the descriptors that belong to a frame (tag in (lo, hi], or the big-frame marker) into out. */
+static int take_fds(aib_channel *ch, size_t lo, size_t hi, int include_big, aib_frame *out) {
+  int kept = 0, taken = 0;
+  for (int i = 0; i < ch->n_pending; i++) {
+    size_t tag = ch->pending_end[i];
+    int mine = (tag > lo && tag <= hi) || (include_big && tag == (size_t)-1);
+    if (mine && taken < AIB_MAX_FDS) {
+      out->fds[taken++] = ch->pending_fds[i];
+    } else if (mine) {
+      close(ch->pending_fds[i]);
+      taken++;
+    } else {
+      ch->pending_fds[kept] = ch->pending_fds[i];
+      ch->pending_end[kept] = tag;
+      kept++;
+    }
+  }
+  ch->n_pending = kept;
+  return taken;
+}
+
+static int frame_fd_check(aib_channel *ch, aib_frame *out, int taken, uint32_t announced, aib_error *err) {
+  if ((uint32_t)taken == announced) {
+    out->n_fds = announced;
+    return AIB_OK;
+  }
+  close_all(out->fds, taken < AIB_MAX_FDS ? taken : AIB_MAX_FDS);
+  out->n_fds = 0;
+  return aib_fail(err, AIB_E_PROTOCOL, "fds", "", "frame announced %u descriptors and %d arrived", announced, taken);
+}
+
+int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_error *err) {
+  out->kind = 0;
+  out->length = 0;
+  out->payload = NULL;
+  out->n_fds = 0;
+  free(ch->big);
+  ch->big = NULL;
+  int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+  int rc = AIB_OK;
+  /* Room to read: compact when what is left of the buffer cannot hold a header plus some. */
+  if (ch->start == ch->end) {
+    ch->start = ch->end = 0;
+  }
+  /* Fd tags hold absolute buffer positions: compaction shifts them with the bytes. */
+  while (ch->end - ch->start < HEADER_SIZE) {
+    if (ch->start > 0) {
+      size_t shift = ch->start;
+      memmove(ch->buf, ch->buf + shift, ch->end - shift);
+      for (int i = 0; i < ch->n_pending; i++)
+        if (ch->pending_end[i] != (size_t)-1) ch->pending_end[i] -= shift;
+      ch->end -= shift;
+      ch->start = 0;
+    }
+    ssize_t got = read_some(ch, ch->buf + ch->end, BUFFER_SIZE - ch->end, deadline, 0, ch->end, err, &rc);
+    if (got < 0) return rc;
+    if (got == 0) {
+      if (ch->end == ch->start && ch->n_pending == 0)
+        return aib_fail(err, AIB_E_PEER_CLOSED, "", "", "the peer closed the connection");
+      return aib_fail(err, AIB_E_PROTOCOL, "", "", "the peer closed the connection in the middle of a frame");
+    }
+    ch->end += (size_t)got;
+  }
+  const uint8_t *h = ch->buf + ch->start;
+  uint32_t version = h[4] | (uint32_t)h[5] << 8;
+  uint32_t kind = h[6] | (uint32_t)h[7] << 8;
+  uint64_t length = h[8] | (uint32_t)h[9] << 8 | (uint32_t)h[10] << 16 | (uint64_t)h[11] << 24;
+  uint32_t n_fds = h[12] | (uint32_t)h[13] << 8;
+  uint32_t reserved = h[14] | (uint32_t)h[15] << 8;
+  if (memcmp(h, "AIBT", 4) != 0) return aib_fail(err, AIB_E_PROTOCOL, "magic", "", "bad frame magic");
+  if (version != 1) return aib_fail(err, AIB_E_PROTOCOL, "version", "", "frame version %u, expected 1", version);
+  if (reserved != 0) return aib_fail(err, AIB_E_PROTOCOL, "reserved", "", "reserved header field is %u", reserved);
+  if (length > ch->max_payload)
+    return aib_fail(err, AIB_E_PROTOCOL, "length", "", "payload of %llu bytes over the limit of %u",
+                    (unsigned long long)length, ch->max_payload);
+  if (n_fds > AIB_MAX_FDS) return aib_fail(err, AIB_E_PROTOCOL, "fds", "", "%u descriptors announced, at most %d", n_fds, AIB_MAX_FDS);
+  out->kind = kind;
+  out->length = length;
+  size_t frame_start = ch->start;
+  if (HEADER_SIZE + length <= BUFFER_SIZE) {
+    size_t need = HEADER_SIZE + (size_t)length;
+    if (ch->start + need > BUFFER_SIZE) { /* compact so the whole frame fits */
+      size_t shift = ch->start;
+      memmove(ch->buf, ch->buf + shift, ch->end - shift);
+      for (int i = 0; i < ch->n_pending; i++)
+        if (ch->pending_end[i] != (size_t)-1) ch->pending_end[i] -= shift;
+      ch->end -= shift;
+      ch->start = 0;
+      frame_start = 0;
+    }
+    while (ch->end - ch->start < need) {
+      ssize_t got = read_some(ch, ch->buf + ch->end, BUFFER_SIZE - ch->end, deadline, 0, ch->end, err, &rc);
+      if (got < 0) return rc;
+      if (got == 0) return aib_fail(err, AIB_E_PROTOCOL, "", "", "the peer closed the connection in the middle of a frame");
+      ch->end += (size_t)got;
+    }
+    out->payload = ch->buf + ch->start + HEADER_SIZE;
+    ch->start += need;
+    int taken = take_fds(ch, frame_start, ch->start, 0, out);
+    return frame_fd_check(ch, out, taken, n_fds, err);
+  }
+  /* A big frame: its own buffer of exactly the payload size, read only up to the frame's end so that
+   * every descriptor arriving meanwhile is this frame's. */
+  uint8_t *big = malloc(length ? (size_t)length : 1);
+  if (big == NULL) return aib_fail(err, AIB_E_NOMEM, "", "", "no memory for a %llu-byte frame", (unsigned long long)length);
+  size_t have = ch->end - ch->start - HEADER_SIZE;
+  memcpy(big, ch->buf + ch->start + HEADER_SIZE, have);
+  size_t header_end = ch->end;
+  ch->start = ch->end = 0;
+  while (have < length) {
+    ssize_t got = read_some(ch, big + have, (size_t)length - have, deadline, 1, 0, err, &rc);
+    if (got < 0) {
+      free(big);
+      return rc;
+    }
+    if (got == 0) {
+      free(big);
+      return aib_fail(err, AIB_E_PROTOCOL, "", "", "the peer closed the connection in the middle of a frame");
+    }
+    have += (size_t)got;
+  }
+  ch->big = big;
+  out->payload = big;
+  int taken = take_fds(ch, frame_start, header_end, 1, out);
+  return frame_fd_check(ch, out, taken, n_fds, err);
+}
+
+int aib_channel_request(aib_channel *ch, uint32_t kind, const uint8_t *payload, size_t length,
+                        int64_t timeout_ms, aib_frame *out, aib_error *err) {
+  int64_t start = now_ms();
+  int rc = aib_channel_send(ch, kind, payload, length, NULL, 0, NULL, 0, timeout_ms, err);
+  if (rc) return rc;
+  int64_t left = timeout_ms;
+  if (timeout_ms >= 0) {
+    left = timeout_ms - (now_ms() - start);
+    if (left < 0) left = 0;
+  }
+  return aib_channel_recv(ch, left, out, err);
+}

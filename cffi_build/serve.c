@@ -1,0 +1,328 @@
+/* The publisher's hot path in C: published entries, per-connection leases, and the serve loop that
+ * answers GET and RELEASE frames without the GIL (see channel.c for why C).
+ *
+ * An entry holds the encoded message, the region descriptors to attach (borrowed from the Python
+ * export record) and a keeper owner. The table holds one reference while the name is published and
+ * every lease one more; when the last goes, the keeper is unreferenced, its token reaches the reaper
+ * and Python closes the export record (only then are the descriptors closed). Frames the loop does
+ * not handle (HELLO, LIST, a GET for an unknown name, anything malformed) go back to Python, which
+ * owns the protocol's rare paths and its error reporting. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define FRAME_GET 5
+#define FRAME_ITEM 6
+#define FRAME_RELEASE 7
+
+typedef struct entry {
+  atomic_llong refs;
+  int *fds; /* one allocation holding fds, name and message */
+  size_t name_len;
+  uint8_t *name;
+  uint8_t *message;
+  size_t message_len;
+  uint32_t n_fds;
+  aib_owner *keeper;
+  struct entry *next; /* hash chain */
+} entry;
+
+struct aib_pubtable {
+  atomic_llong refs;
+  pthread_mutex_t mu;
+  entry **buckets;
+  size_t n_buckets, count;
+  atomic_llong leases;
+};
+
+static void entry_unref(entry *e) {
+  if (e == NULL || atomic_fetch_sub_explicit(&e->refs, 1, memory_order_acq_rel) != 1) return;
+  aib_owner *keeper = e->keeper;
+  free(e->fds);
+  free(e);
+  aib_owner_unref(keeper);
+}
+
+static uint64_t hash_bytes(const uint8_t *p, size_t n) {
+  uint64_t h = 1469598103934665603ull; /* FNV-1a */
+  for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+aib_pubtable *aib_pubtable_new(void) {
+  aib_pubtable *t = calloc(1, sizeof(*t));
+  if (t == NULL) return NULL;
+  t->n_buckets = 64;
+  t->buckets = calloc(t->n_buckets, sizeof(entry *));
+  if (t->buckets == NULL) {
+    free(t);
+    return NULL;
+  }
+  pthread_mutex_init(&t->mu, NULL);
+  atomic_init(&t->refs, 1);
+  return t;
+}
+
+void aib_pubtable_clear(aib_pubtable *t) {
+  pthread_mutex_lock(&t->mu);
+  entry *dead = NULL;
+  for (size_t b = 0; b < t->n_buckets; b++) {
+    entry *e = t->buckets[b];
+    while (e != NULL) {
+      entry *next = e->next;
+      e->next = dead;
+      dead = e;
+      e = next;
+    }
+    t->buckets[b] = NULL;
+  }
+  t->count = 0;
+  pthread_mutex_unlock(&t->mu);
+  while (dead != NULL) { /* keepers die outside the lock: their reaper push takes another */
+    entry *next = dead->next;
+    entry_unref(dead);
+    dead = next;
+  }
+}
+
+void aib_pubtable_unref(aib_pubtable *t) {
+  if (t == NULL || atomic_fetch_sub_explicit(&t->refs, 1, memory_order_acq_rel) != 1) return;
+  aib_pubtable_clear(t);
+  pthread_mutex_destroy(&t->mu);
+  free(t->buckets);
+  free(t);
+}
+
+int64_t aib_pubtable_leases(const aib_pubtable *t) { return atomic_load(&((aib_pubtable *)t)->leases); }
+
+static entry **find_slot(aib_pubtable *t, const uint8_t *name, size_t len) {
+  entry **slot = &t->buckets[hash_bytes(name, len) & (t->n_buckets - 1)];
+  while (*slot != NULL && !((*slot)->name_len == len && memcmp((*slot)->name, name, len) == 0))
+    slot = &(*slot)->next;
+  return slot;
+}
+
+static void grow(aib_pubtable *t) {
+  size_t n = t->n_buckets * 2;
+  entry **fresh = calloc(n, sizeof(entry *));
+  if (fresh == NULL) return; /* longer chains, still correct */
+  for (size_t b = 0; b < t->n_buckets; b++) {
+    entry *e = t->buckets[b];
+    while (e != NULL) {
+      entry *next = e->next;
+      size_t i = hash_bytes(e->name, e->name_len) & (n - 1);
+      e->next = fresh[i];
+      fresh[i] = e;
+      e = next;
+    }
+  }
+  free(t->buckets);
+  t->buckets = fresh;
+  t->n_buckets = n;
+}
+
+int aib_pubtable_put(aib_pubtable *t, const uint8_t *name, size_t name_len, const uint8_t *message,
+                     size_t message_len, const int *fds, uint32_t n_fds, aib_owner *keeper, aib_error *err) {
+  if (name_len == 0 || n_fds > AIB_MAX_FDS)
+    return aib_fail(err, AIB_E_STATE, "name", "", "empty name or more than %d descriptors", AIB_MAX_FDS);
+  entry *e = calloc(1, sizeof(*e));
+  uint8_t *block = malloc(n_fds * sizeof(int) + name_len + message_len + 1);
+  if (e == NULL || block == NULL) {
+    free(e);
+    free(block);
+    return aib_fail(err, AIB_E_NOMEM, "", "", "no memory for a published entry");
+  }
+  atomic_init(&e->refs, 1);
+  /* fds first: malloc's alignment then holds for the int array */
+  e->fds = (int *)(void *)block;
+  memcpy(e->fds, fds, n_fds * sizeof(int));
+  e->name = block + n_fds * sizeof(int);
+  memcpy(e->name, name, name_len);
+  e->name_len = name_len;
+  e->message = e->name + name_len;
+  memcpy(e->message, message, message_len);
+  e->message_len = message_len;
+  e->n_fds = n_fds;
+  aib_owner_ref(keeper);
+  e->keeper = keeper;
+  pthread_mutex_lock(&t->mu);
+  entry **slot = find_slot(t, name, name_len);
+  entry *previous = *slot;
+  if (previous != NULL) {
+    e->next = previous->next;
+    *slot = e;
+  } else {
+    *slot = e;
+    if (++t->count > t->n_buckets) grow(t);
+  }
+  pthread_mutex_unlock(&t->mu);
+  entry_unref(previous); /* leases on the replaced object keep it */
+  return AIB_OK;
+}
+
+int aib_pubtable_remove(aib_pubtable *t, const uint8_t *name, size_t name_len) {
+  pthread_mutex_lock(&t->mu);
+  entry **slot = find_slot(t, name, name_len);
+  entry *e = *slot;
+  if (e != NULL) {
+    *slot = e->next;
+    t->count--;
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (e == NULL) return 1;
+  entry_unref(e);
+  return 0;
+}
+
+static entry *take(aib_pubtable *t, const uint8_t *name, size_t name_len) {
+  pthread_mutex_lock(&t->mu);
+  entry *e = *find_slot(t, name, name_len);
+  if (e != NULL) atomic_fetch_add(&e->refs, 1);
+  pthread_mutex_unlock(&t->mu);
+  return e;
+}
+
+/* ---------- one connection's leases: open addressing, lease id -> entry ----------------------- */
+struct aib_server_conn {
+  aib_pubtable *table; /* one reference */
+  aib_channel *ch;     /* borrowed */
+  uint64_t next_lease;
+  uint64_t *keys; /* 0 = empty */
+  entry **values;
+  size_t cap, count;
+};
+
+aib_server_conn *aib_server_conn_new(aib_pubtable *t, aib_channel *ch) {
+  aib_server_conn *c = calloc(1, sizeof(*c));
+  if (c == NULL) return NULL;
+  c->cap = 64;
+  c->keys = calloc(c->cap, sizeof(uint64_t));
+  c->values = calloc(c->cap, sizeof(entry *));
+  if (c->keys == NULL || c->values == NULL) {
+    free(c->keys);
+    free(c->values);
+    free(c);
+    return NULL;
+  }
+  atomic_fetch_add(&t->refs, 1);
+  c->table = t;
+  c->ch = ch;
+  c->next_lease = 1;
+  return c;
+}
+
+static size_t lease_index(uint64_t key, size_t cap) { return (size_t)((key * 0x9E3779B97F4A7C15ull) >> 20) & (cap - 1); }
+
+static int lease_insert(aib_server_conn *c, uint64_t key, entry *value) {
+  if ((c->count + 1) * 2 > c->cap) { /* keep the load at most 1/2 */
+    size_t cap = c->cap * 2;
+    uint64_t *keys = calloc(cap, sizeof(uint64_t));
+    entry **values = calloc(cap, sizeof(entry *));
+    if (keys == NULL || values == NULL) {
+      free(keys);
+      free(values);
+      return AIB_E_NOMEM;
+    }
+    for (size_t i = 0; i < c->cap; i++) {
+      if (c->keys[i] == 0) continue;
+      size_t j = lease_index(c->keys[i], cap);
+      while (keys[j] != 0) j = (j + 1) & (cap - 1);
+      keys[j] = c->keys[i];
+      values[j] = c->values[i];
+    }
+    free(c->keys);
+    free(c->values);
+    c->keys = keys;
+    c->values = values;
+    c->cap = cap;
+  }
+  size_t i = lease_index(key, c->cap);
+  while (c->keys[i] != 0) i = (i + 1) & (c->cap - 1);
+  c->keys[i] = key;
+  c->values[i] = value;
+  c->count++;
+  return AIB_OK;
+}
+
+/* Removes key; returns its entry or NULL. Backward-shift deletion keeps probe chains intact. */
+static entry *lease_remove(aib_server_conn *c, uint64_t key) {
+  size_t mask = c->cap - 1;
+  size_t i = lease_index(key, c->cap);
+  while (c->keys[i] != key) {
+    if (c->keys[i] == 0) return NULL;
+    i = (i + 1) & mask;
+  }
+  entry *value = c->values[i];
+  size_t hole = i;
+  for (size_t j = (i + 1) & mask; c->keys[j] != 0; j = (j + 1) & mask) {
+    size_t home = lease_index(c->keys[j], c->cap);
+    /* Move j into the hole unless its home lies cyclically in (hole, j]. */
+    int stays = hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
+    if (!stays) {
+      c->keys[hole] = c->keys[j];
+      c->values[hole] = c->values[j];
+      hole = j;
+    }
+  }
+  c->keys[hole] = 0;
+  c->values[hole] = NULL;
+  c->count--;
+  return value;
+}
+
+int64_t aib_server_conn_leases(const aib_server_conn *c) { return (int64_t)c->count; }
+
+void aib_server_conn_free(aib_server_conn *c) {
+  if (c == NULL) return;
+  for (size_t i = 0; i < c->cap; i++) {
+    if (c->keys[i] == 0) continue;
+    atomic_fetch_sub(&c->table->leases, 1);
+    entry_unref(c->values[i]);
+  }
+  free(c->keys);
+  free(c->values);
+  aib_pubtable_unref(c->table);
+  free(c);
+}
+
+static uint64_t read_u64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+  return v;
+}
+
+int aib_serve(aib_server_conn *c, aib_frame *out, aib_error *err) {
+  for (;;) {
+    int rc = aib_channel_recv(c->ch, -1, out, err);
+    if (rc) return rc;
+    /* Sessions never send descriptors: close any that came, on every frame. */
+    for (uint32_t i = 0; i < out->n_fds; i++) close(out->fds[i]);
+    out->n_fds = 0;
+    if (out->kind == FRAME_RELEASE && out->length == 8) {
+      entry *e = lease_remove(c, read_u64(out->payload));
+      if (e != NULL) { /* releasing twice is harmless */
+        atomic_fetch_sub(&c->table->leases, 1);
+        entry_unref(e);
+      }
+      continue;
+    }
+    if (out->kind != FRAME_GET) return AIB_SERVE_FRAME;
+    entry *e = take(c->table, out->payload, (size_t)out->length);
+    if (e == NULL) return AIB_SERVE_FRAME; /* Python answers NotPublished (or a bad name) */
+    uint64_t lease = c->next_lease++;
+    if (lease_insert(c, lease, e) != AIB_OK) {
+      entry_unref(e);
+      return aib_fail(err, AIB_E_NOMEM, "", "", "no memory for a lease");
+    }
+    atomic_fetch_add(&c->table->leases, 1);
+    uint8_t lease_bytes[8];
+    for (int i = 0; i < 8; i++) lease_bytes[i] = (uint8_t)(lease >> (8 * i));
+    rc = aib_channel_send(c->ch, FRAME_ITEM, lease_bytes, 8, e->message, e->message_len, e->fds, e->n_fds,
+                          -1, err);
+    if (rc) return rc; /* the lease stays in the table; aib_server_conn_free gives it back */
+  }
+}
