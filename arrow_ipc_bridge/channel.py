@@ -73,7 +73,10 @@ class Channel:
         self.conn = conn
         self.raw = ffi.gc(raw, lib.aib_channel_free)
         self._recv_lock, self._send_lock = conn.io_locks()
-        self._frame = ffi.new("aib_frame *")  # receives happen one at a time (receive lock)
+        # Used under the receive lock only (one receive at a time).
+        self._frame = ffi.new("aib_frame *")
+        self._result = ffi.new("aib_get_result *")
+        self._err = new_error()
 
     def send(
         self, kind: int, payload: bytes = b"", fds: Sequence[int] = (), *, timeout: float | None = None
@@ -120,6 +123,28 @@ class Channel:
             if rc:
                 raise self.failed(rc, err, "a request", timeout, holding="both")
             return frame_from(self._frame)
+
+    def get(
+        self, name: bytes, cache: Any, token: int, *, timeout: float | None
+    ) -> tuple[tuple[int, int, Any] | None, Frame | None]:
+        """The session's GET in one C call (``aib_session_get``).
+
+        Returns ``((lease id, cache entry id, lease owner), None)`` when the answer was a message
+        remembered in ``cache`` and is imported already (the owner is the caller's: wrap it at
+        once), else ``(None, frame)`` with the answer for the caller to handle.
+        """
+        err = self._err
+        result = self._result
+        with self._recv_lock, self._send_lock:
+            self.conn.check_open()
+            rc = lib.aib_session_get(
+                self.raw, name, len(name), _millis(timeout), cache, token, result, self._frame, err
+            )
+            if rc == lib.AIB_GET_IMPORTED:
+                return (int(result.lease_id), int(result.entry_id), result.owner), None
+            if rc:
+                raise self.failed(rc, err, "a request", timeout, holding="both")
+            return None, frame_from(self._frame)
 
     def locked(self) -> tuple[threading.Lock, threading.Lock]:
         """Both locks, for a C call that receives and sends on this channel (the serve loop)."""

@@ -284,6 +284,19 @@ class Decoded:
         self._closed = False
         return self
 
+    @classmethod
+    def adopt(cls, owner: Any, decoded: Decoded) -> Decoded:
+        """A handle over ``owner``, a fresh owner the C core already made to share ``decoded``'s
+        message (``aib_session_get``); this object takes over the caller's reference."""
+        self = cls.__new__(cls)
+        self.owner = ffi.gc(owner, lib.aib_owner_unref)
+        self._d = decoded._d
+        self._message = decoded._message
+        self._n_fds = decoded._n_fds
+        self._allow_process_regions = decoded._allow_process_regions
+        self._closed = False
+        return self
+
     @property
     def n_fds(self) -> int:
         return self._n_fds

@@ -9,6 +9,7 @@ the last struct built from it is released.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import weakref
@@ -54,6 +55,21 @@ class _Resolved:
     device_type: int
     device_id: int
     event: int  # the opened producer event, 0 when none
+    entry_id: int  # its name in the C core's mirror of the cache (aib_import_cache)
+
+
+class _Lease:
+    """The lease release notice: sends RELEASE once the lease id is known and the owner died."""
+
+    __slots__ = ("channel", "lease_id")
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.lease_id = 0
+
+    def __call__(self) -> None:
+        if self.lease_id:
+            _send_release(self.channel, self.lease_id)
 
 
 class Session:
@@ -78,9 +94,17 @@ class Session:
     def __init__(self, *, mapping_cache_size: int = 256) -> None:
         self._cache = HostMappingCache(mapping_cache_size)
         # message bytes -> regions already open for it; bounded, entries hold their regions open
+        # Lock order: _request_lock, then _resolved_lock. Changes to the remembered set take both,
+        # so a get holding _request_lock finds the entry its C lookup found (see get()).
         self._resolved: OrderedDict[bytes, _Resolved] = OrderedDict()
+        self._resolved_by_id: dict[int, _Resolved] = {}
+        self._resolved_ids = itertools.count(1)
         self._resolved_max = 64
         self._resolved_lock = threading.Lock()
+        cache = lib.aib_import_cache_new()
+        if cache == ffi.NULL:
+            raise MemoryError("allocating the import cache")
+        self._import_cache = ffi.gc(cache, lib.aib_import_cache_free)
         self._imported: weakref.WeakSet[ImportedArray | ImportedStream] = weakref.WeakSet()
         self._conn: transport.Connection | None = None
         self._channel: Channel | None = None  # the C side of the connection once the handshake is done
@@ -88,6 +112,8 @@ class Session:
         self._timeout: float | None = None
         self._closed = False
         self.publisher_info: dict[str, object] = {}
+        self.remembered_gets = 0
+        """Gets answered with a remembered message and imported by the C core (the steady state)."""
 
     # ---------- local import ------------------------------------------------------------------------
     def import_message(self, message: bytes, fds: Sequence[int] = (), *, name: str | None = None) -> Imported:
@@ -122,6 +148,11 @@ class Session:
             if device.device_type == DEVICE_CPU:
                 bases = self._map_host_regions(decoded, fds)
                 imported = imported_from(decoded, bases, device_type=DEVICE_CPU, device_id=-1, name=name)
+                if not bases and not fds:
+                    # Nothing to map (all-null or empty data): remembered like all-legacy CUDA
+                    # messages, so re-gets take the C core's path.
+                    self._remember(template, ffi.new("uint64_t[]", [0]), DEVICE_CPU, -1, 0)
+                    template_kept = True
             elif device.device_type == DEVICE_CUDA:
                 imported, template_kept = self._open_cuda_regions(template, decoded, fds, device, name)
             else:
@@ -138,13 +169,17 @@ class Session:
         self._imported.add(imported)
         return imported
 
-    def _import_resolved(self, decoded: Decoded, hit: _Resolved, name: str | None) -> Imported:
-        """The steady state: the same message again (same publication), its regions already open."""
+    def _import_resolved(
+        self, decoded: Decoded, hit: _Resolved, name: str | None, *, sync_set: bool = False
+    ) -> Imported:
+        """The steady state: the same message again (same publication), its regions already open.
+        ``sync_set``: the C core filled the owner's event slot already."""
         try:
             sync = None
             if hit.event:
                 sync = lib.aib_owner_slot(decoded.owner)
-                sync[0] = hit.event
+                if not sync_set:
+                    sync[0] = hit.event
             imported = imported_from(
                 decoded,
                 hit.bases,
@@ -200,7 +235,7 @@ class Session:
         event = cuda_regions.open_event(device.sync, ordinal) if device.sync else 0
         base_array = ffi.new("uint64_t[]", bases or [0])
         if remember:
-            self._remember(template, _Resolved(template, base_array, DEVICE_CUDA, ordinal, event))
+            self._remember(template, base_array, DEVICE_CUDA, ordinal, event)
         sync = None
         if event:
             sync = cuda_regions.owner_slot(decoded.owner)
@@ -210,15 +245,28 @@ class Session:
         )
         return imported, remember
 
-    def _remember(self, template: Decoded, resolved: _Resolved) -> None:
+    def _remember(self, template: Decoded, bases: Any, device_type: int, device_id: int, event: int) -> None:
         key = template.message
-        with self._resolved_lock:
+        resolved = _Resolved(template, bases, device_type, device_id, event, next(self._resolved_ids))
+        with self._request_lock, self._resolved_lock:
+            if self._closed:
+                template.close()
+                return
+            if lib.aib_import_cache_put(
+                self._import_cache, key, len(key), template.owner, event, resolved.entry_id
+            ):
+                template.close()  # not remembered (out of memory): the import itself is fine
+                return
             previous = self._resolved.pop(key, None)  # two threads resolved the same message
             self._resolved[key] = resolved
+            self._resolved_by_id[resolved.entry_id] = resolved
             evicted = [previous] if previous is not None else []
             while len(self._resolved) > self._resolved_max:
-                evicted.append(self._resolved.popitem(last=False)[1])
+                old_key, old = self._resolved.popitem(last=False)
+                lib.aib_import_cache_remove(self._import_cache, old_key, len(old_key))
+                evicted.append(old)
             for old in evicted:
+                self._resolved_by_id.pop(old.entry_id, None)
                 old.template.close()
 
     # ---------- publisher conversation --------------------------------------------------------------
@@ -274,19 +322,52 @@ class Session:
         garbage collection) and every struct a consumer built from it is released too.
         Raises :class:`~arrow_ipc_bridge.errors.NotPublishedError` for an unknown name.
         """
-        frame = self._request(protocol.GET, protocol.encode_name(name))
+        raw_name = protocol.encode_name(name)
+        channel = self._connection()
+        lease = _Lease(channel)
+        token = _reaper.register(lease)
+        fast: tuple[Decoded, _Resolved] | None = None
+        with self._request_lock:
+            try:
+                imported_now, frame = channel.get(raw_name, self._import_cache, token, timeout=self._timeout)
+            except BaseException:
+                _reaper.unregister(token)
+                raise
+            if imported_now is not None:
+                # The steady state: a remembered message, imported by the C core already. From
+                # here on the owner carries the token: dropping it ends the lease.
+                lease.lease_id, entry_id, owner = imported_now
+                # Changes to the remembered set wait for _request_lock, so the entry is here.
+                hit = self._resolved_by_id.get(entry_id)
+                if hit is None:  # cannot happen; if it did, the lease ends here
+                    lib.aib_owner_unref(owner)
+                    _reaper.drain()
+                    raise BridgeError("a remembered message vanished during a get")
+                fast = Decoded.adopt(owner, hit.template), hit
+                with self._resolved_lock:
+                    self._resolved.move_to_end(hit.template.message)
+        if fast is not None:
+            self.remembered_gets += 1
+            return self._import_resolved(fast[0], fast[1], name, sync_set=True)
+        assert frame is not None
         try:
+            if frame.kind == protocol.ERROR:
+                _reaper.unregister(token)
+                protocol.raise_error(frame.payload)
             if frame.kind != protocol.ITEM:
+                _reaper.unregister(token)
                 raise ProtocolError(f"expected ITEM, got frame kind {frame.kind}")
-            lease_id, message = protocol.decode_item(frame.payload)
-            channel = self._connection()
-            token = _reaper.register(lambda: _send_release(channel, lease_id))
+            try:
+                lease.lease_id, message = protocol.decode_item(frame.payload)
+            except BaseException:
+                _reaper.unregister(token)
+                raise
             try:
                 return self._import(message, frame.fds, name=name, token=token)
             except BaseException:
                 # If the owner never came to life, nobody else will give the lease back.
                 if _reaper.unregister(token):
-                    _send_release(channel, lease_id)
+                    _send_release(channel, lease.lease_id)
                 raise
         finally:
             frame.close_fds()  # the mappings keep the files alive
@@ -327,10 +408,12 @@ class Session:
         if self._conn is not None:
             self._conn.close()
         self._cache.close()
-        with self._resolved_lock:
-            for resolved in self._resolved.values():
+        with self._request_lock, self._resolved_lock:
+            for key, resolved in self._resolved.items():
+                lib.aib_import_cache_remove(self._import_cache, key, len(key))
                 resolved.template.close()
             self._resolved.clear()
+            self._resolved_by_id.clear()
         _reaper.drain()
 
     def __enter__(self) -> Session:

@@ -383,4 +383,28 @@ aib_server_conn *aib_server_conn_new(aib_pubtable *t, aib_channel *ch);
 void aib_server_conn_free(aib_server_conn *c);
 int64_t aib_server_conn_leases(const aib_server_conn *c);
 int aib_serve(aib_server_conn *c, aib_frame *out, aib_error *err);
+/* ---------- the session's steady state (import_cache.c) ------------------------------------------
+ * Messages a session remembered (their regions stay open), keyed by their bytes: put takes a
+ * reference on template_owner, which carries the validated decode (aib_owner_share_decoded) and
+ * holds the opened regions; event is the opened CUevent for the sync slot (0: none); id is the
+ * caller's name for the entry. remove returns 1 when the message was not there. */
+typedef struct aib_import_cache aib_import_cache;
+aib_import_cache *aib_import_cache_new(void);
+void aib_import_cache_free(aib_import_cache *c);
+int aib_import_cache_put(aib_import_cache *c, const uint8_t *message, size_t length, aib_owner *template_owner,
+                         uint64_t event, uint64_t id);
+int aib_import_cache_remove(aib_import_cache *c, const uint8_t *message, size_t length);
+size_t aib_import_cache_count(const aib_import_cache *c);
+typedef struct aib_get_result {
+  uint64_t lease_id;
+  uint64_t entry_id;
+  aib_owner *owner;  /* the lease's owner (token set, sync slot filled); one reference, the caller's */
+} aib_get_result;
+/* GET name, then: an ITEM without descriptors carrying a remembered message is imported here and
+ * AIB_GET_IMPORTED returned with out filled; otherwise AIB_OK with the received frame for the
+ * caller (out->owner NULL); or an error code (the channel is then unusable). */
+#define AIB_GET_IMPORTED 101
+int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64_t timeout_ms,
+                    aib_import_cache *cache, uint64_t token, aib_get_result *out, aib_frame *frame,
+                    aib_error *err);
 #endif

@@ -183,19 +183,31 @@ static ssize_t read_some(aib_channel *ch, uint8_t *dst, size_t cap, int64_t dead
     struct cmsghdr align;
     char bytes[CMSG_SPACE(AIB_MAX_FDS * sizeof(int))];
   } control;
+  /* Without a deadline a blocking recvmsg is one system call (the socket is in blocking mode; a
+   * close() elsewhere shuts it down, which wakes us). With one, poll first: right after a request
+   * the answer is never there yet, so trying the read first would only add a call. */
+  int waited = deadline < 0;
   for (;;) {
+    if (!waited) {
+      int rc = wait_for(ch->fd, POLLIN, deadline, err);
+      if (rc) {
+        *rc_out = rc;
+        return -1;
+      }
+      waited = 1;
+    }
     struct iovec iov = {dst, cap};
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.bytes,
                          .msg_controllen = sizeof(control.bytes)};
-    ssize_t got = recvmsg(ch->fd, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    ssize_t got = recvmsg(ch->fd, &msg, MSG_CMSG_CLOEXEC | (deadline < 0 ? 0 : MSG_DONTWAIT));
     if (got < 0) {
       if (errno == EINTR) continue;
-      if (errno == EAGAIN) {
-        int rc = wait_for(ch->fd, POLLIN, deadline, err);
-        if (rc) {
-          *rc_out = rc;
+      if (errno == EAGAIN) { /* a spurious wake-up, or a blocking socket with SO_RCVTIMEO */
+        if (deadline < 0) {
+          *rc_out = aib_fail(err, AIB_E_OS, "", "", "recvmsg would block on a socket meant to block");
           return -1;
         }
+        waited = 0;
         continue;
       }
       *rc_out = os_failure(err, errno, "recvmsg");

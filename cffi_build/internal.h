@@ -27,6 +27,8 @@ int aib_array_node_init(struct ArrowArray *dst, aib_owner *owner, int64_t length
                         int64_t offset, int64_t n_buffers, int64_t n_children, int has_dictionary);
 void aib_array_node_release(struct ArrowArray *a);
 aib_decoded *aib_owner_decoded(aib_owner *owner);
+/* Sets the reaper token of an owner nobody else references yet. */
+void aib_owner_set_token(aib_owner *owner, uint64_t token);
 
 int aib_layout_is_validity(const aib_layout *layout, int64_t i);
 

@@ -260,6 +260,7 @@ void aib_owner_ref(aib_owner *owner) { atomic_fetch_add_explicit(&owner->refs, 1
 
 int64_t aib_owner_refcount(aib_owner *owner) { return atomic_load(&owner->refs); }
 uint64_t aib_owner_token(aib_owner *owner) { return owner->token; }
+void aib_owner_set_token(aib_owner *owner, uint64_t token) { owner->token = token; }
 
 void aib_owner_unref(aib_owner *owner) {
   if (owner == NULL) return;

@@ -1685,3 +1685,107 @@ def test_zz_nothing_left_after_all_tests(warm: dict[str, int]) -> None:
     """After every test above: open fds, live owners/nodes/mappings, reaper callbacks and threads are
     back to what they were before the first test (runs last in this file)."""
     assert_back_to(warm)
+
+
+# --- the steady state in the C core (aib_session_get, aib_serve, channel.c) ---------------------------------
+def null_batch(columns: int, rows: int) -> pa.RecordBatch:
+    """Data without buffers: its message has no regions and travels without descriptors, so a session
+    remembers it like an all-legacy CUDA message and re-gets take the C core's path (on any machine)."""
+    return pa.record_batch({f"c{i}": pa.nulls(rows) for i in range(columns)})
+
+
+def test_remembered_message_is_imported_by_the_c_core(publisher: aib.Publisher) -> None:
+    """The second and later gets of an unchanged publication are imported by aib_session_get (counted in
+    ``remembered_gets``): same data, a lease per get, each given back on release."""
+    expected = null_batch(16, 1000)
+    publisher.publish("t", expected)
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        for i in range(50):
+            with session.get("t") as imported:
+                assert publisher.active_leases == 1
+                assert session.remembered_gets == i
+                schema, array = imported.__arrow_c_device_array__()
+                got = pa.RecordBatch._import_from_c_device_capsule(schema, array)
+                assert got.equals(expected)
+                del got, schema, array
+            assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_remembered_messages_churn_across_threads(publisher: aib.Publisher) -> None:
+    """More distinct messages than the session remembers, fetched by four threads of one session: every
+    get returns the right data, the C mirror never holds more than the limit, and nothing leaks."""
+    batches = {f"n{k}": null_batch(3, 10 + k) for k in range(5)}
+    for name, batch in batches.items():
+        publisher.publish(name, batch)
+    with aib.connect(publisher.path, timeout=10.0) as session:
+        session._resolved_max = 2
+        errors: list[BaseException] = []
+
+        def worker(seed: int) -> None:
+            try:
+                for i in range(60):
+                    name = f"n{(seed + i * (seed + 1)) % 5}"
+                    with session.get(name) as imported:
+                        assert pa.record_batch(imported).equals(batches[name])
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(JOIN_S)
+        assert errors == []
+        assert lib.aib_import_cache_count(session._import_cache) <= 2
+        assert session.remembered_gets > 0
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_remembered_bytes_with_a_descriptor_take_the_checked_path(sock_dir: str) -> None:
+    """A publisher that sends a remembered message again but with a descriptor attached: the C core does
+    not import it (only descriptor-free answers are), the Python path does and closes the descriptor."""
+    message = aib.export(null_batch(2, 5)).message
+    r, w = os.pipe()
+    try:
+        replies: list[tuple[int, bytes, list[int]] | None] = [
+            (protocol.ITEM, protocol.encode_item(1, message), []),
+            (protocol.ITEM, protocol.encode_item(2, message), []),
+            (protocol.ITEM, protocol.encode_item(3, message), [r]),
+        ]
+        fake = FakePublisher(os.path.join(sock_dir, "f.sock"), replies=replies)
+        with fake, aib.connect(fake.path, timeout=5.0) as session:
+            for lease in (1, 2, 3):
+                with session.get("x") as imported:
+                    assert pa.record_batch(imported).num_rows == 5
+                assert fake.releases.get(timeout=5.0) == lease
+            assert session.remembered_gets == 1
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_frames_over_64_kib_cross_the_c_channel(publisher: aib.Publisher) -> None:
+    """A message bigger than the channel's 64 KiB buffer (5,000 columns) goes through the C framing's
+    large-frame path in both directions, and is then remembered like any other."""
+    expected = null_batch(5000, 3)
+    publisher.publish("wide", expected)
+    with aib.connect(publisher.path, timeout=10.0) as session:
+        for _ in range(3):
+            with session.get("wide") as imported:
+                assert pa.record_batch(imported).equals(expected)
+        assert session.remembered_gets == 2
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_silent_publisher_times_out_and_closes_the_session_connection(sock_dir: str) -> None:
+    """A publisher that never answers a GET: the C request gives up at the session's timeout with
+    BridgeTimeoutError, and the connection is closed (a late answer must not pass for the next one)."""
+    fake = FakePublisher(os.path.join(sock_dir, "f.sock"), replies=[None])
+    with fake, aib.connect(fake.path, timeout=0.3) as session:
+        started = time.monotonic()
+        with pytest.raises(aib.BridgeTimeoutError):
+            session.get("x")
+        assert 0.25 < time.monotonic() - started < 3.0
+        with pytest.raises(aib.TransportError):
+            session.get("x")

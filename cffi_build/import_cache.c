@@ -1,0 +1,175 @@
+/* The session's steady state in one C call: GET, ITEM, and the import of a message seen before.
+ *
+ * A session remembers messages whose regions stay open (all-legacy CUDA handles): the validated
+ * decode lives in a template owner, which also holds the opened regions. When the publisher answers
+ * a GET with byte-for-byte the same message (the same publication), nothing needs decoding,
+ * validating or opening again: aib_session_get makes the lease's owner (sharing the template's
+ * decode, holding the template) and returns. Identical bytes validated once are valid again, so
+ * this skips no check. Everything else (a new message, descriptors attached, an ERROR) goes back
+ * to Python as the received frame.
+ *
+ * Python keeps the LRU order and the Python-side objects of each entry; this table mirrors its
+ * membership (put on remember, remove on eviction), keyed by the message bytes. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define FRAME_GET 5
+#define FRAME_ITEM 6
+
+typedef struct cache_entry {
+  uint64_t hash;
+  uint64_t id;
+  uint64_t event;
+  aib_owner *template_owner; /* one reference */
+  size_t length;
+  struct cache_entry *next;
+  uint8_t message[]; /* length bytes */
+} cache_entry;
+
+struct aib_import_cache {
+  pthread_mutex_t mu;
+  cache_entry **buckets;
+  size_t n_buckets, count;
+};
+
+static uint64_t hash_message(const uint8_t *p, size_t n) {
+  uint64_t h = 1469598103934665603ull; /* FNV-1a, 8 bytes a step where it can */
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    memcpy(&w, p + i, 8);
+    h = (h ^ w) * 1099511628211ull;
+  }
+  for (; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
+  return h ^ n;
+}
+
+aib_import_cache *aib_import_cache_new(void) {
+  aib_import_cache *c = calloc(1, sizeof(*c));
+  if (c == NULL) return NULL;
+  c->n_buckets = 128;
+  c->buckets = calloc(c->n_buckets, sizeof(cache_entry *));
+  if (c->buckets == NULL) {
+    free(c);
+    return NULL;
+  }
+  pthread_mutex_init(&c->mu, NULL);
+  return c;
+}
+
+void aib_import_cache_free(aib_import_cache *c) {
+  if (c == NULL) return;
+  for (size_t b = 0; b < c->n_buckets; b++) {
+    cache_entry *e = c->buckets[b];
+    while (e != NULL) {
+      cache_entry *next = e->next;
+      aib_owner_unref(e->template_owner);
+      free(e);
+      e = next;
+    }
+  }
+  pthread_mutex_destroy(&c->mu);
+  free(c->buckets);
+  free(c);
+}
+
+static cache_entry **find(aib_import_cache *c, const uint8_t *message, size_t length, uint64_t hash) {
+  cache_entry **slot = &c->buckets[hash & (c->n_buckets - 1)];
+  while (*slot != NULL &&
+         !((*slot)->hash == hash && (*slot)->length == length && memcmp((*slot)->message, message, length) == 0))
+    slot = &(*slot)->next;
+  return slot;
+}
+
+int aib_import_cache_put(aib_import_cache *c, const uint8_t *message, size_t length, aib_owner *template_owner,
+                         uint64_t event, uint64_t id) {
+  if (aib_owner_decoded(template_owner) == NULL) return AIB_E_STATE;
+  cache_entry *e = malloc(sizeof(*e) + length);
+  if (e == NULL) return AIB_E_NOMEM;
+  e->hash = hash_message(message, length);
+  e->id = id;
+  e->event = event;
+  e->length = length;
+  memcpy(e->message, message, length);
+  aib_owner_ref(template_owner);
+  e->template_owner = template_owner;
+  pthread_mutex_lock(&c->mu);
+  cache_entry **slot = find(c, message, length, e->hash);
+  cache_entry *previous = *slot;
+  e->next = previous != NULL ? previous->next : NULL;
+  *slot = e;
+  if (previous == NULL) c->count++;
+  pthread_mutex_unlock(&c->mu);
+  if (previous != NULL) {
+    aib_owner_unref(previous->template_owner);
+    free(previous);
+  }
+  return AIB_OK;
+}
+
+int aib_import_cache_remove(aib_import_cache *c, const uint8_t *message, size_t length) {
+  uint64_t hash = hash_message(message, length);
+  pthread_mutex_lock(&c->mu);
+  cache_entry **slot = find(c, message, length, hash);
+  cache_entry *e = *slot;
+  if (e != NULL) {
+    *slot = e->next;
+    c->count--;
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (e == NULL) return 1;
+  aib_owner_unref(e->template_owner);
+  free(e);
+  return 0;
+}
+
+size_t aib_import_cache_count(const aib_import_cache *c) { return c->count; }
+
+/* The lease owner for a remembered message, or NULL (not remembered, or out of memory: the caller
+ * then takes the slow path, which reports errors properly). */
+static aib_owner *import_remembered(aib_import_cache *c, const uint8_t *message, size_t length, uint64_t token,
+                                    uint64_t *id_out) {
+  uint64_t hash = hash_message(message, length);
+  aib_owner *owner = NULL;
+  pthread_mutex_lock(&c->mu);
+  cache_entry *e = *find(c, message, length, hash);
+  if (e != NULL) {
+    /* Token set only once the owner is complete: one that fails dies quietly, and the slow path
+     * (which gets the same token) is the only one to report the lease's end. */
+    owner = aib_owner_new(0);
+    if (owner != NULL && aib_owner_share_decoded(owner, e->template_owner) != AIB_OK) {
+      aib_owner_unref(owner);
+      owner = NULL;
+    }
+    if (owner != NULL) {
+      aib_owner_set_token(owner, token);
+      *aib_owner_slot(owner) = e->event;
+      *id_out = e->id;
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  return owner;
+}
+
+int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64_t timeout_ms,
+                    aib_import_cache *cache, uint64_t token, aib_get_result *out, aib_frame *frame,
+                    aib_error *err) {
+  out->lease_id = 0;
+  out->entry_id = 0;
+  out->owner = NULL;
+  int rc = aib_channel_request(ch, FRAME_GET, name, name_len, timeout_ms, frame, err);
+  if (rc) return rc;
+  if (frame->kind != FRAME_ITEM || frame->n_fds != 0 || frame->length < 8 || cache == NULL) return AIB_OK;
+  const uint8_t *p = frame->payload;
+  uint64_t lease = 0;
+  for (int i = 7; i >= 0; i--) lease = (lease << 8) | p[i];
+  aib_owner *owner = import_remembered(cache, p + 8, (size_t)frame->length - 8, token, &out->entry_id);
+  if (owner == NULL) return AIB_OK;
+  out->lease_id = lease;
+  out->owner = owner;
+  return AIB_GET_IMPORTED;
+}
