@@ -420,16 +420,23 @@ class ArrowArrayExporter(ArrowExporter):
     def __arrow_c_device_array__(
         self, requested_schema: object | None = None, **kwargs: object
     ) -> tuple[object, object]:
-        _check_kwargs(kwargs)
-        self._check_requested(requested_schema)
+        # The hand-off's hot path (a consumer calls it per get): the checks cost nothing when unused.
+        if kwargs:
+            _check_kwargs(kwargs)
+        if requested_schema is not None:
+            self._check_requested(requested_schema)
         schema_capsule, schema = new_capsule("schema")
         array_capsule, array = new_capsule("device_array")
+        self._fill_device_array(schema, array)
+        return schema_capsule, array_capsule
+
+    def _fill_device_array(self, schema: Any, array: Any) -> None:
+        """Fill the schema and the device array of batch 0 (subclasses may do it in one call)."""
         self._fill_schema(schema)
         self._fill_batch(0, ffi.addressof(array, "array"))
         array.device_type = self.device_type
         array.device_id = self.device_id
         array.sync_event = self._sync_event()
-        return schema_capsule, array_capsule
 
     def __arrow_c_array__(
         self, requested_schema: object | None = None, **kwargs: object

@@ -116,6 +116,25 @@ class _ImportedBase(ArrowExporter):
     def _fill_batch(self, index: int, out: Any) -> None:
         self._live().rebuild_array(index, self._bases, out)
 
+    def _fill_device_array(self, schema: Any, array: Any) -> None:
+        decoded = self._live()
+        err = new_error()
+        rc = lib.aib_rebuild_device_array(
+            decoded.raw,
+            0,
+            self._bases,
+            self._n_bases,
+            decoded.owner,
+            self._device_type,
+            self._device_id,
+            self._sync,
+            schema,
+            array,
+            err,
+        )
+        if rc:
+            raise_for(rc, err, "rebuilding a device array")
+
     def _fill_device_stream(self, out: Any) -> None:
         decoded = self._live()
         err = new_error()

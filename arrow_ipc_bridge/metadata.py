@@ -298,6 +298,11 @@ class Decoded:
         return self
 
     @property
+    def raw(self) -> Any:
+        """The ``aib_decoded *`` (valid while this object is open)."""
+        return self._live()
+
+    @property
     def n_fds(self) -> int:
         return self._n_fds
 

@@ -328,6 +328,11 @@ int aib_rebuild_schema(const aib_decoded *d, struct ArrowSchema *out, aib_error 
  * reference on owner. Regions whose base is 0 must not be referenced (AIB_E_STATE otherwise). */
 int aib_rebuild_array(const aib_decoded *d, int64_t batch, const uint64_t *region_bases,
                       size_t n_bases, aib_owner *owner, struct ArrowArray *out, aib_error *err);
+/* Both at once for __arrow_c_device_array__: the schema, batch `batch` and the device fields.
+ * On failure neither is left filled. */
+int aib_rebuild_device_array(const aib_decoded *d, int64_t batch, const uint64_t *region_bases, size_t n_bases,
+                             aib_owner *owner, int32_t device_type, int64_t device_id, void *sync_event,
+                             struct ArrowSchema *schema_out, struct ArrowDeviceArray *out, aib_error *err);
 
 /* Streams over the batches of the decoded message attached to owner (aib_owner_attach_decoded).
  * region_bases are copied. The device stream stamps device_type, device_id and sync_event on every

@@ -1079,3 +1079,21 @@ int aib_rebuild_array(const aib_decoded *d, int64_t batch, const uint64_t *regio
   const anode *base = &d->m.anodes[(size_t)batch * d->m.n_nodes];
   return rebuild_array_node(d, base, 0, batch, region_bases, n_bases, owner, out, err);
 }
+
+int aib_rebuild_device_array(const aib_decoded *d, int64_t batch, const uint64_t *region_bases, size_t n_bases,
+                             aib_owner *owner, int32_t device_type, int64_t device_id, void *sync_event,
+                             struct ArrowSchema *schema_out, struct ArrowDeviceArray *out, aib_error *err) {
+  if (out->array.release != NULL)
+    return aib_fail(err, AIB_E_STATE, "", "", "destination device array is not released");
+  int rc = aib_rebuild_schema(d, schema_out, err);
+  if (rc) return rc;
+  rc = aib_rebuild_array(d, batch, region_bases, n_bases, owner, &out->array, err);
+  if (rc) {
+    schema_out->release(schema_out);
+    return rc;
+  }
+  out->device_type = device_type;
+  out->device_id = device_id;
+  out->sync_event = sync_event;
+  return AIB_OK;
+}

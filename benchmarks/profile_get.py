@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Where a steady-state get's time goes, phase by phase, in one consumer process.
+
+    python benchmarks/profile_get.py [--device cuda|cpu] [--iterations 3000] [--cprofile]
+
+A producer process publishes 16 float32 columns (CuPy arrays with ``--device cuda``; all-null columns on
+the CPU, whose message, like an all-legacy CUDA one, carries no descriptors and is remembered). The
+consumer times, per get: ``session.get`` alone, then ``__arrow_c_device_array__``, then reading the
+struct and waiting on ``sync_event`` (the bench's "can launch work" end point), and a bare 64-byte
+socket round trip between the same two processes for scale. A development aid, not a benchmark of
+record: benchmarks/bench_gpu.py is that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import time
+from typing import Any
+
+ROWS = 1 << 18
+NCOLS = 16
+
+
+def producer(path: str, device: str, ready: Any, echo_sock: socket.socket) -> None:
+    import pyarrow as pa
+
+    import arrow_ipc_bridge as aib
+
+    if device == "cuda":
+        import cupy as cp
+
+        columns = {f"c{i}": cp.full(ROWS, float(i), dtype=cp.float32) for i in range(NCOLS)}
+        obj: Any = aib.from_cuda_arrays(columns)
+    else:
+        obj = pa.record_batch({f"c{i}": pa.nulls(ROWS) for i in range(NCOLS)})
+    with aib.Publisher(path) as pub:
+        pub.publish("t", obj)
+        ready.set()
+        buf = bytearray(64)
+        while True:
+            n = echo_sock.recv_into(buf)
+            if n == 0:
+                return
+            echo_sock.sendall(buf[:n])
+
+
+def median_us(samples: list[float]) -> float:
+    samples = sorted(samples)
+    return samples[len(samples) // 2] * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--iterations", type=int, default=3000)
+    parser.add_argument("--cprofile", action="store_true")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    directory = tempfile.mkdtemp(prefix="aib-prof-")
+    path = os.path.join(directory, "p.sock")
+    mine, theirs = socket.socketpair()
+    ready = ctx.Event()
+    child = ctx.Process(target=producer, args=(path, args.device, ready, theirs), daemon=True)
+    child.start()
+    while not ready.wait(0.2):
+        if not child.is_alive():
+            raise SystemExit(f"the producer process exited ({child.exitcode}) before publishing")
+
+    import arrow_ipc_bridge as aib
+    from arrow_ipc_bridge._ffi import ffi
+    from arrow_ipc_bridge.capsules import capsule_struct
+
+    wait: Any = None
+    if args.device == "cuda":
+        import cupy as cp
+
+        from arrow_ipc_bridge.memory import cuda, cuda_regions
+
+        stream = cp.cuda.Stream(non_blocking=True)
+        stream_ptr = stream.ptr
+
+        def wait(sync: Any) -> None:
+            cuda.stream_wait_event(stream_ptr, cuda_regions.event_value(sync))
+
+    session = aib.connect(path, timeout=10.0)
+    phases: dict[str, list[float]] = {"get": [], "capsules": [], "struct+wait": [], "total": [], "bare": []}
+    msg = bytes(64)
+    view = bytearray(64)
+
+    def one(record: bool) -> None:
+        t0 = time.perf_counter()
+        imported = session.get("t")
+        t1 = time.perf_counter()
+        capsules = imported.__arrow_c_device_array__()
+        t2 = time.perf_counter()
+        device_array = capsule_struct(capsules[1], "device_array")
+        sync = device_array.sync_event
+        if sync and wait is not None:
+            wait(sync)
+        column = device_array.array.children[NCOLS - 1]
+        if column.n_buffers > 1:
+            int(ffi.cast("uintptr_t", column.buffers[1]))
+        t3 = time.perf_counter()
+        del device_array, column, sync, capsules
+        imported.release()
+        t4 = time.perf_counter()
+        mine.sendall(msg)
+        mine.recv_into(view)
+        t5 = time.perf_counter()
+        if record:
+            for key, value in (
+                ("get", t1 - t0),
+                ("capsules", t2 - t1),
+                ("struct+wait", t3 - t2),
+                ("total", t3 - t0),
+                ("release", t4 - t3),
+                ("bare", t5 - t4),
+            ):
+                phases.setdefault(key, []).append(value)
+
+    for _ in range(200):
+        one(False)
+    for _ in range(args.iterations):
+        one(True)
+    print(f"device {args.device}, {args.iterations} gets, remembered (C path): {session.remembered_gets}")
+    for key, values in phases.items():
+        print(f"  {key:12s} median {median_us(values):7.1f} µs")
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.iterations):
+            one(False)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    session.close()
+    mine.close()
+    child.join(10)
+
+
+if __name__ == "__main__":
+    main()
