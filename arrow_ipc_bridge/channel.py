@@ -27,10 +27,11 @@ from arrow_ipc_bridge.errors import (
 )
 from arrow_ipc_bridge.transport import Connection, Frame
 
-__all__ = ["Channel", "error_for"]
+__all__ = ["Channel", "error_for", "frame_from", "millis"]
 
 
-def _millis(timeout: float | None) -> int:
+def millis(timeout: float | None) -> int:
+    """A timeout in seconds as the C core's milliseconds (-1: block)."""
     return -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
 
 
@@ -88,7 +89,7 @@ class Channel:
         with self._send_lock:
             self.conn.check_open()
             rc = lib.aib_channel_send(
-                self.raw, kind, payload, len(payload), ffi.NULL, 0, fd_array, len(fds), _millis(timeout), err
+                self.raw, kind, payload, len(payload), ffi.NULL, 0, fd_array, len(fds), millis(timeout), err
             )
         if rc:
             exc = error_for(rc, err, "sending a frame", timeout)
@@ -103,7 +104,7 @@ class Channel:
         err = new_error()
         with self._recv_lock:
             self.conn.check_open()
-            rc = lib.aib_channel_recv(self.raw, _millis(timeout), self._frame, err)
+            rc = lib.aib_channel_recv(self.raw, millis(timeout), self._frame, err)
             if rc:
                 raise self.failed(rc, err, "receiving a frame", timeout, holding="recv")
             return frame_from(self._frame)
@@ -118,31 +119,32 @@ class Channel:
         with self._recv_lock, self._send_lock:
             self.conn.check_open()
             rc = lib.aib_channel_request(
-                self.raw, kind, payload, len(payload), _millis(timeout), self._frame, err
+                self.raw, kind, payload, len(payload), millis(timeout), self._frame, err
             )
             if rc:
                 raise self.failed(rc, err, "a request", timeout, holding="both")
             return frame_from(self._frame)
 
     def get(
-        self, name: bytes, cache: Any, token: int, *, timeout: float | None
-    ) -> tuple[tuple[int, int, Any] | None, Frame | None]:
-        """The session's GET in one C call (``aib_session_get``).
+        self, name: bytes, cache: Any, token: int, timeout_ms: int
+    ) -> tuple[tuple[int, int, Any, Any] | None, Frame | None]:
+        """The session's GET in one C call (``aib_session_get``); ``timeout_ms`` < 0 blocks.
 
-        Returns ``((lease id, cache entry id, lease owner), None)`` when the answer was a message
-        remembered in ``cache`` and is imported already (the owner is the caller's: wrap it at
-        once), else ``(None, frame)`` with the answer for the caller to handle.
+        Returns ``((lease id, cache entry id, lease owner, sync slot or NULL), None)`` when the
+        answer was a message remembered in ``cache`` and is imported already (the owner is the
+        caller's: wrap it at once), else ``(None, frame)`` with the answer for the caller.
         """
         err = self._err
         result = self._result
         with self._recv_lock, self._send_lock:
             self.conn.check_open()
             rc = lib.aib_session_get(
-                self.raw, name, len(name), _millis(timeout), cache, token, result, self._frame, err
+                self.raw, name, len(name), timeout_ms, cache, token, result, self._frame, err
             )
             if rc == lib.AIB_GET_IMPORTED:
-                return (int(result.lease_id), int(result.entry_id), result.owner), None
+                return (result.lease_id, result.entry_id, result.owner, result.sync_slot), None
             if rc:
+                timeout = None if timeout_ms < 0 else timeout_ms / 1000
                 raise self.failed(rc, err, "a request", timeout, holding="both")
             return None, frame_from(self._frame)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
@@ -44,6 +44,30 @@ class _ImportedBase(ArrowExporter):
         self._sync = sync_event if sync_event is not None else ffi.NULL
         self.name = name
         self._on_release = on_release
+
+    @classmethod
+    def adopt(
+        cls,
+        decoded: Decoded,
+        bases: Any,
+        *,
+        device_type: int,
+        device_id: int,
+        sync_event: Any,
+        name: str | None,
+    ) -> Self:
+        """The steady-state constructor: ``bases`` is the session's shared ``uint64_t[]`` and
+        nothing needs checking (a get per hand-off makes every call count)."""
+        self = cls.__new__(cls)
+        self._decoded = decoded
+        self._bases = bases
+        self._n_bases = len(bases)
+        self._device_type = device_type
+        self._device_id = device_id
+        self._sync = sync_event if sync_event is not None else ffi.NULL
+        self.name = name
+        self._on_release = None
+        return self
 
     # -- lifetime --
     @property

@@ -22,7 +22,7 @@ from typing import Any
 from arrow_ipc_bridge import _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
-from arrow_ipc_bridge.channel import Channel
+from arrow_ipc_bridge.channel import Channel, millis
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -56,6 +56,7 @@ class _Resolved:
     device_id: int
     event: int  # the opened producer event, 0 when none
     entry_id: int  # its name in the C core's mirror of the cache (aib_import_cache)
+    imported_type: type[ImportedArray] | type[ImportedStream]
 
 
 class _Lease:
@@ -110,6 +111,7 @@ class Session:
         self._channel: Channel | None = None  # the C side of the connection once the handshake is done
         self._request_lock = threading.Lock()
         self._timeout: float | None = None
+        self._timeout_ms = -1
         self._closed = False
         self.publisher_info: dict[str, object] = {}
         self.remembered_gets = 0
@@ -169,17 +171,13 @@ class Session:
         self._imported.add(imported)
         return imported
 
-    def _import_resolved(
-        self, decoded: Decoded, hit: _Resolved, name: str | None, *, sync_set: bool = False
-    ) -> Imported:
-        """The steady state: the same message again (same publication), its regions already open.
-        ``sync_set``: the C core filled the owner's event slot already."""
+    def _import_resolved(self, decoded: Decoded, hit: _Resolved, name: str | None) -> Imported:
+        """The same message again (same publication), its regions already open."""
         try:
             sync = None
             if hit.event:
                 sync = lib.aib_owner_slot(decoded.owner)
-                if not sync_set:
-                    sync[0] = hit.event
+                sync[0] = hit.event
             imported = imported_from(
                 decoded,
                 hit.bases,
@@ -247,7 +245,10 @@ class Session:
 
     def _remember(self, template: Decoded, bases: Any, device_type: int, device_id: int, event: int) -> None:
         key = template.message
-        resolved = _Resolved(template, bases, device_type, device_id, event, next(self._resolved_ids))
+        imported_type = ImportedStream if template.is_stream else ImportedArray
+        resolved = _Resolved(
+            template, bases, device_type, device_id, event, next(self._resolved_ids), imported_type
+        )
         with self._request_lock, self._resolved_lock:
             if self._closed:
                 template.close()
@@ -273,6 +274,7 @@ class Session:
     def _attach(self, conn: transport.Connection, timeout: float) -> None:
         self._conn = conn
         self._timeout = timeout
+        self._timeout_ms = millis(timeout)
         conn.send(protocol.HELLO, protocol.encode_hello(), timeout=timeout)
         frame = conn.recv(timeout=timeout)
         frame.close_fds()
@@ -326,29 +328,39 @@ class Session:
         channel = self._connection()
         lease = _Lease(channel)
         token = _reaper.register(lease)
-        fast: tuple[Decoded, _Resolved] | None = None
+        fast: tuple[Decoded, _Resolved, Any] | None = None
         with self._request_lock:
             try:
-                imported_now, frame = channel.get(raw_name, self._import_cache, token, timeout=self._timeout)
+                imported_now, frame = channel.get(raw_name, self._import_cache, token, self._timeout_ms)
             except BaseException:
                 _reaper.unregister(token)
                 raise
             if imported_now is not None:
                 # The steady state: a remembered message, imported by the C core already. From
                 # here on the owner carries the token: dropping it ends the lease.
-                lease.lease_id, entry_id, owner = imported_now
+                lease.lease_id, entry_id, owner, sync_slot = imported_now
                 # Changes to the remembered set wait for _request_lock, so the entry is here.
                 hit = self._resolved_by_id.get(entry_id)
                 if hit is None:  # cannot happen; if it did, the lease ends here
                     lib.aib_owner_unref(owner)
                     _reaper.drain()
                     raise BridgeError("a remembered message vanished during a get")
-                fast = Decoded.adopt(owner, hit.template), hit
+                fast = Decoded.adopt(owner, hit.template), hit, sync_slot
                 with self._resolved_lock:
                     self._resolved.move_to_end(hit.template.message)
         if fast is not None:
             self.remembered_gets += 1
-            return self._import_resolved(fast[0], fast[1], name, sync_set=True)
+            decoded, hit, sync_slot = fast
+            imported: Imported = hit.imported_type.adopt(
+                decoded,
+                hit.bases,
+                device_type=hit.device_type,
+                device_id=hit.device_id,
+                sync_event=sync_slot or None,
+                name=name,
+            )
+            self._imported.add(imported)
+            return imported
         assert frame is not None
         try:
             if frame.kind == protocol.ERROR:

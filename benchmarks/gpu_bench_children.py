@@ -930,7 +930,7 @@ class _BridgeConsumer:
         from arrow_ipc_bridge import _reaper
         from arrow_ipc_bridge._ffi import ffi
         from arrow_ipc_bridge.capsules import capsule_struct
-        from arrow_ipc_bridge.memory import cuda, cuda_regions
+        from arrow_ipc_bridge.memory import cuda_regions
 
         assert self.session is not None
         t0 = _perf()
@@ -939,7 +939,8 @@ class _BridgeConsumer:
         device_array = capsule_struct(capsules[1], "device_array")
         sync = device_array.sync_event
         if sync:
-            cuda.stream_wait_event(self.stream_ptr, cuda_regions.event_value(sync))
+            # What a CuPy consumer writes (cuDF does the same in C++): the runtime's cudaStreamWaitEvent.
+            self.cp.cuda.runtime.streamWaitEvent(self.stream_ptr, cuda_regions.event_value(sync))
         root = device_array.array
         column = root.children[root.n_children - 1]
         ptr = int(ffi.cast("uintptr_t", column.buffers[1])) + int(column.offset) * F32

@@ -78,13 +78,14 @@ def main() -> None:
     if args.device == "cuda":
         import cupy as cp
 
-        from arrow_ipc_bridge.memory import cuda, cuda_regions
+        from arrow_ipc_bridge.memory import cuda_regions
 
         stream = cp.cuda.Stream(non_blocking=True)
         stream_ptr = stream.ptr
 
         def wait(sync: Any) -> None:
-            cuda.stream_wait_event(stream_ptr, cuda_regions.event_value(sync))
+            # What a CuPy consumer writes (cuDF does the same in C++).
+            cp.cuda.runtime.streamWaitEvent(stream_ptr, cuda_regions.event_value(sync))
 
     session = aib.connect(path, timeout=10.0)
     phases: dict[str, list[float]] = {"get": [], "capsules": [], "struct+wait": [], "total": [], "bare": []}

@@ -404,6 +404,7 @@ typedef struct aib_get_result {
   uint64_t lease_id;
   uint64_t entry_id;
   aib_owner *owner;  /* the lease's owner (token set, sync slot filled); one reference, the caller's */
+  uint64_t *sync_slot;  /* the owner's slot holding the CUevent (the spec's sync_event), or NULL */
 } aib_get_result;
 /* GET name, then: an ITEM without descriptors carrying a remembered message is imported here and
  * AIB_GET_IMPORTED returned with out filled; otherwise AIB_OK with the received frame for the
