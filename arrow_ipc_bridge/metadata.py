@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.capsules import HOST_READABLE_DEVICES, CapturedData
@@ -71,12 +71,12 @@ _SLOT_WORDS = 4  # aib_buffer_slot: address, length, region, offset (uint64 each
 _uncleared = ffi.new_allocator(should_clear_after_alloc=False)  # encode writes every byte it returns
 
 
-@dataclass(frozen=True)
-class Region:
+class Region(NamedTuple):
     """One shared allocation as the message describes it (the inert, picklable form).
 
     ``handle`` is kind-specific (a CUDA IPC handle, pool export data); ``fd_index`` points into the
-    file descriptors that travel beside the message (-1: none).
+    file descriptors that travel beside the message (-1: none). A named tuple, not a frozen
+    dataclass: a consumer makes one per region per new message, and the dataclass cost 3 µs each.
     """
 
     kind: int
@@ -345,15 +345,18 @@ class Decoded:
         d = self._live()
         n = int(lib.aib_decoded_region_count(d))
         raw = lib.aib_decoded_regions(d)
+        buffer = ffi.buffer
+        # Positional: the same fields in Region's order (kind, size, file_offset, identity,
+        # fd_index, handle, flags), without keyword handling per region.
         return [
             Region(
-                kind=int(r.kind),
-                size=int(r.size),
-                file_offset=int(r.file_offset),
-                identity=int(r.identity),
-                fd_index=int(r.fd_index),
-                handle=ffi.buffer(r.handle, r.handle_len)[:],
-                flags=int(r.flags),
+                r.kind,
+                r.size,
+                r.file_offset,
+                r.identity,
+                r.fd_index,
+                buffer(r.handle, r.handle_len)[:],
+                r.flags,
             )
             for r in (raw[i] for i in range(n))
         ]

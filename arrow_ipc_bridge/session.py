@@ -34,6 +34,7 @@ from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_fr
 from arrow_ipc_bridge.memory.host_map import HostMappingCache
 from arrow_ipc_bridge.metadata import (
     REGION_CUDA_LEGACY,
+    REGION_CUDA_POOL,
     REGION_FLAG_ZERO_COPY,
     REGION_HOST_FD,
     Decoded,
@@ -217,19 +218,33 @@ class Session:
         # The producer's GPU, by UUID, in this process's numbering (CUDA_VISIBLE_DEVICES may differ).
         ordinal = cuda.ordinal_for_uuid(device.identity)
         opener = cuda_regions.opener()
-        bases: list[int] = []
         regions = decoded.regions()
+        fd_list = list(fds)
+        bases = [0] * len(regions)
         # Only legacy handles stay open beyond a lease, so only all-legacy messages are remembered.
         remember = all(r.kind == REGION_CUDA_LEGACY for r in regions)
-        for region in regions:
-            opened = opener.open(region, list(fds), ordinal)
+        pool_indexes = [i for i, r in enumerate(regions) if r.kind == REGION_CUDA_POOL]
+        if pool_indexes:  # imported together: per buffer this is near the driver's own cost
+            pool_bases, pool_owner = opener.open_pool_regions(
+                [regions[i] for i in pool_indexes], fd_list, ordinal
+            )
+            try:
+                decoded.depend_on(pool_owner)
+            finally:
+                lib.aib_owner_unref(pool_owner)
+            for i, base in zip(pool_indexes, pool_bases, strict=True):
+                bases[i] = base
+        for i, region in enumerate(regions):
+            if region.kind == REGION_CUDA_POOL:
+                continue
+            opened = opener.open(region, fd_list, ordinal)
             try:
                 decoded.depend_on(opened.owner)
                 if remember:
                     template.depend_on(opened.owner)
             finally:
                 lib.aib_owner_unref(opened.owner)
-            bases.append(opened.base)
+            bases[i] = opened.base
         event = cuda_regions.open_event(device.sync, ordinal) if device.sync else 0
         base_array = ffi.new("uint64_t[]", bases or [0])
         if remember:

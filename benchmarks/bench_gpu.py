@@ -545,7 +545,7 @@ class Collector:
                 if b:
                     derived = (fresh_pool["median_us"] - b["median_us"]) / NCOLS
                 detail = (
-                    f"CudaOpener.open per pool region, median {fmt_us(direct)}; from medians "
+                    f"CudaOpener pool-region open per region, median {fmt_us(direct)}; from medians "
                     f"(new pool arrays - legacy steady) / {NCOLS} = {fmt_us(derived)}"
                 )
                 if pool_steady and b:

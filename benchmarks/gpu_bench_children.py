@@ -973,7 +973,8 @@ class _BridgeConsumer:
             out.update({k: after[k] - before.get(k, 0) for k in after})
 
     def _instrumented_opens(self, one: Iteration, iterations: int, start: int) -> dict[str, Any]:
-        """Time every region open of a few extra iterations (CudaOpener.open, per region kind)."""
+        """Time every region open of a few extra iterations (CudaOpener.open per region kind; a
+        message's pool regions, opened in one batch, as the batch's time per region)."""
         from arrow_ipc_bridge.memory import cuda_regions
         from arrow_ipc_bridge.metadata import REGION_CUDA_LEGACY, REGION_CUDA_POOL, REGION_CUDA_VMM
 
@@ -989,12 +990,25 @@ class _BridgeConsumer:
             finally:
                 times.setdefault(kinds.get(region.kind, str(region.kind)), []).append(_perf() - t0)
 
-        opener.open = timed_open  # instance attribute: shadows the method for this process only
+        original_pool = opener.open_pool_regions
+
+        def timed_pool(regions: Any, fds: Any, device: int) -> Any:
+            # Pool regions of a message open together: per region = the batch's time / its size.
+            t0 = _perf()
+            try:
+                return original_pool(regions, fds, device)
+            finally:
+                times.setdefault("pool", []).append((_perf() - t0) / max(1, len(regions)))
+
+        # instance attributes: shadow the methods for this process only
+        opener.open = timed_open
+        opener.open_pool_regions = timed_pool
         try:
             for i in range(iterations):
                 one(start + i)
         finally:
             del opener.open
+            del opener.open_pool_regions
         return {kind: stats_us(values) for kind, values in times.items()}
 
     def _steady(self, key: str, size: int, name: str, expected: float) -> dict[str, Any]:

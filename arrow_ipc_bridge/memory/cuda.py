@@ -36,7 +36,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, Final, Literal
@@ -2224,6 +2224,36 @@ class ImportedPool(_DriverResource):
         with self._lock:
             self._imported.add(ptr)
         return ptr
+
+    def import_pointers(self, export_datas: Sequence[bytes]) -> list[int]:
+        """Map several allocations at once: :meth:`import_pointer` for each, under one context switch
+        and with the driver structs made once (a message's pool regions, the consumer's hot path when
+        buffers are new). All or nothing: when one import fails, those done by this call are freed
+        again before the error is raised."""
+        self._check_open()
+        datas = [_handle_bytes(data, "export_data") for data in export_datas]
+        lib, ffi = _api()
+        share = ffi.new("CUmemPoolPtrExportData *")
+        out = ffi.new("CUdeviceptr *")
+        pointers: list[int] = []
+        with device_context(self._device):
+            try:
+                for data in datas:
+                    ffi.memmove(share, data, IPC_HANDLE_SIZE)
+                    _check(
+                        "cuMemPoolImportPointer",
+                        lib.cuMemPoolImportPointer(out, self._pool, share),
+                        "the export data is corrupted, belongs to another pool, or its allocation was "
+                        "already freed",
+                    )
+                    pointers.append(int(out[0]))
+            except BaseException:
+                for ptr in pointers:
+                    lib.cuMemFree_v2(ptr)
+                raise
+        with self._lock:
+            self._imported.update(pointers)
+        return pointers
 
     def free_imported(self, ptr: int) -> None:
         """Unmap an imported pointer (``cuMemFree_v2``). Must happen before the exporter frees the allocation.
