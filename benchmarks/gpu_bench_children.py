@@ -925,8 +925,9 @@ class _BridgeConsumer:
         return {**stats_us(samples), "first_us": math.nan, "warmup": warm, "samples_us": []}
 
     def _bridge_get(self, name: str, expected: float) -> tuple[float, dict[str, float]]:
-        """One hand-off: get -> device capsule -> wait sync_event on our stream -> launch a kernel on the
-        last column. Timed up to the launch; then (untimed) synchronise, check, release."""
+        """One hand-off: get -> device capsule -> wait sync_event on our stream: timed so far (the
+        consumer can launch work); then the launch of a kernel on the last column (reported as
+        "launched"), and (untimed) synchronise, check, release."""
         from arrow_ipc_bridge import _reaper
         from arrow_ipc_bridge._ffi import ffi
         from arrow_ipc_bridge.capsules import capsule_struct
