@@ -413,4 +413,10 @@ typedef struct aib_get_result {
 int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64_t timeout_ms,
                     aib_import_cache *cache, uint64_t token, aib_get_result *out, aib_frame *frame,
                     aib_error *err);
+/* ---------- driver loops (cuda_batch.c); the driver is resolved by memory/cuda.py ---------------
+ * Calls import_fn (the address of cuMemPoolImportPointer) for n 64-byte export records in order,
+ * the current context being the caller's. Returns 0, or the first failing CUresult with *done the
+ * number imported before it (their pointers are in out: the caller frees them). */
+int aib_cuda_import_pool_pointers(uintptr_t import_fn, uintptr_t pool, const uint8_t *export_data, size_t n,
+                                  uint64_t *out, size_t *done);
 #endif

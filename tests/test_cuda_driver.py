@@ -713,6 +713,32 @@ def _child_read_pool(conn: Any, uuid: bytes, export_data: bytes, nbytes: int) ->
     return digest
 
 
+def _child_read_pool_batch(conn: Any, uuid: bytes, export_datas: list[bytes], nbytes: int) -> list[str]:
+    fd = reduction.recv_handle(conn)
+    device = cuda.ordinal_for_uuid(uuid)
+    try:
+        pool = cuda.import_pool(fd, device)
+    finally:
+        os.close(fd)
+    with pool:
+        # All or nothing: a corrupted record in the middle leaves nothing imported behind.
+        corrupted = [export_datas[0], bytes(64), export_datas[1]]
+        try:
+            pool.import_pointers(corrupted)
+        except CudaError as exc:
+            assert "cuMemPoolImportPointer" in str(exc)
+        else:
+            raise AssertionError("a zeroed export record was imported")
+        assert pool.imported_count == 0
+        pointers = pool.import_pointers(export_datas)
+        assert pool.imported_count == len(export_datas) == len(set(pointers))
+        digests = [_sha256(cuda.read_device(ptr, nbytes, device=device)) for ptr in pointers]
+        for ptr in pointers:
+            pool.free_imported(ptr)
+        assert pool.imported_count == 0
+    return digests
+
+
 def _child_read_vmm(conn: Any, uuid: bytes, size: int, nbytes: int) -> str:
     fd = reduction.recv_handle(conn)
     device = cuda.ordinal_for_uuid(uuid)
@@ -999,6 +1025,31 @@ def test_ipc_memory_pool_shares_allocations_across_processes(cuda_device: int) -
         cuda.synchronize(cuda_device)
     assert pool.closed
     assert not cuda.pool_is_ipc_capable(0)
+
+
+@pytest.mark.gpu
+def test_pool_pointers_import_in_one_batch(cuda_device: int) -> None:
+    """``import_pointers`` (the consumer's per-message batch, looped in the C core) maps every
+    allocation, in order, and imports nothing when one record is bad."""
+    if not cuda.device_capabilities(cuda_device).mempool_posix_fd:
+        pytest.skip("device does not support POSIX-fd memory pools")
+    payloads = [os.urandom(1 << 20) for _ in range(5)]
+    with cuda.IpcMemoryPool(cuda_device) as pool:
+        pointers = [pool.allocate(len(p)) for p in payloads]
+        for ptr, payload in zip(pointers, payloads, strict=True):
+            cuda.write_device(ptr, payload, device=cuda_device)
+        export_datas = [pool.export_pointer(ptr) for ptr in pointers]
+        fd = pool.export_pool_fd()
+        try:
+            uuid = cuda.device_uuid(cuda_device)
+            with _Child(_child_read_pool_batch, uuid, export_datas, len(payloads[0])) as child:
+                child.send_fd(fd)
+                assert child.result() == [_sha256(p) for p in payloads]
+        finally:
+            os.close(fd)
+        for ptr in pointers:
+            pool.free(ptr)
+        cuda.synchronize(cuda_device)
 
 
 @pytest.mark.gpu

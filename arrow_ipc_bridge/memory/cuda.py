@@ -41,6 +41,8 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, Final, Literal
 
+from .._ffi import ffi as _core_ffi
+from .._ffi import lib as _core
 from ..errors import BridgeError, CopyRequiredError, CudaError, RegionError, ReleasedError
 
 __all__ = [
@@ -2231,26 +2233,26 @@ class ImportedPool(_DriverResource):
         buffers are new). All or nothing: when one import fails, those done by this call are freed
         again before the error is raised."""
         self._check_open()
-        datas = [_handle_bytes(data, "export_data") for data in export_datas]
+        blob = b"".join(_handle_bytes(data, "export_data") for data in export_datas)
+        n = len(blob) // IPC_HANDLE_SIZE
         lib, ffi = _api()
-        share = ffi.new("CUmemPoolPtrExportData *")
-        out = ffi.new("CUdeviceptr *")
-        pointers: list[int] = []
+        out = _core_ffi.new("uint64_t[]", max(n, 1))
+        done = _core_ffi.new("size_t *")
+        # The loop runs in the C core (cffi_build/cuda_batch.c): per pointer only the driver's call.
+        import_fn = int(ffi.cast("uintptr_t", lib.cuMemPoolImportPointer))
+        pool = int(ffi.cast("uintptr_t", self._pool))
         with device_context(self._device):
-            try:
-                for data in datas:
-                    ffi.memmove(share, data, IPC_HANDLE_SIZE)
-                    _check(
-                        "cuMemPoolImportPointer",
-                        lib.cuMemPoolImportPointer(out, self._pool, share),
-                        "the export data is corrupted, belongs to another pool, or its allocation was "
-                        "already freed",
-                    )
-                    pointers.append(int(out[0]))
-            except BaseException:
+            rc = _core.aib_cuda_import_pool_pointers(import_fn, pool, blob, n, out, done)
+            pointers = [int(out[i]) for i in range(int(done[0]))]
+            if rc != CUDA_SUCCESS:
                 for ptr in pointers:
                     lib.cuMemFree_v2(ptr)
-                raise
+                _check(
+                    "cuMemPoolImportPointer",
+                    rc,
+                    "the export data is corrupted, belongs to another pool, or its allocation was "
+                    "already freed",
+                )
         with self._lock:
             self._imported.update(pointers)
         return pointers
