@@ -1029,7 +1029,7 @@ def test_pool_pointers_import_in_one_batch(cuda_device: int) -> None:
     allocation, in order, and imports nothing when one record is bad."""
     if not cuda.device_capabilities(cuda_device).mempool_posix_fd:
         pytest.skip("device does not support POSIX-fd memory pools")
-    payloads = [os.urandom(1 << 20) for _ in range(5)]
+    payloads = [os.urandom(3 << 20) for _ in range(5)]
     with cuda.IpcMemoryPool(cuda_device) as pool:
         pointers = [pool.allocate(len(p)) for p in payloads]
         for ptr, payload in zip(pointers, payloads, strict=True):
