@@ -1034,8 +1034,8 @@ def test_pool_pointers_import_in_one_batch(cuda_device: int) -> None:
         pointers = [pool.allocate(len(p)) for p in payloads]
         for ptr, payload in zip(pointers, payloads, strict=True):
             cuda.write_device(ptr, payload, device=cuda_device)
-        # Stream-ordered allocations export once complete (the exporter does the same on retry).
-        cuda.synchronize(cuda_device)
+        # Pointers exported before the pool's fd: the driver refuses that unless the pool was
+        # shared once, which export_pointer does for us.
         export_datas = [pool.export_pointer(ptr) for ptr in pointers]
         fd = pool.export_pool_fd()
         try:

@@ -1999,6 +1999,7 @@ class IpcMemoryPool(_DriverResource):
 
     def __init__(self, device: int, *, release_threshold: int | None = None, max_size: int = 0) -> None:
         _nbytes(max_size, "max_size")
+        self._shared_once = False  # see export_pointer
         threshold = (
             _UINT64_MAX if release_threshold is None else _nbytes(release_threshold, "release_threshold")
         )
@@ -2103,6 +2104,7 @@ class IpcMemoryPool(_DriverResource):
                     fd, self._pool, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
                 ),
             )
+        self._shared_once = True
         return _set_non_inheritable(int(fd[0]))
 
     def export_pointer(self, ptr: int) -> bytes:
@@ -2116,6 +2118,12 @@ class IpcMemoryPool(_DriverResource):
         self._check_open()
         ptr = _address(ptr, "ptr")
         lib, ffi = _api()
+        if not self._shared_once:
+            # Measured on the H200 (driver 580): cuMemPoolExportPointer answers INVALID_VALUE until
+            # the pool itself was exported as a shareable handle once. Do that first (the fd is
+            # closed again at once; consumers get theirs from export_pool_fd).
+            os.close(self.export_pool_fd())
+            self._shared_once = True
         out = ffi.new("CUmemPoolPtrExportData *")
         with device_context(self._device):
             _check("cuMemPoolExportPointer", lib.cuMemPoolExportPointer(out, ptr))
