@@ -268,6 +268,18 @@ static int frame_fd_check(aib_channel *ch, aib_frame *out, int taken, uint32_t a
   return aib_fail(err, AIB_E_PROTOCOL, "fds", "", "frame announced %u descriptors and %d arrived", announced, taken);
 }
 
+/* Moves the unread bytes to the start of the buffer. Descriptor tags hold buffer positions, so they
+ * move with the bytes. */
+static void compact(aib_channel *ch) {
+  size_t shift = ch->start;
+  if (shift == 0) return;
+  memmove(ch->buf, ch->buf + shift, ch->end - shift);
+  for (int i = 0; i < ch->n_pending; i++)
+    if (ch->pending_end[i] != (size_t)-1) ch->pending_end[i] -= shift;
+  ch->end -= shift;
+  ch->start = 0;
+}
+
 int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_error *err) {
   out->kind = 0;
   out->length = 0;
@@ -281,16 +293,8 @@ int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_er
   if (ch->start == ch->end) {
     ch->start = ch->end = 0;
   }
-  /* Fd tags hold absolute buffer positions: compaction shifts them with the bytes. */
   while (ch->end - ch->start < HEADER_SIZE) {
-    if (ch->start > 0) {
-      size_t shift = ch->start;
-      memmove(ch->buf, ch->buf + shift, ch->end - shift);
-      for (int i = 0; i < ch->n_pending; i++)
-        if (ch->pending_end[i] != (size_t)-1) ch->pending_end[i] -= shift;
-      ch->end -= shift;
-      ch->start = 0;
-    }
+    compact(ch);
     ssize_t got = read_some(ch, ch->buf + ch->end, BUFFER_SIZE - ch->end, deadline, 0, ch->end, err, &rc);
     if (got < 0) return rc;
     if (got == 0) {
@@ -319,12 +323,7 @@ int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_er
   if (HEADER_SIZE + length <= BUFFER_SIZE) {
     size_t need = HEADER_SIZE + (size_t)length;
     if (ch->start + need > BUFFER_SIZE) { /* compact so the whole frame fits */
-      size_t shift = ch->start;
-      memmove(ch->buf, ch->buf + shift, ch->end - shift);
-      for (int i = 0; i < ch->n_pending; i++)
-        if (ch->pending_end[i] != (size_t)-1) ch->pending_end[i] -= shift;
-      ch->end -= shift;
-      ch->start = 0;
+      compact(ch);
       frame_start = 0;
     }
     while (ch->end - ch->start < need) {
