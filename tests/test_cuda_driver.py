@@ -1066,8 +1066,10 @@ def test_cupy_allocator_serves_pool_shareable_memory(cupy: Any, cuda_device: int
         assert info is not None
         assert info.mempool == allocator.pool.handle
         assert cuda.pool_is_ipc_capable(info.mempool)
-        # Exporting and importing these allocations is tested end to end (a consumer process reads
-        # them) in tests/test_gpu.py::test_cupy_pool_allocator_arrays_travel_as_pool_regions.
+        # The export the end-to-end test relies on (tests/test_gpu.py::
+        # test_cupy_pool_allocator_arrays_travel_as_pool_regions): it used to fail here because the
+        # driver wants the pool shared once first, which export_pointer now does.
+        assert len(allocator.pool.export_pointer(x.data.ptr)) == 64
         assert float((x[:1000] * 2).sum()) == 999_000.0
         empty = cupy.empty(0, dtype=cupy.float32)
         assert empty.size == 0
