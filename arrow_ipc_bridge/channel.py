@@ -1,10 +1,11 @@
 """The hot path of the publisher/session protocol: frames sent and received by the C core.
 
-:mod:`~arrow_ipc_bridge.transport` connects, checks credentials and frames the handshake in Python.
-Once a session or a publisher's connection handler has said hello, it hands the socket's receiving
-side to a :class:`Channel`, whose calls run in C without the GIL (``cffi_build/channel.c``): a
-request round trip then costs about what the socket costs, where the Python framing on both ends
-added ~40 µs. The bytes on the wire are the same (transport.py's docstring is their spec).
+:mod:`~arrow_ipc_bridge.transport` connects and checks credentials in Python. A session then says
+hello through the Python framing and hands the socket's receiving side to a :class:`Channel`; a
+publisher's connection handler hands it over at once (the C serve loop passes HELLO back to Python
+to answer). Channel calls run in C without the GIL (``cffi_build/channel.c``): a request round trip
+then costs about what the socket costs, where the Python framing on both ends added ~40 µs. The
+bytes on the wire are the same (transport.py's docstring is their spec).
 
 The :class:`~arrow_ipc_bridge.transport.Connection` still owns the socket: every channel call holds
 the connection's receive or send lock, so ``close()`` from any thread waits for it, and errors
