@@ -268,21 +268,14 @@ class Decoded:
         """Another handle on the same validated message, with an owner of its own (``token``) that
         keeps ``decoded``'s owner alive: an identical message seen again is not decoded twice, and
         each lease still ends on its own."""
-        d = decoded._live()
+        decoded._live()  # refuses a closed message before anything is allocated
         owner = lib.aib_owner_new(token)
         if owner == ffi.NULL:
             raise MemoryError("allocating an import owner")
         if lib.aib_owner_share_decoded(owner, decoded.owner):
             lib.aib_owner_unref(owner)
             raise MemoryError("adding an owner dependency")
-        self = cls.__new__(cls)
-        self._d = d
-        self._message = decoded._message
-        self._n_fds = decoded._n_fds
-        self._allow_process_regions = decoded._allow_process_regions
-        self.owner = ffi.gc(owner, lib.aib_owner_unref)
-        self._closed = False
-        return self
+        return cls.adopt(owner, decoded)
 
     @classmethod
     def adopt(cls, owner: Any, decoded: Decoded) -> Decoded:

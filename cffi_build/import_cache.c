@@ -36,7 +36,7 @@ struct aib_import_cache {
   size_t n_buckets, count;
 };
 
-static uint64_t hash_message(const uint8_t *p, size_t n) {
+uint64_t aib_hash_bytes(const uint8_t *p, size_t n) {
   uint64_t h = 1469598103934665603ull; /* FNV-1a, 8 bytes a step where it can */
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -90,7 +90,7 @@ int aib_import_cache_put(aib_import_cache *c, const uint8_t *message, size_t len
   if (aib_owner_decoded(template_owner) == NULL) return AIB_E_STATE;
   cache_entry *e = malloc(sizeof(*e) + length);
   if (e == NULL) return AIB_E_NOMEM;
-  e->hash = hash_message(message, length);
+  e->hash = aib_hash_bytes(message, length);
   e->id = id;
   e->event = event;
   e->length = length;
@@ -112,7 +112,7 @@ int aib_import_cache_put(aib_import_cache *c, const uint8_t *message, size_t len
 }
 
 int aib_import_cache_remove(aib_import_cache *c, const uint8_t *message, size_t length) {
-  uint64_t hash = hash_message(message, length);
+  uint64_t hash = aib_hash_bytes(message, length);
   pthread_mutex_lock(&c->mu);
   cache_entry **slot = find(c, message, length, hash);
   cache_entry *e = *slot;
@@ -133,7 +133,7 @@ size_t aib_import_cache_count(const aib_import_cache *c) { return c->count; }
  * then takes the slow path, which reports errors properly). */
 static aib_owner *import_remembered(aib_import_cache *c, const uint8_t *message, size_t length, uint64_t token,
                                     uint64_t *id_out) {
-  uint64_t hash = hash_message(message, length);
+  uint64_t hash = aib_hash_bytes(message, length);
   aib_owner *owner = NULL;
   pthread_mutex_lock(&c->mu);
   cache_entry *e = *find(c, message, length, hash);

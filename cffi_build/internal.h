@@ -27,6 +27,9 @@ int aib_array_node_init(struct ArrowArray *dst, aib_owner *owner, int64_t length
                         int64_t offset, int64_t n_buffers, int64_t n_children, int has_dictionary);
 void aib_array_node_release(struct ArrowArray *a);
 aib_decoded *aib_owner_decoded(aib_owner *owner);
+/* FNV-1a over bytes (8 at a time), for the core's hash tables (import_cache.c, serve.c). */
+uint64_t aib_hash_bytes(const uint8_t *p, size_t n);
+
 /* Sets the reaper token of an owner nobody else references yet. */
 void aib_owner_set_token(aib_owner *owner, uint64_t token);
 

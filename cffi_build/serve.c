@@ -47,12 +47,6 @@ static void entry_unref(entry *e) {
   aib_owner_unref(keeper);
 }
 
-static uint64_t hash_bytes(const uint8_t *p, size_t n) {
-  uint64_t h = 1469598103934665603ull; /* FNV-1a */
-  for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
-  return h;
-}
-
 aib_pubtable *aib_pubtable_new(void) {
   aib_pubtable *t = calloc(1, sizeof(*t));
   if (t == NULL) return NULL;
@@ -100,7 +94,7 @@ void aib_pubtable_unref(aib_pubtable *t) {
 int64_t aib_pubtable_leases(const aib_pubtable *t) { return atomic_load(&((aib_pubtable *)t)->leases); }
 
 static entry **find_slot(aib_pubtable *t, const uint8_t *name, size_t len) {
-  entry **slot = &t->buckets[hash_bytes(name, len) & (t->n_buckets - 1)];
+  entry **slot = &t->buckets[aib_hash_bytes(name, len) & (t->n_buckets - 1)];
   while (*slot != NULL && !((*slot)->name_len == len && memcmp((*slot)->name, name, len) == 0))
     slot = &(*slot)->next;
   return slot;
@@ -114,7 +108,7 @@ static void grow(aib_pubtable *t) {
     entry *e = t->buckets[b];
     while (e != NULL) {
       entry *next = e->next;
-      size_t i = hash_bytes(e->name, e->name_len) & (n - 1);
+      size_t i = aib_hash_bytes(e->name, e->name_len) & (n - 1);
       e->next = fresh[i];
       fresh[i] = e;
       e = next;

@@ -2218,24 +2218,9 @@ class ImportedPool(_DriverResource):
         int
             Device address in this process; free it with :meth:`free_imported` before the exporter frees it.
         """
-        self._check_open()
-        data = _handle_bytes(export_data, "export_data")
-        lib, ffi = _api()
-        share = ffi.new("CUmemPoolPtrExportData *")
-        ffi.memmove(share, data, IPC_HANDLE_SIZE)
-        out = ffi.new("CUdeviceptr *")
-        with device_context(self._device):
-            _check(
-                "cuMemPoolImportPointer",
-                lib.cuMemPoolImportPointer(out, self._pool, share),
-                "the export data is corrupted, belongs to another pool, or its allocation was already freed",
-            )
-        ptr = int(out[0])
-        with self._lock:
-            self._imported.add(ptr)
-        return ptr
+        return self.import_pointers([export_data])[0]
 
-    def import_pointers(self, export_datas: Sequence[bytes]) -> list[int]:
+    def import_pointers(self, export_datas: Sequence[bytes | bytearray | memoryview]) -> list[int]:
         """Map several allocations at once: :meth:`import_pointer` for each, under one context switch
         and with the driver structs made once (a message's pool regions, the consumer's hot path when
         buffers are new). All or nothing: when one import fails, those done by this call are freed
