@@ -30,6 +30,10 @@ __all__ = [
     "ITEM",
     "RELEASE",
     "ERROR",
+    "PING",
+    "PONG",
+    "MAX_PING",
+    "FEATURES",
     "encode_hello",
     "decode_hello",
     "encode_json",
@@ -45,13 +49,20 @@ __all__ = [
 PROTOCOL_VERSION = 1
 
 HELLO = 1  # session -> publisher: u16 protocol version
-WELCOME = 2  # publisher -> session: JSON {"protocol", "wire", "publisher_id", "pid"}
+WELCOME = 2  # publisher -> session: JSON {"protocol", "wire", "publisher_id", "pid", "features"}
 LIST = 3  # session -> publisher: empty
 NAMES = 4  # publisher -> session: JSON list of names
 GET = 5  # session -> publisher: the name, UTF-8
 ITEM = 6  # publisher -> session: u64 lease id + message bytes; region fds attached
 RELEASE = 7  # session -> publisher: u64 lease id (no reply)
 ERROR = 8  # publisher -> session: JSON {"type", "message"}
+PING = 9  # session -> publisher: 0 to MAX_PING bytes, echoed (publishers advertising "ping")
+PONG = 10  # publisher -> session: the PING's payload
+
+MAX_PING = 64
+# What this side's publisher offers beyond protocol 1's first frames, advertised in WELCOME's
+# "features": a session checks before it uses one, so older publishers keep working with it.
+FEATURES = ("ping",)
 
 MAX_JSON = 1 << 20
 MAX_NAME = 4096

@@ -3,7 +3,7 @@
 Each published name holds an :class:`~arrow_ipc_bridge.exporter.Exported` (captured data, its region
 fds and the encoded message, made once at publish time, so a ``get`` costs one frame). The names,
 messages and leases live in the C core (``cffi_build/serve.c``), whose serve loop answers GET and
-RELEASE frames without the GIL; this module handles the handshake, LIST and errors. An entry, and
+RELEASE (and PING) frames without the GIL; this module handles the handshake, LIST and errors. An entry, and
 with it the producer's buffers, lives until it is unpublished *and* every lease on it ended; then
 its keeper owner dies and the reaper closes the export record. A session that disconnects or dies
 gives back all its leases at once (its connection's lease table is freed when the socket closes).
@@ -173,6 +173,8 @@ class Publisher:
         elif frame.kind == protocol.RELEASE:
             protocol.decode_lease(frame.payload)  # the C loop takes every well-formed RELEASE
             raise ProtocolError("malformed RELEASE frame")
+        elif frame.kind == protocol.PING:  # the C loop answers every PING up to MAX_PING bytes
+            raise ProtocolError(f"PING payload of {len(frame.payload)} bytes (at most {protocol.MAX_PING})")
         else:
             raise ProtocolError(f"unexpected frame kind {frame.kind}")
 
@@ -182,6 +184,7 @@ class Publisher:
             "wire": list(WIRE_VERSION),
             "publisher_id": self.publisher_id,
             "pid": os.getpid(),
+            "features": list(protocol.FEATURES),
         }
 
     # ---------- lifetime ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -331,6 +332,28 @@ class Session:
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ProtocolError("NAMES payload is not a list of strings")
         return names
+
+    def ping(self, payload: bytes = b"") -> float:
+        """One round trip with a frame the publisher echoes from its C loop; returns the seconds it took.
+
+        A liveness check (a dead publisher raises :class:`~arrow_ipc_bridge.errors.PeerClosedError`,
+        a stuck one :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError`, like any request), and
+        the floor a ``get`` is measured against: the same connection, nothing imported.
+        ``payload``: at most ``protocol.MAX_PING`` bytes, which must come back unchanged.
+        """
+        if len(payload) > protocol.MAX_PING:
+            raise ValueError(f"a PING payload is at most {protocol.MAX_PING} bytes")
+        features = self.publisher_info.get("features")
+        if not isinstance(features, list) or "ping" not in features:
+            self._connection()  # not connected / closed: that error first
+            raise BridgeError("this publisher does not answer PING (an older version): upgrade it")
+        started = time.perf_counter()
+        frame = self._request(protocol.PING, payload)
+        elapsed = time.perf_counter() - started
+        frame.close_fds()
+        if frame.kind != protocol.PONG or frame.payload != payload:
+            raise ProtocolError(f"expected PONG with the PING's payload, got frame kind {frame.kind}")
+        return elapsed
 
     def get(self, name: str) -> Imported:
         """Import the object published as ``name`` under a lease.

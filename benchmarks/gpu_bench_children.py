@@ -43,6 +43,7 @@ COLUMN_NAMES = [f"c{i:02d}" for i in range(NCOLS)]
 # Method keys in the order they are run and printed, with their labels.
 METHODS: dict[str, str] = {
     "bare_rtt": "bare round trip, 64 B over a Unix socket",
+    "bridge_ping": "bridge PING, 64 B on the session's connection",
     "bridge_steady": "bridge, legacy handles already open (steady)",
     "bridge_pool_steady": "bridge, IPC-pool arrays published once",
     "bridge_fresh_legacy": "bridge, new cudaMalloc arrays every time",
@@ -59,6 +60,7 @@ METHODS: dict[str, str] = {
 BRIDGE_METHODS = [k for k in METHODS if not k.startswith("torch_")]
 TORCH_METHODS = [k for k in METHODS if k.startswith("torch_")]
 STEADY = {
+    "bridge_ping",
     "bridge_steady",
     "bridge_pool_steady",
     "bridge_mixed_steady",
@@ -1067,6 +1069,24 @@ class _BridgeConsumer:
                 self._drop_local_caches()
         result["session_reconnects"] = self.session_resets - resets_before
         return result
+
+    def m_bridge_ping(self, size: int) -> dict[str, Any]:
+        """The bare round trip on the bridge's own connection (``Session.ping``: 64 bytes echoed by
+        the publisher's C loop), in the steady loop's rhythm: each timed ping is followed by an
+        untimed steady-state get (get, capsule, wait, launch, synchronise, release), so the ping
+        meets the same gaps and the same idle threads as the gets of ``bridge_steady`` do."""
+        warmup, n, budget = plan(self.cfg, "bridge_steady", size)
+        assert self.session is not None
+        session = self.session
+        payload = bytes(range(64))
+        expected = self.size_info["expected_last"]
+
+        def one(i: int) -> tuple[float, dict[str, float]]:
+            dt = session.ping(payload)
+            self._bridge_get("steady", expected)
+            return dt, {}
+
+        return run_loop(one, warmup=warmup, n=n, budget_s=budget)
 
     def m_bridge_steady(self, size: int) -> dict[str, Any]:
         return self._steady("bridge_steady", size, "steady", self.size_info["expected_last"])

@@ -1,5 +1,5 @@
 /* The publisher's hot path in C: published entries, per-connection leases, and the serve loop that
- * answers GET and RELEASE frames without the GIL (see channel.c for why C).
+ * answers GET, RELEASE and PING frames without the GIL (see channel.c for why C).
  *
  * An entry holds the encoded message, the region descriptors to attach (borrowed from the Python
  * export record) and a keeper owner. The table holds one reference while the name is published and
@@ -18,6 +18,9 @@
 #define FRAME_GET 5
 #define FRAME_ITEM 6
 #define FRAME_RELEASE 7
+#define FRAME_PING 9
+#define FRAME_PONG 10
+#define MAX_PING 64
 
 typedef struct entry {
   atomic_llong refs;
@@ -302,6 +305,11 @@ int aib_serve(aib_server_conn *c, aib_frame *out, aib_error *err) {
         atomic_fetch_sub(&c->table->leases, 1);
         entry_unref(e);
       }
+      continue;
+    }
+    if (out->kind == FRAME_PING && out->length <= MAX_PING) {
+      rc = aib_channel_send(c->ch, FRAME_PONG, out->payload, (size_t)out->length, NULL, 0, NULL, 0, -1, err);
+      if (rc) return rc;
       continue;
     }
     if (out->kind != FRAME_GET) return AIB_SERVE_FRAME;

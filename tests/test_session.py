@@ -841,6 +841,8 @@ def expect_error_then_close(conn: transport.Connection, error_type: str) -> None
         pytest.param(protocol.GET, b"n" * (protocol.MAX_NAME + 1), id="get-name-too-long"),
         pytest.param(protocol.RELEASE, b"\x01\x02\x03", id="release-3-bytes"),
         pytest.param(protocol.RELEASE, b"\x00" * 9, id="release-9-bytes"),
+        pytest.param(protocol.PING, b"p" * (protocol.MAX_PING + 1), id="ping-too-long"),
+        pytest.param(protocol.PONG, b"", id="pong-from-a-session"),
         pytest.param(protocol.HELLO, struct.pack("<H", 99), id="hello-wrong-version"),
         pytest.param(protocol.HELLO, b"\x01", id="hello-short"),
     ],
@@ -864,6 +866,48 @@ def test_protocol_violations_get_error_and_close(publisher: aib.Publisher, kind:
         expect_error_then_close(raw, "ProtocolError")
         assert wait_for(lambda: publisher.active_sessions == 1, 5.0)  # only the good consumer is left
     assert wait_for(lambda: publisher.active_leases == 0, 5.0)
+
+
+def test_ping_echoes_its_payload_from_the_c_loop(publisher: aib.Publisher) -> None:
+    """PING is answered in C with its payload (empty to MAX_PING bytes), between gets on the same
+    connection; a payload over the limit is refused before anything is sent."""
+    publisher.publish("t", sample_table(100))
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        assert "ping" in session.publisher_info["features"]
+        for payload in (b"", b"x", bytes(range(protocol.MAX_PING))):
+            assert session.ping(payload) > 0
+        with session.get("t") as imported:
+            assert session.ping() > 0
+            assert pa.table(imported).num_rows == 100
+        with pytest.raises(ValueError, match="at most"):
+            session.ping(b"p" * (protocol.MAX_PING + 1))
+        assert session.ping(b"still usable") > 0
+    with pytest.raises(aib.BridgeError, match="closed"):
+        session.ping()
+
+
+def test_ping_to_an_older_publisher_is_refused_without_sending(sock_dir: str) -> None:
+    """A publisher whose WELCOME names no "ping" feature would close the connection on a PING frame:
+    the session refuses up front and stays usable."""
+    old = os.path.join(sock_dir, "old.sock")
+    with FakePublisher(old) as fake, aib.connect(fake.path, timeout=5.0) as session:
+        with pytest.raises(aib.BridgeError, match="does not answer PING"):
+            session.ping()
+        assert not session.closed
+
+
+def test_ping_to_a_dead_publisher_raises_peer_closed(sock_dir: str) -> None:
+    path = os.path.join(sock_dir, "dead.sock")
+    pub = aib.Publisher(path)
+    session = aib.connect(path, timeout=5.0)
+    try:
+        pub.close()
+        with pytest.raises(aib.PeerClosedError):
+            session.ping()
+        assert session._conn is not None
+        assert session._conn.closed
+    finally:
+        session.close()
 
 
 def test_raw_client_edge_cases_that_are_allowed(publisher: aib.Publisher) -> None:
