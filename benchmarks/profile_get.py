@@ -6,8 +6,9 @@
 A producer process publishes 16 float32 columns (CuPy arrays with ``--device cuda``; all-null columns on
 the CPU, whose message, like an all-legacy CUDA one, carries no descriptors and is remembered). The
 consumer times, per get: ``session.get`` alone, then ``__arrow_c_device_array__``, then reading the
-struct and waiting on ``sync_event`` (the bench's "can launch work" end point), and a bare 64-byte
-socket round trip between the same two processes for scale. A development aid, not a benchmark of
+struct and waiting on ``sync_event`` (the bench's "can launch work" end point), a bare 64-byte
+socket round trip between the same two processes and a ``Session.ping`` on the session's own
+connection, for scale. A development aid, not a benchmark of
 record: benchmarks/bench_gpu.py is that.
 """
 
@@ -112,6 +113,7 @@ def main() -> None:
         mine.sendall(msg)
         mine.recv_into(view)
         t5 = time.perf_counter()
+        ping = session.ping(msg)
         if record:
             for key, value in (
                 ("get", t1 - t0),
@@ -120,6 +122,7 @@ def main() -> None:
                 ("total", t3 - t0),
                 ("release", t4 - t3),
                 ("bare", t5 - t4),
+                ("ping", ping),
             ):
                 phases.setdefault(key, []).append(value)
 

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -39,6 +40,7 @@ struct aib_channel {
   int pending_fds[PENDING_FDS_MAX];
   size_t pending_end[PENDING_FDS_MAX];
   int n_pending;
+  int64_t rcvtimeo_ms; /* the socket's SO_RCVTIMEO as we set it: 0 none, -1 could not be set */
 };
 
 static void close_all(const int *fds, int n) {
@@ -183,33 +185,42 @@ static ssize_t read_some(aib_channel *ch, uint8_t *dst, size_t cap, int64_t dead
     struct cmsghdr align;
     char bytes[CMSG_SPACE(AIB_MAX_FDS * sizeof(int))];
   } control;
-  /* Without a deadline a blocking recvmsg is one system call (the socket is in blocking mode; a
-   * close() elsewhere shuts it down, which wakes us). With one, poll first: right after a request
-   * the answer is never there yet, so trying the read first would only add a call. */
-  int waited = deadline < 0;
   for (;;) {
-    if (!waited) {
-      int rc = wait_for(ch->fd, POLLIN, deadline, err);
-      if (rc) {
-        *rc_out = rc;
+    /* One system call where we can: a blocking recvmsg (the socket is in blocking mode; a close()
+     * elsewhere shuts it down, which wakes us). With a deadline it blocks only when the socket's
+     * SO_RCVTIMEO ends no later than the deadline, so it can wake early (EAGAIN: look again), never
+     * late; else poll first. poll + recvmsg cost ~3 µs more per round trip on the GPU machine. */
+    int blocking = deadline < 0;
+    if (!blocking) {
+      int64_t left = deadline - now_ms();
+      if (left <= 0) {
+        *rc_out = aib_fail(err, AIB_E_TIMEOUT, "", "", "no answer before the deadline");
         return -1;
       }
-      waited = 1;
+      if (ch->rcvtimeo_ms == 0 || ch->rcvtimeo_ms > left) {
+        /* Set once per timeout in practice: a session asks with the same timeout every time. */
+        int64_t want = left > 1 ? left - 1 : 1;
+        struct timeval tv = {.tv_sec = (time_t)(want / 1000), .tv_usec = (suseconds_t)(want % 1000) * 1000};
+        ch->rcvtimeo_ms = setsockopt(ch->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) == 0 ? want : -1;
+      }
+      blocking = ch->rcvtimeo_ms > 0 && ch->rcvtimeo_ms <= left;
+      if (!blocking) {
+        int rc = wait_for(ch->fd, POLLIN, deadline, err);
+        if (rc) {
+          *rc_out = rc;
+          return -1;
+        }
+      }
     }
     struct iovec iov = {dst, cap};
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.bytes,
                          .msg_controllen = sizeof(control.bytes)};
-    ssize_t got = recvmsg(ch->fd, &msg, MSG_CMSG_CLOEXEC | (deadline < 0 ? 0 : MSG_DONTWAIT));
+    ssize_t got = recvmsg(ch->fd, &msg, MSG_CMSG_CLOEXEC | (blocking ? 0 : MSG_DONTWAIT));
     if (got < 0) {
       if (errno == EINTR) continue;
-      if (errno == EAGAIN) { /* a spurious wake-up, or a blocking socket with SO_RCVTIMEO */
-        if (deadline < 0) {
-          *rc_out = aib_fail(err, AIB_E_OS, "", "", "recvmsg would block on a socket meant to block");
-          return -1;
-        }
-        waited = 0;
-        continue;
-      }
+      /* SO_RCVTIMEO ran out, or poll woke us for nothing: the deadline decides at the loop's top
+       * (without one, a timeout left on the socket by an earlier request just means read again). */
+      if (errno == EAGAIN) continue;
       *rc_out = os_failure(err, errno, "recvmsg");
       return -1;
     }

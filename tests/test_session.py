@@ -305,14 +305,16 @@ def producer(sock_dir: str) -> Iterator[ProducerRig]:
 
 class FakePublisher:
     """A hand-written publisher on ``transport.Server``: answers HELLO (or not), answers each GET with
-    the next scripted frame (``None``: never answers), records the RELEASE frames it gets."""
+    the next scripted frame (``None``: never answers; a callable writes its own bytes), records the
+    RELEASE frames it gets."""
 
     def __init__(
         self,
         path: str,
         *,
         welcome: bool | bytes = True,
-        replies: list[tuple[int, bytes, list[int]] | None] | None = None,
+        replies: list[tuple[int, bytes, list[int]] | Callable[[transport.Connection], None] | None]
+        | None = None,
     ) -> None:
         self.releases: queue.Queue[int] = queue.Queue()
         if welcome is True:
@@ -334,7 +336,9 @@ class FakePublisher:
                 conn.send(protocol.WELCOME, self._welcome)
             elif frame.kind == protocol.GET:
                 reply = self._replies.pop(0) if self._replies else None
-                if reply is not None:
+                if callable(reply):
+                    reply(conn)  # writes its own bytes
+                elif reply is not None:
                     conn.send(*reply)
             elif frame.kind == protocol.RELEASE:
                 self.releases.put(protocol.decode_lease(frame.payload))
@@ -1833,3 +1837,34 @@ def test_silent_publisher_times_out_and_closes_the_session_connection(sock_dir: 
         assert 0.25 < time.monotonic() - started < 3.0
         with pytest.raises(aib.TransportError):
             session.get("x")
+
+
+def trickle(pieces: int, interval: float) -> Callable[[transport.Connection], None]:
+    """A FakePublisher reply: an ERROR frame (NotPublishedError) written in ``pieces`` parts,
+    ``interval`` seconds apart."""
+
+    def write(conn: transport.Connection) -> None:
+        payload = protocol.encode_error(aib.NotPublishedError("trickled"))
+        frame = struct.pack("<4sHHIHH", b"AIBT", 1, protocol.ERROR, len(payload), 0, 0) + payload
+        step = -(-len(frame) // pieces)
+        for offset in range(0, len(frame), step):
+            if offset:
+                time.sleep(interval)
+            os.write(conn.fileno(), frame[offset : offset + step])
+
+    return write
+
+
+def test_a_frame_arriving_in_pieces_is_read_within_the_deadline(sock_dir: str) -> None:
+    """The session's receive blocks with the socket's receive timeout on the first read and keeps
+    to its own deadline across later reads: a reply trickling in within the timeout is assembled, one
+    still trickling at the deadline times out then: the read that starts at 0.4 s, with 0.05 s left,
+    must not wait for the piece due at 0.8 s."""
+    fake = FakePublisher(os.path.join(sock_dir, "t.sock"), replies=[trickle(4, 0.05), trickle(3, 0.4)])
+    with fake, aib.connect(fake.path, timeout=0.45) as session:
+        with pytest.raises(aib.NotPublishedError, match="trickled"):
+            session.get("x")
+        started = time.monotonic()
+        with pytest.raises(aib.BridgeTimeoutError):
+            session.get("x")
+        assert 0.4 < time.monotonic() - started < 0.7
