@@ -7,7 +7,9 @@ record keeps the producer's buffers alive until every struct handed out from it 
 share the same memory, so one object can feed pyarrow, then polars, then nanoarrow.
 
 cffi cannot pass ``PyObject*``, so the handful of capsule calls go through ``ctypes.pythonapi``; the
-destructors and the capsule names are C functions and static strings of the core.
+destructors and the capsule names are C functions and static strings of the core. The hot ones
+(imported data's protocol calls, reading a capsule's struct) are C functions of the core that make
+or read capsules themselves (``cffi_build/py_capsules.c``), called through ctypes with the GIL held.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "capture",
     "DEVICE_CPU",
     "DEVICE_CUDA",
+    "owner_capsules",
 ]
 
 DEVICE_CPU = int(lib.ARROW_DEVICE_CPU)
@@ -69,8 +72,6 @@ class ArrowDeviceStreamExportable(Protocol):
 _api = ctypes.pythonapi
 _api.PyCapsule_New.restype = ctypes.py_object
 _api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-_api.PyCapsule_GetPointer.restype = ctypes.c_void_p
-_api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 _api.PyCapsule_GetName.restype = ctypes.c_char_p
 _api.PyCapsule_GetName.argtypes = [ctypes.py_object]
 _api.PyCapsule_IsValid.restype = ctypes.c_int
@@ -92,6 +93,25 @@ _NAME_ADDRESSES = {
     kind: int(ffi.cast("uintptr_t", lib.aib_capsule_name(code))) for kind, (code, _, _) in _KINDS.items()
 }
 _DESTRUCTORS = {kind: int(lib.aib_capsule_destructor(code)) for kind, (code, _, _) in _KINDS.items()}
+
+# The core's own capsule makers (py_capsules.c). PYFUNCTYPE: called with the GIL held, and an
+# exception the function sets (MemoryError) is raised here.
+_owner_capsules = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p)
+_device_array_capsules = _owner_capsules(lib.aib_py_capsules_function(lib.AIB_PY_DEVICE_ARRAY_CAPSULES))
+_array_capsules = _owner_capsules(lib.aib_py_capsules_function(lib.AIB_PY_ARRAY_CAPSULES))
+_capsule_address = ctypes.PYFUNCTYPE(ctypes.c_size_t, ctypes.py_object, ctypes.c_int)(
+    lib.aib_py_capsules_function(lib.AIB_PY_CAPSULE_ADDRESS)
+)
+
+
+def owner_capsules(owner: Any, *, device: bool) -> tuple[object, object] | None:
+    """The (schema, device array or array) capsule pair of batch 0 of ``owner``'s decoded message,
+    built in one C call from the owner's view (``aib_owner_set_view``); ``None`` when the owner
+    cannot build it (no view): the caller's regular path then does the work and reports errors.
+    The caller keeps ``owner`` alive for the call (the GIL is held throughout it)."""
+    address = int(ffi.cast("uintptr_t", owner))
+    pair: tuple[object, object] | None = (_device_array_capsules if device else _array_capsules)(address)
+    return pair
 
 
 def new_capsule(kind: str) -> tuple[object, Any]:
@@ -125,15 +145,15 @@ def _free_struct(kind: str, pointer: Any) -> None:
 
 def capsule_struct(capsule: object, kind: str) -> Any:
     """The struct a capsule of ``kind`` holds (borrowed), checking the capsule's name."""
-    name = _NAMES[kind]
-    if type(capsule).__name__ != "PyCapsule" or not _api.PyCapsule_IsValid(capsule, name):
-        found = _capsule_name(capsule)
+    code, ctype, _ = _KINDS[kind]
+    address = _capsule_address(capsule, code)
+    if not address:
         raise CapsuleError(
-            f"expected a PyCapsule named {name.decode()!r}, got {found}: pass the object that "
-            "implements the Arrow PyCapsule interface, or its capsules in the order it returns them"
+            f"expected a PyCapsule named {_NAMES[kind].decode()!r}, got {_capsule_name(capsule)}: pass "
+            "the object that implements the Arrow PyCapsule interface, or its capsules in the order it "
+            "returns them"
         )
-    address = _api.PyCapsule_GetPointer(capsule, name)
-    return ffi.cast(_KINDS[kind][1], address)
+    return ffi.cast(ctype, address)
 
 
 def _capsule_name(obj: object) -> str:

@@ -14,7 +14,13 @@ from typing import Any, Self
 
 from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
-from arrow_ipc_bridge.capsules import ArrowArrayExporter, ArrowExporter, capsule_struct
+from arrow_ipc_bridge.capsules import (
+    ArrowArrayExporter,
+    ArrowExporter,
+    _check_kwargs,
+    capsule_struct,
+    owner_capsules,
+)
 from arrow_ipc_bridge.errors import ReleasedError
 from arrow_ipc_bridge.metadata import Decoded
 
@@ -44,6 +50,10 @@ class _ImportedBase(ArrowExporter):
         self._sync = sync_event if sync_event is not None else ffi.NULL
         self.name = name
         self._on_release = on_release
+        # Lets the C core build this object's capsules from the owner alone (owner_capsules). An
+        # owner sharing a remembered decode has the template's view already (AIB_E_STATE); out of
+        # memory leaves it without one: the protocol calls then take the Python path.
+        lib.aib_owner_set_view(decoded.owner, self._bases, self._n_bases, device_type, device_id)
 
     @classmethod
     def adopt(
@@ -196,6 +206,29 @@ class ImportedArray(_ImportedBase, ArrowArrayExporter):
     ``pa.record_batch(imported)``, ``polars.DataFrame(imported)``, ``nanoarrow.c_array(imported)``,
     ``pylibcudf`` for device data. ``release()`` (or the ``with`` block) gives the lease back.
     """
+
+    # The hand-off's hot path: both capsules made by one C call (py_capsules.c) where the generic
+    # path makes each in Python; the same checks first, the generic path when the C call cannot.
+    def __arrow_c_device_array__(
+        self, requested_schema: object | None = None, **kwargs: object
+    ) -> tuple[object, object]:
+        if kwargs:
+            _check_kwargs(kwargs)
+        if requested_schema is not None:
+            self._check_requested(requested_schema)
+        self._live()
+        pair = owner_capsules(self._decoded.owner, device=True)
+        return pair if pair is not None else super().__arrow_c_device_array__()
+
+    def __arrow_c_array__(
+        self, requested_schema: object | None = None, **kwargs: object
+    ) -> tuple[object, object]:
+        _check_kwargs(kwargs)
+        self._check_requested(requested_schema)
+        self._require_host("__arrow_c_array__")
+        self._live()
+        pair = owner_capsules(self._decoded.owner, device=False)
+        return pair if pair is not None else super().__arrow_c_array__()
 
     def __enter__(self) -> ImportedArray:
         return self

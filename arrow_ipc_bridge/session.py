@@ -262,6 +262,10 @@ class Session:
     def _remember(self, template: Decoded, bases: Any, device_type: int, device_id: int, event: int) -> None:
         key = template.message
         imported_type = ImportedStream if template.is_stream else ImportedArray
+        # Leases of the message share the template's decode and this view: the C core builds their
+        # capsules from their owner alone (capsules.owner_capsules). Without it (out of memory)
+        # they take the Python path.
+        lib.aib_owner_set_view(template.owner, bases, len(bases), device_type, device_id)
         resolved = _Resolved(
             template, bases, device_type, device_id, event, next(self._resolved_ids), imported_type
         )

@@ -68,6 +68,11 @@ int aib_owner_attach_decoded(aib_owner *owner, aib_decoded *decoded);
 /* The owner keeps source alive and uses source's decoded message as its own (an identical message
  * imported again shares the first decode). AIB_E_STATE when source has none or owner has one. */
 int aib_owner_share_decoded(aib_owner *owner, aib_owner *source);
+/* Records where the owner's decoded message has its regions in this process (bases copied) and on
+ * which device, so that structs can be rebuilt from the owner alone (aib_py_capsules_function);
+ * owners sharing its decode share this too. AIB_E_STATE when it has one already. */
+int aib_owner_set_view(aib_owner *owner, const uint64_t *bases, size_t n_bases, int32_t device_type,
+                       int64_t device_id);
 void aib_owner_ref(aib_owner *owner);
 void aib_owner_unref(aib_owner *owner);
 int64_t aib_owner_refcount(aib_owner *owner);
@@ -118,6 +123,16 @@ int aib_array_move_to_device(struct ArrowArray *src, struct ArrowDeviceArray *ds
 #define AIB_CAPSULE_DEVICE_STREAM 4
 const char *aib_capsule_name(int kind);          /* static storage, e.g. "arrow_device_array" */
 uintptr_t aib_capsule_destructor(int kind);      /* address of the PyCapsule destructor for kind */
+
+/* Functions for callers holding the GIL, called through ctypes (py_capsules.c); their addresses:
+ *   AIB_PY_DEVICE_ARRAY_CAPSULES  PyObject *f(aib_owner *): (schema, device array) capsules of the
+ *                                 owner's batch 0, or None when the owner cannot build them
+ *   AIB_PY_ARRAY_CAPSULES         PyObject *f(aib_owner *): (schema, array) capsules, likewise
+ *   AIB_PY_CAPSULE_ADDRESS        uintptr_t f(PyObject *capsule, int kind): its struct, or 0 */
+#define AIB_PY_DEVICE_ARRAY_CAPSULES 0
+#define AIB_PY_ARRAY_CAPSULES 1
+#define AIB_PY_CAPSULE_ADDRESS 2
+uintptr_t aib_py_capsules_function(int which);
 
 /* Deep copy of a schema tree into dst (dst gets its own release). */
 int aib_schema_copy(const struct ArrowSchema *src, struct ArrowSchema *dst, aib_error *err);

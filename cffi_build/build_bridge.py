@@ -15,7 +15,16 @@ from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-C_SOURCES = ["owner.c", "layout.c", "wire.c", "channel.c", "serve.c", "import_cache.c", "cuda_batch.c"]
+C_SOURCES = [
+    "owner.c",
+    "layout.c",
+    "wire.c",
+    "channel.c",
+    "serve.c",
+    "import_cache.c",
+    "cuda_batch.c",
+    "py_capsules.c",
+]
 HEADERS = ["arrow_c_abi.h", "bridge.h"]
 _INTEGER_DEFINE = re.compile(r"^#define\s+\w+\s+-?\d+\s*(/\*.*\*/)?\s*$")
 

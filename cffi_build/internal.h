@@ -27,6 +27,17 @@ int aib_array_node_init(struct ArrowArray *dst, aib_owner *owner, int64_t length
                         int64_t offset, int64_t n_buffers, int64_t n_children, int has_dictionary);
 void aib_array_node_release(struct ArrowArray *a);
 aib_decoded *aib_owner_decoded(aib_owner *owner);
+
+/* Where an imported message's regions start in this process, and on which device: what a struct
+ * rebuilt from the owner's decode needs besides it (aib_owner_set_view). */
+typedef struct aib_view {
+  const uint64_t *bases;
+  size_t n_bases;
+  int32_t device_type;
+  int64_t device_id;
+  uint64_t storage[];
+} aib_view;
+const aib_view *aib_owner_view(aib_owner *owner);
 /* FNV-1a over bytes (8 at a time), for the core's hash tables (import_cache.c, serve.c). */
 uint64_t aib_hash_bytes(const uint8_t *p, size_t n);
 

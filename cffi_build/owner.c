@@ -150,6 +150,8 @@ struct aib_owner {
   uint64_t slot;
   aib_owner **deps;
   int n_deps, cap_deps;
+  const aib_view *view; /* where the decoded message's regions are here; own_view or a source's */
+  aib_view *own_view;
 };
 
 static aib_owner *owner_alloc(uint64_t token) {
@@ -253,8 +255,26 @@ int aib_owner_share_decoded(aib_owner *owner, aib_owner *source) {
   int rc = aib_owner_add_dependency(owner, source);
   if (rc) return rc;
   owner->shared_decoded = d; /* lives as long as source, which owner now keeps alive */
+  owner->view = source->view;  /* likewise */
   return AIB_OK;
 }
+
+int aib_owner_set_view(aib_owner *owner, const uint64_t *bases, size_t n_bases, int32_t device_type,
+                       int64_t device_id) {
+  if (owner->view != NULL) return AIB_E_STATE;
+  aib_view *v = malloc(sizeof(*v) + n_bases * sizeof(uint64_t));
+  if (v == NULL) return AIB_E_NOMEM;
+  if (n_bases) memcpy(v->storage, bases, n_bases * sizeof(uint64_t));
+  v->bases = v->storage;
+  v->n_bases = n_bases;
+  v->device_type = device_type;
+  v->device_id = device_id;
+  owner->own_view = v;
+  owner->view = v;
+  return AIB_OK;
+}
+
+const aib_view *aib_owner_view(aib_owner *owner) { return owner->view; }
 
 void aib_owner_ref(aib_owner *owner) { atomic_fetch_add_explicit(&owner->refs, 1, memory_order_relaxed); }
 
@@ -275,6 +295,7 @@ void aib_owner_unref(aib_owner *owner) {
   aib_schema_free(owner->schema);
   if (owner->decoded != NULL) aib_decoded_release_internal(owner->decoded);
   free(owner->host_buffer);
+  free(owner->own_view);
   for (int i = 0; i < owner->n_deps; i++) aib_owner_unref(owner->deps[i]);
   free(owner->deps);
   uint64_t token = owner->token;

@@ -52,7 +52,7 @@ from hypothesis import strategies as st
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import _reaper, protocol, transport
-from arrow_ipc_bridge._ffi import WIRE_VERSION, lib
+from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.metadata import Decoded
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -1758,6 +1758,61 @@ def test_remembered_message_is_imported_by_the_c_core(publisher: aib.Publisher) 
                 del got, schema, array
             assert wait_for(lambda: publisher.active_leases == 0, 2.0)
     assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_protocol_capsules_are_built_by_the_c_core(publisher: aib.Publisher, monkeypatch: Any) -> None:
+    """Imported arrays' capsule pairs come from one C call (owner_capsules) on the first get, on
+    remembered gets and for host data with regions; they hold what the Python path builds, and when
+    the C call cannot (no view) the Python path answers. A released object refuses both calls."""
+    from arrow_ipc_bridge import imported as imported_module
+    from arrow_ipc_bridge.capsules import owner_capsules
+
+    with_regions = pa.record_batch({"x": pa.array([1, None, 3]), "s": pa.array(["a", None, "ccc"])})
+    publisher.publish("nulls", null_batch(4, 100))
+    publisher.publish("data", with_regions)
+    expected = {"nulls": null_batch(4, 100), "data": with_regions}
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        for _ in range(3):
+            for name, batch in expected.items():
+                with session.get(name) as imported:
+                    assert owner_capsules(imported._decoded.owner, device=True) is not None
+                    assert pa.RecordBatch._import_from_c_device_capsule(
+                        *imported.__arrow_c_device_array__()
+                    ).equals(batch)
+                    assert pa.record_batch(imported).equals(batch)  # __arrow_c_array__
+        assert session.remembered_gets == 2
+        monkeypatch.setattr(imported_module, "owner_capsules", lambda owner, device: None)
+        for name, batch in expected.items():
+            with session.get(name) as imported:
+                assert pa.record_batch(imported).equals(batch)
+                schema, array = imported.__arrow_c_device_array__()
+                assert pa.RecordBatch._import_from_c_device_capsule(schema, array).equals(batch)
+        monkeypatch.undo()
+        imported = session.get("data")
+        imported.release()
+        with pytest.raises(aib.ReleasedError):
+            imported.__arrow_c_device_array__()
+        with pytest.raises(aib.ReleasedError):
+            imported.__arrow_c_array__()
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_an_owner_without_a_view_builds_no_capsules() -> None:
+    """owner_capsules answers None (the caller's cue for the Python path) for an owner that was never
+    told where its regions are, and for one without a decoded message."""
+    from arrow_ipc_bridge.capsules import owner_capsules
+
+    decoded = Decoded(aib.export(null_batch(2, 5)).message)
+    try:
+        assert owner_capsules(decoded.owner, device=True) is None
+        assert owner_capsules(decoded.owner, device=False) is None
+    finally:
+        decoded.close()
+    bare = ffi.gc(lib.aib_owner_new(0), lib.aib_owner_unref)
+    bases = ffi.new("uint64_t[]", [0])
+    assert lib.aib_owner_set_view(bare, bases, 1, lib.ARROW_DEVICE_CPU, -1) == 0
+    assert lib.aib_owner_set_view(bare, bases, 1, lib.ARROW_DEVICE_CPU, -1) == lib.AIB_E_STATE
+    assert owner_capsules(bare, device=True) is None
 
 
 def test_remembered_messages_churn_across_threads(publisher: aib.Publisher) -> None:
