@@ -53,6 +53,7 @@ from hypothesis import strategies as st
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
+from arrow_ipc_bridge.capsules import capsule_struct
 from arrow_ipc_bridge.metadata import Decoded
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -1795,6 +1796,57 @@ def test_protocol_capsules_are_built_by_the_c_core(publisher: aib.Publisher, mon
         with pytest.raises(aib.ReleasedError):
             imported.__arrow_c_array__()
     assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_a_child_moved_out_outlives_its_released_parent(publisher: aib.Publisher) -> None:
+    """The C data interface lets a consumer move a child array (and schema) out and release the parent:
+    the child's memory, in the rebuilt tree's one allocation, stays valid until the child is released
+    too; then every node is gone and the lease ends."""
+    batch = pa.record_batch(
+        {
+            "x": pa.array([1, None, 3]),
+            "s": pa.array(["a", None, "ccc"]),
+            "l": pa.array([[1, 2], None, [3]], pa.list_(pa.int32())),
+        }
+    )
+    publisher.publish("t", batch)
+    nodes_before = int(lib.aib_live_nodes())
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        for _ in range(2):  # the first get and a remembered-or-not second one
+            with session.get("t") as imported:
+                schema_capsule, array_capsule = imported.__arrow_c_array__()
+            schema = capsule_struct(schema_capsule, "schema")
+            array = capsule_struct(array_capsule, "array")
+            for i in (2, 0):  # a nested child, then a flat one; each moved out, then its parent released
+                child_schema = ffi.new("struct ArrowSchema *")
+                child_array = ffi.new("struct ArrowArray *")
+                ffi.memmove(child_schema, schema.children[i], ffi.sizeof("struct ArrowSchema"))
+                ffi.memmove(child_array, array.children[i], ffi.sizeof("struct ArrowArray"))
+                schema.children[i].release = ffi.NULL
+                array.children[i].release = ffi.NULL
+                schema.release(schema)
+                array.release(array)
+                _reaper.drain()  # a RELEASE, had the lease ended, is sent now
+                session.ping()  # and the publisher took it before answering (frames are in order)
+                assert publisher.active_leases == 1  # the moved child still holds the lease
+                moved = pa.Array._import_from_c(
+                    int(ffi.cast("uintptr_t", child_array)), int(ffi.cast("uintptr_t", child_schema))
+                )
+                assert moved.equals(batch.column(i))
+                del moved  # pyarrow released the moved structs
+                schema_capsule, array_capsule = imported_again(session)
+                schema = capsule_struct(schema_capsule, "schema")
+                array = capsule_struct(array_capsule, "array")
+            del schema, array, schema_capsule, array_capsule
+            gc.collect()
+            assert int(lib.aib_live_nodes()) == nodes_before
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def imported_again(session: aib.Session) -> tuple[object, object]:
+    """A fresh capsule pair of "t" whose import is released at once (the structs keep the lease)."""
+    with session.get("t") as imported:
+        return imported.__arrow_c_array__()
 
 
 def test_an_owner_without_a_view_builds_no_capsules() -> None:
