@@ -6,10 +6,15 @@ deadlock or crash, and a Python callback could raise where nobody can catch it. 
 queues the dead owner's token and writes a byte to a pipe; one daemon thread here sleeps on that pipe,
 drains the queue and runs the callback registered for each token (a lease release message, a CUDA
 handle close). ``drain()`` runs the same work synchronously, for tests and shutdown.
+
+A *family* serves many owners with one registration: its tokens are ``base | value`` and the
+callback gets ``value``. A session's leases are one family (the value is the lease id), so the C core
+can name a lease's owner without a Python call per get.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import select
@@ -18,7 +23,15 @@ from collections.abc import Callable
 
 from arrow_ipc_bridge._ffi import ffi, lib
 
-__all__ = ["register", "unregister", "drain", "pending_callbacks"]
+__all__ = [
+    "FAMILY_VALUE_BITS",
+    "register",
+    "register_family",
+    "unregister",
+    "unregister_family",
+    "drain",
+    "pending_callbacks",
+]
 
 _log = logging.getLogger("arrow_ipc_bridge")
 _lock = threading.Lock()
@@ -26,6 +39,10 @@ _callbacks: dict[int, Callable[[], None]] = {}
 _tokens = itertools.count(1)
 _thread: threading.Thread | None = None
 _BATCH = 256
+FAMILY_VALUE_BITS = int(lib.AIB_LEASE_ID_BITS)  # the C core puts lease ids in the low bits
+_VALUE_MASK = (1 << FAMILY_VALUE_BITS) - 1
+_families: dict[int, Callable[[int], None]] = {}
+_family_ids = itertools.count(1)
 
 
 def register(callback: Callable[[], None]) -> int:
@@ -35,6 +52,24 @@ def register(callback: Callable[[], None]) -> int:
     with _lock:
         _callbacks[token] = callback
     return token
+
+
+def register_family(callback: Callable[[int], None]) -> int:
+    """Return a token base: an owner dying with token ``base | value`` (0 < value <
+    2**FAMILY_VALUE_BITS) runs ``callback(value)`` on the reaper thread, until unregistered."""
+    _ensure_thread()
+    family = next(_family_ids)
+    if family >= 1 << (64 - FAMILY_VALUE_BITS):
+        raise RuntimeError("out of reaper token families")
+    with _lock:
+        _families[family] = callback
+    return family << FAMILY_VALUE_BITS
+
+
+def unregister_family(base: int) -> None:
+    """Forget a family: owners of it that die later run nothing."""
+    with _lock:
+        _families.pop(base >> FAMILY_VALUE_BITS, None)
 
 
 def unregister(token: int) -> bool:
@@ -58,8 +93,15 @@ def drain() -> int:
         if n == 0:
             return ran
         for i in range(n):
+            token = int(out[i])
+            family = token >> FAMILY_VALUE_BITS
+            callback: Callable[[], None] | None
             with _lock:
-                callback = _callbacks.pop(int(out[i]), None)
+                if family:
+                    member = _families.get(family)
+                    callback = None if member is None else functools.partial(member, token & _VALUE_MASK)
+                else:
+                    callback = _callbacks.pop(token, None)
             if callback is None:
                 continue
             ran += 1

@@ -30,6 +30,8 @@ from arrow_ipc_bridge.transport import Connection, Frame
 
 __all__ = ["Channel", "error_for", "frame_from", "millis"]
 
+_GET_IMPORTED = int(lib.AIB_GET_IMPORTED)
+
 
 def millis(timeout: float | None) -> int:
     """A timeout in seconds as the C core's milliseconds (-1: block)."""
@@ -127,23 +129,24 @@ class Channel:
             return frame_from(self._frame)
 
     def get(
-        self, name: bytes, cache: Any, token: int, timeout_ms: int
-    ) -> tuple[tuple[int, int, Any, Any] | None, Frame | None]:
+        self, name: bytes, cache: Any, lease_tokens: int, keeper: Any, timeout_ms: int
+    ) -> tuple[tuple[int, Any, Any] | None, Frame | None]:
         """The session's GET in one C call (``aib_session_get``); ``timeout_ms`` < 0 blocks.
 
-        Returns ``((lease id, cache entry id, lease owner, sync slot or NULL), None)`` when the
-        answer was a message remembered in ``cache`` and is imported already (the owner is the
-        caller's: wrap it at once), else ``(None, frame)`` with the answer for the caller.
+        Returns ``((cache entry id, lease owner, sync slot or NULL), None)`` when the answer was a
+        message remembered in ``cache`` and is imported already (the owner is the caller's: wrap it
+        at once; its token is ``lease_tokens | lease id`` and it holds ``keeper``), else
+        ``(None, frame)`` with the answer for the caller.
         """
         err = self._err
         result = self._result
         with self._recv_lock, self._send_lock:
             self.conn.check_open()
             rc = lib.aib_session_get(
-                self.raw, name, len(name), timeout_ms, cache, token, result, self._frame, err
+                self.raw, name, len(name), timeout_ms, cache, lease_tokens, keeper, result, self._frame, err
             )
-            if rc == lib.AIB_GET_IMPORTED:
-                return (result.lease_id, result.entry_id, result.owner, result.sync_slot), None
+            if rc == _GET_IMPORTED:
+                return (result.entry_id, result.owner, result.sync_slot), None
             if rc:
                 timeout = None if timeout_ms < 0 else timeout_ms / 1000
                 raise self.failed(rc, err, "a request", timeout, holding="both")

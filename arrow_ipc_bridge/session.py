@@ -9,6 +9,7 @@ the last struct built from it is released.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import threading
@@ -62,17 +63,17 @@ class _Resolved:
 
 
 class _Lease:
-    """The lease release notice: sends RELEASE once the lease id is known and the owner died."""
+    """The release notice of a lease imported by Python (the first get of a message): sends RELEASE
+    when its owner dies. Leases the C core imports use the session's reaper family instead."""
 
     __slots__ = ("channel", "lease_id")
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: Channel, lease_id: int) -> None:
         self.channel = channel
-        self.lease_id = 0
+        self.lease_id = lease_id
 
     def __call__(self) -> None:
-        if self.lease_id:
-            _send_release(self.channel, self.lease_id)
+        _send_release(self.channel, self.lease_id)
 
 
 class Session:
@@ -111,6 +112,11 @@ class Session:
         self._imported: weakref.WeakSet[ImportedArray | ImportedStream] = weakref.WeakSet()
         self._conn: transport.Connection | None = None
         self._channel: Channel | None = None  # the C side of the connection once the handshake is done
+        # Leases imported by the C core name their owner with token ``_lease_tokens | lease id`` (a
+        # reaper family: no Python call per get) and hold _lease_keeper, whose death (this session
+        # closed or collected, and every such lease ended) retires the family. Set in _attach.
+        self._lease_tokens = 0
+        self._lease_keeper: Any = ffi.NULL
         self._request_lock = threading.Lock()
         self._timeout: float | None = None
         self._timeout_ms = -1
@@ -313,7 +319,17 @@ class Session:
             )
         self.publisher_info = info
         # From here on requests and lease releases go through the C core (one call per round trip).
-        self._channel = Channel(conn)
+        channel = Channel(conn)
+        self._channel = channel
+        # The family's callback holds the channel, so a lease outliving the session can still be
+        # given back; the keeper's death retires it (then the channel can close with the session).
+        tokens = _reaper.register_family(functools.partial(_send_release, channel))
+        keeper = lib.aib_owner_new(_reaper.register(functools.partial(_reaper.unregister_family, tokens)))
+        if keeper == ffi.NULL:
+            _reaper.unregister_family(tokens)
+            raise MemoryError("allocating the session's lease keeper")
+        self._lease_tokens = tokens
+        self._lease_keeper = ffi.gc(keeper, lib.aib_owner_unref)
 
     def _request(self, kind: int, payload: bytes) -> transport.Frame:
         channel = self._connection()
@@ -368,20 +384,16 @@ class Session:
         """
         raw_name = protocol.encode_name(name)
         channel = self._connection()
-        lease = _Lease(channel)
-        token = _reaper.register(lease)
         fast: tuple[Decoded, _Resolved, Any] | None = None
         with self._request_lock:
-            try:
-                imported_now, frame = channel.get(raw_name, self._import_cache, token, self._timeout_ms)
-            except BaseException:
-                _reaper.unregister(token)
-                raise
+            imported_now, frame = channel.get(
+                raw_name, self._import_cache, self._lease_tokens, self._lease_keeper, self._timeout_ms
+            )
             if imported_now is not None:
-                # The steady state: a remembered message, imported by the C core already. From
-                # here on the owner carries the token: dropping it ends the lease.
-                lease.lease_id, entry_id, owner, sync_slot = imported_now
-                # Changes to the remembered set wait for _request_lock, so the entry is here.
+                # The steady state: a remembered message, imported by the C core already; the
+                # owner's token ends the lease when it dies. Changes to the remembered set wait for
+                # _request_lock, so the entry is here.
+                entry_id, owner, sync_slot = imported_now
                 hit = self._resolved_by_id.get(entry_id)
                 if hit is None:  # cannot happen; if it did, the lease ends here
                     lib.aib_owner_unref(owner)
@@ -406,22 +418,18 @@ class Session:
         assert frame is not None
         try:
             if frame.kind == protocol.ERROR:
-                _reaper.unregister(token)
                 protocol.raise_error(frame.payload)
             if frame.kind != protocol.ITEM:
-                _reaper.unregister(token)
                 raise ProtocolError(f"expected ITEM, got frame kind {frame.kind}")
-            try:
-                lease.lease_id, message = protocol.decode_item(frame.payload)
-            except BaseException:
-                _reaper.unregister(token)
-                raise
+            lease_id, message = protocol.decode_item(frame.payload)
+            lease = _Lease(channel, lease_id)
+            token = _reaper.register(lease)
             try:
                 return self._import(message, frame.fds, name=name, token=token)
             except BaseException:
                 # If the owner never came to life, nobody else will give the lease back.
                 if _reaper.unregister(token):
-                    _send_release(channel, lease.lease_id)
+                    lease()
                 raise
         finally:
             frame.close_fds()  # the mappings keep the files alive
@@ -461,6 +469,8 @@ class Session:
             imported.release()
         if self._conn is not None:
             self._conn.close()
+        if self._lease_keeper != ffi.NULL:
+            ffi.release(self._lease_keeper)  # the family retires once the last C-imported lease ends
         self._cache.close()
         with self._request_lock, self._resolved_lock:
             for key, resolved in self._resolved.items():

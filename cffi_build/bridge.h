@@ -423,11 +423,15 @@ typedef struct aib_get_result {
 } aib_get_result;
 /* GET name, then: an ITEM without descriptors carrying a remembered message is imported here and
  * AIB_GET_IMPORTED returned with out filled; otherwise AIB_OK with the received frame for the
- * caller (out->owner NULL); or an error code (the channel is then unusable). */
+ * caller (out->owner NULL); or an error code (the channel is then unusable).
+ * The lease's owner gets the reaper token lease_tokens | lease id (lease ids from 1 to
+ * 2^AIB_LEASE_ID_BITS - 1; others take the caller's path) and holds a reference on keeper, so that what
+ * the caller needs to send the RELEASE lives as long as any lease does. */
 #define AIB_GET_IMPORTED 101
+#define AIB_LEASE_ID_BITS 40
 int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64_t timeout_ms,
-                    aib_import_cache *cache, uint64_t token, aib_get_result *out, aib_frame *frame,
-                    aib_error *err);
+                    aib_import_cache *cache, uint64_t lease_tokens, aib_owner *keeper, aib_get_result *out,
+                    aib_frame *frame, aib_error *err);
 /* ---------- driver loops (cuda_batch.c); the driver is resolved by memory/cuda.py ---------------
  * Calls import_fn (the address of cuMemPoolImportPointer) for n 64-byte export records in order,
  * the current context being the caller's. Returns 0, or the first failing CUresult with *done the

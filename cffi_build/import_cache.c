@@ -132,7 +132,7 @@ size_t aib_import_cache_count(const aib_import_cache *c) { return c->count; }
 /* The lease owner for a remembered message, or NULL (not remembered, or out of memory: the caller
  * then takes the slow path, which reports errors properly). */
 static aib_owner *import_remembered(aib_import_cache *c, const uint8_t *message, size_t length, uint64_t token,
-                                    uint64_t *id_out) {
+                                    aib_owner *keeper, uint64_t *id_out) {
   uint64_t hash = aib_hash_bytes(message, length);
   aib_owner *owner = NULL;
   pthread_mutex_lock(&c->mu);
@@ -141,7 +141,8 @@ static aib_owner *import_remembered(aib_import_cache *c, const uint8_t *message,
     /* Token set only once the owner is complete: one that fails dies quietly, and the slow path
      * (which gets the same token) is the only one to report the lease's end. */
     owner = aib_owner_new(0);
-    if (owner != NULL && aib_owner_share_decoded(owner, e->template_owner) != AIB_OK) {
+    if (owner != NULL && (aib_owner_share_decoded(owner, e->template_owner) != AIB_OK ||
+                          aib_owner_add_dependency(owner, keeper) != AIB_OK)) {
       aib_owner_unref(owner);
       owner = NULL;
     }
@@ -156,19 +157,24 @@ static aib_owner *import_remembered(aib_import_cache *c, const uint8_t *message,
 }
 
 int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64_t timeout_ms,
-                    aib_import_cache *cache, uint64_t token, aib_get_result *out, aib_frame *frame,
-                    aib_error *err) {
+                    aib_import_cache *cache, uint64_t lease_tokens, aib_owner *keeper, aib_get_result *out,
+                    aib_frame *frame, aib_error *err) {
   out->lease_id = 0;
   out->entry_id = 0;
   out->owner = NULL;
   out->sync_slot = NULL;
   int rc = aib_channel_request(ch, FRAME_GET, name, name_len, timeout_ms, frame, err);
   if (rc) return rc;
-  if (frame->kind != FRAME_ITEM || frame->n_fds != 0 || frame->length < 8 || cache == NULL) return AIB_OK;
+  if (frame->kind != FRAME_ITEM || frame->n_fds != 0 || frame->length < 8 || cache == NULL || keeper == NULL)
+    return AIB_OK;
   const uint8_t *p = frame->payload;
   uint64_t lease = 0;
   for (int i = 7; i >= 0; i--) lease = (lease << 8) | p[i];
-  aib_owner *owner = import_remembered(cache, p + 8, (size_t)frame->length - 8, token, &out->entry_id);
+  /* The lease id rides in the owner's token (no Python registration per get); one that does not
+   * fit under the session's token base is left to the caller's path. */
+  if (lease == 0 || lease >> AIB_LEASE_ID_BITS) return AIB_OK;
+  aib_owner *owner = import_remembered(cache, p + 8, (size_t)frame->length - 8, lease_tokens | lease, keeper,
+                                       &out->entry_id);
   if (owner == NULL) return AIB_OK;
   out->lease_id = lease;
   out->owner = owner;

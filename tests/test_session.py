@@ -1920,6 +1920,69 @@ def test_remembered_bytes_with_a_descriptor_take_the_checked_path(sock_dir: str)
         os.close(w)
 
 
+def test_lease_ids_the_token_cannot_carry_take_the_python_path(sock_dir: str) -> None:
+    """Leases imported by the C core carry their id in the owner's token (a reaper family, 40 bits). A
+    publisher answering with lease ids 0 or from 2**40 on is served by the Python path, and each
+    RELEASE names the id the publisher gave."""
+    message = aib.export(null_batch(2, 5)).message
+    big = (1 << _reaper.FAMILY_VALUE_BITS) + 7
+    leases = [1, 2, big, 0, (1 << 64) - 1, 3]
+    replies: list[Any] = [(protocol.ITEM, protocol.encode_item(lease, message), []) for lease in leases]
+    fake = FakePublisher(os.path.join(sock_dir, "f.sock"), replies=replies)
+    with fake, aib.connect(fake.path, timeout=5.0) as session:
+        for lease in leases:
+            with session.get("x") as imported:
+                assert pa.record_batch(imported).num_rows == 5
+            assert fake.releases.get(timeout=5.0) == lease
+        assert session.remembered_gets == 2  # leases 2 and 3
+
+
+def test_c_imported_leases_outlive_their_session_object(publisher: aib.Publisher) -> None:
+    """A session dropped without close() while structs of C-imported leases live on: the connection
+    stays open for them, each lease ends when its struct is released, and then the session's reaper
+    family is retired (nothing of it stays registered)."""
+    publisher.publish("t", null_batch(3, 10))
+    families_before = len(_reaper._families)
+    session = aib.connect(publisher.path, timeout=5.0)
+    session.get("t").release()  # the first get remembers the message
+    kept = []  # capsule pairs: their structs hold the leases (pyarrow lets go of buffer-less data)
+    for _ in range(3):
+        with session.get("t") as imported:
+            kept.append(imported.__arrow_c_device_array__())
+    assert session.remembered_gets == 3
+    assert len(_reaper._families) == families_before + 1
+    del session, imported
+    gc.collect()
+    assert wait_for(lambda: publisher.active_leases == 3, 2.0)
+    assert publisher.active_sessions == 1
+    kept.pop()
+    gc.collect()
+    assert wait_for(lambda: publisher.active_leases == 2, 2.0)
+    kept.clear()
+    gc.collect()
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+    assert wait_for(lambda: len(_reaper._families) == families_before, 2.0)
+    gc.collect()
+    assert wait_for(lambda: publisher.active_sessions == 0, 2.0)
+
+
+def test_reaper_family_tokens_reach_their_callback_with_the_value() -> None:
+    """An owner dying with token base | value runs the family's callback with value; after the family
+    is retired, its owners run nothing."""
+    seen: list[int] = []
+    base = _reaper.register_family(seen.append)
+    try:
+        for value in (1, 12345, (1 << _reaper.FAMILY_VALUE_BITS) - 1):
+            lib.aib_owner_unref(lib.aib_owner_new(base | value))
+        _reaper.drain()
+        assert seen == [1, 12345, (1 << _reaper.FAMILY_VALUE_BITS) - 1]
+    finally:
+        _reaper.unregister_family(base)
+    lib.aib_owner_unref(lib.aib_owner_new(base | 5))
+    _reaper.drain()
+    assert seen == [1, 12345, (1 << _reaper.FAMILY_VALUE_BITS) - 1]
+
+
 def test_frames_over_64_kib_cross_the_c_channel(publisher: aib.Publisher) -> None:
     """A message bigger than the channel's 64 KiB buffer (5,000 columns) goes through the C framing's
     large-frame path in both directions, and is then remembered like any other."""
