@@ -8,14 +8,15 @@ share the same memory, so one object can feed pyarrow, then polars, then nanoarr
 
 cffi cannot pass ``PyObject*``, so the handful of capsule calls go through ``ctypes.pythonapi``; the
 destructors and the capsule names are C functions and static strings of the core. The hot ones
-(imported data's protocol calls, reading a capsule's struct) are C functions of the core that make
-or read capsules themselves (``cffi_build/py_capsules.c``), called through ctypes with the GIL held.
+(imported data's protocol calls, reading a capsule's struct) are builtin functions the core makes
+(``cffi_build/py_capsules.c``), which make or read the capsules themselves.
 """
 
 from __future__ import annotations
 
 import ctypes
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
@@ -35,7 +36,9 @@ __all__ = [
     "capture",
     "DEVICE_CPU",
     "DEVICE_CUDA",
-    "owner_capsules",
+    "array_capsules",
+    "device_array_capsules",
+    "owner_address",
 ]
 
 DEVICE_CPU = int(lib.ARROW_DEVICE_CPU)
@@ -94,24 +97,26 @@ _NAME_ADDRESSES = {
 }
 _DESTRUCTORS = {kind: int(lib.aib_capsule_destructor(code)) for kind, (code, _, _) in _KINDS.items()}
 
-# The core's own capsule makers (py_capsules.c). PYFUNCTYPE: called with the GIL held, and an
-# exception the function sets (MemoryError) is raised here.
-_owner_capsules = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p)
-_device_array_capsules = _owner_capsules(lib.aib_py_capsules_function(lib.AIB_PY_DEVICE_ARRAY_CAPSULES))
-_array_capsules = _owner_capsules(lib.aib_py_capsules_function(lib.AIB_PY_ARRAY_CAPSULES))
-_capsule_address = ctypes.PYFUNCTYPE(ctypes.c_size_t, ctypes.py_object, ctypes.c_int)(
-    lib.aib_py_capsules_function(lib.AIB_PY_CAPSULE_ADDRESS)
+# The core's own capsule functions (py_capsules.c): builtin function objects the core makes once,
+# through ctypes with the GIL held; each call after that costs what a builtin call costs.
+_make_function = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_int, ctypes.c_long)(lib.aib_py_function_maker())
+device_array_capsules: Callable[[int], tuple[object, object] | None] = _make_function(
+    lib.AIB_PY_DEVICE_ARRAY_CAPSULES, 0
 )
+"""``device_array_capsules(owner_address)``: the (schema, device array) capsule pair of batch 0 of the
+owner's decoded message, built in one C call from the owner's view (``aib_owner_set_view``); ``None``
+when the owner cannot build it (no view): the caller's regular path then does the work and reports
+errors. The caller keeps the owner alive (the GIL is held throughout the call)."""
+array_capsules: Callable[[int], tuple[object, object] | None] = _make_function(lib.AIB_PY_ARRAY_CAPSULES, 0)
+"""``array_capsules(owner_address)``: the same with a host ``ArrowArray``."""
+_CAPSULE_ADDRESS = {
+    kind: _make_function(lib.AIB_PY_CAPSULE_ADDRESS, code) for kind, (code, _, _) in _KINDS.items()
+}
 
 
-def owner_capsules(owner: Any, *, device: bool) -> tuple[object, object] | None:
-    """The (schema, device array or array) capsule pair of batch 0 of ``owner``'s decoded message,
-    built in one C call from the owner's view (``aib_owner_set_view``); ``None`` when the owner
-    cannot build it (no view): the caller's regular path then does the work and reports errors.
-    The caller keeps ``owner`` alive for the call (the GIL is held throughout it)."""
-    address = int(ffi.cast("uintptr_t", owner))
-    pair: tuple[object, object] | None = (_device_array_capsules if device else _array_capsules)(address)
-    return pair
+def owner_address(owner: Any) -> int:
+    """An owner's address, the argument of :data:`device_array_capsules` and :data:`array_capsules`."""
+    return int(ffi.cast("uintptr_t", owner))
 
 
 def new_capsule(kind: str) -> tuple[object, Any]:
@@ -145,15 +150,14 @@ def _free_struct(kind: str, pointer: Any) -> None:
 
 def capsule_struct(capsule: object, kind: str) -> Any:
     """The struct a capsule of ``kind`` holds (borrowed), checking the capsule's name."""
-    code, ctype, _ = _KINDS[kind]
-    address = _capsule_address(capsule, code)
+    address = _CAPSULE_ADDRESS[kind](capsule)
     if not address:
         raise CapsuleError(
             f"expected a PyCapsule named {_NAMES[kind].decode()!r}, got {_capsule_name(capsule)}: pass "
             "the object that implements the Arrow PyCapsule interface, or its capsules in the order it "
             "returns them"
         )
-    return ffi.cast(ctype, address)
+    return ffi.cast(_KINDS[kind][1], address)
 
 
 def _capsule_name(obj: object) -> str:

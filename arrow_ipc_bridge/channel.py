@@ -130,12 +130,12 @@ class Channel:
 
     def get(
         self, name: bytes, cache: Any, lease_tokens: int, keeper: Any, timeout_ms: int
-    ) -> tuple[tuple[int, Any, Any] | None, Frame | None]:
+    ) -> tuple[tuple[int, Any, int, Any] | None, Frame | None]:
         """The session's GET in one C call (``aib_session_get``); ``timeout_ms`` < 0 blocks.
 
-        Returns ``((cache entry id, lease owner, sync slot or NULL), None)`` when the answer was a
-        message remembered in ``cache`` and is imported already (the owner is the caller's: wrap it
-        at once; its token is ``lease_tokens | lease id`` and it holds ``keeper``), else
+        Returns ``((cache entry id, lease owner, its address, sync slot or NULL), None)`` when the
+        answer was a message remembered in ``cache`` and is imported already (the owner is the
+        caller's: wrap it at once; its token is ``lease_tokens | lease id`` and it holds ``keeper``), else
         ``(None, frame)`` with the answer for the caller.
         """
         err = self._err
@@ -146,7 +146,7 @@ class Channel:
                 self.raw, name, len(name), timeout_ms, cache, lease_tokens, keeper, result, self._frame, err
             )
             if rc == _GET_IMPORTED:
-                return (result.entry_id, result.owner, result.sync_slot), None
+                return (result.entry_id, result.owner, result.owner_address, result.sync_slot), None
             if rc:
                 timeout = None if timeout_ms < 0 else timeout_ms / 1000
                 raise self.failed(rc, err, "a request", timeout, holding="both")

@@ -18,8 +18,10 @@ from arrow_ipc_bridge.capsules import (
     ArrowArrayExporter,
     ArrowExporter,
     _check_kwargs,
+    array_capsules,
     capsule_struct,
-    owner_capsules,
+    device_array_capsules,
+    owner_address,
 )
 from arrow_ipc_bridge.errors import ReleasedError
 from arrow_ipc_bridge.metadata import Decoded
@@ -50,10 +52,11 @@ class _ImportedBase(ArrowExporter):
         self._sync = sync_event if sync_event is not None else ffi.NULL
         self.name = name
         self._on_release = on_release
-        # Lets the C core build this object's capsules from the owner alone (owner_capsules). An
-        # owner sharing a remembered decode has the template's view already (AIB_E_STATE); out of
-        # memory leaves it without one: the protocol calls then take the Python path.
+        # Lets the C core build this object's capsules from the owner alone (device_array_capsules).
+        # An owner sharing a remembered decode has the template's view already (AIB_E_STATE); out
+        # of memory leaves it without one: the protocol calls then take the Python path.
         lib.aib_owner_set_view(decoded.owner, self._bases, self._n_bases, device_type, device_id)
+        self._owner_address = owner_address(decoded.owner)
 
     @classmethod
     def adopt(
@@ -65,11 +68,14 @@ class _ImportedBase(ArrowExporter):
         device_id: int,
         sync_event: Any,
         name: str | None,
+        owner_address: int,
     ) -> Self:
         """The steady-state constructor: ``bases`` is the session's shared ``uint64_t[]`` and
-        nothing needs checking (a get per hand-off makes every call count)."""
+        nothing needs checking (a get per hand-off makes every call count); ``owner_address`` is
+        ``decoded``'s owner as a number (the C core returns it)."""
         self = cls.__new__(cls)
         self._decoded = decoded
+        self._owner_address = owner_address
         self._bases = bases
         self._n_bases = len(bases)
         self._device_type = device_type
@@ -216,8 +222,9 @@ class ImportedArray(_ImportedBase, ArrowArrayExporter):
             _check_kwargs(kwargs)
         if requested_schema is not None:
             self._check_requested(requested_schema)
-        self._live()
-        pair = owner_capsules(self._decoded.owner, device=True)
+        if self._decoded.closed:
+            self._live()  # raises
+        pair = device_array_capsules(self._owner_address)
         return pair if pair is not None else super().__arrow_c_device_array__()
 
     def __arrow_c_array__(
@@ -227,7 +234,7 @@ class ImportedArray(_ImportedBase, ArrowArrayExporter):
         self._check_requested(requested_schema)
         self._require_host("__arrow_c_array__")
         self._live()
-        pair = owner_capsules(self._decoded.owner, device=False)
+        pair = array_capsules(self._owner_address)
         return pair if pair is not None else super().__arrow_c_array__()
 
     def __enter__(self) -> ImportedArray:

@@ -269,7 +269,7 @@ class Session:
         key = template.message
         imported_type = ImportedStream if template.is_stream else ImportedArray
         # Leases of the message share the template's decode and this view: the C core builds their
-        # capsules from their owner alone (capsules.owner_capsules). Without it (out of memory)
+        # capsules from their owner alone (capsules.device_array_capsules). Without it (out of memory)
         # they take the Python path.
         lib.aib_owner_set_view(template.owner, bases, len(bases), device_type, device_id)
         resolved = _Resolved(
@@ -384,7 +384,7 @@ class Session:
         """
         raw_name = protocol.encode_name(name)
         channel = self._connection()
-        fast: tuple[Decoded, _Resolved, Any] | None = None
+        fast: tuple[Decoded, _Resolved, int, Any] | None = None
         with self._request_lock:
             imported_now, frame = channel.get(
                 raw_name, self._import_cache, self._lease_tokens, self._lease_keeper, self._timeout_ms
@@ -393,18 +393,18 @@ class Session:
                 # The steady state: a remembered message, imported by the C core already; the
                 # owner's token ends the lease when it dies. Changes to the remembered set wait for
                 # _request_lock, so the entry is here.
-                entry_id, owner, sync_slot = imported_now
+                entry_id, owner, address, sync_slot = imported_now
                 hit = self._resolved_by_id.get(entry_id)
                 if hit is None:  # cannot happen; if it did, the lease ends here
                     lib.aib_owner_unref(owner)
                     _reaper.drain()
                     raise BridgeError("a remembered message vanished during a get")
-                fast = Decoded.adopt(owner, hit.template), hit, sync_slot
+                fast = Decoded.adopt(owner, hit.template), hit, address, sync_slot
                 with self._resolved_lock:
                     self._resolved.move_to_end(hit.template.message)
         if fast is not None:
             self.remembered_gets += 1
-            decoded, hit, sync_slot = fast
+            decoded, hit, address, sync_slot = fast
             imported: Imported = hit.imported_type.adopt(
                 decoded,
                 hit.bases,
@@ -412,6 +412,7 @@ class Session:
                 device_id=hit.device_id,
                 sync_event=sync_slot or None,
                 name=name,
+                owner_address=address,
             )
             self._imported.add(imported)
             return imported

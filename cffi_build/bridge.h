@@ -124,15 +124,17 @@ int aib_array_move_to_device(struct ArrowArray *src, struct ArrowDeviceArray *ds
 const char *aib_capsule_name(int kind);          /* static storage, e.g. "arrow_device_array" */
 uintptr_t aib_capsule_destructor(int kind);      /* address of the PyCapsule destructor for kind */
 
-/* Functions for callers holding the GIL, called through ctypes (py_capsules.c); their addresses:
- *   AIB_PY_DEVICE_ARRAY_CAPSULES  PyObject *f(aib_owner *): (schema, device array) capsules of the
+/* The address of PyObject *make_function(int which, long bound_to) (py_capsules.c), to be called
+ * through ctypes with the GIL held: a builtin function object taking one argument.
+ *   AIB_PY_DEVICE_ARRAY_CAPSULES  f(owner address) -> (schema, device array) capsules of the
  *                                 owner's batch 0, or None when the owner cannot build them
- *   AIB_PY_ARRAY_CAPSULES         PyObject *f(aib_owner *): (schema, array) capsules, likewise
- *   AIB_PY_CAPSULE_ADDRESS        uintptr_t f(PyObject *capsule, int kind): its struct, or 0 */
+ *   AIB_PY_ARRAY_CAPSULES         f(owner address) -> (schema, array) capsules, likewise
+ *   AIB_PY_CAPSULE_ADDRESS        f(capsule) -> the struct's address when the capsule is of kind
+ *                                 bound_to (AIB_CAPSULE_*), else 0 */
 #define AIB_PY_DEVICE_ARRAY_CAPSULES 0
 #define AIB_PY_ARRAY_CAPSULES 1
 #define AIB_PY_CAPSULE_ADDRESS 2
-uintptr_t aib_py_capsules_function(int which);
+uintptr_t aib_py_function_maker(void);
 
 /* Deep copy of a schema tree into dst (dst gets its own release). */
 int aib_schema_copy(const struct ArrowSchema *src, struct ArrowSchema *dst, aib_error *err);
@@ -419,6 +421,7 @@ typedef struct aib_get_result {
   uint64_t lease_id;
   uint64_t entry_id;
   aib_owner *owner;  /* the lease's owner (token set, sync slot filled); one reference, the caller's */
+  uintptr_t owner_address; /* the same, as a number (what py_capsules.c's functions take) */
   uint64_t *sync_slot;  /* the owner's slot holding the CUevent (the spec's sync_event), or NULL */
 } aib_get_result;
 /* GET name, then: an ITEM without descriptors carrying a remembered message is imported here and

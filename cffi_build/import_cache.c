@@ -162,6 +162,7 @@ int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64
   out->lease_id = 0;
   out->entry_id = 0;
   out->owner = NULL;
+  out->owner_address = 0;
   out->sync_slot = NULL;
   int rc = aib_channel_request(ch, FRAME_GET, name, name_len, timeout_ms, frame, err);
   if (rc) return rc;
@@ -178,6 +179,7 @@ int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64
   if (owner == NULL) return AIB_OK;
   out->lease_id = lease;
   out->owner = owner;
+  out->owner_address = (uintptr_t)owner;
   out->sync_slot = *aib_owner_slot(owner) != 0 ? aib_owner_slot(owner) : NULL;
   return AIB_GET_IMPORTED;
 }

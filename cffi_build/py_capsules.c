@@ -3,9 +3,10 @@
  * cffi releases the GIL around every call and cannot return a PyObject*, so the capsule calls of
  * capsules.py went through ctypes one by one: a protocol call on imported data cost two struct
  * allocations, two ctypes PyCapsule_New calls and the rebuild, ~8 µs of which ~4 µs Python on the
- * GPU machine. The functions here do all of it in one call. Python reaches them through ctypes
- * with PYFUNCTYPE (the GIL stays held; capsules.py takes their addresses from
- * aib_py_capsules_function), and they touch Python objects only through the limited API.
+ * GPU machine. The functions here do all of it in one call. cffi cannot hand Python a PyObject,
+ * so capsules.py calls make_function once per function through ctypes (PYFUNCTYPE: the GIL stays
+ * held) and gets builtin function objects back, which it then calls like any builtin. Everything
+ * here runs with the GIL held and touches Python objects only through the limited API.
  *
  * What a rebuild needs besides the decode comes from the owner's view (aib_owner_set_view): the
  * region bases in this process and the device. The sync event is the owner's slot when set. */
@@ -71,22 +72,55 @@ static PyObject *capsule_pair(aib_owner *owner, int device) {
   return pair;
 }
 
-static PyObject *device_array_capsules(aib_owner *owner) { return capsule_pair(owner, 1); }
-static PyObject *array_capsules(aib_owner *owner) { return capsule_pair(owner, 0); }
-
-/* The struct a capsule named for kind holds, or 0 when it is not such a capsule (the caller
- * explains what it got). Consumers renaming a capsule they emptied do so after this. */
-static uintptr_t capsule_address(PyObject *capsule, int kind) {
-  const char *name = aib_capsule_name(kind);
-  if (name == NULL || !PyCapsule_IsValid(capsule, name)) return 0;
-  return (uintptr_t)PyCapsule_GetPointer(capsule, name);
+/* The functions Python calls: builtin function objects made here (make_function), so a call costs
+ * what calling len() costs, where a ctypes call costs ~1 µs. */
+static aib_owner *owner_from(PyObject *address) {
+  void *p = PyLong_AsVoidPtr(address);
+  if (p == NULL && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "owner address is 0");
+  return p;
 }
 
-uintptr_t aib_py_capsules_function(int which) {
-  switch (which) {
-    case AIB_PY_DEVICE_ARRAY_CAPSULES: return (uintptr_t)&device_array_capsules;
-    case AIB_PY_ARRAY_CAPSULES: return (uintptr_t)&array_capsules;
-    case AIB_PY_CAPSULE_ADDRESS: return (uintptr_t)&capsule_address;
-    default: return 0;
+static PyObject *device_array_capsules(PyObject *self, PyObject *address) {
+  aib_owner *owner = owner_from(address);
+  return owner == NULL ? NULL : capsule_pair(owner, 1);
+}
+
+static PyObject *array_capsules(PyObject *self, PyObject *address) {
+  aib_owner *owner = owner_from(address);
+  return owner == NULL ? NULL : capsule_pair(owner, 0);
+}
+
+/* self is the capsule kind (AIB_CAPSULE_*): the address of the struct the capsule holds when it is a
+ * capsule of that kind, else 0 (the caller explains what it got). */
+static PyObject *capsule_address(PyObject *self, PyObject *capsule) {
+  long kind = PyLong_AsLong(self);
+  if (kind == -1 && PyErr_Occurred()) return NULL;
+  const char *name = aib_capsule_name((int)kind);
+  if (name == NULL || !PyCapsule_IsValid(capsule, name)) return PyLong_FromLong(0);
+  return PyLong_FromVoidPtr(PyCapsule_GetPointer(capsule, name));
+}
+
+static PyMethodDef functions[] = {
+    {"device_array_capsules", device_array_capsules, METH_O,
+     "device_array_capsules(owner_address) -> (schema, device array) capsules of batch 0, or None"},
+    {"array_capsules", array_capsules, METH_O,
+     "array_capsules(owner_address) -> (schema, array) capsules of batch 0, or None"},
+    {"capsule_address", capsule_address, METH_O,
+     "capsule_address(capsule) -> address of the struct it holds, or 0 when it is not of this kind"},
+};
+
+/* Called once per function through ctypes (PYFUNCTYPE: the GIL is held): a new builtin function
+ * object for functions[which], bound to the integer bound_to (its `self`). */
+static PyObject *make_function(int which, long bound_to) {
+  if (which < 0 || which >= (int)(sizeof(functions) / sizeof(functions[0]))) {
+    PyErr_SetString(PyExc_ValueError, "no such function");
+    return NULL;
   }
+  PyObject *self = PyLong_FromLong(bound_to);
+  if (self == NULL) return NULL;
+  PyObject *function = PyCFunction_NewEx(&functions[which], self, NULL);
+  Py_DECREF(self);
+  return function;
 }
+
+uintptr_t aib_py_function_maker(void) { return (uintptr_t)&make_function; }

@@ -53,7 +53,7 @@ from hypothesis import strategies as st
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
-from arrow_ipc_bridge.capsules import capsule_struct
+from arrow_ipc_bridge.capsules import capsule_struct, owner_address
 from arrow_ipc_bridge.metadata import Decoded
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -1762,11 +1762,12 @@ def test_remembered_message_is_imported_by_the_c_core(publisher: aib.Publisher) 
 
 
 def test_protocol_capsules_are_built_by_the_c_core(publisher: aib.Publisher, monkeypatch: Any) -> None:
-    """Imported arrays' capsule pairs come from one C call (owner_capsules) on the first get, on
-    remembered gets and for host data with regions; they hold what the Python path builds, and when
-    the C call cannot (no view) the Python path answers. A released object refuses both calls."""
+    """Imported arrays' capsule pairs come from one C call (device_array_capsules, array_capsules) on
+    the first get, on remembered gets and for host data with regions; they hold what the Python path
+    builds, and when the C call cannot (no view) the Python path answers. A released object refuses
+    both calls."""
     from arrow_ipc_bridge import imported as imported_module
-    from arrow_ipc_bridge.capsules import owner_capsules
+    from arrow_ipc_bridge.capsules import device_array_capsules
 
     with_regions = pa.record_batch({"x": pa.array([1, None, 3]), "s": pa.array(["a", None, "ccc"])})
     publisher.publish("nulls", null_batch(4, 100))
@@ -1776,13 +1777,14 @@ def test_protocol_capsules_are_built_by_the_c_core(publisher: aib.Publisher, mon
         for _ in range(3):
             for name, batch in expected.items():
                 with session.get(name) as imported:
-                    assert owner_capsules(imported._decoded.owner, device=True) is not None
+                    assert device_array_capsules(owner_address(imported._decoded.owner)) is not None
                     assert pa.RecordBatch._import_from_c_device_capsule(
                         *imported.__arrow_c_device_array__()
                     ).equals(batch)
                     assert pa.record_batch(imported).equals(batch)  # __arrow_c_array__
         assert session.remembered_gets == 2
-        monkeypatch.setattr(imported_module, "owner_capsules", lambda owner, device: None)
+        monkeypatch.setattr(imported_module, "device_array_capsules", lambda address: None)
+        monkeypatch.setattr(imported_module, "array_capsules", lambda address: None)
         for name, batch in expected.items():
             with session.get(name) as imported:
                 assert pa.record_batch(imported).equals(batch)
@@ -1850,21 +1852,23 @@ def imported_again(session: aib.Session) -> tuple[object, object]:
 
 
 def test_an_owner_without_a_view_builds_no_capsules() -> None:
-    """owner_capsules answers None (the caller's cue for the Python path) for an owner that was never
-    told where its regions are, and for one without a decoded message."""
-    from arrow_ipc_bridge.capsules import owner_capsules
+    """The C capsule functions answer None (the caller's cue for the Python path) for an owner that was
+    never told where its regions are, and for one without a decoded message; a 0 address is refused."""
+    from arrow_ipc_bridge.capsules import array_capsules, device_array_capsules
 
     decoded = Decoded(aib.export(null_batch(2, 5)).message)
     try:
-        assert owner_capsules(decoded.owner, device=True) is None
-        assert owner_capsules(decoded.owner, device=False) is None
+        assert device_array_capsules(owner_address(decoded.owner)) is None
+        assert array_capsules(owner_address(decoded.owner)) is None
     finally:
         decoded.close()
     bare = ffi.gc(lib.aib_owner_new(0), lib.aib_owner_unref)
     bases = ffi.new("uint64_t[]", [0])
     assert lib.aib_owner_set_view(bare, bases, 1, lib.ARROW_DEVICE_CPU, -1) == 0
     assert lib.aib_owner_set_view(bare, bases, 1, lib.ARROW_DEVICE_CPU, -1) == lib.AIB_E_STATE
-    assert owner_capsules(bare, device=True) is None
+    assert device_array_capsules(owner_address(bare)) is None
+    with pytest.raises(ValueError, match="0"):
+        device_array_capsules(0)
 
 
 def test_remembered_messages_churn_across_threads(publisher: aib.Publisher) -> None:
