@@ -147,6 +147,10 @@ def machine_info() -> dict[str, Any]:
             return out.stdout.strip() if out.returncode == 0 else ""
 
         git["head"] = read_git("rev-parse", "--short", "HEAD")
+    # The lent GPU machine gets a copy of the working tree whose .git may lag behind it: the caller
+    # names the commit it copied (scripts/gpu-check.sh passes it on).
+    if os.environ.get("AIB_SOURCE_COMMIT"):
+        git["source_commit"] = os.environ["AIB_SOURCE_COMMIT"]
         git["library_changes_vs_head"] = read_git(
             "diff", "--shortstat", "HEAD", "--", "arrow_ipc_bridge", "cffi_build"
         )
@@ -782,6 +786,9 @@ def run(args: argparse.Namespace, *, host_only: bool = False) -> int:
         f"Linux {meta['kernel']}"
     )
     changes = meta["git"].get("library_changes_vs_head")
+    if meta["git"].get("source_commit"):
+        given = meta["git"]["source_commit"]
+        changes = f"copied from commit {given}; against the copy's .git: {changes or 'none'}"
     print(
         f"software: Python {meta['python']}, pyarrow {meta['pyarrow']}, arrow_ipc_bridge "
         f"{meta['arrow_ipc_bridge']} ({meta['library_path']}, git {meta['git'].get('head') or '?'}"

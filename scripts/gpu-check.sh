@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU run, in one call on the lent GPU machine:
-#   run(command="bash scripts/gpu-check.sh [quick|full]", carry=[".whl"])
+#   run(command="AIB_SOURCE_COMMIT=<git rev-parse --short HEAD here> bash scripts/gpu-check.sh [quick|full]",
+#       carry=[".whl"])
+# (the machine's copy of the tree may carry an older .git; the benchmark records the commit given)
 # Installs the carried wheels (cffi, pycparser, nanoarrow, polars: the machine lacks them), builds
 # the C core in place, runs the GPU tests and the GPU benchmark, and writes results under $OUT.
 set -uo pipefail
