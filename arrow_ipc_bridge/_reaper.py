@@ -39,6 +39,7 @@ _callbacks: dict[int, Callable[[], None]] = {}
 _tokens = itertools.count(1)
 _thread: threading.Thread | None = None
 _BATCH = 256
+_buffers = threading.local()
 FAMILY_VALUE_BITS = int(lib.AIB_LEASE_ID_BITS)  # the C core puts lease ids in the low bits
 _VALUE_MASK = (1 << FAMILY_VALUE_BITS) - 1
 _families: dict[int, Callable[[int], None]] = {}
@@ -86,14 +87,16 @@ def pending_callbacks() -> int:
 
 def drain() -> int:
     """Run the callbacks of every owner that died so far; return how many ran."""
-    out = ffi.new("uint64_t[]", _BATCH)
+    out = getattr(_buffers, "out", None)
+    if out is None:  # one per thread: drain runs on the reaper thread and on releasing threads
+        out = _buffers.out = ffi.new("uint64_t[]", _BATCH)
     ran = 0
     while True:
         n = lib.aib_reaper_drain(out, _BATCH)
         if n == 0:
             return ran
-        for i in range(n):
-            token = int(out[i])
+        # Copied out before any callback runs: a callback may drain again on this thread.
+        for token in out[0:n]:
             family = token >> FAMILY_VALUE_BITS
             callback: Callable[[], None] | None
             with _lock:

@@ -89,10 +89,11 @@ class Channel:
         other failure closes it."""
         err = new_error()
         fd_array = ffi.new("int[]", list(fds)) if fds else ffi.NULL
+        timeout_ms = -1 if timeout is None else millis(timeout)
         with self._send_lock:
             self.conn.check_open()
             rc = lib.aib_channel_send(
-                self.raw, kind, payload, len(payload), ffi.NULL, 0, fd_array, len(fds), millis(timeout), err
+                self.raw, kind, payload, len(payload), ffi.NULL, 0, fd_array, len(fds), timeout_ms, err
             )
         if rc:
             exc = error_for(rc, err, "sending a frame", timeout)

@@ -1987,6 +1987,31 @@ def test_reaper_family_tokens_reach_their_callback_with_the_value() -> None:
     assert seen == [1, 12345, (1 << _reaper.FAMILY_VALUE_BITS) - 1]
 
 
+def test_a_reaper_callback_may_drain_again() -> None:
+    """A callback that drains the queue itself (on the same thread) neither loses nor repeats the
+    notices of the batch being run."""
+    ran: list[str] = []
+
+    def first() -> None:
+        ran.append("first")
+        for i in range(3):  # enough to overwrite the rest of a shared batch buffer
+            lib.aib_owner_unref(lib.aib_owner_new(_reaper.register(lambda i=i: ran.append(f"inner{i}"))))
+        _reaper.drain()
+
+    tokens = [_reaper.register(first)] + [
+        _reaper.register(lambda i=i: ran.append(f"later{i}")) for i in range(3)
+    ]
+    owners = [lib.aib_owner_new(token) for token in tokens]
+    lib.aib_reaper_quiet(1)  # queued here, run by the drain below (not by the reaper thread)
+    try:
+        for owner in owners:
+            lib.aib_owner_unref(owner)
+    finally:
+        lib.aib_reaper_quiet(0)
+    _reaper.drain()
+    assert sorted(ran) == ["first", "inner0", "inner1", "inner2", "later0", "later1", "later2"]
+
+
 def test_frames_over_64_kib_cross_the_c_channel(publisher: aib.Publisher) -> None:
     """A message bigger than the channel's 64 KiB buffer (5,000 columns) goes through the C framing's
     large-frame path in both directions, and is then remembered like any other."""
