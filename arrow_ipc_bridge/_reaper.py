@@ -95,8 +95,9 @@ def drain() -> int:
         n = lib.aib_reaper_drain(out, _BATCH)
         if n == 0:
             return ran
-        # Copied out before any callback runs: a callback may drain again on this thread.
-        for token in out[0:n]:
+        # Copied out (ffi.unpack makes a list) before any callback runs: a callback may drain again
+        # on this thread, into the same buffer.
+        for token in ffi.unpack(out, n):
             family = token >> FAMILY_VALUE_BITS
             callback: Callable[[], None] | None
             with _lock:
