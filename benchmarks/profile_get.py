@@ -1,10 +1,13 @@
 #!/usr/bin/env python
 """Where a steady-state get's time goes, phase by phase, in one consumer process.
 
-    python benchmarks/profile_get.py [--device cuda|cpu] [--iterations 3000] [--cprofile]
+    python benchmarks/profile_get.py [--device cuda|cpu] [--table float|mixed] [--iterations 3000]
+                                     [--cprofile]
 
 A producer process publishes 16 float32 columns (CuPy arrays with ``--device cuda``; all-null columns on
-the CPU, whose message, like an all-legacy CUDA one, carries no descriptors and is remembered). The
+the CPU, whose message, like an all-legacy CUDA one, carries no descriptors and is remembered), or
+with ``--table mixed`` the GPU benchmark's mixed table (strings, lists, nulls) uploaded with
+``to_device`` (one IPC-pool region: not remembered, each get imports it). The
 consumer times, per get: ``session.get`` alone, then ``__arrow_c_device_array__``, then reading the
 struct and waiting on ``sync_event`` (the bench's "can launch work" end point), a bare 64-byte
 socket round trip between the same two processes and a ``Session.ping`` on the session's own
@@ -26,16 +29,23 @@ ROWS = 1 << 18
 NCOLS = 16
 
 
-def producer(path: str, device: str, ready: Any, echo_sock: socket.socket) -> None:
+def producer(path: str, device: str, table: str, ready: Any, echo_sock: socket.socket) -> None:
     import pyarrow as pa
 
     import arrow_ipc_bridge as aib
 
-    if device == "cuda":
+    if table == "mixed":
+        from gpu_bench_children import mixed_batch
+
+        from arrow_ipc_bridge.device import to_device
+
+        batch, _ = mixed_batch(1 << 20)
+        obj: Any = to_device(batch) if device == "cuda" else batch
+    elif device == "cuda":
         import cupy as cp
 
         columns = {f"c{i}": cp.full(ROWS, float(i), dtype=cp.float32) for i in range(NCOLS)}
-        obj: Any = aib.from_cuda_arrays(columns)
+        obj = aib.from_cuda_arrays(columns)
     else:
         obj = pa.record_batch({f"c{i}": pa.nulls(ROWS) for i in range(NCOLS)})
     with aib.Publisher(path) as pub:
@@ -57,6 +67,7 @@ def median_us(samples: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--table", choices=["float", "mixed"], default="float")
     parser.add_argument("--iterations", type=int, default=3000)
     parser.add_argument("--cprofile", action="store_true")
     args = parser.parse_args()
@@ -65,7 +76,7 @@ def main() -> None:
     path = os.path.join(directory, "p.sock")
     mine, theirs = socket.socketpair()
     ready = ctx.Event()
-    child = ctx.Process(target=producer, args=(path, args.device, ready, theirs), daemon=True)
+    child = ctx.Process(target=producer, args=(path, args.device, args.table, ready, theirs), daemon=True)
     child.start()
     while not ready.wait(0.2):
         if not child.is_alive():
@@ -103,7 +114,8 @@ def main() -> None:
         sync = device_array.sync_event
         if sync and wait is not None:
             wait(sync)
-        column = device_array.array.children[NCOLS - 1]
+        root = device_array.array
+        column = root.children[root.n_children - 1]
         if column.n_buffers > 1:
             int(ffi.cast("uintptr_t", column.buffers[1]))
         t3 = time.perf_counter()
