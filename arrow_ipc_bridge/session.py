@@ -60,6 +60,7 @@ class _Resolved:
     event: int  # the opened producer event, 0 when none
     entry_id: int  # its name in the C core's mirror of the cache (aib_import_cache)
     imported_type: type[ImportedArray] | type[ImportedStream]
+    files: tuple[tuple[int, int], ...]  # (st_dev, st_ino) of each descriptor it came with, in order
 
 
 class _Lease:
@@ -104,6 +105,7 @@ class Session:
         self._resolved_by_id: dict[int, _Resolved] = {}
         self._resolved_ids = itertools.count(1)
         self._resolved_max = 64
+        self._key_by_name: dict[str, bytes] = {}  # the message each name was last remembered with
         self._resolved_lock = threading.Lock()
         cache = lib.aib_import_cache_new()
         if cache == ffi.NULL:
@@ -136,9 +138,12 @@ class Session:
 
     def _import(self, message: bytes, fds: Sequence[int], *, name: str | None, token: int) -> Imported:
         self._check_open()
+        files = _file_identities(fds)
         with self._resolved_lock:
             hit = self._resolved.get(message)
-            if hit is not None and hit.template.n_fds == len(fds):
+            # The same bytes describe other data when they arrive with other files (a host region's
+            # message names no file): only the files the template mapped make it the same message.
+            if hit is not None and files is not None and hit.files == files:
                 # Share under the lock: another thread may evict the entry next.
                 self._resolved.move_to_end(message)
                 decoded = Decoded.sharing(hit.template, token)
@@ -156,12 +161,13 @@ class Session:
         try:
             device = decoded.device()
             if device.device_type == DEVICE_CPU:
-                bases = self._map_host_regions(decoded, fds)
+                bases = self._map_host_regions(decoded, fds, template)
                 imported = imported_from(decoded, bases, device_type=DEVICE_CPU, device_id=-1, name=name)
-                if not bases and not fds:
-                    # Nothing to map (all-null or empty data): remembered like all-legacy CUDA
-                    # messages, so re-gets take the C core's path.
-                    self._remember(template, ffi.new("uint64_t[]", [0]), DEVICE_CPU, -1, 0)
+                if files is not None:
+                    # The template holds the mappings: a re-get with the same bytes and files is
+                    # imported by the C core (also all-null data, which maps nothing).
+                    base_array = ffi.new("uint64_t[]", bases or [0])
+                    self._remember(template, base_array, DEVICE_CPU, -1, 0, files=files, name=name)
                     template_kept = True
             elif device.device_type == DEVICE_CUDA:
                 imported, template_kept = self._open_cuda_regions(template, decoded, fds, device, name)
@@ -200,7 +206,9 @@ class Session:
         self._imported.add(imported)
         return imported
 
-    def _map_host_regions(self, decoded: Decoded, fds: Sequence[int]) -> list[int]:
+    def _map_host_regions(self, decoded: Decoded, fds: Sequence[int], template: Decoded) -> list[int]:
+        """Maps every region; ``decoded`` (the import) and ``template`` (kept if the message is
+        remembered) each hold every mapping."""
         bases: list[int] = []
         for region in decoded.regions():
             if region.kind != REGION_HOST_FD or region.fd_index < 0:
@@ -210,6 +218,7 @@ class Session:
             )
             try:
                 decoded.depend_on(mapped.owner)
+                template.depend_on(mapped.owner)
             finally:
                 lib.aib_owner_unref(mapped.owner)
             bases.append(mapped.base)
@@ -255,7 +264,7 @@ class Session:
         event = cuda_regions.open_event(device.sync, ordinal) if device.sync else 0
         base_array = ffi.new("uint64_t[]", bases or [0])
         if remember:
-            self._remember(template, base_array, DEVICE_CUDA, ordinal, event)
+            self._remember(template, base_array, DEVICE_CUDA, ordinal, event, files=(), name=name)
         sync = None
         if event:
             sync = cuda_regions.owner_slot(decoded.owner)
@@ -265,32 +274,67 @@ class Session:
         )
         return imported, remember
 
-    def _remember(self, template: Decoded, bases: Any, device_type: int, device_id: int, event: int) -> None:
+    def _remember(
+        self,
+        template: Decoded,
+        bases: Any,
+        device_type: int,
+        device_id: int,
+        event: int,
+        *,
+        files: tuple[tuple[int, int], ...],
+        name: str | None,
+    ) -> None:
+        """Remember ``template`` (it holds the message's regions open) for re-gets of the same
+        message with the same files. A name keeps one remembered message: the one it was last got
+        with (a name republished with other data does not pin the old regions until eviction)."""
         key = template.message
         imported_type = ImportedStream if template.is_stream else ImportedArray
         # Leases of the message share the template's decode and this view: the C core builds their
-        # capsules from their owner alone (capsules.device_array_capsules). Without it (out of memory)
-        # they take the Python path.
+        # capsules from their owner alone (capsules.device_array_capsules). Without it (out of
+        # memory) they take the Python path.
         lib.aib_owner_set_view(template.owner, bases, len(bases), device_type, device_id)
         resolved = _Resolved(
-            template, bases, device_type, device_id, event, next(self._resolved_ids), imported_type
+            template, bases, device_type, device_id, event, next(self._resolved_ids), imported_type, files
         )
+        identities = ffi.new("aib_file_identity[]", max(len(files), 1))
+        for i, (dev, ino) in enumerate(files):
+            identities[i].dev = dev
+            identities[i].ino = ino
+        cache = self._import_cache
         with self._request_lock, self._resolved_lock:
             if self._closed:
                 template.close()
                 return
             if lib.aib_import_cache_put(
-                self._import_cache, key, len(key), template.owner, event, resolved.entry_id
+                cache,
+                key,
+                len(key),
+                template.owner,
+                event,
+                resolved.entry_id,
+                identities,
+                len(files),
             ):
                 template.close()  # not remembered (out of memory): the import itself is fine
                 return
+            evicted = []
             previous = self._resolved.pop(key, None)  # two threads resolved the same message
+            if previous is not None:
+                evicted.append(previous)
+            if name is not None:
+                replaced_key = self._key_by_name.get(name)
+                self._key_by_name[name] = key
+                if replaced_key is not None and replaced_key != key:
+                    replaced = self._resolved.pop(replaced_key, None)
+                    if replaced is not None:
+                        lib.aib_import_cache_remove(cache, replaced_key, len(replaced_key))
+                        evicted.append(replaced)
             self._resolved[key] = resolved
             self._resolved_by_id[resolved.entry_id] = resolved
-            evicted = [previous] if previous is not None else []
             while len(self._resolved) > self._resolved_max:
                 old_key, old = self._resolved.popitem(last=False)
-                lib.aib_import_cache_remove(self._import_cache, old_key, len(old_key))
+                lib.aib_import_cache_remove(cache, old_key, len(old_key))
                 evicted.append(old)
             for old in evicted:
                 self._resolved_by_id.pop(old.entry_id, None)
@@ -479,6 +523,7 @@ class Session:
                 resolved.template.close()
             self._resolved.clear()
             self._resolved_by_id.clear()
+            self._key_by_name.clear()
         _reaper.drain()
 
     def __enter__(self) -> Session:
@@ -488,6 +533,16 @@ class Session:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _file_identities(fds: Sequence[int]) -> tuple[tuple[int, int], ...] | None:
+    """(st_dev, st_ino) of each descriptor; None when one cannot be examined (then nothing matches,
+    and the import reports the descriptor)."""
+    try:
+        stats = [os.fstat(fd) for fd in fds]
+    except OSError:
+        return None
+    return tuple((st.st_dev, st.st_ino) for st in stats)
 
 
 def _send_release(channel: Channel, lease_id: int) -> None:

@@ -411,10 +411,16 @@ int aib_serve(aib_server_conn *c, aib_frame *out, aib_error *err);
  * holds the opened regions; event is the opened CUevent for the sync slot (0: none); id is the
  * caller's name for the entry. remove returns 1 when the message was not there. */
 typedef struct aib_import_cache aib_import_cache;
+/* A file the template maps, by the (st_dev, st_ino) of the descriptor it arrived with. */
+typedef struct aib_file_identity {
+  uint64_t dev, ino;
+} aib_file_identity;
 aib_import_cache *aib_import_cache_new(void);
 void aib_import_cache_free(aib_import_cache *c);
+/* files: one identity per descriptor the message travels with, in fd-index order; an answer with
+ * the same bytes is imported here only when its descriptors are those files (then they are closed). */
 int aib_import_cache_put(aib_import_cache *c, const uint8_t *message, size_t length, aib_owner *template_owner,
-                         uint64_t event, uint64_t id);
+                         uint64_t event, uint64_t id, const aib_file_identity *files, uint32_t n_files);
 int aib_import_cache_remove(aib_import_cache *c, const uint8_t *message, size_t length);
 size_t aib_import_cache_count(const aib_import_cache *c);
 typedef struct aib_get_result {
@@ -424,7 +430,7 @@ typedef struct aib_get_result {
   uintptr_t owner_address; /* the same, as a number (what py_capsules.c's functions take) */
   uint64_t *sync_slot;  /* the owner's slot holding the CUevent (the spec's sync_event), or NULL */
 } aib_get_result;
-/* GET name, then: an ITEM without descriptors carrying a remembered message is imported here and
+/* GET name, then: an ITEM carrying a remembered message (and its files) is imported here and
  * AIB_GET_IMPORTED returned with out filled; otherwise AIB_OK with the received frame for the
  * caller (out->owner NULL); or an error code (the channel is then unusable).
  * The lease's owner gets the reaper token lease_tokens | lease id (lease ids from 1 to

@@ -1,12 +1,13 @@
 /* The session's steady state in one C call: GET, ITEM, and the import of a message seen before.
  *
- * A session remembers messages whose regions stay open (all-legacy CUDA handles): the validated
- * decode lives in a template owner, which also holds the opened regions. When the publisher answers
- * a GET with byte-for-byte the same message (the same publication), nothing needs decoding,
- * validating or opening again: aib_session_get makes the lease's owner (sharing the template's
- * decode, holding the template) and returns. Identical bytes validated once are valid again, so
- * this skips no check. Everything else (a new message, descriptors attached, an ERROR) goes back
- * to Python as the received frame.
+ * A session remembers messages whose regions can stay open (all-legacy CUDA handles, host files):
+ * the validated decode lives in a template owner, which also holds the opened regions. When the
+ * publisher answers a GET with byte-for-byte the same message (the same publication) and, for host
+ * regions, descriptors of the same files, nothing needs decoding, validating, mapping or opening
+ * again: aib_session_get makes the lease's owner (sharing the template's decode, holding the
+ * template) and returns. Identical bytes validated once are valid again, so
+ * this skips no check. Everything else (a new message, other files, an ERROR) goes back to Python
+ * as the received frame.
  *
  * Python keeps the LRU order and the Python-side objects of each entry; this table mirrors its
  * membership (put on remember, remove on eviction), keyed by the message bytes. */
@@ -14,6 +15,8 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -27,7 +30,9 @@ typedef struct cache_entry {
   aib_owner *template_owner; /* one reference */
   size_t length;
   struct cache_entry *next;
-  uint8_t message[]; /* length bytes */
+  uint32_t n_files;
+  aib_file_identity *files; /* n_files, inside this allocation after the message */
+  uint8_t message[];        /* length bytes */
 } cache_entry;
 
 struct aib_import_cache {
@@ -86,15 +91,20 @@ static cache_entry **find(aib_import_cache *c, const uint8_t *message, size_t le
 }
 
 int aib_import_cache_put(aib_import_cache *c, const uint8_t *message, size_t length, aib_owner *template_owner,
-                         uint64_t event, uint64_t id) {
+                         uint64_t event, uint64_t id, const aib_file_identity *files, uint32_t n_files) {
   if (aib_owner_decoded(template_owner) == NULL) return AIB_E_STATE;
-  cache_entry *e = malloc(sizeof(*e) + length);
+  if (n_files > AIB_MAX_FDS) return AIB_E_LIMIT;
+  size_t files_at = (sizeof(cache_entry) + length + 7) & ~(size_t)7;
+  cache_entry *e = malloc(files_at + n_files * sizeof(aib_file_identity));
   if (e == NULL) return AIB_E_NOMEM;
   e->hash = aib_hash_bytes(message, length);
   e->id = id;
   e->event = event;
   e->length = length;
   memcpy(e->message, message, length);
+  e->n_files = n_files;
+  e->files = (aib_file_identity *)((char *)e + files_at);
+  if (n_files) memcpy(e->files, files, n_files * sizeof(aib_file_identity));
   aib_owner_ref(template_owner);
   e->template_owner = template_owner;
   pthread_mutex_lock(&c->mu);
@@ -129,14 +139,28 @@ int aib_import_cache_remove(aib_import_cache *c, const uint8_t *message, size_t 
 
 size_t aib_import_cache_count(const aib_import_cache *c) { return c->count; }
 
-/* The lease owner for a remembered message, or NULL (not remembered, or out of memory: the caller
- * then takes the slow path, which reports errors properly). */
-static aib_owner *import_remembered(aib_import_cache *c, const uint8_t *message, size_t length, uint64_t token,
-                                    aib_owner *keeper, uint64_t *id_out) {
+/* Whether the received descriptors are the files the entry's template mapped, in order: identical
+ * message bytes say nothing about which file a host region lives in (its identity field is 0), the
+ * descriptors do. (st_dev, st_ino) of a file the template still maps cannot name another file. */
+static int same_files(const cache_entry *e, const int *fds, uint32_t n_fds) {
+  if (e->n_files != n_fds) return 0;
+  for (uint32_t i = 0; i < n_fds; i++) {
+    struct stat st;
+    if (fstat(fds[i], &st) != 0 || !S_ISREG(st.st_mode)) return 0;
+    if ((uint64_t)st.st_dev != e->files[i].dev || (uint64_t)st.st_ino != e->files[i].ino) return 0;
+  }
+  return 1;
+}
+
+/* The lease owner for a remembered message, or NULL (not remembered, other files, or out of memory:
+ * the caller then takes the slow path, which reports errors properly). */
+static aib_owner *import_remembered(aib_import_cache *c, const uint8_t *message, size_t length, const int *fds,
+                                    uint32_t n_fds, uint64_t token, aib_owner *keeper, uint64_t *id_out) {
   uint64_t hash = aib_hash_bytes(message, length);
   aib_owner *owner = NULL;
   pthread_mutex_lock(&c->mu);
   cache_entry *e = *find(c, message, length, hash);
+  if (e != NULL && !same_files(e, fds, n_fds)) e = NULL;
   if (e != NULL) {
     /* Token set only once the owner is complete: one that fails dies quietly, and the slow path
      * (which gets the same token) is the only one to report the lease's end. */
@@ -166,17 +190,19 @@ int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64
   out->sync_slot = NULL;
   int rc = aib_channel_request(ch, FRAME_GET, name, name_len, timeout_ms, frame, err);
   if (rc) return rc;
-  if (frame->kind != FRAME_ITEM || frame->n_fds != 0 || frame->length < 8 || cache == NULL || keeper == NULL)
-    return AIB_OK;
+  if (frame->kind != FRAME_ITEM || frame->length < 8 || cache == NULL || keeper == NULL) return AIB_OK;
   const uint8_t *p = frame->payload;
   uint64_t lease = 0;
   for (int i = 7; i >= 0; i--) lease = (lease << 8) | p[i];
   /* The lease id rides in the owner's token (no Python registration per get); one that does not
    * fit under the session's token base is left to the caller's path. */
   if (lease == 0 || lease >> AIB_LEASE_ID_BITS) return AIB_OK;
-  aib_owner *owner = import_remembered(cache, p + 8, (size_t)frame->length - 8, lease_tokens | lease, keeper,
-                                       &out->entry_id);
+  aib_owner *owner = import_remembered(cache, p + 8, (size_t)frame->length - 8, frame->fds, frame->n_fds,
+                                       lease_tokens | lease, keeper, &out->entry_id);
   if (owner == NULL) return AIB_OK;
+  /* The template maps these files already: the duplicates that came with the answer go. */
+  for (uint32_t i = 0; i < frame->n_fds; i++) close(frame->fds[i]);
+  frame->n_fds = 0;
   out->lease_id = lease;
   out->owner = owner;
   out->owner_address = (uintptr_t)owner;

@@ -552,8 +552,9 @@ def test_32_concurrent_sessions(publisher: aib.Publisher) -> None:
 
 def test_one_session_shared_by_threads(publisher: aib.Publisher, shm_file: tuple[str, pa.Table]) -> None:
     """Eight threads share one session and get a zero-copy and a copied object concurrently: every get
-    returns the right data, the zero-copy file (mapped once beforehand) is served from the mapping cache,
-    and all leases end."""
+    returns the right data, the zero-copy file is mapped once (beforehand), every re-get of either
+    object is imported by the C core from the remembered message and its mappings, and all leases
+    end."""
     path, expected = shm_file
     mapped = pa.ipc.open_file(pa.memory_map(path)).read_all()
     heap = sample_table(700)
@@ -584,7 +585,8 @@ def test_one_session_shared_by_threads(publisher: aib.Publisher, shm_file: tuple
         assert not any(t.is_alive() for t in threads)
         assert errors == []
         assert session.mapping_cache.misses == 1
-        assert session.mapping_cache.hits == 8 * rounds
+        # The first get of "h" may happen in several threads at once; every later one is remembered.
+        assert session.remembered_gets >= 2 * 8 * rounds - 8
         settle()
         assert wait_for(lambda: publisher.active_leases == 0, 2.0)
     del mapped
@@ -1486,20 +1488,28 @@ def test_zero_copy_publish_and_mapping_cache(
     publisher: aib.Publisher, shm_file: tuple[str, pa.Table]
 ) -> None:
     """A table memory-mapped from an Arrow IPC file in /dev/shm publishes with no byte copied (even under
-    ``copy="never"``); a second get of it hits the session's mapping cache; the data is equal."""
+    ``copy="never"``); a second get of it is the remembered message (no new mapping); another
+    publication over the same file (a slice: other bytes) hits the session's mapping cache; the data
+    is equal."""
     path, expected = shm_file
     mapped = pa.ipc.open_file(pa.memory_map(path)).read_all()
     stats = publisher.publish("z", mapped, copy="never")
     assert stats.copied_bytes == 0
     assert stats.zero_copy_regions >= 1
+    publisher.publish("z2", mapped.slice(10), copy="never")
     with aib.connect(publisher.path, timeout=5.0) as session:
         cache = session.mapping_cache
         with session.get("z") as first:
             assert_arrays_equal(pa.table(first), expected)
-        hits = cache.hits
+        misses, hits = cache.misses, cache.hits
         with session.get("z") as second:
             assert_arrays_equal(pa.table(second), expected)
+        assert session.remembered_gets == 1
+        assert (cache.misses, cache.hits) == (misses, hits)
+        with session.get("z2") as other:
+            assert_arrays_equal(pa.table(other), expected.slice(10))
         assert cache.hits > hits
+        assert cache.misses == misses
     del mapped
 
 
@@ -1517,17 +1527,19 @@ def test_copy_never_refuses_heap_data(publisher: aib.Publisher) -> None:
 
 def test_zero_copy_from_producer_child(producer: ProducerRig, shm_file: tuple[str, pa.Table]) -> None:
     """Across processes: the producer child publishes the memory-mapped table with no copy; two gets here
-    share one cached mapping and read equal data; the data stays valid after the child unpublishes."""
+    share one mapping (the second is the remembered message) and read equal data; the data stays valid
+    after the child unpublishes."""
     path, expected = shm_file
     stats = producer.child.call("mmap", "z", path, "never")[1]
     assert stats["copied_bytes"] == 0
     assert stats["zero_copy_regions"] >= 1
     cache = producer.session.mapping_cache
     first = producer.session.get("z")
-    hits = cache.hits
+    misses, remembered = cache.misses, producer.session.remembered_gets
     with producer.session.get("z") as second:
         assert_arrays_equal(pa.table(second), expected)
-    assert cache.hits > hits
+    assert cache.misses == misses
+    assert producer.session.remembered_gets == remembered + 1
     producer.child.call("unpublish", "z")
     assert_arrays_equal(pa.table(first), expected)
     first.release()
@@ -1571,13 +1583,16 @@ def test_more_regions_than_one_frame_can_carry(publisher: aib.Publisher, sock_di
 
 def test_mapping_cache_evicts_the_least_recently_used() -> None:
     """With a 2-entry mapping cache, after importing four different zero-copy files in turn, the two most
-    recently used files are the ones cached: importing them again hits the cache (the oldest were evicted).
-    Regression test: the cache used to evict its newest entry (dict.popitem()), pinning the oldest forever."""
+    recently used files are the ones cached: importing other data in them hits the cache (the oldest were
+    evicted). Regression test: the cache used to evict its newest entry (dict.popitem()), pinning the oldest
+    forever. (The same message again would be a remembered message, which keeps its own mappings.)"""
     paths = [write_shm_ipc_file(pa.table({"x": pa.array([i] * 100, pa.int64())})) for i in range(4)]
     exports: list[aib.Exported] = []
+    slices: list[aib.Exported] = []
     try:
         tables_ = [pa.ipc.open_file(pa.memory_map(path)).read_all() for path in paths]
         exports = [aib.export(table, copy="never") for table in tables_]
+        slices = [aib.export(table.slice(1), copy="never") for table in tables_]
         del tables_
         with aib.Session(mapping_cache_size=2) as session:
             cache = session.mapping_cache
@@ -1586,10 +1601,10 @@ def test_mapping_cache_evicts_the_least_recently_used() -> None:
             assert (cache.hits, cache.misses, len(cache)) == (0, 4, 2)
             for newest in (3, 2):
                 hits = cache.hits
-                session.import_message(exports[newest].message, exports[newest].fds).release()
+                session.import_message(slices[newest].message, slices[newest].fds).release()
                 assert cache.hits == hits + 1, f"file {newest} (recently used) was evicted"
     finally:
-        for exported in exports:
+        for exported in exports + slices:
             exported.close()
         for path in paths:
             os.unlink(path)
@@ -1782,7 +1797,7 @@ def test_protocol_capsules_are_built_by_the_c_core(publisher: aib.Publisher, mon
                         *imported.__arrow_c_device_array__()
                     ).equals(batch)
                     assert pa.record_batch(imported).equals(batch)  # __arrow_c_array__
-        assert session.remembered_gets == 2
+        assert session.remembered_gets == 4  # host data with regions is remembered too
         monkeypatch.setattr(imported_module, "device_array_capsules", lambda address: None)
         monkeypatch.setattr(imported_module, "array_capsules", lambda address: None)
         for name, batch in expected.items():
@@ -1797,6 +1812,42 @@ def test_protocol_capsules_are_built_by_the_c_core(publisher: aib.Publisher, mon
             imported.__arrow_c_device_array__()
         with pytest.raises(aib.ReleasedError):
             imported.__arrow_c_array__()
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_host_messages_are_remembered_by_bytes_and_files(publisher: aib.Publisher) -> None:
+    """A host table's re-gets are imported by the C core (the descriptors that come with the answer are
+    the files the remembered message mapped: closed, nothing leaks). The same bytes with other files
+    (another table of the same shape) take the Python path and read their own data, and the name's old
+    message is dropped."""
+    a = pa.record_batch({"x": pa.array([1, 2, 3]), "s": pa.array(["a", None, "c"])})
+    b = pa.record_batch({"x": pa.array([4, 5, 6]), "s": pa.array(["d", None, "f"])})
+    assert aib.export(a).message == aib.export(b).message  # same shape, same bytes: only the files differ
+    publisher.publish("t", a)
+    base_fds = fd_count()
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        for _ in range(50):
+            with session.get("t") as imported:
+                assert pa.record_batch(imported).equals(a)
+        assert session.remembered_gets == 49
+        assert wait_for(lambda: fd_count() <= base_fds + 2, 2.0)  # the session's socket and template file
+        publisher.publish("t", b)
+        with session.get("t") as imported:
+            assert pa.record_batch(imported).equals(b)
+        assert session.remembered_gets == 49
+        assert len(session._resolved) == 1  # a's message went when the name got b
+        with session.get("t") as imported:
+            assert pa.record_batch(imported).equals(b)
+        assert session.remembered_gets == 50
+        # import_message checks the files the same way
+        exported_a, exported_b = aib.export(a), aib.export(b)
+        try:
+            for exported, expected in ((exported_a, a), (exported_b, b), (exported_a, a)):
+                with session.import_message(exported.message, exported.fds) as imported:
+                    assert pa.record_batch(imported).equals(expected)
+        finally:
+            exported_a.close()
+            exported_b.close()
     assert wait_for(lambda: publisher.active_leases == 0, 2.0)
 
 
@@ -1835,13 +1886,15 @@ def test_a_child_moved_out_outlives_its_released_parent(publisher: aib.Publisher
                     int(ffi.cast("uintptr_t", child_array)), int(ffi.cast("uintptr_t", child_schema))
                 )
                 assert moved.equals(batch.column(i))
-                del moved  # pyarrow released the moved structs
+                del moved  # pyarrow released the moved structs: the lease ends (on the reaper thread)
+                assert wait_for(lambda: publisher.active_leases == 0, 2.0)
                 schema_capsule, array_capsule = imported_again(session)
                 schema = capsule_struct(schema_capsule, "schema")
                 array = capsule_struct(array_capsule, "array")
             del schema, array, schema_capsule, array_capsule
             gc.collect()
             assert int(lib.aib_live_nodes()) == nodes_before
+            assert wait_for(lambda: publisher.active_leases == 0, 2.0)
     assert wait_for(lambda: publisher.active_leases == 0, 2.0)
 
 
