@@ -123,7 +123,7 @@ int aib_channel_send(aib_channel *ch, uint32_t kind, const uint8_t *part_a, size
   uint8_t header[HEADER_SIZE] = {'A', 'I', 'B', 'T', 1, 0};
   header[6] = kind & 0xff;
   header[7] = kind >> 8;
-  for (int i = 0; i < 4; i++) header[8 + i] = (uint8_t)(total >> (8 * i));
+  aib_store_u32le(header + 8, (uint32_t)total);
   header[12] = n_fds & 0xff;
   header[13] = n_fds >> 8;
   struct iovec iov[3] = {{header, HEADER_SIZE}, {(void *)part_a, len_a}, {(void *)part_b, len_b}};
@@ -318,7 +318,7 @@ int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_er
   const uint8_t *h = ch->buf + ch->start;
   uint32_t version = h[4] | (uint32_t)h[5] << 8;
   uint32_t kind = h[6] | (uint32_t)h[7] << 8;
-  uint64_t length = h[8] | (uint32_t)h[9] << 8 | (uint32_t)h[10] << 16 | (uint64_t)h[11] << 24;
+  uint64_t length = aib_load_u32le(h + 8);
   uint32_t n_fds = h[12] | (uint32_t)h[13] << 8;
   uint32_t reserved = h[14] | (uint32_t)h[15] << 8;
   if (memcmp(h, "AIBT", 4) != 0) return aib_fail(err, AIB_E_PROTOCOL, "magic", "", "bad frame magic");

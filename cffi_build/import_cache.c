@@ -192,8 +192,7 @@ int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64
   if (rc) return rc;
   if (frame->kind != FRAME_ITEM || frame->length < 8 || cache == NULL || keeper == NULL) return AIB_OK;
   const uint8_t *p = frame->payload;
-  uint64_t lease = 0;
-  for (int i = 7; i >= 0; i--) lease = (lease << 8) | p[i];
+  uint64_t lease = aib_load_u64le(p);
   /* The lease id rides in the owner's token (no Python registration per get); one that does not
    * fit under the session's token base is left to the caller's path. */
   if (lease == 0 || lease >> AIB_LEASE_ID_BITS) return AIB_OK;

@@ -38,6 +38,21 @@ typedef struct aib_view {
   uint64_t storage[];
 } aib_view;
 const aib_view *aib_owner_view(aib_owner *owner);
+/* Integers on the wire are little-endian whatever the host's byte order (wire.c, channel.c, serve.c,
+ * import_cache.c). */
+static inline void aib_store_u32le(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint32_t aib_load_u32le(const uint8_t *p) {
+  return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+static inline void aib_store_u64le(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint64_t aib_load_u64le(const uint8_t *p) {
+  return (uint64_t)aib_load_u32le(p) | ((uint64_t)aib_load_u32le(p + 4) << 32);
+}
+
 /* FNV-1a over bytes (8 at a time), for the core's hash tables (import_cache.c, serve.c). */
 uint64_t aib_hash_bytes(const uint8_t *p, size_t n);
 

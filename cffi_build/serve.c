@@ -286,12 +286,6 @@ void aib_server_conn_free(aib_server_conn *c) {
   free(c);
 }
 
-static uint64_t read_u64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
-  return v;
-}
-
 int aib_serve(aib_server_conn *c, aib_frame *out, aib_error *err) {
   for (;;) {
     int rc = aib_channel_recv(c->ch, -1, out, err);
@@ -300,7 +294,7 @@ int aib_serve(aib_server_conn *c, aib_frame *out, aib_error *err) {
     for (uint32_t i = 0; i < out->n_fds; i++) close(out->fds[i]);
     out->n_fds = 0;
     if (out->kind == FRAME_RELEASE && out->length == 8) {
-      entry *e = lease_remove(c, read_u64(out->payload));
+      entry *e = lease_remove(c, aib_load_u64le(out->payload));
       if (e != NULL) { /* releasing twice is harmless */
         atomic_fetch_sub(&c->table->leases, 1);
         entry_unref(e);
@@ -322,7 +316,7 @@ int aib_serve(aib_server_conn *c, aib_frame *out, aib_error *err) {
     }
     atomic_fetch_add(&c->table->leases, 1);
     uint8_t lease_bytes[8];
-    for (int i = 0; i < 8; i++) lease_bytes[i] = (uint8_t)(lease >> (8 * i));
+    aib_store_u64le(lease_bytes, lease);
     rc = aib_channel_send(c->ch, FRAME_ITEM, lease_bytes, 8, e->message, e->message_len, e->fds, e->n_fds,
                           -1, err);
     if (rc) return rc; /* the lease stays in the table; aib_server_conn_free gives it back */

@@ -24,16 +24,6 @@
 #define MAX_LENGTH ((uint64_t)1 << 56)
 #define REGION_UNASSIGNED UINT64_MAX
 
-/* Header integers are little-endian on the wire whatever the host's byte order. */
-static void store_u32le(uint8_t *p, uint32_t v) {
-  p[0] = (uint8_t)v;
-  p[1] = (uint8_t)(v >> 8);
-  p[2] = (uint8_t)(v >> 16);
-  p[3] = (uint8_t)(v >> 24);
-}
-static uint32_t load_u32le(const uint8_t *p) {
-  return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
-}
 
 uint32_t aib_wire_version(void) { return ((uint32_t)WIRE_MAJOR << 16) | WIRE_MINOR; }
 
@@ -593,7 +583,7 @@ int aib_encode(const aib_described *d, uint32_t message_kind, const aib_device_i
     return aib_fail(err, AIB_E_LIMIT, "length", "", "message of %zu bytes is over the %d byte limit", w.pos,
                     AIB_MAX_MESSAGE_BYTES);
   if (w.pos > out_cap) return AIB_E_LIMIT; /* *out_len says how much room is needed */
-  store_u32le(out + 8, (uint32_t)(w.pos - HEADER_BYTES));
+  aib_store_u32le(out + 8, (uint32_t)(w.pos - HEADER_BYTES));
   return AIB_OK;
 }
 
@@ -885,7 +875,7 @@ int aib_decode(const uint8_t *message, size_t length, uint32_t n_fds, uint32_t o
   uint32_t kind = message[6];
   if (kind != AIB_MESSAGE_ARRAY && kind != AIB_MESSAGE_STREAM) return WIRE_FAIL("kind", "unknown message kind %u", kind);
   if (message[7] != 0) return WIRE_FAIL("reserved", "reserved header byte 7 is %u, must be 0", message[7]);
-  uint32_t body = load_u32le(message + 8), flags = load_u32le(message + 12);
+  uint32_t body = aib_load_u32le(message + 8), flags = aib_load_u32le(message + 12);
   if (length > AIB_MAX_MESSAGE_BYTES) return WIRE_FAIL("length", "message over %d bytes", AIB_MAX_MESSAGE_BYTES);
   if ((size_t)body != length - HEADER_BYTES)
     return WIRE_FAIL("body_length", "header announces %u body bytes, %zu arrived", body, length - HEADER_BYTES);
