@@ -31,7 +31,9 @@ of a CuPy/PyTorch ``sum`` of the last column follows, untimed in the main figure
                          that would pin more than 8 GiB
     bridge_fresh_pool    the same with new IPC-pool arrays: per-buffer pointer imports after the pool import
     bridge_mixed_*       a mixed table (string with nulls, list<int32> with nulls, int64 with nulls,
-                         float32) uploaded with ``to_device``: published once / uploaded anew every time
+                         float32) uploaded with ``to_device``: published once / uploaded anew every time;
+                         ``mixed_legacy``: published once from ``to_device(..., allocation="legacy")``
+                         (cuMemAlloc memory: one legacy handle, remembered by the session)
     raw_cached/raw_fresh the DESIGN.md peer rows "raw legacy IPC": 16 (handle, offset) entries over the
                          same control socket, cuIpcOpenMemHandle per handle (or a consumer-side cache)
     torch_steady         torch.multiprocessing (spawn-context Queue): the producer puts the same 16 CUDA
@@ -565,6 +567,23 @@ class Collector:
                         "detail": f"bridge {fmt_us(b['median_us'])}, bare {fmt_us(bare['median_us'])}",
                     }
                 )
+            for mixed_key, how in (
+                ("bridge_mixed_steady", "to_device pool"),
+                ("bridge_mixed_legacy_steady", "to_device legacy"),
+            ):
+                mixed = self.get(mixed_key, s)
+                if mixed and ping:
+                    ratio = mixed["median_us"] / ping["median_us"]
+                    label = f"{fmt_size(s)}: mixed table ({how}) steady / round trip on the connection"
+                    checks.append(
+                        {
+                            "check": label,
+                            "value": ratio,
+                            "goal": f"<= {BARE_RATIO_GOAL}",
+                            "pass": ratio <= BARE_RATIO_GOAL,
+                            "detail": f"mixed {fmt_us(mixed['median_us'])}, PING {fmt_us(ping['median_us'])}",
+                        }
+                    )
             fresh_pool = self.get("bridge_fresh_pool", s)
             if fresh_pool:
                 direct = ((fresh_pool.get("open_us_by_region_kind") or {}).get("pool") or {}).get("median_us")
@@ -895,6 +914,7 @@ def _synthetic_results(sizes: list[int], iterations: int) -> list[tuple[str, str
         "bridge_fresh_legacy": 2500.0,
         "bridge_fresh_pool": 160.0,
         "bridge_mixed_steady": 70.0,
+        "bridge_mixed_legacy_steady": 35.0,
         "bridge_mixed_fresh": 75.0,
         "raw_cached": 40.0,
         "raw_fresh": 1500.0,

@@ -50,6 +50,7 @@ METHODS: dict[str, str] = {
     "bridge_fresh_pool": "bridge, new IPC-pool arrays every time",
     "bridge_mixed_steady": "bridge, mixed table (to_device), steady",
     "bridge_mixed_fresh": "bridge, mixed table, new to_device every time",
+    "bridge_mixed_legacy_steady": "bridge, mixed table (to_device legacy), steady",
     "raw_cached": "raw legacy IPC, handles cached",
     "raw_fresh": "raw legacy IPC, 16 new allocations (open each)",
     "torch_steady": "torch.mp, same 16 tensors (consumer keeps them)",
@@ -64,12 +65,13 @@ STEADY = {
     "bridge_steady",
     "bridge_pool_steady",
     "bridge_mixed_steady",
+    "bridge_mixed_legacy_steady",
     "raw_cached",
     "torch_steady",
     "torch_steady_drop",
 }
 FRESH = {"bridge_fresh_legacy", "bridge_fresh_pool", "bridge_mixed_fresh", "raw_fresh", "torch_fresh"}
-MIXED = {"bridge_mixed_steady", "bridge_mixed_fresh"}
+MIXED = {"bridge_mixed_steady", "bridge_mixed_fresh", "bridge_mixed_legacy_steady"}
 
 # shared/DESIGN.md, "Peer baselines" (NVIDIA H200, median round trip, microseconds), for comparison.
 DESIGN_BASELINES_US: dict[str, dict[int, float]] = {
@@ -587,6 +589,7 @@ class _BridgeProducer:
             minfo["to_device_us"] = upload_s * 1e6
             minfo["publish"] = self._publish("mixed", gpu)
             del gpu  # the export keeps it
+            minfo["publish_legacy"] = self._publish("mixed_legacy", to_device(batch, allocation="legacy"))
             self.mixed = batch
             self.mixed_expected = minfo["expected_last"]
             out["mixed"] = minfo
@@ -1024,10 +1027,11 @@ class _BridgeConsumer:
             result = run_loop(one, warmup=warmup, n=n, budget_s=budget)
         result["cuda_stats_delta"] = opens
         result["iterations_total"] = 1 + warmup + result["n"]
+        mixed = self.size_info.get("mixed", {})
         result["publish"] = self.size_info.get("publish", {}).get(name) or (
-            self.size_info.get("mixed", {}).get("publish")
+            mixed.get("publish_legacy") if name == "mixed_legacy" else mixed.get("publish")
         )
-        if key != "bridge_mixed_steady":
+        if key not in MIXED:
             result["open_us_by_region_kind"] = self._instrumented_opens(one, min(20, n), 0)
         return result
 
@@ -1097,6 +1101,12 @@ class _BridgeConsumer:
     def m_bridge_mixed_steady(self, size: int) -> dict[str, Any]:
         result = self._steady("bridge_mixed_steady", size, "mixed", self.size_info["mixed"]["expected_last"])
         result["table"] = {k: v for k, v in self.size_info["mixed"].items() if k != "publish"}
+        return result
+
+    def m_bridge_mixed_legacy_steady(self, size: int) -> dict[str, Any]:
+        key = "bridge_mixed_legacy_steady"
+        result = self._steady(key, size, "mixed_legacy", self.size_info["mixed"]["expected_last"])
+        result["table"] = {k: v for k, v in self.size_info["mixed"].items() if not k.startswith("publish")}
         return result
 
     def m_bridge_fresh_legacy(self, size: int) -> dict[str, Any]:

@@ -31,7 +31,8 @@ def _ipc_bytes(obj: Any) -> bytes:
 
 
 def consumer_loop(socket_path: str, conn: Connection) -> None:
-    """Serve the parent: for each name received, get it, copy to host, send Arrow IPC bytes back."""
+    """Serve the parent: for each name received, get it, copy to host, send Arrow IPC bytes back (with
+    the device id and the session's remembered-get count)."""
     import arrow_ipc_bridge as aib
 
     try:
@@ -43,9 +44,9 @@ def consumer_loop(socket_path: str, conn: Connection) -> None:
                 try:
                     with session.get(name) as imported:
                         host = imported.to_host()
-                        conn.send(("ok", _ipc_bytes(host), imported.device_id))
+                        conn.send(("ok", _ipc_bytes(host), imported.device_id, session.remembered_gets))
                 except Exception as exc:  # report, keep serving
-                    conn.send(("error", f"{type(exc).__name__}: {exc}", -1))
+                    conn.send(("error", f"{type(exc).__name__}: {exc}", -1, session.remembered_gets))
     except Exception:
         traceback.print_exc()
         sys.exit(1)

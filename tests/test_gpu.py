@@ -70,8 +70,9 @@ def consumer(publisher: aib.Publisher) -> Iterator[Any]:
     def fetch(name: str) -> tuple[pa.Table, int]:
         parent.send(name)
         assert parent.poll(60), "consumer did not answer"
-        status, payload, device_id = parent.recv()
+        status, payload, device_id, remembered = parent.recv()
         assert status == "ok", payload
+        fetch.remembered_gets = remembered  # type: ignore[attr-defined]
         return _from_ipc(payload), device_id
 
     yield fetch
@@ -120,6 +121,30 @@ def test_tables_with_many_batches(publisher: aib.Publisher, consumer: Any) -> No
     publisher.publish("t", aib.to_device(table))
     again, _ = consumer("t")
     assert again.equals(table)
+
+
+def test_to_device_legacy_allocation_is_remembered(publisher: aib.Publisher, consumer: Any) -> None:
+    """to_device(allocation="legacy") uploads into cuMemAlloc memory: one legacy-handle region, read
+    right in another process, whose re-gets are remembered (imported by the C core); the default pool
+    upload is not (each get imports its pointer). A bad allocation name is refused up front."""
+    table = pa.table(
+        {
+            "s": pa.array(["a", None, "ccc"] * 10),
+            "l": pa.array([[1, 2], None, [3]] * 10, pa.list_(pa.int32())),
+            "v": pa.array(range(30)),
+        }
+    )
+    stats = publisher.publish("legacy", aib.to_device(table, allocation="legacy"))
+    assert stats.regions == 1
+    assert stats.copied_bytes == 0
+    publisher.publish("pool", aib.to_device(table))
+    for name, remembered in (("legacy", 0), ("legacy", 1), ("legacy", 2), ("pool", 2), ("pool", 2)):
+        again, device_id = consumer(name)
+        assert again.equals(table)
+        assert device_id == 0
+        assert consumer.remembered_gets == remembered
+    with pytest.raises(ValueError, match="allocation"):
+        aib.to_device(table, allocation="managed")  # type: ignore[arg-type]
 
 
 def test_cupy_columns_sliced_from_a_pool_block(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:

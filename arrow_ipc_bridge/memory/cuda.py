@@ -410,6 +410,7 @@ CUresult cuCtxPopCurrent_v2(CUcontext *pctx);
 CUresult cuCtxSynchronize(void);
 
 CUresult cuMemGetInfo_v2(size_t *free, size_t *total);
+CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize);
 CUresult cuMemFree_v2(CUdeviceptr dptr);
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount);
 CUresult cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount);
@@ -1222,6 +1223,25 @@ def _device_of(ptr: int) -> int:
 # ----------------------------------------------------------------------------------------------------------
 # Copies (helpers for tests and for the bridge's own copy-if-needed path)
 # ----------------------------------------------------------------------------------------------------------
+
+
+def mem_alloc(nbytes: int, device: int) -> int:
+    """Allocate ``nbytes`` of device memory on ``device`` (``cuMemAlloc_v2``, what ``cudaMalloc``
+    does): shareable through a legacy IPC handle. Free it with :func:`mem_free`."""
+    nbytes = _nbytes(nbytes, allow_zero=False)
+    lib, ffi = _api()
+    out = ffi.new("CUdeviceptr *")
+    with device_context(device):
+        _check("cuMemAlloc_v2", lib.cuMemAlloc_v2(out, nbytes))
+    return int(out[0])
+
+
+def mem_free(ptr: int, *, device: int | None = None) -> None:
+    """Free memory from :func:`mem_alloc` (``cuMemFree_v2``)."""
+    ptr = _address(ptr, "ptr")
+    lib, _ = _api()
+    with device_context(_device_of(ptr) if device is None else device):
+        _check("cuMemFree_v2", lib.cuMemFree_v2(ptr))
 
 
 def memcpy_dtoh(dst_host_addr: int, src_dev: int, n: int, *, device: int | None = None) -> None:
