@@ -48,9 +48,12 @@ def _run_producer(socket_path: str, rows: int, columns: int, shm_dir: str) -> in
     with aib.Publisher(socket_path) as pub:
         table = _demo_table(rows, columns)
         if _gpu_present():
-            gpu = pub.publish("gpu", aib.to_device(table))
+            # Published once and fetched many times: cuMemAlloc memory, whose message the consumer's
+            # session remembers (the IPC pool, to_device's default, suits data that changes each time).
+            gpu = pub.publish("gpu", aib.to_device(table, allocation="legacy"))
             where = (
-                f"'gpu' ({gpu.regions} region in the bridge's CUDA IPC pool, {gpu.copied_bytes} bytes copied)"
+                f"'gpu' ({gpu.regions} region of cuMemAlloc memory shared by a CUDA IPC handle, "
+                f"{gpu.copied_bytes} bytes copied)"
             )
         else:
             where = "no GPU table (no CUDA GPU here)"
