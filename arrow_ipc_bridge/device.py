@@ -224,9 +224,25 @@ def to_host(imported: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBat
         return _to_pyarrow(imported)
     if imported.device_type != DEVICE_CUDA:
         raise BridgeError(f"cannot copy data from device type {imported.device_type}")
+    # Borrowed for the copy: a release() on another thread meanwhile takes effect after it.
+    decoded = imported._borrow()
+    try:
+        copy_decoded, host_bases = _copy_to_host(imported, decoded)
+    finally:
+        decoded.unborrow()
+    copy = imported_from(copy_decoded, host_bases, device_type=DEVICE_CPU, device_id=-1, name=imported.name)
+    try:
+        return _to_pyarrow(copy)
+    finally:
+        copy.release()
+
+
+def _copy_to_host(imported: ImportedArray | ImportedStream, decoded: Any) -> tuple[Any, list[int]]:
+    """The device regions ``decoded`` uses, copied to one host buffer: a new decode of the message
+    whose owner holds that buffer, and the regions' bases in it (the caller has ``decoded``
+    borrowed)."""
     from arrow_ipc_bridge.memory import cuda, cuda_regions
 
-    decoded = imported._live()
     sync = imported._sync_event()
     if sync != ffi.NULL:
         cuda.event_synchronize(cuda_regions.event_value(sync))
@@ -257,11 +273,7 @@ def to_host(imported: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBat
         copy_decoded.depend_on(owner)
     finally:
         lib.aib_owner_unref(owner)
-    copy = imported_from(copy_decoded, host_bases, device_type=DEVICE_CPU, device_id=-1, name=imported.name)
-    try:
-        return _to_pyarrow(copy)
-    finally:
-        copy.release()
+    return copy_decoded, host_bases
 
 
 def _to_pyarrow(source: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBatch | pa.Table:

@@ -113,6 +113,15 @@ class _ImportedBase(ArrowExporter):
     ) -> None:
         self.release()
 
+    def _borrow(self) -> Decoded:
+        """The message, borrowed (``Decoded.borrow``): the caller unborrows it when done."""
+        try:
+            self._decoded.borrow()
+        except ReleasedError:
+            self._live()  # the error that names this object
+            raise
+        return self._decoded
+
     def _live(self) -> Decoded:
         if self._decoded.closed:
             raise ReleasedError(
@@ -150,51 +159,71 @@ class _ImportedBase(ArrowExporter):
         return to_host(self)  # type: ignore[arg-type]
 
     # -- struct builders --
+    # Each holds a borrow on the message across its C calls (which release the GIL), so that a
+    # release() on another thread meanwhile cannot free what the call is reading: the release then
+    # takes effect when the call is done.
     def _fill_schema(self, out: Any) -> None:
-        self._live().rebuild_schema(out)
+        decoded = self._borrow()
+        try:
+            decoded.rebuild_schema(out)
+        finally:
+            decoded.unborrow()
 
     def _fill_batch(self, index: int, out: Any) -> None:
-        self._live().rebuild_array(index, self._bases, out)
+        decoded = self._borrow()
+        try:
+            decoded.rebuild_array(index, self._bases, out)
+        finally:
+            decoded.unborrow()
 
     def _fill_device_array(self, schema: Any, array: Any) -> None:
-        decoded = self._live()
-        err = new_error()
-        rc = lib.aib_rebuild_device_array(
-            decoded.raw,
-            0,
-            self._bases,
-            self._n_bases,
-            decoded.owner,
-            self._device_type,
-            self._device_id,
-            self._sync,
-            schema,
-            array,
-            err,
-        )
+        decoded = self._borrow()
+        try:
+            err = new_error()
+            rc = lib.aib_rebuild_device_array(
+                decoded.raw,
+                0,
+                self._bases,
+                self._n_bases,
+                decoded.owner,
+                self._device_type,
+                self._device_id,
+                self._sync,
+                schema,
+                array,
+                err,
+            )
+        finally:
+            decoded.unborrow()
         if rc:
             raise_for(rc, err, "rebuilding a device array")
 
     def _fill_device_stream(self, out: Any) -> None:
-        decoded = self._live()
-        err = new_error()
-        rc = lib.aib_device_stream_from_decoded(
-            decoded.owner,
-            self._bases,
-            self._n_bases,
-            self._device_type,
-            self._device_id,
-            self._sync,
-            out,
-            err,
-        )
+        decoded = self._borrow()
+        try:
+            err = new_error()
+            rc = lib.aib_device_stream_from_decoded(
+                decoded.owner,
+                self._bases,
+                self._n_bases,
+                self._device_type,
+                self._device_id,
+                self._sync,
+                out,
+                err,
+            )
+        finally:
+            decoded.unborrow()
         if rc:
             raise_for(rc, err, "creating a device stream")
 
     def _fill_stream(self, out: Any) -> None:
-        decoded = self._live()
-        err = new_error()
-        rc = lib.aib_stream_from_decoded(decoded.owner, self._bases, self._n_bases, out, err)
+        decoded = self._borrow()
+        try:
+            err = new_error()
+            rc = lib.aib_stream_from_decoded(decoded.owner, self._bases, self._n_bases, out, err)
+        finally:
+            decoded.unborrow()
         if rc:
             raise_for(rc, err, "creating a stream")
 
@@ -222,9 +251,11 @@ class ImportedArray(_ImportedBase, ArrowArrayExporter):
             _check_kwargs(kwargs)
         if requested_schema is not None:
             self._check_requested(requested_schema)
-        if self._decoded.closed:
-            self._live()  # raises
-        pair = device_array_capsules(self._owner_address)
+        decoded = self._borrow()  # ReleasedError once released; a release() elsewhere waits for us
+        try:
+            pair = device_array_capsules(self._owner_address)
+        finally:
+            decoded.unborrow()
         return pair if pair is not None else super().__arrow_c_device_array__()
 
     def __arrow_c_array__(
@@ -233,8 +264,11 @@ class ImportedArray(_ImportedBase, ArrowArrayExporter):
         _check_kwargs(kwargs)
         self._check_requested(requested_schema)
         self._require_host("__arrow_c_array__")
-        self._live()
-        pair = array_capsules(self._owner_address)
+        decoded = self._borrow()
+        try:
+            pair = array_capsules(self._owner_address)
+        finally:
+            decoded.unborrow()
         return pair if pair is not None else super().__arrow_c_array__()
 
     def __enter__(self) -> ImportedArray:

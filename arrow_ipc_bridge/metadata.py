@@ -20,6 +20,7 @@ Consumer::
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -212,6 +213,11 @@ class Described:
             return bytes(ffi.buffer(out, out_len[0]))
 
 
+# Guards Decoded's borrow count against close() (one lock for all: each use holds it for a few
+# bytecodes).
+_borrow_lock = threading.Lock()
+
+
 class Decoded:
     """A message decoded and validated in full; raises :class:`WireFormatError` otherwise.
 
@@ -262,6 +268,7 @@ class Decoded:
         # ffi.release. (weakref.finalize would cost more than the whole decode.)
         self.owner = ffi.gc(owner, lib.aib_owner_unref)
         self._closed = False
+        self._borrowers = 0
 
     @classmethod
     def sharing(cls, decoded: Decoded, token: int = 0) -> Decoded:
@@ -288,6 +295,7 @@ class Decoded:
         self._n_fds = decoded._n_fds
         self._allow_process_regions = decoded._allow_process_regions
         self._closed = False
+        self._borrowers = 0
         return self
 
     @property
@@ -308,9 +316,31 @@ class Decoded:
         return self._closed
 
     def close(self) -> None:
-        """Drop this object's reference on the owner (idempotent)."""
-        if not self._closed:
+        """Drop this object's reference on the owner (idempotent). While another thread has it
+        borrowed (a C call with the GIL released), the reference goes when that thread is done."""
+        with _borrow_lock:
+            if self._closed:
+                return
             self._closed = True
+            now = self._borrowers == 0
+        if now:
+            ffi.release(self.owner)
+
+    def borrow(self) -> Any:
+        """The ``aib_decoded *``, kept valid until :meth:`unborrow` even if another thread closes
+        this object meanwhile: hold it around C calls that release the GIL. ReleasedError when
+        closed already."""
+        with _borrow_lock:
+            if self._closed:
+                raise ReleasedError("this imported message was released")
+            self._borrowers += 1
+        return self._d
+
+    def unborrow(self) -> None:
+        with _borrow_lock:
+            self._borrowers -= 1
+            deferred = self._closed and self._borrowers == 0
+        if deferred:
             ffi.release(self.owner)
 
     def _live(self) -> Any:

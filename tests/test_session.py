@@ -1851,6 +1851,51 @@ def test_host_messages_are_remembered_by_bytes_and_files(publisher: aib.Publishe
     assert wait_for(lambda: publisher.active_leases == 0, 2.0)
 
 
+def test_release_while_another_thread_builds_structs_waits_for_it(publisher: aib.Publisher) -> None:
+    """A protocol call borrows the imported message around its C calls (which release the GIL): a
+    release() on another thread meanwhile refuses new calls at once but frees nothing until the call
+    is done. Deterministic part: a borrow held across release(); then threads racing for real."""
+    batch = pa.record_batch({"x": pa.array(range(1000)), "s": pa.array(["v"] * 1000)})
+    publisher.publish("t", batch)
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        imported = session.get("t")
+        decoded = imported._decoded
+        decoded.borrow()
+        imported.release()
+        with pytest.raises(aib.ReleasedError):
+            pa.record_batch(imported)
+        _reaper.drain()
+        session.ping()  # a RELEASE, had one gone out, would have reached the publisher by now
+        assert publisher.active_leases == 1  # still borrowed
+        decoded.unborrow()  # the deferred release happens here
+        assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+        errors: list[BaseException] = []
+        for _ in range(100):
+            imported = session.get("t")
+            start = threading.Barrier(2)
+
+            def build(target: aib.ImportedArray = imported, start: threading.Barrier = start) -> None:
+                start.wait()
+                try:
+                    while True:
+                        assert pa.record_batch(target).num_rows == 1000
+                        target.__arrow_c_device_array__()
+                except aib.ReleasedError:
+                    pass
+                except BaseException as exc:
+                    errors.append(exc)
+
+            thread = threading.Thread(target=build)
+            thread.start()
+            start.wait()
+            imported.release()
+            thread.join(JOIN_S)
+            assert not thread.is_alive()
+        assert errors == []
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
 def test_a_child_moved_out_outlives_its_released_parent(publisher: aib.Publisher) -> None:
     """The C data interface lets a consumer move a child array (and schema) out and release the parent:
     the child's memory, in the rebuilt tree's one allocation, stays valid until the child is released
