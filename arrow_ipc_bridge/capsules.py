@@ -99,18 +99,24 @@ _DESTRUCTORS = {kind: int(lib.aib_capsule_destructor(code)) for kind, (code, _, 
 
 # The core's own capsule functions (py_capsules.c): builtin function objects the core makes once,
 # through ctypes with the GIL held; each call after that costs what a builtin call costs.
-_make_function = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_int, ctypes.c_long)(lib.aib_py_function_maker())
-device_array_capsules: Callable[[int], tuple[object, object] | None] = _make_function(
-    lib.AIB_PY_DEVICE_ARRAY_CAPSULES, 0
+_make_function = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_int, ctypes.py_object)(
+    lib.aib_py_function_maker()
 )
-"""``device_array_capsules(owner_address)``: the (schema, device array) capsule pair of batch 0 of the
-owner's decoded message, built in one C call from the owner's view (``aib_owner_set_view``); ``None``
-when the owner cannot build it (no view): the caller's regular path then does the work and reports
-errors. The caller keeps the owner alive (the GIL is held throughout the call)."""
-array_capsules: Callable[[int], tuple[object, object] | None] = _make_function(lib.AIB_PY_ARRAY_CAPSULES, 0)
-"""``array_capsules(owner_address)``: the same with a host ``ArrowArray``."""
+device_array_capsules: Callable[[object, int], tuple[object, object] | None] = _make_function(
+    lib.AIB_PY_DEVICE_ARRAY_CAPSULES, ReleasedError
+)
+"""``device_array_capsules(message, owner_address)``: the (schema, device array) capsule pair of batch
+0 of ``message`` (a :class:`~arrow_ipc_bridge.metadata.Decoded`), built in one C call from its owner's
+view (``aib_owner_set_view``); ``None`` when the owner cannot build it (no view): the caller's
+regular path then does the work and reports errors. Raises :class:`ReleasedError` when ``message``
+is closed — checked in the same call that uses the owner, which holds the GIL throughout, so
+another thread's release cannot come in between."""
+array_capsules: Callable[[object, int], tuple[object, object] | None] = _make_function(
+    lib.AIB_PY_ARRAY_CAPSULES, ReleasedError
+)
+"""``array_capsules(message, owner_address)``: the same with a host ``ArrowArray``."""
 _CAPSULE_ADDRESS = {
-    kind: _make_function(lib.AIB_PY_CAPSULE_ADDRESS, code) for kind, (code, _, _) in _KINDS.items()
+    kind: _make_function(lib.AIB_PY_CAPSULE_ADDRESS, int(code)) for kind, (code, _, _) in _KINDS.items()
 }
 
 

@@ -251,11 +251,12 @@ class ImportedArray(_ImportedBase, ArrowArrayExporter):
             _check_kwargs(kwargs)
         if requested_schema is not None:
             self._check_requested(requested_schema)
-        decoded = self._borrow()  # ReleasedError once released; a release() elsewhere waits for us
+        # Checks the message is open and builds in one GIL-holding call: no borrow needed.
         try:
-            pair = device_array_capsules(self._owner_address)
-        finally:
-            decoded.unborrow()
+            pair = device_array_capsules(self._decoded, self._owner_address)
+        except ReleasedError:
+            self._live()  # the error that names this object
+            raise
         return pair if pair is not None else super().__arrow_c_device_array__()
 
     def __arrow_c_array__(
@@ -264,11 +265,11 @@ class ImportedArray(_ImportedBase, ArrowArrayExporter):
         _check_kwargs(kwargs)
         self._check_requested(requested_schema)
         self._require_host("__arrow_c_array__")
-        decoded = self._borrow()
         try:
-            pair = array_capsules(self._owner_address)
-        finally:
-            decoded.unborrow()
+            pair = array_capsules(self._decoded, self._owner_address)
+        except ReleasedError:
+            self._live()  # the error that names this object
+            raise
         return pair if pair is not None else super().__arrow_c_array__()
 
     def __enter__(self) -> ImportedArray:

@@ -321,6 +321,8 @@ class Decoded:
         with _borrow_lock:
             if self._closed:
                 return
+            # Set before the owner is dropped: capsules.device_array_capsules reads it (by name) in
+            # C, in the same call that uses the owner.
             self._closed = True
             now = self._borrowers == 0
         if now:

@@ -124,13 +124,15 @@ int aib_array_move_to_device(struct ArrowArray *src, struct ArrowDeviceArray *ds
 const char *aib_capsule_name(int kind);          /* static storage, e.g. "arrow_device_array" */
 uintptr_t aib_capsule_destructor(int kind);      /* address of the PyCapsule destructor for kind */
 
-/* The address of PyObject *make_function(int which, long bound_to) (py_capsules.c), to be called
- * through ctypes with the GIL held: a builtin function object taking one argument.
- *   AIB_PY_DEVICE_ARRAY_CAPSULES  f(owner address) -> (schema, device array) capsules of the
- *                                 owner's batch 0, or None when the owner cannot build them
- *   AIB_PY_ARRAY_CAPSULES         f(owner address) -> (schema, array) capsules, likewise
+/* The address of PyObject *make_function(int which, PyObject *bound_to) (py_capsules.c), to be
+ * called through ctypes with the GIL held: a builtin function object.
+ *   AIB_PY_DEVICE_ARRAY_CAPSULES  f(message, owner address) -> (schema, device array) capsules of
+ *                                 the owner's batch 0, or None when the owner cannot build them;
+ *                                 raises bound_to (an exception class) when message (the Decoded
+ *                                 holding the owner) is closed
+ *   AIB_PY_ARRAY_CAPSULES         f(message, owner address) -> (schema, array) capsules, likewise
  *   AIB_PY_CAPSULE_ADDRESS        f(capsule) -> the struct's address when the capsule is of kind
- *                                 bound_to (AIB_CAPSULE_*), else 0 */
+ *                                 bound_to (an int, AIB_CAPSULE_*), else 0 */
 #define AIB_PY_DEVICE_ARRAY_CAPSULES 0
 #define AIB_PY_ARRAY_CAPSULES 1
 #define AIB_PY_CAPSULE_ADDRESS 2

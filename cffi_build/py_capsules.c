@@ -74,19 +74,36 @@ static PyObject *capsule_pair(aib_owner *owner, int device) {
 
 /* The functions Python calls: builtin function objects made here (make_function), so a call costs
  * what calling len() costs, where a ctypes call costs ~1 µs. */
-static aib_owner *owner_from(PyObject *address) {
+/* args: (message, owner address), where message is the arrow_ipc_bridge.metadata.Decoded whose
+ * owner that is. Its `_closed` attribute is read here, in the same GIL-holding call that uses the
+ * owner: Decoded.close() sets it before it drops the owner, so a message found open cannot lose
+ * its owner before this call returns (no Python code runs in between). A Python-side check before
+ * the call would leave a gap in which another thread could release it. self: the exception class
+ * raised for a closed message (ReleasedError). */
+static aib_owner *open_owner(PyObject *released_error, PyObject *args) {
+  PyObject *message, *address;
+  if (!PyArg_ParseTuple(args, "OO", &message, &address)) return NULL;
+  PyObject *closed = PyObject_GetAttrString(message, "_closed");
+  if (closed == NULL) return NULL;
+  int is_closed = PyObject_IsTrue(closed);
+  Py_DECREF(closed);
+  if (is_closed < 0) return NULL;
+  if (is_closed) {
+    PyErr_SetString(released_error, "this imported data was released; get it again from the session to use it");
+    return NULL;
+  }
   void *p = PyLong_AsVoidPtr(address);
   if (p == NULL && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "owner address is 0");
   return p;
 }
 
-static PyObject *device_array_capsules(PyObject *self, PyObject *address) {
-  aib_owner *owner = owner_from(address);
+static PyObject *device_array_capsules(PyObject *self, PyObject *args) {
+  aib_owner *owner = open_owner(self, args);
   return owner == NULL ? NULL : capsule_pair(owner, 1);
 }
 
-static PyObject *array_capsules(PyObject *self, PyObject *address) {
-  aib_owner *owner = owner_from(address);
+static PyObject *array_capsules(PyObject *self, PyObject *args) {
+  aib_owner *owner = open_owner(self, args);
   return owner == NULL ? NULL : capsule_pair(owner, 0);
 }
 
@@ -101,26 +118,22 @@ static PyObject *capsule_address(PyObject *self, PyObject *capsule) {
 }
 
 static PyMethodDef functions[] = {
-    {"device_array_capsules", device_array_capsules, METH_O,
-     "device_array_capsules(owner_address) -> (schema, device array) capsules of batch 0, or None"},
-    {"array_capsules", array_capsules, METH_O,
-     "array_capsules(owner_address) -> (schema, array) capsules of batch 0, or None"},
+    {"device_array_capsules", device_array_capsules, METH_VARARGS,
+     "device_array_capsules(message, owner_address) -> (schema, device array) capsules of batch 0, or None"},
+    {"array_capsules", array_capsules, METH_VARARGS,
+     "array_capsules(message, owner_address) -> (schema, array) capsules of batch 0, or None"},
     {"capsule_address", capsule_address, METH_O,
      "capsule_address(capsule) -> address of the struct it holds, or 0 when it is not of this kind"},
 };
 
 /* Called once per function through ctypes (PYFUNCTYPE: the GIL is held): a new builtin function
- * object for functions[which], bound to the integer bound_to (its `self`). */
-static PyObject *make_function(int which, long bound_to) {
+ * object for functions[which], bound to bound_to (its `self`). */
+static PyObject *make_function(int which, PyObject *bound_to) {
   if (which < 0 || which >= (int)(sizeof(functions) / sizeof(functions[0]))) {
     PyErr_SetString(PyExc_ValueError, "no such function");
     return NULL;
   }
-  PyObject *self = PyLong_FromLong(bound_to);
-  if (self == NULL) return NULL;
-  PyObject *function = PyCFunction_NewEx(&functions[which], self, NULL);
-  Py_DECREF(self);
-  return function;
+  return PyCFunction_NewEx(&functions[which], bound_to, NULL);
 }
 
 uintptr_t aib_py_function_maker(void) { return (uintptr_t)&make_function; }
