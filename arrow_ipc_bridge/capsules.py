@@ -15,6 +15,7 @@ destructors and the capsule names are C functions and static strings of the core
 from __future__ import annotations
 
 import ctypes
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -185,6 +186,10 @@ def _check_kwargs(kwargs: dict[str, object]) -> None:
             )
 
 
+# Guards CapturedData's borrow count against close().
+_capture_lock = threading.Lock()
+
+
 class CapturedData:
     """A producer's Arrow data moved into an owner record of the C core: schema plus batches.
 
@@ -207,6 +212,8 @@ class CapturedData:
         self.arrays = arrays
         self.is_stream = is_stream
         self._finalizer = weakref.finalize(self, lib.aib_owner_unref, owner)
+        self._closing = False
+        self._borrowers = 0
 
     @property
     def device_type(self) -> int:
@@ -218,11 +225,33 @@ class CapturedData:
 
     @property
     def closed(self) -> bool:
-        return not self._finalizer.alive
+        return self._closing or not self._finalizer.alive
 
     def close(self) -> None:
-        """Drop this record's reference (idempotent); shared structs keep the data alive."""
-        self._finalizer()
+        """Drop this record's reference (idempotent); shared structs keep the data alive. While
+        another thread has it borrowed, the reference goes when that thread is done."""
+        with _capture_lock:
+            if self._closing:
+                return
+            self._closing = True
+            now = self._borrowers == 0
+        if now:
+            self._finalizer()
+
+    def borrow(self) -> None:
+        """Keep the record (schema, arrays, owner) valid until :meth:`unborrow`, even if another
+        thread closes it meanwhile: hold it around C calls that release the GIL."""
+        with _capture_lock:
+            if self.closed:
+                raise ReleasedError("this captured data was closed")
+            self._borrowers += 1
+
+    def unborrow(self) -> None:
+        with _capture_lock:
+            self._borrowers -= 1
+            deferred = self._closing and self._borrowers == 0
+        if deferred:
+            self._finalizer()
 
 
 def _move_schema(capsule: object) -> Any:
@@ -492,28 +521,50 @@ class _CapturedSource(ArrowExporter):
             raise ReleasedError("this captured data was closed")
         return self._captured
 
+    # Each C call below releases the GIL: the record is borrowed across it, so that a close() on
+    # another thread meanwhile waits for the call instead of freeing what it reads.
+    def _borrowed(self) -> CapturedData:
+        captured = self._captured
+        captured.borrow()  # ReleasedError once closed
+        return captured
+
     def _fill_schema(self, out: Any) -> None:
-        err = new_error()
-        rc = lib.aib_schema_copy(self._live().schema, out, err)
+        captured = self._borrowed()
+        try:
+            err = new_error()
+            rc = lib.aib_schema_copy(captured.schema, out, err)
+        finally:
+            captured.unborrow()
         if rc:
             raise_for(rc, err, "copying the schema")
 
     def _fill_batch(self, index: int, out: Any) -> None:
-        captured = self._live()
-        err = new_error()
-        rc = lib.aib_array_share(ffi.addressof(captured.arrays[index], "array"), captured.owner, out, err)
+        captured = self._borrowed()
+        try:
+            err = new_error()
+            rc = lib.aib_array_share(ffi.addressof(captured.arrays[index], "array"), captured.owner, out, err)
+        finally:
+            captured.unborrow()
         if rc:
             raise_for(rc, err, "sharing the array")
 
     def _fill_device_stream(self, out: Any) -> None:
-        err = new_error()
-        rc = lib.aib_device_stream_from_capture(self._live().owner, out, err)
+        captured = self._borrowed()
+        try:
+            err = new_error()
+            rc = lib.aib_device_stream_from_capture(captured.owner, out, err)
+        finally:
+            captured.unborrow()
         if rc:
             raise_for(rc, err, "creating a stream")
 
     def _fill_stream(self, out: Any) -> None:
-        err = new_error()
-        rc = lib.aib_stream_from_capture(self._live().owner, out, err)
+        captured = self._borrowed()
+        try:
+            err = new_error()
+            rc = lib.aib_stream_from_capture(captured.owner, out, err)
+        finally:
+            captured.unborrow()
         if rc:
             raise_for(rc, err, "creating a stream")
 

@@ -171,6 +171,22 @@ def test_closed_capture_refuses_export() -> None:
         exported.__arrow_c_array__()
 
 
+def test_close_while_borrowed_waits_for_the_borrower() -> None:
+    """A close() while another thread has the captured data borrowed (a C call that released the GIL)
+    refuses new calls at once but drops the record only when the borrower is done."""
+    captured = capture(pa.array([1, 2, 3]))
+    exported = export_captured(captured)
+    owners = int(lib.aib_live_owners())
+    captured.borrow()
+    captured.close()
+    assert captured.closed
+    with pytest.raises(ReleasedError):
+        exported.__arrow_c_array__()
+    assert int(lib.aib_live_owners()) == owners  # still held for the borrower
+    captured.unborrow()
+    assert int(lib.aib_live_owners()) == owners - 1
+
+
 def test_streams_are_not_arrays() -> None:
     """Tables capture as streams: the exporter has no array methods, so consumers pick the stream."""
     table = pa.table({"a": [1, 2, 3]})
