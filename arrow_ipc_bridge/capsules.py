@@ -15,11 +15,11 @@ destructors and the capsule names are C functions and static strings of the core
 from __future__ import annotations
 
 import ctypes
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from arrow_ipc_bridge._deferred_close import DeferredClose
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.errors import BridgeError, CapsuleError, ReleasedError
 
@@ -186,11 +186,7 @@ def _check_kwargs(kwargs: dict[str, object]) -> None:
             )
 
 
-# Guards CapturedData's borrow count against close().
-_capture_lock = threading.Lock()
-
-
-class CapturedData:
+class CapturedData(DeferredClose):
     """A producer's Arrow data moved into an owner record of the C core: schema plus batches.
 
     Inert while alive; :meth:`close` (or garbage collection) drops this object's reference, and
@@ -212,8 +208,6 @@ class CapturedData:
         self.arrays = arrays
         self.is_stream = is_stream
         self._finalizer = weakref.finalize(self, lib.aib_owner_unref, owner)
-        self._closing = False
-        self._borrowers = 0
 
     @property
     def device_type(self) -> int:
@@ -225,33 +219,14 @@ class CapturedData:
 
     @property
     def closed(self) -> bool:
-        return self._closing or not self._finalizer.alive
+        return self._closed or not self._finalizer.alive
 
-    def close(self) -> None:
-        """Drop this record's reference (idempotent); shared structs keep the data alive. While
-        another thread has it borrowed, the reference goes when that thread is done."""
-        with _capture_lock:
-            if self._closing:
-                return
-            self._closing = True
-            now = self._borrowers == 0
-        if now:
-            self._finalizer()
+    # close() (DeferredClose): drops this record's reference, after the last borrower (a C call
+    # with the GIL released) is done; shared structs keep the data alive.
+    _closed_message = "this captured data was closed"
 
-    def borrow(self) -> None:
-        """Keep the record (schema, arrays, owner) valid until :meth:`unborrow`, even if another
-        thread closes it meanwhile: hold it around C calls that release the GIL."""
-        with _capture_lock:
-            if self.closed:
-                raise ReleasedError("this captured data was closed")
-            self._borrowers += 1
-
-    def unborrow(self) -> None:
-        with _capture_lock:
-            self._borrowers -= 1
-            deferred = self._closing and self._borrowers == 0
-        if deferred:
-            self._finalizer()
+    def _close_now(self) -> None:
+        self._finalizer()
 
 
 def _move_schema(capsule: object) -> Any:
@@ -484,6 +459,10 @@ class ArrowArrayExporter(ArrowExporter):
             _check_kwargs(kwargs)
         if requested_schema is not None:
             self._check_requested(requested_schema)
+        return self._device_array_capsules()
+
+    def _device_array_capsules(self) -> tuple[object, object]:
+        """The (schema, device array) capsule pair of batch 0 (subclasses may make it in one call)."""
         schema_capsule, schema = new_capsule("schema")
         array_capsule, array = new_capsule("device_array")
         self._fill_device_array(schema, array)
@@ -503,6 +482,10 @@ class ArrowArrayExporter(ArrowExporter):
         _check_kwargs(kwargs)
         self._check_requested(requested_schema)
         self._require_host("__arrow_c_array__")
+        return self._array_capsules()
+
+    def _array_capsules(self) -> tuple[object, object]:
+        """The (schema, array) capsule pair of batch 0 (subclasses may make it in one call)."""
         schema_capsule, schema = new_capsule("schema")
         array_capsule, array = new_capsule("array")
         self._fill_schema(schema)

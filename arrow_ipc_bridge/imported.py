@@ -17,7 +17,6 @@ from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.capsules import (
     ArrowArrayExporter,
     ArrowExporter,
-    _check_kwargs,
     array_capsules,
     capsule_struct,
     device_array_capsules,
@@ -242,35 +241,24 @@ class ImportedArray(_ImportedBase, ArrowArrayExporter):
     ``pylibcudf`` for device data. ``release()`` (or the ``with`` block) gives the lease back.
     """
 
-    # The hand-off's hot path: both capsules made by one C call (py_capsules.c) where the generic
-    # path makes each in Python; the same checks first, the generic path when the C call cannot.
-    def __arrow_c_device_array__(
-        self, requested_schema: object | None = None, **kwargs: object
-    ) -> tuple[object, object]:
-        if kwargs:
-            _check_kwargs(kwargs)
-        if requested_schema is not None:
-            self._check_requested(requested_schema)
-        # Checks the message is open and builds in one GIL-holding call: no borrow needed.
+    # The hand-off's hot path: both capsules made by one C call (py_capsules.c), which also checks
+    # the message is open in the same GIL-holding call that uses it (no borrow needed); the
+    # generic path when the C call cannot (no view).
+    def _device_array_capsules(self) -> tuple[object, object]:
         try:
             pair = device_array_capsules(self._decoded, self._owner_address)
         except ReleasedError:
             self._live()  # the error that names this object
             raise
-        return pair if pair is not None else super().__arrow_c_device_array__()
+        return pair if pair is not None else super()._device_array_capsules()
 
-    def __arrow_c_array__(
-        self, requested_schema: object | None = None, **kwargs: object
-    ) -> tuple[object, object]:
-        _check_kwargs(kwargs)
-        self._check_requested(requested_schema)
-        self._require_host("__arrow_c_array__")
+    def _array_capsules(self) -> tuple[object, object]:
         try:
             pair = array_capsules(self._decoded, self._owner_address)
         except ReleasedError:
-            self._live()  # the error that names this object
+            self._live()
             raise
-        return pair if pair is not None else super().__arrow_c_array__()
+        return pair if pair is not None else super()._array_capsules()
 
     def __enter__(self) -> ImportedArray:
         return self

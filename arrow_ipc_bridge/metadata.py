@@ -20,11 +20,11 @@ Consumer::
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from arrow_ipc_bridge._deferred_close import DeferredClose
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.capsules import HOST_READABLE_DEVICES, CapturedData
 from arrow_ipc_bridge.errors import BridgeError, ReleasedError, WireFormatError
@@ -213,12 +213,7 @@ class Described:
             return bytes(ffi.buffer(out, out_len[0]))
 
 
-# Guards Decoded's borrow count against close() (one lock for all: each use holds it for a few
-# bytecodes).
-_borrow_lock = threading.Lock()
-
-
-class Decoded:
+class Decoded(DeferredClose):
     """A message decoded and validated in full; raises :class:`WireFormatError` otherwise.
 
     The decoded tree belongs to a C owner record (``owner``): every struct rebuilt from it holds a
@@ -267,8 +262,6 @@ class Decoded:
         # ffi.gc drops our reference when this object goes away; close() does it early through
         # ffi.release. (weakref.finalize would cost more than the whole decode.)
         self.owner = ffi.gc(owner, lib.aib_owner_unref)
-        self._closed = False
-        self._borrowers = 0
 
     @classmethod
     def sharing(cls, decoded: Decoded, token: int = 0) -> Decoded:
@@ -294,8 +287,6 @@ class Decoded:
         self._message = decoded._message
         self._n_fds = decoded._n_fds
         self._allow_process_regions = decoded._allow_process_regions
-        self._closed = False
-        self._borrowers = 0
         return self
 
     @property
@@ -315,35 +306,12 @@ class Decoded:
     def closed(self) -> bool:
         return self._closed
 
-    def close(self) -> None:
-        """Drop this object's reference on the owner (idempotent). While another thread has it
-        borrowed (a C call with the GIL released), the reference goes when that thread is done."""
-        with _borrow_lock:
-            if self._closed:
-                return
-            # Set before the owner is dropped: capsules.device_array_capsules reads it (by name) in
-            # C, in the same call that uses the owner.
-            self._closed = True
-            now = self._borrowers == 0
-        if now:
-            ffi.release(self.owner)
+    # close() (DeferredClose): drops this object's reference on the owner, after the last borrower
+    # (a C call with the GIL released) is done.
+    _closed_message = "this imported message was released"
 
-    def borrow(self) -> Any:
-        """The ``aib_decoded *``, kept valid until :meth:`unborrow` even if another thread closes
-        this object meanwhile: hold it around C calls that release the GIL. ReleasedError when
-        closed already."""
-        with _borrow_lock:
-            if self._closed:
-                raise ReleasedError("this imported message was released")
-            self._borrowers += 1
-        return self._d
-
-    def unborrow(self) -> None:
-        with _borrow_lock:
-            self._borrowers -= 1
-            deferred = self._closed and self._borrowers == 0
-        if deferred:
-            ffi.release(self.owner)
+    def _close_now(self) -> None:
+        ffi.release(self.owner)
 
     def _live(self) -> Any:
         if self._closed:

@@ -1,0 +1,59 @@
+"""``close()`` that waits for borrowers: the guard between a release and a use on another thread.
+
+Objects that hold a C owner (a decoded message, captured data) are used by C calls that release the
+GIL. Without a guard, ``close()`` on another thread during such a call drops the owner under it. A
+caller borrows the object around those calls; ``close()`` then marks it closed at once (new
+borrows raise :class:`~arrow_ipc_bridge.errors.ReleasedError`) and the owner goes when the last
+borrower is done.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from arrow_ipc_bridge.errors import ReleasedError
+
+__all__ = ["DeferredClose"]
+
+# One lock for every object: each use holds it for a few bytecodes.
+_lock = threading.Lock()
+
+
+class DeferredClose:
+    """Mixin: :meth:`borrow` / :meth:`unborrow` around C calls; :meth:`close` defers
+    :meth:`_close_now` to the last borrower. ``_closed`` is set before anything is dropped (the C
+    core reads a decoded message's ``_closed`` by name: ``cffi_build/py_capsules.c``)."""
+
+    _closed = False
+    _borrowers = 0
+    _closed_message = "this object was closed"
+
+    def _close_now(self) -> None:
+        """Drop what the object holds (runs once, with no borrower left)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Close (idempotent). While another thread has the object borrowed, what it holds goes when
+        that thread is done."""
+        with _lock:
+            if self._closed:
+                return
+            self._closed = True
+            now = self._borrowers == 0
+        if now:
+            self._close_now()
+
+    def borrow(self) -> None:
+        """Keep what the object holds valid until :meth:`unborrow`, even if another thread closes it
+        meanwhile. ReleasedError when it is closed already."""
+        with _lock:
+            if self._closed:
+                raise ReleasedError(self._closed_message)
+            self._borrowers += 1
+
+    def unborrow(self) -> None:
+        with _lock:
+            self._borrowers -= 1
+            deferred = self._closed and self._borrowers == 0
+        if deferred:
+            self._close_now()
