@@ -501,7 +501,7 @@ class _CapturedSource(ArrowExporter):
 
     def _live(self) -> CapturedData:
         if self._captured.closed:
-            raise ReleasedError("this captured data was closed")
+            raise ReleasedError(CapturedData._closed_message)
         return self._captured
 
     # Each C call below releases the GIL: the record is borrowed across it, so that a close() on

@@ -29,6 +29,10 @@ __all__ = ["ImportedArray", "ImportedStream", "imported_from"]
 
 
 class _ImportedBase(ArrowExporter):
+    # Arrays build their capsule pairs in C from the owner's view; streams are rebuilt from the
+    # bases they are given and need no view.
+    _capsules_from_owner = False
+
     def __init__(
         self,
         decoded: Decoded,
@@ -51,11 +55,13 @@ class _ImportedBase(ArrowExporter):
         self._sync = sync_event if sync_event is not None else ffi.NULL
         self.name = name
         self._on_release = on_release
-        # Lets the C core build this object's capsules from the owner alone (device_array_capsules).
-        # An owner sharing a remembered decode has the template's view already (AIB_E_STATE); out
-        # of memory leaves it without one: the protocol calls then take the Python path.
-        lib.aib_owner_set_view(decoded.owner, self._bases, self._n_bases, device_type, device_id)
-        self._owner_address = owner_address(decoded.owner)
+        if self._capsules_from_owner:
+            # Lets the C core build this object's capsules from the owner alone
+            # (device_array_capsules). An owner sharing a remembered decode has the template's view
+            # already (AIB_E_STATE); out of memory leaves it without one: the protocol calls then
+            # take the Python path.
+            lib.aib_owner_set_view(decoded.owner, self._bases, self._n_bases, device_type, device_id)
+            self._owner_address = owner_address(decoded.owner)
 
     @classmethod
     def adopt(
@@ -240,6 +246,8 @@ class ImportedArray(_ImportedBase, ArrowArrayExporter):
     ``pa.record_batch(imported)``, ``polars.DataFrame(imported)``, ``nanoarrow.c_array(imported)``,
     ``pylibcudf`` for device data. ``release()`` (or the ``with`` block) gives the lease back.
     """
+
+    _capsules_from_owner = True
 
     # The hand-off's hot path: both capsules made by one C call (py_capsules.c), which also checks
     # the message is open in the same GIL-holding call that uses it (no borrow needed); the

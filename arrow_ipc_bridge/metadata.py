@@ -315,7 +315,7 @@ class Decoded(DeferredClose):
 
     def _live(self) -> Any:
         if self._closed:
-            raise ReleasedError("this imported message was released")
+            raise ReleasedError(self._closed_message)
         return self._d
 
     @property

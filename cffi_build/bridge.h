@@ -426,7 +426,6 @@ int aib_import_cache_put(aib_import_cache *c, const uint8_t *message, size_t len
 int aib_import_cache_remove(aib_import_cache *c, const uint8_t *message, size_t length);
 size_t aib_import_cache_count(const aib_import_cache *c);
 typedef struct aib_get_result {
-  uint64_t lease_id;
   uint64_t entry_id;
   aib_owner *owner;  /* the lease's owner (token set, sync slot filled); one reference, the caller's */
   uintptr_t owner_address; /* the same, as a number (what py_capsules.c's functions take) */

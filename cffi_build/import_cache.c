@@ -183,7 +183,6 @@ static aib_owner *import_remembered(aib_import_cache *c, const uint8_t *message,
 int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64_t timeout_ms,
                     aib_import_cache *cache, uint64_t lease_tokens, aib_owner *keeper, aib_get_result *out,
                     aib_frame *frame, aib_error *err) {
-  out->lease_id = 0;
   out->entry_id = 0;
   out->owner = NULL;
   out->owner_address = 0;
@@ -202,7 +201,6 @@ int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64
   /* The template maps these files already: the duplicates that came with the answer go. */
   for (uint32_t i = 0; i < frame->n_fds; i++) close(frame->fds[i]);
   frame->n_fds = 0;
-  out->lease_id = lease;
   out->owner = owner;
   out->owner_address = (uintptr_t)owner;
   out->sync_slot = *aib_owner_slot(owner) != 0 ? aib_owner_slot(owner) : NULL;

@@ -18,14 +18,6 @@ size_t aib_metadata_length(const char *metadata);
 /* The owner owns a decoded message and frees it when it dies (see aib_owner_attach_decoded). */
 void aib_decoded_release_internal(aib_decoded *d);
 
-/* Node constructors shared by the schema copy, the array share and the rebuild: one allocation per
- * node holding its children's structs, buffer pointers and strings. */
-int aib_schema_node_init(struct ArrowSchema *dst, const char *format, size_t format_len, const char *name,
-                         size_t name_len, int has_name, const char *metadata, size_t metadata_len,
-                         int64_t flags, int64_t n_children, int has_dictionary);
-int aib_array_node_init(struct ArrowArray *dst, aib_owner *owner, int64_t length, int64_t null_count,
-                        int64_t offset, int64_t n_buffers, int64_t n_children, int has_dictionary);
-void aib_array_node_release(struct ArrowArray *a);
 aib_decoded *aib_owner_decoded(aib_owner *owner);
 
 /* Where an imported message's regions start in this process, and on which device: what a struct

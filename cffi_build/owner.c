@@ -442,11 +442,12 @@ static void release_schema_node(struct ArrowSchema *s) {
   s->release = NULL;
 }
 
-/* Allocates the node block and fills the strings; children and dictionary are left zeroed for the
- * caller to fill. metadata may be NULL. Returns AIB_E_NOMEM. */
-int aib_schema_node_init(struct ArrowSchema *dst, const char *format, size_t format_len, const char *name,
-                         size_t name_len, int has_name, const char *metadata, size_t metadata_len,
-                         int64_t flags, int64_t n_children, int has_dictionary) {
+/* Node constructors of the schema copy and the array share (a rebuild makes a whole tree in one
+ * allocation instead: wire.c). Allocates the node block and fills the strings; children and
+ * dictionary are left zeroed for the caller to fill. metadata may be NULL. Returns AIB_E_NOMEM. */
+static int schema_node_init(struct ArrowSchema *dst, const char *format, size_t format_len, const char *name,
+                            size_t name_len, int has_name, const char *metadata, size_t metadata_len,
+                            int64_t flags, int64_t n_children, int has_dictionary) {
   size_t size = sizeof(schema_block) + (size_t)n_children * (sizeof(struct ArrowSchema *) + sizeof(struct ArrowSchema)) +
                 (has_dictionary ? sizeof(struct ArrowSchema) : 0) + format_len + 1 + name_len + 1 + metadata_len;
   char *block = calloc(1, size);
@@ -490,7 +491,7 @@ int aib_schema_node_init(struct ArrowSchema *dst, const char *format, size_t for
 static int schema_copy_node(const struct ArrowSchema *src, struct ArrowSchema *dst, int depth, aib_error *err) {
   if (depth > AIB_MAX_DEPTH) return aib_fail(err, AIB_E_LIMIT, "depth", "", "schema nesting deeper than %d", AIB_MAX_DEPTH);
   if (src->release == NULL) return aib_fail(err, AIB_E_RELEASED, "release", "", "schema was already released");
-  int rc = aib_schema_node_init(dst, src->format, strlen(src->format), src->name ? src->name : "",
+  int rc = schema_node_init(dst, src->format, strlen(src->format), src->name ? src->name : "",
                                 src->name ? strlen(src->name) : 0, src->name != NULL, src->metadata,
                                 aib_metadata_length(src->metadata), src->flags, src->n_children,
                                 src->dictionary != NULL);
@@ -539,8 +540,8 @@ static void release_array_node(struct ArrowArray *a) {
 
 /* Allocates one node with room for its buffer pointers, children and dictionary; takes a reference
  * on owner. Buffers are left NULL, children zeroed, for the caller to fill. */
-int aib_array_node_init(struct ArrowArray *dst, aib_owner *owner, int64_t length, int64_t null_count,
-                        int64_t offset, int64_t n_buffers, int64_t n_children, int has_dictionary) {
+static int array_node_init(struct ArrowArray *dst, aib_owner *owner, int64_t length, int64_t null_count,
+                           int64_t offset, int64_t n_buffers, int64_t n_children, int has_dictionary) {
   size_t size = sizeof(array_block) + (size_t)n_buffers * sizeof(void *) +
                 (size_t)n_children * (sizeof(struct ArrowArray *) + sizeof(struct ArrowArray)) +
                 (has_dictionary ? sizeof(struct ArrowArray) : 0);
@@ -572,13 +573,11 @@ int aib_array_node_init(struct ArrowArray *dst, aib_owner *owner, int64_t length
   return AIB_OK;
 }
 
-void aib_array_node_release(struct ArrowArray *a) { release_array_node(a); }
-
 static int array_share_node(const struct ArrowArray *src, aib_owner *owner, struct ArrowArray *dst, int depth,
                             aib_error *err) {
   if (depth > AIB_MAX_DEPTH) return aib_fail(err, AIB_E_LIMIT, "depth", "", "array nesting deeper than %d", AIB_MAX_DEPTH);
   if (src->release == NULL) return aib_fail(err, AIB_E_RELEASED, "release", "", "array was already released");
-  int rc = aib_array_node_init(dst, owner, src->length, src->null_count, src->offset, src->n_buffers,
+  int rc = array_node_init(dst, owner, src->length, src->null_count, src->offset, src->n_buffers,
                                src->n_children, src->dictionary != NULL);
   if (rc != AIB_OK) return aib_fail(err, rc, "", "", "out of memory sharing an array");
   for (int64_t i = 0; i < src->n_buffers; i++) dst->buffers[i] = src->buffers[i];
