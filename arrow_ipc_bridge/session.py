@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from arrow_ipc_bridge import _reaper, protocol, transport
+from arrow_ipc_bridge import _linger, _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.channel import Channel, millis
@@ -41,9 +41,12 @@ from arrow_ipc_bridge.metadata import (
     REGION_HOST_FD,
     Decoded,
     DeviceInfo,
+    Region,
 )
 
 __all__ = ["Session", "connect"]
+
+_POOL_SEEN_MAX = 256  # names whose last pool message a session compares the next get with
 
 Imported = ImportedArray | ImportedStream
 
@@ -84,6 +87,9 @@ class Session:
     ----------
     mapping_cache_size
         How many zero-copy file mappings to keep for reuse across imports.
+    pool_linger
+        Seconds a remembered IPC-pool message keeps one lease on the producer's memory after its
+        last get (see :meth:`get`); 0 keeps none, so every get of pool data imports its pointers.
 
     Examples
     --------
@@ -96,8 +102,11 @@ class Session:
     >>> exported.close()
     """
 
-    def __init__(self, *, mapping_cache_size: int = 256) -> None:
+    def __init__(self, *, mapping_cache_size: int = 256, pool_linger: float = 1.0) -> None:
+        if not pool_linger >= 0:  # also refuses NaN
+            raise ValueError(f"pool_linger must be a number of seconds >= 0, not {pool_linger!r}")
         self._cache = HostMappingCache(mapping_cache_size)
+        self._pool_linger = float(pool_linger)
         # message bytes -> regions already open for it; bounded, entries hold their regions open
         # Lock order: _request_lock, then _resolved_lock. Changes to the remembered set take both,
         # so a get holding _request_lock finds the entry its C lookup found (see get()).
@@ -106,6 +115,11 @@ class Session:
         self._resolved_ids = itertools.count(1)
         self._resolved_max = 64
         self._key_by_name: dict[str, bytes] = {}  # the message each name was last remembered with
+        # Remembered pool messages holding a lease -> when a get last used them (time.monotonic()).
+        self._lingering: dict[bytes, float] = {}
+        # name -> hash of the pool message its last get imported without keeping it: a pool
+        # message is kept (with a lease) from its second get on, so a stream of new data pins nothing.
+        self._pool_seen: OrderedDict[str, int] = OrderedDict()
         self._resolved_lock = threading.Lock()
         cache = lib.aib_import_cache_new()
         if cache == ffi.NULL:
@@ -147,19 +161,40 @@ class Session:
                 # Share under the lock: another thread may evict the entry next.
                 self._resolved.move_to_end(message)
                 decoded = Decoded.sharing(hit.template, token)
+                if message in self._lingering:
+                    self._lingering[message] = time.monotonic()
             else:
                 hit = None
         if hit is not None:
             return self._import_resolved(decoded, hit, name)
         template = Decoded(message, len(fds))
+        lease_owner: Any = None
         try:
-            decoded = Decoded.sharing(template, token)
+            device = template.device()
+            regions = template.regions() if device.device_type == DEVICE_CUDA else []
+            if self._keeps_pool_lease(regions, message, name, token):
+                # The template will keep this lease (with the pool imports) after the import ends:
+                # the lease gets an owner of its own, which both hold.
+                decoded = Decoded.sharing(template, 0)
+                owner = lib.aib_owner_new(token)
+                if owner == ffi.NULL:
+                    decoded.close()
+                    raise MemoryError("allocating a lease owner")
+                lease_owner = ffi.gc(owner, lib.aib_owner_unref)
+                try:
+                    decoded.depend_on(lease_owner)
+                except BaseException:
+                    decoded.close()
+                    raise
+            else:
+                decoded = Decoded.sharing(template, token)
         except BaseException:
             template.close()
+            if lease_owner is not None:
+                ffi.release(lease_owner)
             raise
         template_kept = False
         try:
-            device = decoded.device()
             if device.device_type == DEVICE_CPU:
                 bases = self._map_host_regions(decoded, fds, template)
                 imported = imported_from(decoded, bases, device_type=DEVICE_CPU, device_id=-1, name=name)
@@ -170,7 +205,9 @@ class Session:
                     self._remember(template, base_array, DEVICE_CPU, -1, 0, files=files, name=name)
                     template_kept = True
             elif device.device_type == DEVICE_CUDA:
-                imported, template_kept = self._open_cuda_regions(template, decoded, fds, device, name)
+                imported, template_kept = self._open_cuda_regions(
+                    template, decoded, regions, fds, device, name=name, lease_owner=lease_owner
+                )
             else:
                 raise RegionError(
                     f"the message holds data on device type {device.device_type}, "
@@ -182,8 +219,28 @@ class Session:
         finally:
             if not template_kept:
                 template.close()  # the import's owner keeps what it needs alive
+            if lease_owner is not None:
+                ffi.release(lease_owner)  # the import (and a remembering template) hold it
         self._imported.add(imported)
         return imported
+
+    def _keeps_pool_lease(self, regions: list[Region], message: bytes, name: str | None, token: int) -> bool:
+        """Whether this get's message is remembered with its lease: IPC-pool data (CUDA regions that
+        can all stay open, one at least in a pool) got under the same name with the same bytes
+        twice in a row. A stream of new data (every get a new message) is never kept."""
+        if token == 0 or name is None or self._pool_linger <= 0 or not regions:
+            return False
+        kinds = {r.kind for r in regions}
+        if REGION_CUDA_POOL not in kinds or not kinds <= {REGION_CUDA_POOL, REGION_CUDA_LEGACY}:
+            return False
+        digest = hash(message)
+        with self._resolved_lock:
+            if self._pool_seen.pop(name, None) == digest:
+                return True
+            self._pool_seen[name] = digest
+            if len(self._pool_seen) > _POOL_SEEN_MAX:
+                self._pool_seen.popitem(last=False)
+        return False
 
     def _import_resolved(self, decoded: Decoded, hit: _Resolved, name: str | None) -> Imported:
         """The same message again (same publication), its regions already open."""
@@ -225,27 +282,45 @@ class Session:
         return bases
 
     def _open_cuda_regions(
-        self, template: Decoded, decoded: Decoded, fds: Sequence[int], device: DeviceInfo, name: str | None
+        self,
+        template: Decoded,
+        decoded: Decoded,
+        regions: list[Region],
+        fds: Sequence[int],
+        device: DeviceInfo,
+        *,
+        name: str | None,
+        lease_owner: Any,
     ) -> tuple[Imported, bool]:
-        """Opens the regions (held by ``decoded``'s owner); all-legacy messages are also remembered
-        with ``template`` holding them open. Returns the import and whether the template was kept."""
+        """Opens the regions (held by ``decoded``'s owner). Messages whose regions can stay open are
+        also remembered, with ``template`` holding them: all-legacy ones, and IPC-pool ones when
+        ``lease_owner`` (this get's lease, see _keeps_pool_lease) is given, which the template then
+        keeps too. Returns the import and whether the template was kept."""
         from arrow_ipc_bridge.memory import cuda, cuda_regions
 
         # The producer's GPU, by UUID, in this process's numbering (CUDA_VISIBLE_DEVICES may differ).
         ordinal = cuda.ordinal_for_uuid(device.identity)
         opener = cuda_regions.opener()
-        regions = decoded.regions()
         fd_list = list(fds)
         bases = [0] * len(regions)
-        # Only legacy handles stay open beyond a lease, so only all-legacy messages are remembered.
-        remember = all(r.kind == REGION_CUDA_LEGACY for r in regions)
+        # Legacy handles stay open beyond a lease (the opener's LRU); pool imports only under a lease.
         pool_indexes = [i for i, r in enumerate(regions) if r.kind == REGION_CUDA_POOL]
+        remember = all(r.kind in (REGION_CUDA_LEGACY, REGION_CUDA_POOL) for r in regions) and (
+            not pool_indexes or lease_owner is not None
+        )
         if pool_indexes:  # imported together: per buffer this is near the driver's own cost
             pool_bases, pool_owner = opener.open_pool_regions(
                 [regions[i] for i in pool_indexes], fd_list, ordinal
             )
             try:
-                decoded.depend_on(pool_owner)
+                if lease_owner is not None:
+                    # The lease's owner holds the imports, so they are freed (reaper order: its
+                    # dependencies first) before the lease is given back and the producer may free.
+                    if lib.aib_owner_add_dependency(lease_owner, pool_owner):
+                        raise MemoryError("adding an owner dependency")
+                    template.depend_on(lease_owner)
+                else:
+                    decoded.depend_on(pool_owner)
             finally:
                 lib.aib_owner_unref(pool_owner)
             for i, base in zip(pool_indexes, pool_bases, strict=True):
@@ -264,7 +339,16 @@ class Session:
         event = cuda_regions.open_event(device.sync, ordinal) if device.sync else 0
         base_array = ffi.new("uint64_t[]", bases or [0])
         if remember:
-            self._remember(template, base_array, DEVICE_CUDA, ordinal, event, files=(), name=name)
+            self._remember(
+                template,
+                base_array,
+                DEVICE_CUDA,
+                ordinal,
+                event,
+                files=(),
+                name=name,
+                lingers=lease_owner is not None,
+            )
         sync = None
         if event:
             sync = cuda_regions.owner_slot(decoded.owner)
@@ -284,10 +368,13 @@ class Session:
         *,
         files: tuple[tuple[int, int], ...],
         name: str | None,
+        lingers: bool = False,
     ) -> None:
         """Remember ``template`` (it holds the message's regions open) for re-gets of the same
         message with the same files. A name keeps one remembered message: the one it was last got
-        with (a name republished with other data does not pin the old regions until eviction)."""
+        with (a name republished with other data does not pin the old regions until eviction).
+        ``lingers``: the template holds a lease, given back ``pool_linger`` seconds after the last
+        get that used it (or on eviction)."""
         key = template.message
         imported_type = ImportedStream if template.is_stream else ImportedArray
         # Leases of the message share the template's decode and this view: the C core builds their
@@ -318,27 +405,80 @@ class Session:
             ):
                 template.close()  # not remembered (out of memory): the import itself is fine
                 return
-            evicted = []
+            evicted: list[_Resolved | None] = []
             previous = self._resolved.pop(key, None)  # two threads resolved the same message
-            if previous is not None:
+            if previous is not None:  # the put above replaced it in the C mirror already
+                self._resolved_by_id.pop(previous.entry_id, None)
                 evicted.append(previous)
             if name is not None:
                 replaced_key = self._key_by_name.get(name)
                 self._key_by_name[name] = key
                 if replaced_key is not None and replaced_key != key:
-                    replaced = self._resolved.pop(replaced_key, None)
-                    if replaced is not None:
-                        lib.aib_import_cache_remove(cache, replaced_key, len(replaced_key))
-                        evicted.append(replaced)
+                    evicted.append(self._forget_locked(replaced_key))
             self._resolved[key] = resolved
             self._resolved_by_id[resolved.entry_id] = resolved
+            if lingers:
+                self._lingering[key] = time.monotonic()
+            else:
+                self._lingering.pop(key, None)
             while len(self._resolved) > self._resolved_max:
-                old_key, old = self._resolved.popitem(last=False)
-                lib.aib_import_cache_remove(cache, old_key, len(old_key))
-                evicted.append(old)
+                evicted.append(self._forget_locked(next(iter(self._resolved))))
             for old in evicted:
-                self._resolved_by_id.pop(old.entry_id, None)
-                old.template.close()
+                if old is not None:
+                    old.template.close()
+        if lingers:
+            _linger.watch(self)
+
+    def _forget_locked(self, key: bytes) -> _Resolved | None:
+        """Drop remembered message ``key`` (both locks held); the caller closes its template."""
+        resolved = self._resolved.pop(key, None)
+        if resolved is None:
+            return None
+        lib.aib_import_cache_remove(self._import_cache, key, len(key))
+        self._resolved_by_id.pop(resolved.entry_id, None)
+        self._lingering.pop(key, None)
+        return resolved
+
+    def _expire_lingering(self, now: float) -> float | None:
+        """Give back the leases of remembered pool messages no get used for ``pool_linger`` seconds
+        (called by the _linger thread); returns the next deadline, None when nothing lingers."""
+        if self._closed:
+            return None
+        if not self._request_lock.acquire(blocking=False):  # a get in flight: ask again soon
+            return now + _linger.BUSY_RETRY_S
+        try:
+            with self._resolved_lock:
+                expired = [key for key, used in self._lingering.items() if now - used >= self._pool_linger]
+                forgotten = [self._forget_locked(key) for key in expired]
+                next_deadline = min(self._lingering.values(), default=None)
+            for resolved in forgotten:
+                if resolved is not None:
+                    resolved.template.close()
+        finally:
+            self._request_lock.release()
+        return None if next_deadline is None else next_deadline + self._pool_linger
+
+    def forget(self, name: str | None = None) -> int:
+        """Forget remembered messages: the one last got as ``name``, or all of them (None).
+
+        Their regions close once no import uses them, and IPC-pool messages give their kept lease
+        back now instead of ``pool_linger`` seconds after their last get. The next get of the same
+        data decodes and opens again. Returns how many messages were forgotten.
+        """
+        self._check_open()
+        with self._request_lock, self._resolved_lock:
+            if name is None:
+                keys = list(self._resolved)
+                self._key_by_name.clear()
+            else:
+                key = self._key_by_name.pop(name, None)
+                keys = [] if key is None else [key]
+            forgotten = [self._forget_locked(key) for key in keys]
+            for resolved in forgotten:
+                if resolved is not None:
+                    resolved.template.close()
+        _reaper.drain()
+        return sum(resolved is not None for resolved in forgotten)
 
     # ---------- publisher conversation --------------------------------------------------------------
     def _attach(self, conn: transport.Connection, timeout: float) -> None:
@@ -425,6 +565,14 @@ class Session:
         The lease ends when the returned object is released (``release()``, the ``with`` block, or
         garbage collection) and every struct a consumer built from it is released too.
         Raises :class:`~arrow_ipc_bridge.errors.NotPublishedError` for an unknown name.
+
+        Re-gets of the same publication are the steady state: the session remembers the message
+        with its regions open and the C core imports it without Python work (legacy CUDA handles,
+        host files). IPC-pool data is remembered from its second get under the same name on,
+        together with one more lease that keeps the producer's memory while the pointers stay
+        imported here (CUDA requires the importer to free first); that lease is given back
+        ``pool_linger`` seconds after the last get of the message, when the name is got with other
+        data, on :meth:`forget`, or on :meth:`close`.
         """
         raw_name = protocol.encode_name(name)
         channel = self._connection()
@@ -444,8 +592,11 @@ class Session:
                     _reaper.drain()
                     raise BridgeError("a remembered message vanished during a get")
                 fast = Decoded.adopt(owner, hit.template), hit, address, sync_slot
+                key = hit.template.message
                 with self._resolved_lock:
-                    self._resolved.move_to_end(hit.template.message)
+                    self._resolved.move_to_end(key)
+                    if key in self._lingering:
+                        self._lingering[key] = time.monotonic()
         if fast is not None:
             self.remembered_gets += 1
             decoded, hit, address, sync_slot = fast
@@ -512,18 +663,20 @@ class Session:
         self._closed = True
         for imported in list(self._imported):
             imported.release()
+        with self._request_lock, self._resolved_lock:
+            forgotten = [self._forget_locked(key) for key in list(self._resolved)]
+            self._key_by_name.clear()
+        for resolved in forgotten:
+            if resolved is not None:
+                resolved.template.close()
+        # While the connection is open: pool imports are freed and kept leases given back in that
+        # order (the producer frees its memory only after the importer did).
+        _reaper.drain()
         if self._conn is not None:
             self._conn.close()
         if self._lease_keeper != ffi.NULL:
             ffi.release(self._lease_keeper)  # the family retires once the last C-imported lease ends
         self._cache.close()
-        with self._request_lock, self._resolved_lock:
-            for key, resolved in self._resolved.items():
-                lib.aib_import_cache_remove(self._import_cache, key, len(key))
-                resolved.template.close()
-            self._resolved.clear()
-            self._resolved_by_id.clear()
-            self._key_by_name.clear()
         _reaper.drain()
 
     def __enter__(self) -> Session:
@@ -553,7 +706,7 @@ def _send_release(channel: Channel, lease_id: int) -> None:
         channel.send(protocol.RELEASE, protocol.encode_lease(lease_id), timeout=5.0)
 
 
-def connect(path: str | os.PathLike[str], *, timeout: float = 5.0) -> Session:
+def connect(path: str | os.PathLike[str], *, timeout: float = 5.0, pool_linger: float = 1.0) -> Session:
     """Connect a new :class:`Session` to the publisher at ``path``.
 
     Parameters
@@ -562,13 +715,16 @@ def connect(path: str | os.PathLike[str], *, timeout: float = 5.0) -> Session:
         The publisher's socket file.
     timeout
         Seconds for the connection and for every request after it.
+    pool_linger
+        See :class:`Session`: how long a remembered IPC-pool message keeps its lease after its
+        last get.
 
     Examples
     --------
     >>> with aib.connect("/tmp/demo.sock") as session:  # doctest: +SKIP
     ...     table = pa.table(session.get("trades"))
     """
-    session = Session()
+    session = Session(pool_linger=pool_linger)
     conn = transport.connect(path, timeout=timeout)
     try:
         session._attach(conn, timeout)

@@ -30,17 +30,23 @@ def _ipc_bytes(obj: Any) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def consumer_loop(socket_path: str, conn: Connection) -> None:
+def consumer_loop(socket_path: str, conn: Connection, pool_linger: float = 1.0) -> None:
     """Serve the parent: for each name received, get it, copy to host, send Arrow IPC bytes back (with
-    the device id and the session's remembered-get count)."""
+    the device id and the session's remembered-get count). ``("forget", name)`` forgets ``name``
+    and answers ``("ok", forgotten, pool pointers still imported in this process)``."""
     import arrow_ipc_bridge as aib
+    from arrow_ipc_bridge.memory import cuda_regions
 
     try:
-        with aib.connect(socket_path, timeout=30.0) as session:
+        with aib.connect(socket_path, timeout=30.0, pool_linger=pool_linger) as session:
             while True:
                 name = conn.recv()
                 if name is None:
                     break
+                if isinstance(name, tuple) and name[0] == "forget":
+                    forgotten = session.forget(name[1])
+                    conn.send(("ok", forgotten, len(cuda_regions.opener()._pool_pointers)))
+                    continue
                 try:
                     with session.get(name) as imported:
                         host = imported.to_host()

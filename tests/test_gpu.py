@@ -125,8 +125,9 @@ def test_tables_with_many_batches(publisher: aib.Publisher, consumer: Any) -> No
 
 def test_to_device_legacy_allocation_is_remembered(publisher: aib.Publisher, consumer: Any) -> None:
     """to_device(allocation="legacy") uploads into cuMemAlloc memory: one legacy-handle region, read
-    right in another process, whose re-gets are remembered (imported by the C core); the default pool
-    upload is not (each get imports its pointer). A bad allocation name is refused up front."""
+    right in another process, whose re-gets are remembered (imported by the C core) from the
+    second get on; the default pool upload from the third (its second get keeps a lease, see
+    test_pool_data_is_kept_with_a_lease_from_its_second_get). A bad allocation name is refused."""
     table = pa.table(
         {
             "s": pa.array(["a", None, "ccc"] * 10),
@@ -138,13 +139,107 @@ def test_to_device_legacy_allocation_is_remembered(publisher: aib.Publisher, con
     assert stats.regions == 1
     assert stats.copied_bytes == 0
     publisher.publish("pool", aib.to_device(table))
-    for name, remembered in (("legacy", 0), ("legacy", 1), ("legacy", 2), ("pool", 2), ("pool", 2)):
+    gets = (("legacy", 0), ("legacy", 1), ("legacy", 2), ("pool", 2), ("pool", 2), ("pool", 3))
+    for name, remembered in gets:
         again, device_id = consumer(name)
         assert again.equals(table)
         assert device_id == 0
         assert consumer.remembered_gets == remembered
     with pytest.raises(ValueError, match="allocation"):
         aib.to_device(table, allocation="managed")  # type: ignore[arg-type]
+
+
+def _wait_for(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return bool(predicate())
+        time.sleep(0.005)
+    return True
+
+
+class _LingerConsumer:
+    """A consumer process (gpu_children.consumer_loop) with its own pool_linger."""
+
+    def __init__(self, path: str, pool_linger: float) -> None:
+        import gpu_children
+
+        self.parent, child = _CTX.Pipe()
+        self.process = _CTX.Process(target=gpu_children.consumer_loop, args=(path, child, pool_linger))
+        self.process.start()
+
+    def get(self, name: str) -> tuple[pa.Table, int]:
+        """The table got as ``name`` and the session's remembered-get count after it."""
+        self.parent.send(name)
+        assert self.parent.poll(60), "consumer did not answer"
+        status, payload, _, remembered = self.parent.recv()
+        assert status == "ok", payload
+        return _from_ipc(payload), remembered
+
+    def forget(self, name: str | None) -> tuple[int, int]:
+        """(messages forgotten, pool pointers still imported in the consumer)."""
+        self.parent.send(("forget", name))
+        assert self.parent.poll(60), "consumer did not answer"
+        status, forgotten, pointers = self.parent.recv()
+        assert status == "ok"
+        return forgotten, pointers
+
+    def stop(self) -> None:
+        self.parent.send(None)
+        _join(self.process)
+
+
+def test_pool_data_is_kept_with_a_lease_from_its_second_get(publisher: aib.Publisher) -> None:
+    """IPC-pool data got twice in a row under one name is remembered with one lease of its own: the
+    third get on is imported by the C core (no pointer imports), the producer sees that one lease
+    after the consumer released its own, and gets it back on forget(), when the name is got with
+    other data, and pool_linger seconds after the last get. pool_linger=0 keeps nothing."""
+    table = pa.table({"s": pa.array(["x", None, "zz"] * 50), "v": pa.array(range(150), pa.float32())})
+    publisher.publish("pool", aib.to_device(table))
+    consumer = _LingerConsumer(str(publisher.path), pool_linger=60.0)
+    try:
+        for remembered in (0, 0, 1, 2):
+            got, count = consumer.get("pool")
+            assert got.equals(table)
+            assert count == remembered
+        # the consumer's own leases ended; the remembered message keeps exactly one
+        assert _wait_for(lambda: publisher.active_leases == 1, 5.0)
+        time.sleep(0.3)
+        assert publisher.active_leases == 1
+        assert consumer.forget("pool") == (1, 0)  # imports freed, then the lease given back
+        assert _wait_for(lambda: publisher.active_leases == 0, 5.0)
+        assert consumer.get("pool")[1] == 2  # forgotten: imported by Python again
+
+        # kept again, then the name is republished with other data: the old lease goes
+        consumer.get("pool")
+        assert consumer.get("pool")[1] == 3
+        other = pa.table({"s": pa.array(["new"] * 7), "v": pa.array(range(7), pa.float32())})
+        publisher.publish("pool", aib.to_device(other))
+        assert consumer.get("pool")[0].equals(other)
+        assert _wait_for(lambda: publisher.active_leases == 0, 5.0)
+        assert consumer.forget(None) == (0, 0)
+    finally:
+        consumer.stop()
+
+    lingering = _LingerConsumer(str(publisher.path), pool_linger=0.3)
+    try:
+        lingering.get("pool")
+        lingering.get("pool")
+        assert lingering.get("pool")[1] == 1  # kept since the second get
+        assert _wait_for(lambda: publisher.active_leases == 0, 5.0), "the kept lease outlived pool_linger"
+        assert lingering.forget(None) == (0, 0)
+    finally:
+        lingering.stop()
+
+    keeping_none = _LingerConsumer(str(publisher.path), pool_linger=0.0)
+    try:
+        for _ in range(3):
+            got, count = keeping_none.get("pool")
+            assert got.equals(other)
+            assert count == 0
+            assert _wait_for(lambda: publisher.active_leases == 0, 5.0)
+    finally:
+        keeping_none.stop()
 
 
 def test_cupy_columns_sliced_from_a_pool_block(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:

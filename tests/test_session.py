@@ -177,8 +177,12 @@ def write_shm_ipc_file(table: pa.Table) -> str:
 @pytest.fixture(scope="module", autouse=True)
 def warm() -> dict[str, int]:
     """Open once what the library and multiprocessing keep open for the life of the process (the reaper's
-    pipe and thread, /proc/self/maps and pagemap, the resource tracker's pipe), then record the baseline."""
+    pipe and thread, the linger thread, /proc/self/maps and pagemap, the resource tracker's pipe), then
+    record the baseline."""
+    from arrow_ipc_bridge import _linger
+
     multiprocessing.resource_tracker.ensure_running()
+    _linger.watch(FakeLingering([]))  # starts the thread (it is collected right away)
     directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-")
     shm = write_shm_ipc_file(sample_table(100))
     try:
@@ -1774,6 +1778,79 @@ def test_remembered_message_is_imported_by_the_c_core(publisher: aib.Publisher) 
                 del got, schema, array
             assert wait_for(lambda: publisher.active_leases == 0, 2.0)
     assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_forget_drops_remembered_messages(publisher: aib.Publisher) -> None:
+    """forget(name) drops the message last got as name, forget() all of them: the next get is
+    imported by Python again (and remembered again). A closed session refuses; a bad pool_linger
+    is refused up front."""
+    publisher.publish("a", null_batch(2, 10))
+    publisher.publish("b", null_batch(3, 10))
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        for name in ("a", "b", "a", "b"):
+            session.get(name).release()
+        assert session.remembered_gets == 2
+        assert session.forget("a") == 1
+        assert session.forget("a") == 0  # nothing remembered under that name any more
+        assert session.forget("nobody") == 0
+        session.get("b").release()
+        assert session.remembered_gets == 3
+        session.get("a").release()  # decoded again
+        assert session.remembered_gets == 3
+        session.get("a").release()
+        assert session.remembered_gets == 4
+        assert session.forget() == 2
+        session.get("b").release()
+        assert session.remembered_gets == 4
+    with pytest.raises(aib.BridgeError, match="closed"):
+        session.forget()
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="pool_linger"):
+            aib.Session(pool_linger=bad)
+
+
+class FakeLingering:
+    """Stands in for a session in the linger thread's loop: records when it was asked."""
+
+    def __init__(self, deadlines: list[float | None]) -> None:
+        self.deadlines = deadlines  # relative seconds to answer with, in order; then None
+        self.calls: list[float] = []
+        self.asked = threading.Event()
+
+    def _expire_lingering(self, now: float) -> float | None:
+        self.calls.append(now)
+        self.asked.set()
+        if not self.deadlines:
+            return None
+        relative = self.deadlines.pop(0)
+        return None if relative is None else now + relative
+
+
+def test_linger_thread_keeps_each_sessions_next_deadline() -> None:
+    """The linger thread asks a watched session again at the deadline it returned (not before, and
+    not never), sleeps when nothing lingers, and a new watch() wakes it."""
+    from arrow_ipc_bridge import _linger
+
+    session = FakeLingering([0.2, None])
+    _linger.watch(session)
+    assert wait_for(lambda: len(session.calls) >= 2, 5.0)
+    assert session.calls[1] - session.calls[0] >= 0.19  # asked again at its deadline
+    time.sleep(0.3)
+    assert len(session.calls) == 2  # nothing lingers: not asked again
+    session.deadlines = [0.05, None]
+    _linger.watch(session)
+    assert wait_for(lambda: len(session.calls) == 4, 5.0)
+
+    class Failing:
+        def _expire_lingering(self, now: float) -> float | None:
+            raise RuntimeError("boom")
+
+    failing = Failing()
+    other = FakeLingering([None])
+    _linger.watch(failing)
+    _linger.watch(other)
+    assert other.asked.wait(5.0)  # one session failing does not stop the others
+    del failing
 
 
 def test_protocol_capsules_are_built_by_the_c_core(publisher: aib.Publisher, monkeypatch: Any) -> None:
