@@ -63,7 +63,9 @@ class _Resolved:
     event: int  # the opened producer event, 0 when none
     entry_id: int  # its name in the C core's mirror of the cache (aib_import_cache)
     imported_type: type[ImportedArray] | type[ImportedStream]
-    files: tuple[tuple[int, int], ...]  # (st_dev, st_ino) of each descriptor it came with, in order
+    # (st_dev, st_ino) of each descriptor it came with, in order; None: its descriptors name nothing
+    # the message does not (CUDA pool fds), any will do
+    files: tuple[tuple[int, int], ...] | None
 
 
 class _Lease:
@@ -157,7 +159,7 @@ class Session:
             hit = self._resolved.get(message)
             # The same bytes describe other data when they arrive with other files (a host region's
             # message names no file): only the files the template mapped make it the same message.
-            if hit is not None and files is not None and hit.files == files:
+            if hit is not None and (hit.files is None or (files is not None and hit.files == files)):
                 # Share under the lock: another thread may evict the entry next.
                 self._resolved.move_to_end(message)
                 decoded = Decoded.sharing(hit.template, token)
@@ -345,7 +347,7 @@ class Session:
                 DEVICE_CUDA,
                 ordinal,
                 event,
-                files=(),
+                files=None,  # the regions are named by the message; pool fds matter only once
                 name=name,
                 lingers=lease_owner is not None,
             )
@@ -366,7 +368,7 @@ class Session:
         device_id: int,
         event: int,
         *,
-        files: tuple[tuple[int, int], ...],
+        files: tuple[tuple[int, int], ...] | None,
         name: str | None,
         lingers: bool = False,
     ) -> None:
@@ -384,8 +386,8 @@ class Session:
         resolved = _Resolved(
             template, bases, device_type, device_id, event, next(self._resolved_ids), imported_type, files
         )
-        identities = ffi.new("aib_file_identity[]", max(len(files), 1))
-        for i, (dev, ino) in enumerate(files):
+        identities = ffi.new("aib_file_identity[]", max(len(files or ()), 1))
+        for i, (dev, ino) in enumerate(files or ()):
             identities[i].dev = dev
             identities[i].ino = ino
         cache = self._import_cache
@@ -401,7 +403,8 @@ class Session:
                 event,
                 resolved.entry_id,
                 identities,
-                len(files),
+                len(files or ()),
+                lib.AIB_CACHE_FDS_SAME_FILES if files is not None else lib.AIB_CACHE_FDS_ANY,
             ):
                 template.close()  # not remembered (out of memory): the import itself is fine
                 return

@@ -419,10 +419,16 @@ typedef struct aib_file_identity {
 } aib_file_identity;
 aib_import_cache *aib_import_cache_new(void);
 void aib_import_cache_free(aib_import_cache *c);
-/* files: one identity per descriptor the message travels with, in fd-index order; an answer with
- * the same bytes is imported here only when its descriptors are those files (then they are closed). */
+/* fd_policy AIB_CACHE_FDS_SAME_FILES: files holds one identity per descriptor the message travels
+ * with, in fd-index order; an answer with the same bytes is imported here only when its descriptors
+ * are those files. AIB_CACHE_FDS_ANY: the descriptors name nothing the bytes do not (a CUDA pool's
+ * fd: the pool is named in the message and imported once per process), so any are accepted.
+ * Either way the answer's descriptors are closed when it is imported here. */
+#define AIB_CACHE_FDS_SAME_FILES 0
+#define AIB_CACHE_FDS_ANY 1
 int aib_import_cache_put(aib_import_cache *c, const uint8_t *message, size_t length, aib_owner *template_owner,
-                         uint64_t event, uint64_t id, const aib_file_identity *files, uint32_t n_files);
+                         uint64_t event, uint64_t id, const aib_file_identity *files, uint32_t n_files,
+                         uint32_t fd_policy);
 int aib_import_cache_remove(aib_import_cache *c, const uint8_t *message, size_t length);
 size_t aib_import_cache_count(const aib_import_cache *c);
 typedef struct aib_get_result {

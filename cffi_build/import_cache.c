@@ -30,6 +30,7 @@ typedef struct cache_entry {
   aib_owner *template_owner; /* one reference */
   size_t length;
   struct cache_entry *next;
+  int any_fds;  /* the descriptors name nothing the message does not (CUDA pool/VMM fds): not checked */
   uint32_t n_files;
   aib_file_identity *files; /* n_files, inside this allocation after the message */
   uint8_t message[];        /* length bytes */
@@ -91,9 +92,11 @@ static cache_entry **find(aib_import_cache *c, const uint8_t *message, size_t le
 }
 
 int aib_import_cache_put(aib_import_cache *c, const uint8_t *message, size_t length, aib_owner *template_owner,
-                         uint64_t event, uint64_t id, const aib_file_identity *files, uint32_t n_files) {
+                         uint64_t event, uint64_t id, const aib_file_identity *files, uint32_t n_files,
+                         uint32_t fd_policy) {
   if (aib_owner_decoded(template_owner) == NULL) return AIB_E_STATE;
   if (n_files > AIB_MAX_FDS) return AIB_E_LIMIT;
+  if (fd_policy != AIB_CACHE_FDS_SAME_FILES && fd_policy != AIB_CACHE_FDS_ANY) return AIB_E_STATE;
   size_t files_at = (sizeof(cache_entry) + length + 7) & ~(size_t)7;
   cache_entry *e = malloc(files_at + n_files * sizeof(aib_file_identity));
   if (e == NULL) return AIB_E_NOMEM;
@@ -101,6 +104,7 @@ int aib_import_cache_put(aib_import_cache *c, const uint8_t *message, size_t len
   e->id = id;
   e->event = event;
   e->length = length;
+  e->any_fds = fd_policy == AIB_CACHE_FDS_ANY;
   memcpy(e->message, message, length);
   e->n_files = n_files;
   e->files = (aib_file_identity *)((char *)e + files_at);
@@ -143,6 +147,7 @@ size_t aib_import_cache_count(const aib_import_cache *c) { return c->count; }
  * message bytes say nothing about which file a host region lives in (its identity field is 0), the
  * descriptors do. (st_dev, st_ino) of a file the template still maps cannot name another file. */
 static int same_files(const cache_entry *e, const int *fds, uint32_t n_fds) {
+  if (e->any_fds) return 1;
   if (e->n_files != n_fds) return 0;
   for (uint32_t i = 0; i < n_fds; i++) {
     struct stat st;

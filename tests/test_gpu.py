@@ -348,7 +348,7 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
                     capsules = imported.__arrow_c_device_array__()
                     del capsules
 
-            for name in ("cupy", "pool"):
+            for name in ("cupy", "pool", "pool"):  # the second pool get keeps it (and a lease)
                 cycle(name)
             gc.collect()
             _reaper.drain()
@@ -369,6 +369,27 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
             # opened once, before the loop; the session then reuses the opened regions
             assert stats["legacy_opens"] == opens_before
             assert stats["legacy_hits"] >= hits_before
+            assert session.remembered_gets == 10_000  # both imported by the C core every time
+        parent.send("leases")
+        assert parent.recv() == 0
+        # Without a kept lease every pool get imports and frees its pointer: that churn leaks nothing.
+        with aib.connect(path, timeout=30.0, pool_linger=0.0) as session:
+            cycle("pool")
+            gc.collect()
+            _reaper.drain()
+            free_before = cuda.mem_get_info(0)[0]
+            fds_before = len(os.listdir("/proc/self/fd"))
+            owners_before = lib.aib_live_owners()
+            for _ in range(2_000):
+                cycle("pool")
+            gc.collect()
+            time.sleep(0.2)
+            _reaper.drain()
+            assert session.remembered_gets == 0
+            assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+            assert lib.aib_live_owners() <= owners_before + 2
+            assert cuda.mem_get_info(0)[0] >= free_before - (64 << 20)
+            assert cuda_regions.opener()._pool_pointers == {}  # every import freed again
         parent.send("leases")
         assert parent.recv() == 0
     finally:
