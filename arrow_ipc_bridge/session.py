@@ -223,8 +223,22 @@ class Session:
                 template.close()  # the import's owner keeps what it needs alive
             if lease_owner is not None:
                 ffi.release(lease_owner)  # the import (and a remembering template) hold it
+        if name is not None and not template_kept:
+            self._forget_replaced(name, message)
         self._imported.add(imported)
         return imported
+
+    def _forget_replaced(self, name: str, message: bytes) -> None:
+        """``name`` now holds ``message``, which is not remembered: the message remembered under the
+        name before is stale (its regions, and a kept lease, would otherwise wait for eviction)."""
+        with self._request_lock, self._resolved_lock:
+            key = self._key_by_name.get(name)
+            if key is None or key == message:
+                return
+            del self._key_by_name[name]
+            stale = self._forget_locked(key)
+        if stale is not None:
+            stale.template.close()
 
     def _keeps_pool_lease(self, regions: list[Region], message: bytes, name: str | None, token: int) -> bool:
         """Whether this get's message is remembered with its lease: IPC-pool data (CUDA regions that
