@@ -49,7 +49,8 @@ def _run_producer(socket_path: str, rows: int, columns: int, shm_dir: str) -> in
         table = _demo_table(rows, columns)
         if _gpu_present():
             # Published once and fetched many times: cuMemAlloc memory, whose message the consumer's
-            # session remembers (the IPC pool, to_device's default, suits data that changes each time).
+            # session remembers from the first get without keeping a lease (the IPC pool, to_device's
+            # default, is kept from the second get on, with a lease: it suits data that changes often).
             gpu = pub.publish("gpu", aib.to_device(table, allocation="legacy"))
             where = (
                 f"'gpu' ({gpu.regions} region of cuMemAlloc memory shared by a CUDA IPC handle, "

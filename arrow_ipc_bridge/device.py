@@ -67,13 +67,13 @@ def to_device(
     result shares it without another copy. ``allocation`` picks its kind, which decides what a
     consumer pays per get:
 
-    - ``"pool"`` (default): the bridge's IPC-enabled memory pool. A consumer imports the pointer on
-      every get (~5 µs, plus the Python import path: ~80 µs a get on the H200), and a new upload costs
-      it no more than that: for data that changes every time.
+    - ``"pool"`` (default): the bridge's IPC-enabled memory pool. A new upload costs a consumer one
+      pointer import (~5-60 µs, growing with the allocation, plus the Python import path); a
+      publication got twice is then kept by the session with a lease (``Session(pool_linger=...)``)
+      and re-gets are the steady state (~30 µs on the H200). Suits data that changes often.
     - ``"legacy"``: ``cuMemAlloc`` memory, shared by a legacy IPC handle. A consumer opens it once
-      and remembers the message: a re-get of the same publication is the steady state (~30 µs on
-      the H200), a new upload costs it one handle open (~20-90 µs): for data published once and
-      fetched often.
+      (~20-90 µs) and remembers the message from the first get, without holding a lease: for data
+      published once and fetched often.
 
     Examples
     --------

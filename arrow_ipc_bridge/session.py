@@ -91,7 +91,8 @@ class Session:
         How many zero-copy file mappings to keep for reuse across imports.
     pool_linger
         Seconds a remembered IPC-pool message keeps one lease on the producer's memory after its
-        last get (see :meth:`get`); 0 keeps none, so every get of pool data imports its pointers.
+        last get (see :meth:`get`); 0 keeps none, so every get of pool data imports its pointers
+        (and frees them on release).
 
     Examples
     --------

@@ -7,8 +7,8 @@
 A producer process publishes 16 float32 columns (CuPy arrays with ``--device cuda``; all-null columns on
 the CPU, whose message, like an all-legacy CUDA one, is remembered), or
 with ``--table mixed`` the GPU benchmark's mixed table (strings, lists, nulls) uploaded with
-``to_device`` (one IPC-pool region: not remembered, each get imports it; on the CPU the same table
-in host memory, remembered with its files). The
+``to_device`` (one IPC-pool region, kept with a lease from the second get on; on the CPU the same
+table in host memory, remembered with its files). The
 consumer times, per get: ``session.get`` alone, then ``__arrow_c_device_array__``, then reading the
 struct and waiting on ``sync_event`` (the bench's "can launch work" end point), a bare 64-byte
 socket round trip between the same two processes and a ``Session.ping`` on the session's own

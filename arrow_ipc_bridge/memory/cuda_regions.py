@@ -16,9 +16,10 @@ The nonce is random per producer process, so consumer caches keyed on it never c
 
 Consumer (:class:`CudaOpener`, one per process): opens regions and caches what is safe to cache.
 Legacy handles stay open (bounded LRU) because re-opening costs 90-400 µs; pool imports are cached per
-producer pool (the first import costs ~100 µs, a pointer ~1.5 µs), but imported *pointers* are freed
-when the last array using them is released, because CUDA requires the importer to free a pool
-allocation before the exporter does; VMM imports are unmapped with their last array.
+producer pool (the first import costs ~100 µs, a pointer ~1.5 µs and more for large allocations), but
+imported *pointers* are freed when the last owner using them dies, because CUDA requires the importer
+to free a pool allocation before the exporter does (a session that keeps a pool message holds a lease
+for as long as it holds the imports: session.py); VMM imports are unmapped with their last array.
 """
 
 from __future__ import annotations
