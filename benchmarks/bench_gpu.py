@@ -612,15 +612,22 @@ class Collector:
                 )
             fresh = self.get("bridge_fresh_legacy", s)
             if fresh and fresh.get("per_iteration"):
-                opens = fresh["per_iteration"].get("legacy_opens", 0.0)
+                # Issue 5: at most one driver open per distinct allocation. The producer exports
+                # one region per allocation; the consumer opens a handle it has not seen and finds
+                # the others in its cache (the driver may give new small allocations the handle of
+                # an earlier one: docs/benchmarks.md), so hits are shown beside the opens.
+                per_iteration = fresh["per_iteration"]
+                opens = per_iteration.get("legacy_opens", 0.0)
+                hits = per_iteration.get("legacy_hits", 0.0)
+                regions = float((fresh.get("first_extra") or {}).get("regions") or NCOLS)
                 checks.append(
                     {
-                        "check": f"{fmt_size(s)}: new cudaMalloc arrays really open new handles",
-                        "value": opens,
-                        "goal": f"~{NCOLS} legacy opens per round trip",
-                        "pass": opens >= NCOLS - 1,
-                        "detail": f"{fmt_us(fresh['median_us'])} per round trip, "
-                        f"{fmt_us(fresh['median_us'] / NCOLS)} per buffer",
+                        "check": f"{fmt_size(s)}: new cudaMalloc arrays, driver opens per new allocation",
+                        "value": opens / regions,
+                        "goal": "<= 1",
+                        "pass": opens <= regions,
+                        "detail": f"{opens:.1f} opens + {hits:.1f} opener-cache hits for {regions:.0f} "
+                        f"allocations per round trip; {fmt_us(fresh['median_us'])} per round trip",
                     }
                 )
         self.checks = checks
