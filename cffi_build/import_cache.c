@@ -1,7 +1,8 @@
 /* The session's steady state in one C call: GET, ITEM, and the import of a message seen before.
  *
- * A session remembers messages whose regions can stay open (all-legacy CUDA handles, host files):
- * the validated decode lives in a template owner, which also holds the opened regions. When the
+ * A session remembers messages whose regions can stay open (legacy CUDA handles, IPC-pool pointers
+ * under a lease the template keeps, host files): the validated decode lives in a template owner,
+ * which also holds the opened regions. When the
  * publisher answers a GET with byte-for-byte the same message (the same publication) and, for host
  * regions, descriptors of the same files, nothing needs decoding, validating, mapping or opening
  * again: aib_session_get makes the lease's owner (sharing the template's decode, holding the
@@ -30,7 +31,7 @@ typedef struct cache_entry {
   aib_owner *template_owner; /* one reference */
   size_t length;
   struct cache_entry *next;
-  int any_fds;  /* the descriptors name nothing the message does not (CUDA pool/VMM fds): not checked */
+  int any_fds;  /* the descriptors name nothing the message does not (CUDA pool fds): not checked */
   uint32_t n_files;
   aib_file_identity *files; /* n_files, inside this allocation after the message */
   uint8_t message[];        /* length bytes */
