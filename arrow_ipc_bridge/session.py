@@ -672,9 +672,11 @@ class Session:
     def close(self) -> None:
         """Release every imported object this session handed out and close the connection (idempotent).
 
-        Structs that consumers (pyarrow, polars, ...) already hold stay valid: they keep their own
+        Structs that consumers (pyarrow, polars, ...) already hold stay mapped: they keep their own
         references on the mapped memory. The publisher ends this session's leases when it sees the
-        connection close.
+        connection close, so memory it may reuse (CUDA IPC-pool allocations) should be released
+        before; remembered messages are forgotten first, kept pool leases given back after their
+        imports are freed.
         """
         if self._closed:
             return
