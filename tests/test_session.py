@@ -1809,6 +1809,51 @@ def test_forget_drops_remembered_messages(publisher: aib.Publisher) -> None:
             aib.Session(pool_linger=bad)
 
 
+def test_pool_messages_are_kept_from_their_second_get_under_one_name() -> None:
+    """The kept-lease decision (the GPU suite checks what follows from it): a get keeps its lease
+    only for IPC-pool data (pool regions, legacy ones beside them allowed) got under the same name
+    with the same bytes as that name's previous get; never without a lease (import_message), a
+    name, or with pool_linger 0; a stream of new messages is never kept."""
+    from arrow_ipc_bridge.metadata import (
+        REGION_CUDA_LEGACY,
+        REGION_CUDA_POOL,
+        REGION_CUDA_VMM,
+        REGION_HOST_FD,
+        Region,
+    )
+
+    pool = [Region(REGION_CUDA_POOL, 64), Region(REGION_CUDA_LEGACY, 64)]
+    with aib.Session() as session:
+        keeps = session._keeps_pool_lease
+        assert not keeps(pool, b"m1", "x", 7)  # first get of m1 under x
+        assert keeps(pool, b"m1", "x", 7)  # second: kept
+        assert not keeps(pool, b"m1", "x", 7)  # kept already: the next is a first again
+        for i in range(5):  # new data every time: never
+            assert not keeps(pool, b"v%d" % i, "stream", 7)
+        assert not keeps(pool, b"m2", "y", 7)
+        assert not keeps(pool, b"m3", "y", 7)  # other bytes under y: starts over
+        assert keeps(pool, b"m3", "y", 7)
+        assert not keeps(pool, b"m4", "z", 7)
+        assert not keeps(pool, b"m4", "w", 7)  # same bytes, other name
+        for regions in (
+            [Region(REGION_CUDA_LEGACY, 64)],
+            [*pool, Region(REGION_CUDA_VMM, 64)],
+            [Region(REGION_HOST_FD, 64)],
+            [],
+        ):
+            assert not keeps(regions, b"k", "k", 7)
+            assert not keeps(regions, b"k", "k", 7)
+        for _ in range(2):
+            assert not keeps(pool, b"t", "t", 0)  # no lease (import_message)
+            assert not keeps(pool, b"n", None, 7)
+        for i in range(300):  # the per-name memory is bounded
+            keeps(pool, b"b", f"name{i}", 7)
+        assert len(session._pool_seen) <= 256
+    with aib.Session(pool_linger=0) as session:
+        for _ in range(3):
+            assert not session._keeps_pool_lease(pool, b"m1", "x", 7)
+
+
 class FakeLingering:
     """Stands in for a session in the linger thread's loop: records when it was asked."""
 
