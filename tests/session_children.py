@@ -201,29 +201,32 @@ def hold_lease_main(path: str, name: str) -> None:
 
 
 # --- repro of a leak, isolated in its own process -----------------------------------------------------------
-def cache_size_zero_main(ipc_path: str) -> None:
-    """Import a zero-copy table twice through ``Session(mapping_cache_size=0)``: it must work, cache
-    nothing and leave no owner, node or mapping behind. Prints ``ok``; any failure exits non-zero."""
+def _live_counts() -> tuple[int, int, int]:
+    """Live owners, struct nodes and mappings of the C core, after collecting garbage and running
+    the pending release notices."""
     import gc
 
     from arrow_ipc_bridge import _reaper
     from arrow_ipc_bridge._ffi import lib
 
-    def live() -> tuple[int, int, int]:
-        gc.collect()
-        _reaper.drain()
-        return int(lib.aib_live_owners()), int(lib.aib_live_nodes()), int(lib.aib_live_mappings())
+    gc.collect()
+    _reaper.drain()
+    return int(lib.aib_live_owners()), int(lib.aib_live_nodes()), int(lib.aib_live_mappings())
 
+
+def cache_size_zero_main(ipc_path: str) -> None:
+    """Import a zero-copy table twice through ``Session(mapping_cache_size=0)``: it must work, cache
+    nothing and leave no owner, node or mapping behind. Prints ``ok``; any failure exits non-zero."""
     table = pa.ipc.open_file(pa.memory_map(ipc_path)).read_all()
     with aib.export(table, copy="never") as exported:
-        before = live()
+        before = _live_counts()
         with aib.Session(mapping_cache_size=0) as session:
             for _ in range(2):
                 with session.import_message(exported.message, exported.fds) as imported:
                     assert pa.table(imported).equals(table)
             assert session.mapping_cache.hits == 0
             assert len(session.mapping_cache) == 0
-        after = live()
+        after = _live_counts()
     assert after == before, f"live owners/nodes/mappings before {before}, after {after}"
     print("ok", flush=True)
 
@@ -233,11 +236,8 @@ def concurrent_miss_main(ipc_path: str) -> None:
     the mapping cache (``map_host_region`` is slowed down to make the race certain). Both imports must be
     correct, the cache must hold one entry, and once the session is closed no owner, node or mapping may
     be left. Prints ``ok``; any failure exits non-zero."""
-    import gc
     import threading
 
-    from arrow_ipc_bridge import _reaper
-    from arrow_ipc_bridge._ffi import lib
     from arrow_ipc_bridge.memory import host_map
 
     real_map = host_map.map_host_region
@@ -248,14 +248,9 @@ def concurrent_miss_main(ipc_path: str) -> None:
 
     host_map.map_host_region = slow_map  # type: ignore[assignment]
 
-    def live() -> tuple[int, int, int]:
-        gc.collect()
-        _reaper.drain()
-        return int(lib.aib_live_owners()), int(lib.aib_live_nodes()), int(lib.aib_live_mappings())
-
     table = pa.ipc.open_file(pa.memory_map(ipc_path)).read_all()
     with aib.export(table, copy="never") as exported:
-        before = live()
+        before = _live_counts()
         results: list[object] = []
         with aib.Session() as session:
             barrier = threading.Barrier(2)
@@ -275,6 +270,6 @@ def concurrent_miss_main(ipc_path: str) -> None:
                 thread.join(30)
             assert results == [True, True], results
             assert len(session.mapping_cache) == 1
-        after = live()
+        after = _live_counts()
     assert after == before, f"live owners/nodes/mappings before {before}, after {after}"
     print("ok", flush=True)

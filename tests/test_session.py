@@ -1614,16 +1614,10 @@ def test_mapping_cache_evicts_the_least_recently_used() -> None:
             os.unlink(path)
 
 
-CACHE_ZERO_CHILD = "import sys, session_children as c; c.cache_size_zero_main(sys.argv[1])"
-
-
-def test_mapping_cache_size_zero_disables_caching(shm_file: tuple[str, pa.Table]) -> None:
-    """``Session(mapping_cache_size=0)`` imports zero-copy data without caching it: no error, no hit, no
-    entry, and no owner/node/mapping left (run in a fresh interpreter, so a leak cannot spill into the
-    other tests). Regression test: it used to raise KeyError from dict.popitem() and leak the mapping."""
-    path, _ = shm_file
+def run_ok_child(code: str, path: str) -> None:
+    """Run ``code`` in a fresh interpreter with ``path`` as its argument; it must print ``ok``."""
     proc = subprocess.run(
-        [sys.executable, "-c", CACHE_ZERO_CHILD, path],
+        [sys.executable, "-c", code, path],
         capture_output=True,
         text=True,
         timeout=60,
@@ -1632,6 +1626,16 @@ def test_mapping_cache_size_zero_disables_caching(shm_file: tuple[str, pa.Table]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "ok"
+
+
+CACHE_ZERO_CHILD = "import sys, session_children as c; c.cache_size_zero_main(sys.argv[1])"
+
+
+def test_mapping_cache_size_zero_disables_caching(shm_file: tuple[str, pa.Table]) -> None:
+    """``Session(mapping_cache_size=0)`` imports zero-copy data without caching it: no error, no hit, no
+    entry, and no owner/node/mapping left (run in a fresh interpreter, so a leak cannot spill into the
+    other tests). Regression test: it used to raise KeyError from dict.popitem() and leak the mapping."""
+    run_ok_child(CACHE_ZERO_CHILD, shm_file[0])
 
 
 CONCURRENT_MISS_CHILD = "import sys, session_children as c; c.concurrent_miss_main(sys.argv[1])"
@@ -1641,17 +1645,7 @@ def test_concurrent_cache_misses_leak_nothing(shm_file: tuple[str, pa.Table]) ->
     """Two threads of one session importing the same zero-copy region at once (both missing the cache)
     both get correct data, the cache ends with one entry, and closing the session leaves no owner, node or
     mapping behind (run in a fresh interpreter, so a leak cannot spill into the other tests)."""
-    path, _ = shm_file
-    proc = subprocess.run(
-        [sys.executable, "-c", CONCURRENT_MISS_CHILD, path],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(),
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "ok"
+    run_ok_child(CONCURRENT_MISS_CHILD, shm_file[0])
 
 
 @pytest.mark.parametrize(
