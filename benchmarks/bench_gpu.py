@@ -725,25 +725,35 @@ def run_bridge_pair(col: Collector, cfg: dict[str, Any], hard_deadline: float) -
             target=kids.bridge_consumer, args=(cfg, cons_w, d2h_r), name="bridge-consumer", daemon=True
         ),
     }
+    reports = {"producer": prod_r, "consumer": cons_r}
+    _run_pair(
+        col, "bridge", procs, reports, child_ends=(prod_w, cons_w, d2h_r, d2h_w), hard_deadline=hard_deadline
+    )
+
+
+def _run_pair(
+    col: Collector,
+    pair: str,
+    procs: dict[str, Any],
+    reports: dict[str, Any],
+    *,
+    child_ends: tuple[Any, ...],
+    hard_deadline: float,
+) -> None:
+    """Start a producer/consumer pair, supervise it until the consumer is done (or the deadline),
+    stop it, collect its last reports and note non-zero exit codes."""
     try:
         for proc in procs.values():
             proc.start()
-        for conn in (prod_w, cons_w, d2h_r, d2h_w):
+        for conn in child_ends:
             conn.close()  # the children hold their own copies; EOF now means "child gone"
-        supervise(
-            col,
-            "bridge",
-            procs,
-            {"producer": prod_r, "consumer": cons_r},
-            main="consumer",
-            hard_deadline=hard_deadline,
-        )
+        supervise(col, pair, procs, reports, main="consumer", hard_deadline=hard_deadline)
     finally:
         _stop(procs, grace=30)
-        _drain_reports(col, "bridge", {"producer": prod_r, "consumer": cons_r})
+        _drain_reports(col, pair, reports)
         for name, proc in procs.items():
             if proc.exitcode not in (0, None):
-                col.note(f"bridge {name} exit code {proc.exitcode}")
+                col.note(f"{pair} {name} exit code {proc.exitcode}")
 
 
 def run_torch_pair(col: Collector, cfg: dict[str, Any], hard_deadline: float) -> None:
@@ -771,25 +781,11 @@ def run_torch_pair(col: Collector, cfg: dict[str, Any], hard_deadline: float) ->
             daemon=True,
         ),
     }
+    reports = {"producer": prod_r, "consumer": cons_r}
     try:
-        for proc in procs.values():
-            proc.start()
-        for conn in (prod_w, cons_w, cons_conn, prod_conn):
-            conn.close()
-        supervise(
-            col,
-            "torch",
-            procs,
-            {"producer": prod_r, "consumer": cons_r},
-            main="consumer",
-            hard_deadline=hard_deadline,
-        )
+        ends = (prod_w, cons_w, cons_conn, prod_conn)
+        _run_pair(col, "torch", procs, reports, child_ends=ends, hard_deadline=hard_deadline)
     finally:
-        _stop(procs, grace=30)
-        _drain_reports(col, "torch", {"producer": prod_r, "consumer": cons_r})
-        for name, proc in procs.items():
-            if proc.exitcode not in (0, None):
-                col.note(f"torch {name} exit code {proc.exitcode}")
         with contextlib.suppress(Exception):
             queue.close()
             queue.cancel_join_thread()

@@ -49,6 +49,8 @@ import time
 import traceback
 from typing import Any
 
+from bench_stats import stats_us  # the scripts' directory is on sys.path (run as a script)
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _UNITS = {
     "": 1,
@@ -354,15 +356,20 @@ def memcpy_reference(table: Any, repeat: int) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------------------
 # socket helpers
 # ---------------------------------------------------------------------------------------------------------
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; ConnectionError when the peer closes first."""
+    n = len(view)
     got = 0
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise ConnectionError("peer closed")
         got += k
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_exact_into(sock, memoryview(buf))
     return bytes(buf)
 
 
@@ -519,28 +526,6 @@ def consumer_main(cfg: dict[str, Any], report: Any, pickle_conn: Any) -> None:
         raise
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not sorted_values:
-        return math.nan
-    pos = (len(sorted_values) - 1) * q
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def stats_us(samples: list[float]) -> dict[str, Any]:
-    s = sorted(x * 1e6 for x in samples)
-    return {
-        "n": len(s),
-        "median_us": percentile(s, 0.5),
-        "p90_us": percentile(s, 0.9),
-        "min_us": s[0] if s else math.nan,
-        "max_us": s[-1] if s else math.nan,
-        "mean_us": sum(s) / len(s) if s else math.nan,
-    }
-
-
 def _consumer(cfg: dict[str, Any], pickle_conn: Any) -> dict[str, Any]:
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -615,14 +600,8 @@ def _consumer(cfg: dict[str, Any], pickle_conn: Any) -> dict[str, Any]:
             sock.sendall(cmd)
             (n,) = _LEN.unpack(recv_exact(sock, 8))
             buf = pa.allocate_buffer(n, resizable=False)
-            view = memoryview(buf)
-            got = 0
-            while got < n:
-                k = sock.recv_into(view[got:], n - got)
-                if k == 0:
-                    raise ConnectionError("producer closed")
-                got += k
-            view.release()
+            with memoryview(buf) as view:
+                recv_exact_into(sock, view)
             table = pa.ipc.open_stream(buf).read_all()
             last_value(table)
             return time.perf_counter() - t0, table, None

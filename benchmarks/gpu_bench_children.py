@@ -35,6 +35,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from bench_stats import stats_us  # beside this module; bench_gpu.py puts the directory on sys.path
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 NCOLS = 16  # the float32 tables have 16 columns
 F32 = 4
@@ -119,30 +121,6 @@ def fmt_size(n: int) -> str:
 
 def rows_per_column(size: int) -> int:
     return max(1, size // (NCOLS * F32))
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not sorted_values:
-        return math.nan
-    pos = (len(sorted_values) - 1) * q
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def stats_us(samples_s: list[float]) -> dict[str, Any]:
-    """Summary of durations given in seconds, reported in microseconds."""
-    s = sorted(x * 1e6 for x in samples_s)
-    return {
-        "n": len(s),
-        "median_us": percentile(s, 0.5),
-        "p90_us": percentile(s, 0.9),
-        "p99_us": percentile(s, 0.99),
-        "min_us": s[0] if s else math.nan,
-        "max_us": s[-1] if s else math.nan,
-        "mean_us": sum(s) / len(s) if s else math.nan,
-    }
 
 
 def fmt_us(x: float | None) -> str:
@@ -1383,37 +1361,35 @@ class _TorchConsumer:
             del r
         return stats_us(launch)
 
+    def _transfer(self, request: str) -> tuple[Any, float, float, float]:
+        """One timed hand-off: ask, receive the tensors (rebuilt: handles open, the producer's event
+        waited on), launch the sum of the last one; then (untimed) synchronise. Returns the tensors,
+        the seconds to "can launch work" and to "launched", and the sum."""
+        t0 = _perf()
+        self.conn.send((request,))
+        tensors = self.receive()
+        t_ready = _perf()
+        r = tensors[-1].sum()
+        t1 = _perf()
+        self.sync()
+        return tensors, t_ready - t0, t1 - t0, float(r)
+
     def one_fresh(self, i: int) -> tuple[float, dict[str, float]]:
         self.conn.send(("prep", i))
         prep = self.answer()
-        t0 = _perf()
-        self.conn.send(("fresh",))
-        tensors = self.receive()  # rebuilt: handles open, the producer's event waited on
-        t_ready = _perf()
-        r = tensors[-1].sum()
-        t1 = _perf()
-        self.sync()
-        got = float(r)
-        del r, tensors  # dropped: the next transfer has to open its handles again
+        tensors, ready_s, launched_s, got = self._transfer("fresh")
+        del tensors  # dropped: the next transfer has to open its handles again
         check_close("torch_fresh", got, prep["expected"])
-        return t_ready - t0, {"producer_alloc_s": prep["alloc_s"], "launched_s": t1 - t0}
+        return ready_s, {"producer_alloc_s": prep["alloc_s"], "launched_s": launched_s}
 
     def one_steady(self, i: int, keep: bool) -> tuple[float, dict[str, float]]:
-        t0 = _perf()
-        self.conn.send(("steady",))
-        tensors = self.receive()  # rebuilt: handles open, the producer's event waited on
-        t_ready = _perf()
-        r = tensors[-1].sum()
-        t1 = _perf()
-        self.sync()
-        got = float(r)
-        del r
+        tensors, ready_s, launched_s, got = self._transfer("steady")
         # keep: hold this transfer until the next one has arrived, so torch's receiving-side cache of
         # opened storages hits (its best case); drop: release it now, the next transfer reopens.
         self.held = tensors if keep else None
         del tensors
         check_close("torch_steady", got, self.expected)
-        return t_ready - t0, {"launched_s": t1 - t0}
+        return ready_s, {"launched_s": launched_s}
 
     def past_deadline(self) -> bool:
         return time.time() > float(self.cfg["deadline_epoch"])

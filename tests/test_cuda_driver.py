@@ -696,13 +696,19 @@ def _child_event_cycles(conn: Any, uuid: bytes, handle: bytes, cycles: int) -> d
     }
 
 
-def _child_read_pool(conn: Any, uuid: bytes, export_data: bytes, nbytes: int) -> str:
+def _receive_pool(conn: Any, uuid: bytes) -> tuple[cuda.ImportedPool, int]:
+    """The pool whose fd the parent sends, imported on the GPU named by ``uuid`` (the fd is closed:
+    the driver keeps its own reference), and that GPU's ordinal here."""
     fd = reduction.recv_handle(conn)
     device = cuda.ordinal_for_uuid(uuid)
     try:
-        pool = cuda.import_pool(fd, device)
+        return cuda.import_pool(fd, device), device
     finally:
         os.close(fd)
+
+
+def _child_read_pool(conn: Any, uuid: bytes, export_data: bytes, nbytes: int) -> str:
+    pool, device = _receive_pool(conn, uuid)
     with pool:
         ptr = pool.import_pointer(export_data)
         assert pool.imported_count == 1
@@ -714,12 +720,7 @@ def _child_read_pool(conn: Any, uuid: bytes, export_data: bytes, nbytes: int) ->
 
 
 def _child_read_pool_batch(conn: Any, uuid: bytes, export_datas: list[bytes], nbytes: int) -> list[str]:
-    fd = reduction.recv_handle(conn)
-    device = cuda.ordinal_for_uuid(uuid)
-    try:
-        pool = cuda.import_pool(fd, device)
-    finally:
-        os.close(fd)
+    pool, device = _receive_pool(conn, uuid)
     with pool:
         # All or nothing: a corrupted record in the middle leaves nothing imported behind.
         corrupted = [export_datas[0], bytes(64), export_datas[1]]
