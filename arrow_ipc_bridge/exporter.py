@@ -111,13 +111,15 @@ def _place_host_buffers(described: Described, copy: CopyPolicy) -> tuple[list[Re
     return regions, host
 
 
-def export_captured(captured: CapturedData, *, copy: CopyPolicy = "if_needed") -> Exported:
+def export_captured(
+    captured: CapturedData, *, copy: CopyPolicy = "if_needed", pool_fds: bool = True
+) -> Exported:
     """Export data already captured (takes ownership of ``captured``)."""
     try:
         if captured.device_type == DEVICE_CPU:
             return _export_host(captured, copy)
         if captured.device_type == DEVICE_CUDA:
-            return _export_cuda(captured, copy)
+            return _export_cuda(captured, copy, pool_fds)
         raise BridgeError(
             f"exporting data on device type {captured.device_type} is not supported: "
             "host (CPU) and CUDA device memory are"
@@ -144,12 +146,12 @@ def _export_host(captured: CapturedData, copy: CopyPolicy) -> Exported:
     return Exported(message, host.fds(), described.is_stream, stats, captured, [host.close])
 
 
-def _export_cuda(captured: CapturedData, copy: CopyPolicy) -> Exported:
+def _export_cuda(captured: CapturedData, copy: CopyPolicy, pool_fds: bool) -> Exported:
     from arrow_ipc_bridge.memory import cuda, cuda_regions
 
     device = captured.device_id
     described = Described(captured)
-    placer = cuda_regions.CudaPlacer(device, copy=copy)
+    placer = cuda_regions.CudaPlacer(device, copy=copy, pool_fds=pool_fds)
     placer.resolve_pending_lengths(described)
     placement = placer.place(described)
     closers: list[Callable[[], None]] = [placement.close]
@@ -181,7 +183,11 @@ def _export_cuda(captured: CapturedData, copy: CopyPolicy) -> Exported:
 
 
 def export(
-    obj: object, *, copy: CopyPolicy = "if_needed", requested_schema: object | None = None
+    obj: object,
+    *,
+    copy: CopyPolicy = "if_needed",
+    requested_schema: object | None = None,
+    pool_fds: bool = True,
 ) -> Exported:
     """Export any Arrow PyCapsule producer for another process.
 
@@ -195,6 +201,13 @@ def export(
         already lives in shareable memory; ``"if_needed"`` (default): copy what must be copied into
         one sealed memfd (counted in ``Exported.stats`` and ``memory.host.host_stats()``);
         ``"always"``: copy everything.
+    pool_fds
+        Attach the fd of each IPC-enabled memory pool the data lives in (default), so that a
+        consumer can import the message from ``message`` and ``fds`` alone. ``False`` leaves them
+        out (the pool regions' ``fd_index`` is -1): the consumer must have imported the pool
+        already or ask for its fd, as a :class:`~arrow_ipc_bridge.Session` asks its publisher
+        (once per pool per process, protocol feature ``"pool_fd"``). Publishers export this way,
+        so their answers carry no descriptor for pool data.
 
     Examples
     --------
@@ -205,4 +218,4 @@ def export(
     3
     >>> imported.release(); exported.close()
     """
-    return export_captured(capture(obj, requested_schema=requested_schema), copy=copy)
+    return export_captured(capture(obj, requested_schema=requested_schema), copy=copy, pool_fds=pool_fds)

@@ -32,7 +32,10 @@ __all__ = [
     "ERROR",
     "PING",
     "PONG",
+    "POOL_FD",
+    "POOL",
     "MAX_PING",
+    "POOL_IDENTITY_SIZE",
     "FEATURES",
     "encode_hello",
     "decode_hello",
@@ -42,6 +45,7 @@ __all__ = [
     "decode_item",
     "encode_lease",
     "decode_lease",
+    "decode_pool_identity",
     "encode_error",
     "raise_error",
 ]
@@ -58,11 +62,16 @@ RELEASE = 7  # session -> publisher: u64 lease id (no reply)
 ERROR = 8  # publisher -> session: JSON {"type", "message"}
 PING = 9  # session -> publisher: 0 to MAX_PING bytes, echoed (publishers advertising "ping")
 PONG = 10  # publisher -> session: the PING's payload
+POOL_FD = 11  # session -> publisher: a 24-byte IPC-pool identity (publishers advertising "pool_fd")
+POOL = 12  # publisher -> session: the same identity, the pool's fd attached
 
 MAX_PING = 64
+# An IPC pool's identity, the first bytes of a CUDA_POOL region's handle: the producer's 16-byte
+# nonce and the 8-byte CUmemoryPool value (docs/wire-format.md).
+POOL_IDENTITY_SIZE = 24
 # What this side's publisher offers beyond protocol 1's first frames, advertised in WELCOME's
 # "features": a session checks before it uses one, so older publishers keep working with it.
-FEATURES = ("ping",)
+FEATURES = ("ping", "pool_fd")
 
 MAX_JSON = 1 << 20
 MAX_NAME = 4096
@@ -137,6 +146,12 @@ def decode_lease(payload: bytes) -> int:
     if len(payload) != _U64.size:
         raise ProtocolError(f"RELEASE payload of {len(payload)} bytes, expected 8")
     return int(_U64.unpack(payload)[0])
+
+
+def decode_pool_identity(payload: bytes) -> bytes:
+    if len(payload) != POOL_IDENTITY_SIZE:
+        raise ProtocolError(f"pool identity of {len(payload)} bytes, expected {POOL_IDENTITY_SIZE}")
+    return bytes(payload)
 
 
 def encode_error(exc: BaseException) -> bytes:

@@ -20,7 +20,7 @@ from typing import Any
 from arrow_ipc_bridge import _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.channel import Channel, frame_from
-from arrow_ipc_bridge.errors import BridgeError, NotPublishedError, ProtocolError
+from arrow_ipc_bridge.errors import BridgeError, NotPublishedError, ProtocolError, RegionError
 from arrow_ipc_bridge.exporter import CopyPolicy, ExportStats, export
 
 __all__ = ["Publisher"]
@@ -73,7 +73,9 @@ class Publisher:
         """
         raw_name = protocol.encode_name(name)  # validates the name
         self._check_open()
-        exported = export(obj, copy=copy or self._copy)
+        # Pool fds stay out of the message: a session asks for each pool's fd once (POOL_FD), so
+        # the hot answers carry no descriptor for pool data.
+        exported = export(obj, copy=copy or self._copy, pool_fds=False)
         # The entry's keeper: when the last of (publication, leases) lets go, the reaper closes it.
         keeper = lib.aib_owner_new(_reaper.register(exported.close))
         if keeper == ffi.NULL:
@@ -146,7 +148,7 @@ class Publisher:
                     frame = frame_from(raw_frame)
                 try:
                     self._answer(channel, frame)
-                except NotPublishedError as exc:
+                except (NotPublishedError, RegionError) as exc:  # the session may go on
                     channel.send(protocol.ERROR, protocol.encode_error(exc))
                 except ProtocolError as exc:
                     _log.warning("arrow_ipc_bridge: closing session pid %s: %s", conn.peer_pid, exc)
@@ -157,7 +159,7 @@ class Publisher:
             _reaper.drain()
 
     def _answer(self, channel: Channel, frame: transport.Frame) -> None:
-        """The frames the C loop leaves to Python: handshake, LIST, unknown names, bad frames."""
+        """The frames the C loop leaves to Python: handshake, LIST, POOL_FD, unknown names, bad frames."""
         if frame.kind == protocol.HELLO:
             version = protocol.decode_hello(frame.payload)
             if version != protocol.PROTOCOL_VERSION:
@@ -167,6 +169,8 @@ class Publisher:
             channel.send(protocol.WELCOME, protocol.encode_json(self._welcome()))
         elif frame.kind == protocol.LIST:
             channel.send(protocol.NAMES, protocol.encode_json(self.names()))
+        elif frame.kind == protocol.POOL_FD:
+            self._send_pool_fd(channel, protocol.decode_pool_identity(frame.payload))
         elif frame.kind == protocol.GET:
             name = protocol.decode_name(frame.payload)  # ProtocolError for a malformed name
             raise NotPublishedError(f"nothing is published as {name!r}")
@@ -177,6 +181,18 @@ class Publisher:
             raise ProtocolError(f"PING payload of {len(frame.payload)} bytes (at most {protocol.MAX_PING})")
         else:
             raise ProtocolError(f"unexpected frame kind {frame.kind}")
+
+    @staticmethod
+    def _send_pool_fd(channel: Channel, identity: bytes) -> None:
+        """Answer POOL_FD: the fd of one of our IPC pools that a published message named. Messages
+        leave pool fds out (see publish), so each session process asks once per pool."""
+        from arrow_ipc_bridge.memory import cuda_regions  # loads no CUDA until a pool is named
+
+        fd = cuda_regions.pool_fd_for(identity)  # RegionError for anything else
+        try:
+            channel.send(protocol.POOL, identity, [fd])
+        finally:
+            os.close(fd)
 
     def _welcome(self) -> dict[str, Any]:
         return {

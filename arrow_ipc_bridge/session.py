@@ -327,7 +327,10 @@ class Session:
         )
         if pool_indexes:  # imported together: per buffer this is near the driver's own cost
             pool_bases, pool_owner = opener.open_pool_regions(
-                [regions[i] for i in pool_indexes], fd_list, ordinal
+                [regions[i] for i in pool_indexes],
+                fd_list,
+                ordinal,
+                self._fetch_pool_fd if self._channel is not None else None,
             )
             try:
                 if lease_owner is not None:
@@ -543,6 +546,23 @@ class Session:
             frame.close_fds()
             protocol.raise_error(frame.payload)
         return frame
+
+    def _fetch_pool_fd(self, identity: bytes) -> int:
+        """The fd of the producer's IPC pool ``identity`` names (POOL_FD), for a message that left
+        it out; the caller closes it. Asked once per pool per process (the opener caches pools)."""
+        features = self.publisher_info.get("features")
+        if not isinstance(features, list) or "pool_fd" not in features:
+            raise ProtocolError(
+                "the publisher sent an IPC-pool region without its pool's fd but does not serve pool fds"
+            )
+        frame = self._request(protocol.POOL_FD, identity)
+        if frame.kind != protocol.POOL or frame.payload != identity or len(frame.fds) != 1:
+            frame.close_fds()
+            raise ProtocolError(
+                f"expected POOL with the asked identity and one fd, got frame kind {frame.kind} "
+                f"with {len(frame.fds)} fds"
+            )
+        return frame.fds.pop()  # ours now
 
     def list(self) -> list[str]:
         """Names the publisher currently serves."""

@@ -33,7 +33,8 @@ def _ipc_bytes(obj: Any) -> bytes:
 def consumer_loop(socket_path: str, conn: Connection, pool_linger: float = 1.0) -> None:
     """Serve the parent: for each name received, get it, copy to host, send Arrow IPC bytes back (with
     the device id and the session's remembered-get count). ``("forget", name)`` forgets ``name``
-    and answers ``("ok", forgotten, pool pointers still imported in this process)``."""
+    and answers ``("ok", forgotten, pool pointers still imported in this process)``; ``("stats",)``
+    answers ``("ok", cuda_regions.cuda_stats())``."""
     import arrow_ipc_bridge as aib
     from arrow_ipc_bridge.memory import cuda_regions
 
@@ -46,6 +47,9 @@ def consumer_loop(socket_path: str, conn: Connection, pool_linger: float = 1.0) 
                 if isinstance(name, tuple) and name[0] == "forget":
                     forgotten = session.forget(name[1])
                     conn.send(("ok", forgotten, len(cuda_regions.opener()._pool_pointers)))
+                    continue
+                if name == ("stats",):
+                    conn.send(("ok", cuda_regions.cuda_stats()))
                     continue
                 try:
                     with session.get(name) as imported:

@@ -184,6 +184,14 @@ class _LingerConsumer:
         assert status == "ok"
         return forgotten, pointers
 
+    def stats(self) -> dict[str, int]:
+        """The consumer process's cuda_regions.cuda_stats()."""
+        self.parent.send(("stats",))
+        assert self.parent.poll(60), "consumer did not answer"
+        status, stats = self.parent.recv()
+        assert status == "ok"
+        return dict(stats)
+
     def stop(self) -> None:
         self.parent.send(None)
         _join(self.process)
@@ -240,6 +248,45 @@ def test_pool_data_is_kept_with_a_lease_from_its_second_get(publisher: aib.Publi
             assert _wait_for(lambda: publisher.active_leases == 0, 5.0)
     finally:
         keeping_none.stop()
+
+
+def test_pool_fd_goes_once_per_consumer_process(publisher: aib.Publisher) -> None:
+    """A publisher's messages name IPC pools without attaching their fds: each consumer process
+    asks for a pool's fd once (POOL_FD) and imports all later data of that pool with no descriptor.
+    A message exported by hand still attaches the pool fd (or leaves it out when asked to)."""
+    from arrow_ipc_bridge.memory import cuda_regions
+    from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, Decoded
+
+    table = pa.table({"s": pa.array(["ab", None, "c"] * 40), "v": pa.array(range(120), pa.float32())})
+    on_device = aib.to_device(table)
+    for pool_fds, n_fds in ((True, 1), (False, 0)):
+        with aib.export(on_device, pool_fds=pool_fds) as exported:
+            assert len(exported.fds) == n_fds
+            decoded = Decoded(exported.message, len(exported.fds))
+            try:
+                regions = decoded.regions()
+            finally:
+                decoded.close()
+            assert {r.kind for r in regions} == {REGION_CUDA_POOL}
+            assert {r.fd_index for r in regions} == ({0} if pool_fds else {-1})
+
+    served = cuda_regions.cuda_stats()["pool_fds_served"]
+    for i in range(3):
+        publisher.publish(f"t{i}", aib.to_device(table))
+    first = _LingerConsumer(str(publisher.path), pool_linger=0.0)
+    second = _LingerConsumer(str(publisher.path), pool_linger=0.0)
+    try:
+        for i in range(3):
+            assert first.get(f"t{i}")[0].equals(table)
+        stats = first.stats()
+        assert (stats["pool_fd_requests"], stats["pool_imports"]) == (1, 1)
+        assert cuda_regions.cuda_stats()["pool_fds_served"] == served + 1
+        assert second.get("t2")[0].equals(table)
+        assert second.stats()["pool_fd_requests"] == 1
+        assert cuda_regions.cuda_stats()["pool_fds_served"] == served + 2
+    finally:
+        first.stop()
+        second.stop()
 
 
 def test_cupy_columns_sliced_from_a_pool_block(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:

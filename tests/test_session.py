@@ -308,25 +308,32 @@ def producer(sock_dir: str) -> Iterator[ProducerRig]:
         assert upstream.active_leases == 0
 
 
+Reply = tuple[int, bytes, list[int]] | Callable[[transport.Connection], None] | None
+
+
 class FakePublisher:
     """A hand-written publisher on ``transport.Server``: answers HELLO (or not), answers each GET with
-    the next scripted frame (``None``: never answers; a callable writes its own bytes), records the
-    RELEASE frames it gets."""
+    the next scripted frame (``None``: never answers; a callable writes its own bytes), each POOL_FD
+    with the next of ``pool_replies``, records the RELEASE frames it gets. ``features`` go in WELCOME."""
 
     def __init__(
         self,
         path: str,
         *,
         welcome: bool | bytes = True,
-        replies: list[tuple[int, bytes, list[int]] | Callable[[transport.Connection], None] | None]
-        | None = None,
+        replies: list[Reply] | None = None,
+        pool_replies: list[Reply] | None = None,
+        features: list[str] | None = None,
     ) -> None:
         self.releases: queue.Queue[int] = queue.Queue()
         if welcome is True:
             info = {"protocol": protocol.PROTOCOL_VERSION, "wire": list(WIRE_VERSION), "publisher_id": "fake"}
+            if features is not None:
+                info["features"] = features
             welcome = protocol.encode_json({**info, "pid": os.getpid()})
         self._welcome = welcome
         self._replies = list(replies or [])
+        self._pool_replies = list(pool_replies or [])
         self.server = transport.Server(path, self._handle, name="aib-fake")
         self.path = self.server.path
 
@@ -339,8 +346,9 @@ class FakePublisher:
             frame.close_fds()
             if frame.kind == protocol.HELLO and self._welcome:
                 conn.send(protocol.WELCOME, self._welcome)
-            elif frame.kind == protocol.GET:
-                reply = self._replies.pop(0) if self._replies else None
+            elif frame.kind in (protocol.GET, protocol.POOL_FD):
+                replies = self._replies if frame.kind == protocol.GET else self._pool_replies
+                reply = replies.pop(0) if replies else None
                 if callable(reply):
                     reply(conn)  # writes its own bytes
                 elif reply is not None:
@@ -905,6 +913,109 @@ def test_ping_to_an_older_publisher_is_refused_without_sending(sock_dir: str) ->
         with pytest.raises(aib.BridgeError, match="does not answer PING"):
             session.ping()
         assert not session.closed
+
+
+def test_publisher_refuses_pool_fds_it_did_not_name_and_serves_on(publisher: aib.Publisher) -> None:
+    """POOL_FD for an identity that names no pool of the publisher's process (a guess, another
+    producer's nonce) is answered with RegionError and the session goes on; a malformed identity is
+    a protocol error that closes the connection. No descriptor is left behind either way."""
+    from arrow_ipc_bridge.memory import cuda_regions
+
+    assert "pool_fd" in protocol.FEATURES
+    publisher.publish("t", sample_table(10))
+    base_fds = fd_count()
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        assert "pool_fd" in session.publisher_info["features"]  # type: ignore[operator]
+        ours = cuda_regions._NONCE + (1234).to_bytes(8, "little")  # our nonce, no such pool
+        for identity in (b"\x00" * 24, ours):
+            with pytest.raises(aib.RegionError, match=r"publisher: .*pool"):
+                session._fetch_pool_fd(identity)
+        with session.get("t") as imported:
+            assert pa.table(imported).num_rows == 10
+        with pytest.raises(aib.ProtocolError, match="pool identity of 5 bytes"):
+            session._request(protocol.POOL_FD, b"short")
+        with pytest.raises(aib.BridgeError):
+            session.list()  # the publisher closed the connection
+    assert wait_for(lambda: publisher.active_sessions == 0, 5.0)
+    assert fd_count() == base_fds
+
+
+def test_session_checks_the_publishers_pool_fd_answer(sock_dir: str) -> None:
+    """The session takes exactly one fd from a POOL answer that repeats the identity it asked for;
+    anything else (another frame kind, no fd, two fds, another identity) is a ProtocolError and
+    every descriptor that came is closed. A publisher that does not list "pool_fd" is not asked."""
+    identity = bytes(range(24))
+
+    def pool_frame(payload: bytes, n_fds: int) -> Callable[[transport.Connection], None]:
+        def send(conn: transport.Connection) -> None:
+            files = [os.open(os.devnull, os.O_RDONLY) for _ in range(n_fds)]
+            try:
+                conn.send(protocol.POOL, payload, files)
+            finally:
+                for fd in files:
+                    os.close(fd)
+
+        return send
+
+    bad: list[Reply] = [
+        (protocol.PONG, identity, []),
+        pool_frame(identity, 0),
+        pool_frame(identity, 2),
+        pool_frame(bytes(24), 1),
+    ]
+    path = os.path.join(sock_dir, "fake-pool.sock")
+    base_fds = fd_count()
+    replies = [*bad, pool_frame(identity, 1)]
+    with (
+        FakePublisher(path, features=["pool_fd"], pool_replies=replies) as fake,
+        aib.connect(fake.path, timeout=5.0) as session,
+    ):
+        for _ in bad:
+            with pytest.raises(aib.ProtocolError, match="expected POOL"):
+                session._fetch_pool_fd(identity)
+        fd = session._fetch_pool_fd(identity)
+        try:
+            assert os.fstat(fd).st_ino == os.stat(os.devnull).st_ino
+        finally:
+            os.close(fd)
+    old = os.path.join(sock_dir, "old-pool.sock")
+    with FakePublisher(old, features=["ping"]) as fake, aib.connect(fake.path, timeout=5.0) as session:
+        with pytest.raises(aib.ProtocolError, match="does not serve pool fds"):
+            session._fetch_pool_fd(identity)
+        assert not session.closed  # nothing was sent
+    assert fd_count() == base_fds
+
+
+def test_pool_region_without_its_fd_needs_a_known_pool_or_a_source() -> None:
+    """A pool region with fd_index -1 (a publisher's message) imports only through a pool this
+    process has imported or a way to ask for the fd; without either it is a RegionError, and a
+    failing source leaves nothing cached. An index past the fds that came is refused too. None of
+    this reaches the driver, so it runs without a GPU."""
+    from arrow_ipc_bridge.memory import cuda_regions
+    from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, Region
+
+    opener = cuda_regions.CudaOpener()
+    handle = bytes(range(88))
+    region = Region(REGION_CUDA_POOL, 4096, fd_index=-1, handle=handle)
+    with pytest.raises(aib.RegionError, match="without its pool's fd"):
+        opener.open_pool_regions([region], [], 0)
+
+    asked: list[bytes] = []
+
+    def failing_source(identity: bytes) -> int:
+        asked.append(identity)
+        raise aib.PeerClosedError("the publisher went away")
+
+    with pytest.raises(aib.PeerClosedError):
+        opener.open_pool_regions([region], [], 0, failing_source)
+    assert asked == [handle[:24]]
+    assert opener._pools == {}
+    assert opener._pool_pointers == {}
+    past_end = Region(REGION_CUDA_POOL, 4096, fd_index=1, handle=handle)
+    with pytest.raises(aib.RegionError, match="fd index 1 but 1 fds came"):
+        opener.open_pool_regions([past_end], [0], 0)
+    with pytest.raises(aib.RegionError, match="88-byte handle"):
+        opener.open_pool_regions([Region(REGION_CUDA_POOL, 4096, fd_index=-1, handle=b"x")], [], 0)
 
 
 def test_ping_to_a_dead_publisher_raises_peer_closed(sock_dir: str) -> None:

@@ -28,7 +28,9 @@ import contextlib
 import logging
 import os
 import threading
+import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,11 +56,14 @@ __all__ = [
     "cuda_stats",
     "opener",
     "owner_slot",
+    "pool_fd_for",
     "event_pool",
     "event_value",
 ]
 
 _log = logging.getLogger("arrow_ipc_bridge")
+# Asks the producer for the fd of the pool a 24-byte identity names; the caller closes the fd.
+PoolFdSource = Callable[[bytes], int]
 _NONCE = os.urandom(16)
 _lock = threading.Lock()
 _bridge_pools: dict[int, cuda.IpcMemoryPool] = {}
@@ -69,8 +74,13 @@ _stats = {
     "legacy_opens": 0,
     "legacy_hits": 0,
     "pool_imports": 0,
+    "pool_fd_requests": 0,
+    "pool_fds_served": 0,
     "same_process": 0,
 }
+# The IPC pools this process named in a message (handle -> pool, weakly): the only ones whose fd
+# it hands to a session that asks (POOL_FD), and only while the pool object is alive.
+_named_pools: weakref.WeakValueDictionary[int, cuda.IpcMemoryPool] = weakref.WeakValueDictionary()
 # Handles this process exported, by handle bytes -> device address. CUDA refuses to open a legacy
 # handle (or import a pool) in the process that made it, so a consumer in the producer's own process
 # resolves its regions here instead. Bounded: entries of freed allocations age out.
@@ -145,9 +155,10 @@ class CudaPlacement:
 class CudaPlacer:
     """Places the unplaced buffers of a description in CUDA regions (producer side)."""
 
-    def __init__(self, device: int, *, copy: str = "if_needed") -> None:
+    def __init__(self, device: int, *, copy: str = "if_needed", pool_fds: bool = True) -> None:
         self.device = device
         self.copy = copy
+        self.pool_fds = pool_fds  # attach each pool's fd, or leave it to be asked for (fd_index -1)
 
     def resolve_pending_lengths(self, described: Described) -> None:
         """Read from the device the lengths the describe walk could not read (string data sizes)."""
@@ -211,10 +222,7 @@ class CudaPlacer:
     ) -> Region:
         if info.mempool:
             pool = _own_pool(info.mempool)
-            fd_index = pool_fds.get(info.mempool)
-            if fd_index is None:
-                fd_index = pool_fds[info.mempool] = len(placement.fds)
-                placement.fds.append(pool.export_pool_fd())
+            fd_index = self._pool_fd_index(pool, placement, pool_fds)
             export = _export_pool_pointer(pool, info.base, self.device)
             handle = _NONCE + info.mempool.to_bytes(8, "little") + export
             _remember_local(handle, info.base)
@@ -249,8 +257,7 @@ class CudaPlacer:
         )
         info = cuda.pointer_info(target)
         assert info is not None
-        fd_index = len(placement.fds)
-        placement.fds.append(pool.export_pool_fd())
+        fd_index = self._pool_fd_index(pool, placement, {})
         handle = _NONCE + pool.handle.to_bytes(8, "little") + pool.export_pointer(info.base)
         _remember_local(handle, info.base)
         placement.regions.append(
@@ -259,6 +266,41 @@ class CudaPlacer:
             )
         )
         return len(placement.regions) - 1, target - info.base
+
+    def _pool_fd_index(
+        self, pool: cuda.IpcMemoryPool, placement: CudaPlacement, pool_fds: dict[int, int]
+    ) -> int:
+        """The fd index a region of ``pool`` names: its fd, attached once per message, or -1 when
+        fds are left out (the consumer asks for the pool's fd once, see :func:`pool_fd_for`)."""
+        with _lock:
+            _named_pools[pool.handle] = pool
+        if not self.pool_fds:
+            return -1
+        fd_index = pool_fds.get(pool.handle)
+        if fd_index is None:
+            fd_index = pool_fds[pool.handle] = len(placement.fds)
+            placement.fds.append(pool.export_pool_fd())
+        return fd_index
+
+
+def pool_fd_for(identity: bytes) -> int:
+    """A new fd of the IPC pool that ``identity`` (a pool region's first 24 handle bytes) names,
+    for a session that asked (POOL_FD); the caller sends and closes it.
+
+    Raises :class:`RegionError` unless the identity names a pool this process named in a message
+    and that is still alive: the fd maps the pool's memory, so it goes to no one for anything else.
+    """
+    if len(identity) != 24 or identity[:16] != _NONCE:
+        raise RegionError("the pool identity does not name a pool of this process", field="handle")
+    handle = int.from_bytes(identity[16:], "little")
+    with _lock:
+        pool = _named_pools.get(handle)
+    if pool is None or pool.closed:
+        raise RegionError("no live IPC pool of this process has that identity", field="handle")
+    fd = pool.export_pool_fd()
+    with _lock:
+        _stats["pool_fds_served"] += 1
+    return fd
 
 
 def _export_pool_pointer(pool: cuda.IpcMemoryPool, base: int, device: int) -> bytes:
@@ -303,8 +345,15 @@ class CudaOpener:
         self._pool_pointers: dict[bytes, list[int]] = {}  # handle -> [pointer, leases using it]
         self._max_legacy = max_legacy
 
-    def open(self, region: Region, fds: list[int] | tuple[int, ...], device: int) -> _Opened:
-        """Open ``region``; the caller receives one owner reference (drop it with aib_owner_unref)."""
+    def open(
+        self,
+        region: Region,
+        fds: list[int] | tuple[int, ...],
+        device: int,
+        fetch_pool_fd: PoolFdSource | None = None,
+    ) -> _Opened:
+        """Open ``region``; the caller receives one owner reference (drop it with aib_owner_unref).
+        ``fetch_pool_fd`` gets a pool's fd that the message left out (see :meth:`_pool`)."""
         with _lock:
             local = _local_exports.get(region.handle)
             if local is not None:
@@ -315,7 +364,7 @@ class CudaOpener:
         if region.kind == REGION_CUDA_LEGACY:
             return self._open_legacy(region, device)
         if region.kind == REGION_CUDA_POOL:
-            return self._open_pool_pointer(region, fds, device)
+            return self._open_pool_pointer(region, fds, device, fetch_pool_fd)
         if region.kind == REGION_CUDA_VMM:
             return self._open_vmm(region, fds, device)
         raise RegionError(f"region kind {region.kind} is not a CUDA region")
@@ -369,10 +418,16 @@ class CudaOpener:
             del table[key]
             _close_quietly(lambda: close(entry[0]))
 
-    def _open_pool_pointer(self, region: Region, fds: list[int] | tuple[int, ...], device: int) -> _Opened:
-        if len(region.handle) != 88 or region.fd_index < 0:
-            raise RegionError("a pool region needs a pool fd and an 88-byte handle", field="handle")
-        pool = self._pool(region.handle[:24], fds[region.fd_index], device)
+    def _open_pool_pointer(
+        self,
+        region: Region,
+        fds: list[int] | tuple[int, ...],
+        device: int,
+        fetch_pool_fd: PoolFdSource | None,
+    ) -> _Opened:
+        if len(region.handle) != 88:
+            raise RegionError("a pool region needs an 88-byte handle", field="handle")
+        pool = self._pool(region.handle[:24], _attached_fd(region, fds), device, fetch_pool_fd)
         # One import per allocation however many leases use it at once: CUDA maps a pointer once
         # per process, and the first free would pull it from under the other leases. Each lease
         # counts; the last one to end frees the import (before the producer may free the memory).
@@ -383,29 +438,34 @@ class CudaOpener:
         return _Opened(ptr, lib.aib_owner_new(token))
 
     def open_pool_regions(
-        self, regions: list[Region], fds: list[int] | tuple[int, ...], device: int
+        self,
+        regions: list[Region],
+        fds: list[int] | tuple[int, ...],
+        device: int,
+        fetch_pool_fd: PoolFdSource | None = None,
     ) -> tuple[list[int], Any]:
         """Open a message's pool regions together: ``(bases in order, one owner for all)``.
 
         New pointers of one pool are imported in one batch (one context switch, no per-region
         Python objects), and the whole message's imports end with one owner: this is what keeps a
         new buffer near the driver's own ~1.5 µs. Same counting as :meth:`open`: a pointer is
-        imported once per process and freed after its last lease.
+        imported once per process and freed after its last lease. ``fetch_pool_fd``: see
+        :meth:`_pool`.
         """
         keys: list[bytes] = []
         for region in regions:
-            if len(region.handle) != 88 or region.fd_index < 0:
-                raise RegionError("a pool region needs a pool fd and an 88-byte handle", field="handle")
+            if len(region.handle) != 88:
+                raise RegionError("a pool region needs an 88-byte handle", field="handle")
             keys.append(region.handle)
         with _lock:
             local = any(key in _local_exports for key in keys)
         if local:  # our own export (same process): one region at a time, from the producer's records
-            return self._open_one_by_one(regions, fds, device)
+            return self._open_one_by_one(regions, fds, device, fetch_pool_fd)
         pools: dict[bytes, cuda.ImportedPool] = {}
         for region in regions:
             pool_key = region.handle[:24]
             if pool_key not in pools:
-                pools[pool_key] = self._pool(pool_key, fds[region.fd_index], device)
+                pools[pool_key] = self._pool(pool_key, _attached_fd(region, fds), device, fetch_pool_fd)
         with self._lock:
             fresh: dict[bytes, list[bytes]] = {}
             for key in dict.fromkeys(keys):
@@ -432,13 +492,17 @@ class CudaOpener:
         return bases, lib.aib_owner_new(token)
 
     def _open_one_by_one(
-        self, regions: list[Region], fds: list[int] | tuple[int, ...], device: int
+        self,
+        regions: list[Region],
+        fds: list[int] | tuple[int, ...],
+        device: int,
+        fetch_pool_fd: PoolFdSource | None,
     ) -> tuple[list[int], Any]:
         group = lib.aib_owner_new(0)
         bases = []
         try:
             for region in regions:
-                opened = self.open(region, fds, device)
+                opened = self.open(region, fds, device, fetch_pool_fd)
                 lib.aib_owner_add_dependency(group, opened.owner)
                 lib.aib_owner_unref(opened.owner)
                 bases.append(opened.base)
@@ -447,12 +511,34 @@ class CudaOpener:
             raise
         return bases, group
 
-    def _pool(self, pool_key: bytes, fd: int, device: int) -> cuda.ImportedPool:
-        """The imported pool for ``pool_key`` (imported once per process, ~100 µs)."""
+    def _pool(
+        self, pool_key: bytes, fd: int | None, device: int, fetch_pool_fd: PoolFdSource | None
+    ) -> cuda.ImportedPool:
+        """The imported pool for ``pool_key`` (imported once per process, ~100 µs).
+
+        Its fd is the one the message attached, or (``fd`` None: a publisher's message) the one
+        ``fetch_pool_fd`` asks the producer for, once per pool per process. Without either the
+        pool must have been imported already."""
         with self._lock:
             pool = self._pools.get(pool_key)
         if pool is None:
-            imported = cuda.import_pool(fd, device)
+            if fd is not None:
+                imported = cuda.import_pool(fd, device)
+            elif fetch_pool_fd is None:
+                raise RegionError(
+                    "an IPC-pool region came without its pool's fd and this process has not imported "
+                    "that pool: import a publisher's message through its Session, or export with "
+                    "pool_fds=True",
+                    field="fd_index",
+                )
+            else:
+                fetched = fetch_pool_fd(pool_key)
+                with self._lock:
+                    _stats["pool_fd_requests"] += 1
+                try:
+                    imported = cuda.import_pool(fetched, device)
+                finally:
+                    os.close(fetched)  # the driver keeps its own reference
             with self._lock:
                 pool = self._pools.setdefault(pool_key, imported)
                 _stats["pool_imports"] += 1
@@ -478,6 +564,16 @@ class CudaOpener:
             legacy, self._legacy = list(self._legacy.values()), OrderedDict()
         for entry in legacy:
             lib.aib_owner_unref(entry.owner)
+
+
+def _attached_fd(region: Region, fds: list[int] | tuple[int, ...]) -> int | None:
+    """The fd a region's message attached for it, or None (fd_index -1). The decoder checked the
+    index against the message's fd count; a short list here is the caller's error."""
+    if region.fd_index < 0:
+        return None
+    if region.fd_index >= len(fds):
+        raise RegionError(f"fd index {region.fd_index} but {len(fds)} fds came", field="fd_index")
+    return fds[region.fd_index]
 
 
 def _acquire(table: dict[bytes, list[int]], key: bytes, open_: Any) -> int:
