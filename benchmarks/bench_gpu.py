@@ -588,13 +588,17 @@ class Collector:
                     )
             fresh_pool = self.get("bridge_fresh_pool", s)
             if fresh_pool:
-                direct = ((fresh_pool.get("open_us_by_region_kind") or {}).get("pool") or {}).get("median_us")
+                by_kind = fresh_pool.get("open_us_by_region_kind") or {}
+                direct = (by_kind.get("pool") or {}).get("median_us")
+                driver = (by_kind.get("pool_driver") or {}).get("median_us")
                 derived = None
                 pool_steady = self.get("bridge_pool_steady", s)
                 if b:
                     derived = (fresh_pool["median_us"] - b["median_us"]) / NCOLS
                 detail = (
-                    f"CudaOpener pool-region open per region, median {fmt_us(direct)}; from medians "
+                    f"CudaOpener pool-region open per region, median {fmt_us(direct)}, of which the "
+                    f"driver's cuMemPoolImportPointer loop (ImportedPool.import_pointers) "
+                    f"{fmt_us(driver)}; from medians "
                     f"(new pool arrays - legacy steady) / {NCOLS} = {fmt_us(derived)}"
                 )
                 if pool_steady and b:

@@ -959,7 +959,7 @@ class _BridgeConsumer:
     def _instrumented_opens(self, one: Iteration, iterations: int, start: int) -> dict[str, Any]:
         """Time every region open of a few extra iterations (CudaOpener.open per region kind; a
         message's pool regions, opened in one batch, as the batch's time per region)."""
-        from arrow_ipc_bridge.memory import cuda_regions
+        from arrow_ipc_bridge.memory import cuda, cuda_regions
         from arrow_ipc_bridge.metadata import REGION_CUDA_LEGACY, REGION_CUDA_POOL, REGION_CUDA_VMM
 
         kinds = {REGION_CUDA_LEGACY: "legacy", REGION_CUDA_POOL: "pool", REGION_CUDA_VMM: "vmm"}
@@ -976,23 +976,35 @@ class _BridgeConsumer:
 
         original_pool = opener.open_pool_regions
 
-        def timed_pool(regions: Any, fds: Any, device: int) -> Any:
+        def timed_pool(regions: Any, *args: Any) -> Any:
             # Pool regions of a message open together: per region = the batch's time / its size.
             t0 = _perf()
             try:
-                return original_pool(regions, fds, device)
+                return original_pool(regions, *args)
             finally:
                 times.setdefault("pool", []).append((_perf() - t0) / max(1, len(regions)))
+
+        original_import = cuda.ImportedPool.import_pointers
+
+        def timed_import(pool: Any, export_datas: Any) -> Any:
+            # The part of a pool open that is the driver's: its import calls, looped in C.
+            t0 = _perf()
+            try:
+                return original_import(pool, export_datas)
+            finally:
+                times.setdefault("pool_driver", []).append((_perf() - t0) / max(1, len(export_datas)))
 
         # instance attributes: shadow the methods for this process only
         opener.open = timed_open
         opener.open_pool_regions = timed_pool
+        cuda.ImportedPool.import_pointers = timed_import  # type: ignore[method-assign]
         try:
             for i in range(iterations):
                 one(start + i)
         finally:
             del opener.open
             del opener.open_pool_regions
+            cuda.ImportedPool.import_pointers = original_import  # type: ignore[method-assign]
         return {kind: stats_us(values) for kind, values in times.items()}
 
     def _steady(self, key: str, size: int, name: str, expected: float) -> dict[str, Any]:
