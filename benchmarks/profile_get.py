@@ -2,7 +2,7 @@
 """Where a steady-state get's time goes, phase by phase, in one consumer process.
 
     python benchmarks/profile_get.py [--device cuda|cpu] [--table float|mixed] [--iterations 3000]
-                                     [--cprofile]
+                                     [--cprofile] [--fresh legacy|pool]
 
 A producer process publishes 16 float32 columns (CuPy arrays with ``--device cuda``; all-null columns on
 the CPU, whose message, like an all-legacy CUDA one, is remembered), or
@@ -12,7 +12,9 @@ table in host memory, remembered with its files). The
 consumer times, per get: ``session.get`` alone, then ``__arrow_c_device_array__``, then reading the
 struct and waiting on ``sync_event`` (the bench's "can launch work" end point), a bare 64-byte
 socket round trip between the same two processes and a ``Session.ping`` on the session's own
-connection, for scale. A development aid, not a benchmark of
+connection, for scale. ``--fresh`` (CUDA, float table): the producer republishes 16 new columns
+(``legacy``: CuPy's default allocator, ``pool``: the bridge's IPC-pool allocator) before each get
+(untimed), so every get imports a new message: the first-get path. A development aid, not a benchmark of
 record: benchmarks/bench_gpu.py is that.
 """
 
@@ -30,10 +32,24 @@ ROWS = 1 << 18
 NCOLS = 16
 
 
-def producer(path: str, device: str, table: str, ready: Any, echo_sock: socket.socket) -> None:
+def producer(path: str, options: tuple[str, str, str], ready: Any, echo_sock: socket.socket) -> None:
+    """Publish "t" (``options``: device, table, fresh mode) and echo the bench socket."""
     import pyarrow as pa
 
+    device, table, fresh = options
+
     import arrow_ipc_bridge as aib
+
+    def new_columns(value: float) -> Any:
+        import cupy as cp
+
+        from arrow_ipc_bridge.memory import cuda
+
+        allocator = cuda.cupy_allocator(0) if fresh == "pool" else cp.cuda.get_allocator()
+        with cp.cuda.using_allocator(allocator):
+            columns = {f"c{i}": cp.full(ROWS, value, dtype=cp.float32) for i in range(NCOLS)}
+        cp.cuda.runtime.deviceSynchronize()
+        return aib.from_cuda_arrays(columns)
 
     if table == "mixed":
         from gpu_bench_children import mixed_batch
@@ -42,6 +58,8 @@ def producer(path: str, device: str, table: str, ready: Any, echo_sock: socket.s
 
         batch, _ = mixed_batch(1 << 20)
         obj: Any = to_device(batch) if device == "cuda" else batch
+    elif fresh:
+        obj = new_columns(0.0)
     elif device == "cuda":
         import cupy as cp
 
@@ -53,10 +71,14 @@ def producer(path: str, device: str, table: str, ready: Any, echo_sock: socket.s
         pub.publish("t", obj)
         ready.set()
         buf = bytearray(64)
+        value = 0.0
         while True:
             n = echo_sock.recv_into(buf)
             if n == 0:
                 return
+            if fresh and buf[:1] == b"F":  # new data under the same name, then answer
+                value += 1.0
+                pub.publish("t", new_columns(value))
             echo_sock.sendall(buf[:n])
 
 
@@ -71,13 +93,15 @@ def main() -> None:
     parser.add_argument("--table", choices=["float", "mixed"], default="float")
     parser.add_argument("--iterations", type=int, default=3000)
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--fresh", choices=["legacy", "pool"], default="")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     directory = tempfile.mkdtemp(prefix="aib-prof-")
     path = os.path.join(directory, "p.sock")
     mine, theirs = socket.socketpair()
     ready = ctx.Event()
-    child = ctx.Process(target=producer, args=(path, args.device, args.table, ready, theirs), daemon=True)
+    options = (args.device, args.table, args.fresh)
+    child = ctx.Process(target=producer, args=(path, options, ready, theirs), daemon=True)
     child.start()
     while not ready.wait(0.2):
         if not child.is_alive():
@@ -106,6 +130,9 @@ def main() -> None:
     view = bytearray(64)
 
     def one(record: bool) -> None:
+        if args.fresh:
+            mine.sendall(b"F")
+            mine.recv_into(view)
         t0 = time.perf_counter()
         imported = session.get("t")
         t1 = time.perf_counter()
@@ -139,7 +166,7 @@ def main() -> None:
             ):
                 phases.setdefault(key, []).append(value)
 
-    for _ in range(200):
+    for _ in range(20 if args.fresh else 200):
         one(False)
     for _ in range(args.iterations):
         one(True)

@@ -34,7 +34,7 @@ def consumer_loop(socket_path: str, conn: Connection, pool_linger: float = 1.0) 
     """Serve the parent: for each name received, get it, copy to host, send Arrow IPC bytes back (with
     the device id and the session's remembered-get count). ``("forget", name)`` forgets ``name``
     and answers ``("ok", forgotten, pool pointers still imported in this process)``; ``("stats",)``
-    answers ``("ok", cuda_regions.cuda_stats())``."""
+    answers ``("ok", cuda_regions.cuda_stats() + {"pools_cached": imported pools cached})``."""
     import arrow_ipc_bridge as aib
     from arrow_ipc_bridge.memory import cuda_regions
 
@@ -49,7 +49,9 @@ def consumer_loop(socket_path: str, conn: Connection, pool_linger: float = 1.0) 
                     conn.send(("ok", forgotten, len(cuda_regions.opener()._pool_pointers)))
                     continue
                 if name == ("stats",):
-                    conn.send(("ok", cuda_regions.cuda_stats()))
+                    stats = cuda_regions.cuda_stats()
+                    stats["pools_cached"] = len(cuda_regions.opener()._pools)
+                    conn.send(("ok", stats))
                     continue
                 try:
                     with session.get(name) as imported:

@@ -289,6 +289,32 @@ def test_pool_fd_goes_once_per_consumer_process(publisher: aib.Publisher) -> Non
         second.stop()
 
 
+def test_pools_that_come_and_go_are_imported_afresh(publisher: aib.Publisher, cupy: Any) -> None:
+    """A producer that makes a new IPC pool for each publication and drops the old one (the driver
+    may give the new pool the destroyed one's handle value): every publication reads right in the
+    consumer, which imports each pool once (pools are named by a serial that is never reused) and
+    keeps at most 16 imported pools."""
+    from arrow_ipc_bridge.memory import cuda
+
+    consumer = _LingerConsumer(str(publisher.path), pool_linger=0.0)
+    try:
+        for i in range(24):
+            allocator = cuda.cupy_allocator(0)  # a new pool every time
+            with cupy.cuda.using_allocator(allocator):
+                values = cupy.full(1000, float(i), dtype=cupy.float32)
+            cupy.cuda.runtime.deviceSynchronize()
+            publisher.publish("churn", aib.from_cuda_arrays({"v": values}))
+            del values, allocator  # the publication holds the pool until it is replaced
+            got = consumer.get("churn")[0]
+            assert got.column("v").to_pylist() == [float(i)] * 1000
+        stats = consumer.stats()
+        assert stats["pool_imports"] == 24
+        assert stats["pool_fd_requests"] == 24
+        assert stats["pools_cached"] <= 16
+    finally:
+        consumer.stop()
+
+
 def test_cupy_columns_sliced_from_a_pool_block(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:
     """CuPy arrays carved out of one allocation (offsets inside a shared block) travel as legacy IPC
     handles; one region per allocation, values intact."""

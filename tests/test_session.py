@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import itertools
 import logging
 import multiprocessing
 import multiprocessing.resource_tracker
@@ -1016,6 +1017,77 @@ def test_pool_region_without_its_fd_needs_a_known_pool_or_a_source() -> None:
         opener.open_pool_regions([past_end], [0], 0)
     with pytest.raises(aib.RegionError, match="88-byte handle"):
         opener.open_pool_regions([Region(REGION_CUDA_POOL, 4096, fd_index=-1, handle=b"x")], [], 0)
+
+
+class _FakeImportedPool:
+    """Stands in for cuda.ImportedPool in the opener's bookkeeping tests (no driver)."""
+
+    addresses = itertools.count(0x10000, 0x1000)
+
+    def __init__(self) -> None:
+        self.imported: set[int] = set()
+        self.closed = False
+
+    @property
+    def imported_count(self) -> int:
+        return len(self.imported)
+
+    def import_pointers(self, export_datas: list[bytes]) -> list[int]:
+        assert not self.closed, "imported through a closed pool"
+        pointers = [next(self.addresses) for _ in export_datas]
+        self.imported.update(pointers)
+        return pointers
+
+    def free_imported(self, ptr: int) -> None:
+        self.imported.remove(ptr)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_imported_pools_beyond_the_bound_are_dropped_once_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The opener keeps at most max_pools imported pools: the least recently used ones with no
+    pointer imported are destroyed when another is imported; a pool whose pointers are in use
+    stays. A pool evicted under a message being imported is looked up again, and after three
+    such evictions the import fails with RegionError."""
+    from arrow_ipc_bridge.memory import cuda, cuda_regions
+    from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, Region
+
+    made: list[_FakeImportedPool] = []
+
+    def fake_import_pool(fd: int, device: int) -> _FakeImportedPool:
+        made.append(_FakeImportedPool())
+        return made[-1]
+
+    monkeypatch.setattr(cuda, "import_pool", fake_import_pool)
+    opener = cuda_regions.CudaOpener(max_pools=2)
+
+    def region(pool: int, pointer: int) -> Region:
+        handle = bytes([pool]) * 24 + bytes([pointer]) * 64
+        return Region(REGION_CUDA_POOL, 4096, fd_index=0, handle=handle)
+
+    def use(pool: int, pointer: int) -> Any:
+        return opener.open_pool_regions([region(pool, pointer)], [0], 0)[1]
+
+    def let_go(owner: Any) -> None:
+        lib.aib_owner_unref(owner)
+        _reaper.drain()
+
+    held = use(1, 1)  # pool 1 stays in use
+    let_go(use(2, 1))  # pool 2 idle
+    kept = use(3, 1)  # over the bound: pool 2 (idle) goes, pool 1 (in use) stays
+    assert [p.closed for p in made] == [False, True, False]
+    assert list(opener._pools) == [bytes([1]) * 24, bytes([3]) * 24]
+    let_go(held)
+    let_go(use(4, 1))  # pool 1 is idle now and the least recently used
+    assert [p.closed for p in made] == [True, True, False, False]
+    assert made[0].imported == set()
+    let_go(kept)
+
+    monkeypatch.setattr(opener, "_pool", lambda *args: _FakeImportedPool())  # never the cached one
+    with pytest.raises(aib.RegionError, match="evicted three times"):
+        use(5, 1)
+    assert opener._pool_pointers == {}
 
 
 def test_ping_to_a_dead_publisher_raises_peer_closed(sock_dir: str) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import re
 import threading
@@ -1990,6 +1991,9 @@ def stream_synchronize(stream: object, *, device: int | None = None) -> None:
 
 # Pools created by this process: handle -> pool. Exportability of these is known without asking the driver.
 _OWN_POOLS: weakref.WeakValueDictionary[int, IpcMemoryPool] = weakref.WeakValueDictionary()
+# Serial numbers of this process's pools: the driver reuses a destroyed pool's handle value, these
+# are never reused, so consumers can cache imported pools by them (see IpcMemoryPool.serial).
+_POOL_SERIALS = itertools.count(1)
 
 
 def _set_non_inheritable(fd: int) -> int:
@@ -2053,6 +2057,13 @@ class IpcMemoryPool(_DriverResource):
         self._closed = False
         with _CACHE_LOCK:
             _OWN_POOLS[self.handle] = self
+            self._serial = next(_POOL_SERIALS)
+
+    @property
+    def serial(self) -> int:
+        """A number no other pool of this process has or will have (the driver may give a new pool
+        the handle value of a destroyed one): what names the pool to other processes."""
+        return self._serial
 
     @property
     def device(self) -> int:

@@ -78,7 +78,7 @@ _stats = {
     "pool_fds_served": 0,
     "same_process": 0,
 }
-# The IPC pools this process named in a message (handle -> pool, weakly): the only ones whose fd
+# The IPC pools this process named in a message (serial -> pool, weakly): the only ones whose fd
 # it hands to a session that asks (POOL_FD), and only while the pool object is alive.
 _named_pools: weakref.WeakValueDictionary[int, cuda.IpcMemoryPool] = weakref.WeakValueDictionary()
 # Handles this process exported, by handle bytes -> device address. CUDA refuses to open a legacy
@@ -174,7 +174,7 @@ class CudaPlacer:
         placement = CudaPlacement(regions=[], fds=[], buffers=len(wanted))
         try:
             by_allocation: dict[int, int] = {}  # buffer id -> region index
-            pool_fds: dict[int, int] = {}  # pool handle -> fd index
+            pool_fds: dict[int, int] = {}  # pool serial -> fd index
             current: cuda.PointerInfo | None = None
             for i in wanted:
                 address, length = slots[i], slots[i + 1]
@@ -224,7 +224,7 @@ class CudaPlacer:
             pool = _own_pool(info.mempool)
             fd_index = self._pool_fd_index(pool, placement, pool_fds)
             export = _export_pool_pointer(pool, info.base, self.device)
-            handle = _NONCE + info.mempool.to_bytes(8, "little") + export
+            handle = _pool_identity(pool) + export
             _remember_local(handle, info.base)
             return Region(
                 REGION_CUDA_POOL, size=info.size, identity=info.buffer_id, fd_index=fd_index, handle=handle
@@ -258,7 +258,7 @@ class CudaPlacer:
         info = cuda.pointer_info(target)
         assert info is not None
         fd_index = self._pool_fd_index(pool, placement, {})
-        handle = _NONCE + pool.handle.to_bytes(8, "little") + pool.export_pointer(info.base)
+        handle = _pool_identity(pool) + pool.export_pointer(info.base)
         _remember_local(handle, info.base)
         placement.regions.append(
             Region(
@@ -273,14 +273,20 @@ class CudaPlacer:
         """The fd index a region of ``pool`` names: its fd, attached once per message, or -1 when
         fds are left out (the consumer asks for the pool's fd once, see :func:`pool_fd_for`)."""
         with _lock:
-            _named_pools[pool.handle] = pool
+            _named_pools[pool.serial] = pool
         if not self.pool_fds:
             return -1
-        fd_index = pool_fds.get(pool.handle)
+        fd_index = pool_fds.get(pool.serial)
         if fd_index is None:
-            fd_index = pool_fds[pool.handle] = len(placement.fds)
+            fd_index = pool_fds[pool.serial] = len(placement.fds)
             placement.fds.append(pool.export_pool_fd())
         return fd_index
+
+
+def _pool_identity(pool: cuda.IpcMemoryPool) -> bytes:
+    """What names ``pool`` to consumers: our nonce (random per process) and the pool's serial
+    (never reused in this process), so a consumer's cached import can never be another pool's."""
+    return _NONCE + pool.serial.to_bytes(8, "little")
 
 
 def pool_fd_for(identity: bytes) -> int:
@@ -292,9 +298,9 @@ def pool_fd_for(identity: bytes) -> int:
     """
     if len(identity) != 24 or identity[:16] != _NONCE:
         raise RegionError("the pool identity does not name a pool of this process", field="handle")
-    handle = int.from_bytes(identity[16:], "little")
+    serial = int.from_bytes(identity[16:], "little")
     with _lock:
-        pool = _named_pools.get(handle)
+        pool = _named_pools.get(serial)
     if pool is None or pool.closed:
         raise RegionError("no live IPC pool of this process has that identity", field="handle")
     fd = pool.export_pool_fd()
@@ -336,14 +342,17 @@ class _Opened:
 class CudaOpener:
     """Opens CUDA regions in this process (one instance per process: handles are per process)."""
 
-    def __init__(self, max_legacy: int = 256) -> None:
+    def __init__(self, max_legacy: int = 256, max_pools: int = 16) -> None:
         self._lock = threading.Lock()
         self._legacy: OrderedDict[bytes, _Opened] = OrderedDict()  # LRU of open handles kept open
         # handle -> [pointer, owners using it]: each is opened once per process, closed by its last owner
         self._legacy_live: dict[bytes, list[int]] = {}
-        self._pools: dict[bytes, cuda.ImportedPool] = {}
+        # Imported pools by identity, least recently used first. Beyond max_pools, pools with no
+        # pointer imported are destroyed (producers that come and go, or churn pools).
+        self._pools: OrderedDict[bytes, cuda.ImportedPool] = OrderedDict()
         self._pool_pointers: dict[bytes, list[int]] = {}  # handle -> [pointer, leases using it]
         self._max_legacy = max_legacy
+        self._max_pools = max_pools
 
     def open(
         self,
@@ -461,35 +470,48 @@ class CudaOpener:
             local = any(key in _local_exports for key in keys)
         if local:  # our own export (same process): one region at a time, from the producer's records
             return self._open_one_by_one(regions, fds, device, fetch_pool_fd)
-        pools: dict[bytes, cuda.ImportedPool] = {}
-        for region in regions:
-            pool_key = region.handle[:24]
-            if pool_key not in pools:
-                pools[pool_key] = self._pool(pool_key, _attached_fd(region, fds), device, fetch_pool_fd)
-        with self._lock:
-            fresh: dict[bytes, list[bytes]] = {}
-            for key in dict.fromkeys(keys):
-                if key not in self._pool_pointers:
-                    fresh.setdefault(key[:24], []).append(key)
-            done: list[bytes] = []
-            try:
-                for pool_key, new_keys in fresh.items():
-                    pointers = pools[pool_key].import_pointers([key[24:] for key in new_keys])
-                    for key, ptr in zip(new_keys, pointers, strict=True):
-                        self._pool_pointers[key] = [ptr, 0]
-                        done.append(key)
-            except BaseException:
-                for key in done:  # another pool's batch failed: nobody uses these yet
-                    ptr = self._pool_pointers.pop(key)[0]
-                    _close_quietly(lambda ptr=ptr, key=key: pools[key[:24]].free_imported(ptr))
-                raise
-            bases = []
-            for key in keys:
-                entry = self._pool_pointers[key]
-                entry[1] += 1
-                bases.append(entry[0])
+        for _ in range(3):
+            pools: dict[bytes, cuda.ImportedPool] = {}
+            for region in regions:
+                pool_key = region.handle[:24]
+                if pool_key not in pools:
+                    pools[pool_key] = self._pool(pool_key, _attached_fd(region, fds), device, fetch_pool_fd)
+            with self._lock:
+                # An idle pool can be evicted between _pool() and here (many other pools imported
+                # meanwhile by other threads): then look it up again.
+                if all(self._pools.get(key) is pool for key, pool in pools.items()):
+                    bases = self._import_pool_pointers(keys, pools)
+                    break
+        else:
+            raise RegionError("the message's IPC pools were evicted three times while being imported")
         token = _reaper.register(lambda: self._release_pool_pointers(keys, pools))
         return bases, lib.aib_owner_new(token)
+
+    def _import_pool_pointers(self, keys: list[bytes], pools: dict[bytes, cuda.ImportedPool]) -> list[int]:
+        """Under the lock: import the pointers not imported yet (one batch per pool) and count one
+        more lease on every pointer of ``keys``; returns their addresses in order."""
+        fresh: dict[bytes, list[bytes]] = {}
+        for key in dict.fromkeys(keys):
+            if key not in self._pool_pointers:
+                fresh.setdefault(key[:24], []).append(key)
+        done: list[bytes] = []
+        try:
+            for pool_key, new_keys in fresh.items():
+                pointers = pools[pool_key].import_pointers([key[24:] for key in new_keys])
+                for key, ptr in zip(new_keys, pointers, strict=True):
+                    self._pool_pointers[key] = [ptr, 0]
+                    done.append(key)
+        except BaseException:
+            for key in done:  # another pool's batch failed: nobody uses these yet
+                ptr = self._pool_pointers.pop(key)[0]
+                _close_quietly(lambda ptr=ptr, key=key: pools[key[:24]].free_imported(ptr))
+            raise
+        bases = []
+        for key in keys:
+            entry = self._pool_pointers[key]
+            entry[1] += 1
+            bases.append(entry[0])
+        return bases
 
     def _open_one_by_one(
         self,
@@ -521,30 +543,51 @@ class CudaOpener:
         pool must have been imported already."""
         with self._lock:
             pool = self._pools.get(pool_key)
-        if pool is None:
-            if fd is not None:
-                imported = cuda.import_pool(fd, device)
-            elif fetch_pool_fd is None:
-                raise RegionError(
-                    "an IPC-pool region came without its pool's fd and this process has not imported "
-                    "that pool: import a publisher's message through its Session, or export with "
-                    "pool_fds=True",
-                    field="fd_index",
-                )
-            else:
-                fetched = fetch_pool_fd(pool_key)
-                with self._lock:
-                    _stats["pool_fd_requests"] += 1
-                try:
-                    imported = cuda.import_pool(fetched, device)
-                finally:
-                    os.close(fetched)  # the driver keeps its own reference
+            if pool is not None:
+                self._pools.move_to_end(pool_key)
+                return pool
+        if fd is not None:
+            imported = cuda.import_pool(fd, device)
+        elif fetch_pool_fd is None:
+            raise RegionError(
+                "an IPC-pool region came without its pool's fd and this process has not imported "
+                "that pool: import a publisher's message through its Session, or export with "
+                "pool_fds=True",
+                field="fd_index",
+            )
+        else:
+            fetched = fetch_pool_fd(pool_key)
             with self._lock:
-                pool = self._pools.setdefault(pool_key, imported)
+                _stats["pool_fd_requests"] += 1
+            try:
+                imported = cuda.import_pool(fetched, device)
+            finally:
+                os.close(fetched)  # the driver keeps its own reference
+        evicted: list[cuda.ImportedPool] = []
+        with self._lock:
+            pool = self._pools.setdefault(pool_key, imported)
+            if pool is imported:
                 _stats["pool_imports"] += 1
-            if pool is not imported:
-                imported.close()
+                evicted = self._evict_idle_pools(keep=pool_key)
+        if pool is not imported:  # another thread imported it meanwhile
+            imported.close()
+        for old in evicted:
+            _close_quietly(old.close)
         return pool
+
+    def _evict_idle_pools(self, keep: bytes) -> list[cuda.ImportedPool]:
+        """Under the lock: take the least recently used pools with no pointer imported out of the
+        cache while it holds more than max_pools; the caller closes them."""
+        evicted = []
+        excess = len(self._pools) - self._max_pools
+        for key, pool in list(self._pools.items()):
+            if excess <= 0:
+                break
+            if key != keep and pool.imported_count == 0:
+                del self._pools[key]
+                evicted.append(pool)
+                excess -= 1
+        return evicted
 
     def _release_pool_pointers(self, keys: list[bytes], pools: dict[bytes, cuda.ImportedPool]) -> None:
         """A message's pool imports ended: each pointer whose last lease this was is freed."""
