@@ -40,13 +40,16 @@ def producer(path: str, options: tuple[str, str, str], ready: Any, echo_sock: so
 
     import arrow_ipc_bridge as aib
 
+    allocators: list[Any] = []  # one pool allocator for the process, made on first use
+
     def new_columns(value: float) -> Any:
         import cupy as cp
 
         from arrow_ipc_bridge.memory import cuda
 
-        allocator = cuda.cupy_allocator(0) if fresh == "pool" else cp.cuda.get_allocator()
-        with cp.cuda.using_allocator(allocator):
+        if not allocators:
+            allocators.append(cuda.cupy_allocator(0) if fresh == "pool" else cp.cuda.get_allocator())
+        with cp.cuda.using_allocator(allocators[0]):
             columns = {f"c{i}": cp.full(ROWS, value, dtype=cp.float32) for i in range(NCOLS)}
         cp.cuda.runtime.deviceSynchronize()
         return aib.from_cuda_arrays(columns)
