@@ -185,7 +185,9 @@ def main() -> None:
         for _ in range(args.iterations):
             one(False)
         profile.disable()
-        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        stats = pstats.Stats(profile)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats("arrow_ipc_bridge", 45)
     session.close()
     mine.close()
     child.join(10)

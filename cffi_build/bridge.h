@@ -454,4 +454,7 @@ int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64
  * number imported before it (their pointers are in out: the caller frees them). */
 int aib_cuda_import_pool_pointers(uintptr_t import_fn, uintptr_t pool, const uint8_t *export_data, size_t n,
                                   uint64_t *out, size_t *done);
+/* Calls free_fn (the address of cuMemFree_v2) for each pointer, all of them even after a failure;
+ * returns 0 or the first failing CUresult. */
+int aib_cuda_free_pointers(uintptr_t free_fn, const uint64_t *pointers, size_t n);
 #endif

@@ -730,8 +730,13 @@ def _child_read_pool_batch(conn: Any, uuid: bytes, export_datas: list[bytes], nb
         pointers = pool.import_pointers(export_datas)
         assert pool.imported_count == len(export_datas) == len(set(pointers))
         digests = [_sha256(cuda.read_device(ptr, nbytes, device=device)) for ptr in pointers]
-        for ptr in pointers:
-            pool.free_imported(ptr)
+        # A batch free checks every pointer first: one never imported (or given twice) frees none.
+        for bad in ([*pointers, 0x1000], [pointers[0], pointers[0]]):
+            with pytest.raises(RegionError, match="not imported from this pool"):
+                pool.free_imported_many(bad)
+            assert pool.imported_count == len(pointers)
+        pool.free_imported(pointers[0])
+        pool.free_imported_many(pointers[1:])
         assert pool.imported_count == 0
     return digests
 

@@ -1038,8 +1038,8 @@ class _FakeImportedPool:
         self.imported.update(pointers)
         return pointers
 
-    def free_imported(self, ptr: int) -> None:
-        self.imported.remove(ptr)
+    def free_imported_many(self, pointers: list[int]) -> None:
+        self.imported.difference_update(pointers)
 
     def close(self) -> None:
         self.closed = True

@@ -590,9 +590,22 @@ class CudaOpener:
         return evicted
 
     def _release_pool_pointers(self, keys: list[bytes], pools: dict[bytes, cuda.ImportedPool]) -> None:
-        """A message's pool imports ended: each pointer whose last lease this was is freed."""
-        for key in keys:
-            self._release(self._pool_pointers, key, pools[key[:24]].free_imported)
+        """A message's pool imports ended: each pointer whose last lease this was is freed, one
+        batch per pool. Under the lock, like :meth:`_release`: an import of the same allocation
+        meanwhile would get the address back and then lose it to this free."""
+        with self._lock:
+            last: dict[bytes, list[int]] = {}
+            for key in keys:
+                entry = self._pool_pointers.get(key)
+                if entry is None:
+                    continue
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._pool_pointers[key]
+                    last.setdefault(key[:24], []).append(entry[0])
+            for pool_key, pointers in last.items():
+                free = pools[pool_key].free_imported_many
+                _close_quietly(lambda free=free, pointers=pointers: free(pointers))
 
     def _open_vmm(self, region: Region, fds: list[int] | tuple[int, ...], device: int) -> _Opened:
         if region.fd_index < 0:
