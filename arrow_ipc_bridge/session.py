@@ -345,8 +345,21 @@ class Session:
                 lib.aib_owner_unref(pool_owner)
             for i, base in zip(pool_indexes, pool_bases, strict=True):
                 bases[i] = base
+        legacy_indexes = [i for i, r in enumerate(regions) if r.kind == REGION_CUDA_LEGACY]
+        if legacy_indexes:  # opened together, held by one owner
+            legacy_bases, legacy_owner = opener.open_legacy_regions(
+                [regions[i] for i in legacy_indexes], ordinal
+            )
+            try:
+                decoded.depend_on(legacy_owner)
+                if remember:
+                    template.depend_on(legacy_owner)
+            finally:
+                lib.aib_owner_unref(legacy_owner)
+            for i, base in zip(legacy_indexes, legacy_bases, strict=True):
+                bases[i] = base
         for i, region in enumerate(regions):
-            if region.kind == REGION_CUDA_POOL:
+            if region.kind in (REGION_CUDA_POOL, REGION_CUDA_LEGACY):
                 continue
             opened = opener.open(region, fd_list, ordinal)
             try:

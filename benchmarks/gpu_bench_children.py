@@ -984,6 +984,16 @@ class _BridgeConsumer:
             finally:
                 times.setdefault("pool", []).append((_perf() - t0) / max(1, len(regions)))
 
+        original_legacy = opener.open_legacy_regions
+
+        def timed_legacy(regions: Any, *args: Any) -> Any:
+            # A message's legacy regions open together too: per region = the batch's time / its size.
+            t0 = _perf()
+            try:
+                return original_legacy(regions, *args)
+            finally:
+                times.setdefault("legacy", []).append((_perf() - t0) / max(1, len(regions)))
+
         original_import = cuda.ImportedPool.import_pointers
 
         def timed_import(pool: Any, export_datas: Any) -> Any:
@@ -997,6 +1007,7 @@ class _BridgeConsumer:
         # instance attributes: shadow the methods for this process only
         opener.open = timed_open
         opener.open_pool_regions = timed_pool
+        opener.open_legacy_regions = timed_legacy
         cuda.ImportedPool.import_pointers = timed_import  # type: ignore[method-assign]
         try:
             for i in range(iterations):
@@ -1004,6 +1015,7 @@ class _BridgeConsumer:
         finally:
             del opener.open
             del opener.open_pool_regions
+            del opener.open_legacy_regions
             cuda.ImportedPool.import_pointers = original_import  # type: ignore[method-assign]
         return {kind: stats_us(values) for kind, values in times.items()}
 

@@ -1090,6 +1090,53 @@ def test_imported_pools_beyond_the_bound_are_dropped_once_idle(monkeypatch: pyte
     assert opener._pool_pointers == {}
 
 
+def test_legacy_regions_of_a_message_open_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message's legacy regions open under one owner: each handle once (a repeat is a cache
+    hit), in order; the LRU still bounds what stays open, and a handle it pushes out closes only
+    when the last message using it lets go. A handle that is not 64 bytes opens nothing."""
+    from arrow_ipc_bridge.memory import cuda, cuda_regions
+    from arrow_ipc_bridge.metadata import REGION_CUDA_LEGACY, Region
+
+    opened: list[bytes] = []
+    closed: list[int] = []
+
+    def fake_open(handle: bytes, device: int) -> int:
+        opened.append(handle)
+        return 0x1000 * len(opened)
+
+    monkeypatch.setattr(cuda, "ipc_open_mem_handle", fake_open)
+    monkeypatch.setattr(cuda, "ipc_close_mem_handle", lambda ptr, device=None: closed.append(ptr))
+    opener = cuda_regions.CudaOpener(max_legacy=2)
+    a, b, c = (bytes([i]) * 64 for i in (1, 2, 3))
+
+    def message(*handles: bytes) -> tuple[list[int], Any]:
+        return opener.open_legacy_regions([Region(REGION_CUDA_LEGACY, 64, handle=h) for h in handles], 0)
+
+    def let_go(owner: Any) -> None:
+        lib.aib_owner_unref(owner)
+        _reaper.drain()
+
+    before = cuda_regions.cuda_stats()
+    bases, first = message(a, b, a)
+    assert bases == [0x1000, 0x2000, 0x1000]
+    assert opened == [a, b]
+    after = cuda_regions.cuda_stats()
+    assert after["legacy_opens"] - before["legacy_opens"] == 2
+    assert after["legacy_hits"] - before["legacy_hits"] == 1
+    bases, second = message(c)  # pushes b (least recently used) out of the LRU
+    assert bases == [0x3000]
+    assert closed == []  # the first message still uses b
+    let_go(first)
+    let_go(second)
+    assert closed == [0x2000]  # a and c stay open in the LRU
+    with pytest.raises(aib.RegionError, match="64 bytes"):
+        message(a, b"short")
+    assert opened == [a, b, c]
+    opener.close()  # the LRU lets go: every handle is closed once
+    _reaper.drain()
+    assert sorted(closed) == [0x1000, 0x2000, 0x3000]
+
+
 def test_ping_to_a_dead_publisher_raises_peer_closed(sock_dir: str) -> None:
     path = os.path.join(sock_dir, "dead.sock")
     pub = aib.Publisher(path)

@@ -381,36 +381,80 @@ class CudaOpener:
     def _open_legacy(self, region: Region, device: int) -> _Opened:
         if len(region.handle) != 64:
             raise RegionError("a legacy CUDA IPC handle is 64 bytes", field="handle")
-        handle = region.handle
-        evicted = None
-        # Opens and closes happen under the lock, and a handle is opened once per process however
-        # many owners use it: an evicted entry whose arrays are still alive keeps its mapping, and a
-        # new get of the same handle reuses it instead of opening it again (a later close would
-        # otherwise pull the mapping from under the new one).
-        with self._lock:
-            hit = self._legacy.get(handle)
-            if hit is not None:
-                self._legacy.move_to_end(handle)
-                lib.aib_owner_ref(hit.owner)
-                _stats["legacy_hits"] += 1
-                return hit
-            if handle not in self._legacy_live:
-                _stats["legacy_opens"] += 1
-            ptr = _acquire(self._legacy_live, handle, lambda: cuda.ipc_open_mem_handle(handle, device))
-            owner = lib.aib_owner_new(
-                _reaper.register(
-                    lambda: self._release(
-                        self._legacy_live, handle, lambda ptr: cuda.ipc_close_mem_handle(ptr, device=device)
-                    )
+        evicted: list[_Opened] = []
+        try:
+            with self._lock:
+                return self._legacy_locked(region.handle, device, evicted)
+        finally:
+            for entry in evicted:
+                lib.aib_owner_unref(entry.owner)  # its handle closes once no array uses it
+
+    def open_legacy_regions(self, regions: list[Region], device: int) -> tuple[list[int], Any]:
+        """Open a message's legacy regions together: ``(bases in order, one owner holding them
+        all)``, the caller's. One lock and one owner for the message instead of one per region:
+        a new message over known allocations (CuPy's pool carves new arrays out of the same
+        blocks) costs little more than the lookups. Same rules as :meth:`open`."""
+        handles = [region.handle for region in regions]
+        if any(len(handle) != 64 for handle in handles):
+            raise RegionError("a legacy CUDA IPC handle is 64 bytes", field="handle")
+        with _lock:
+            local = [_local_exports.get(handle) for handle in handles]
+            _stats["same_process"] += sum(base is not None for base in local)
+        group = lib.aib_owner_new(0)
+        if group == ffi.NULL:
+            raise MemoryError("allocating an owner")
+        bases: list[int] = []
+        evicted: list[_Opened] = []
+        try:
+            with self._lock:
+                for handle, local_base in zip(handles, local, strict=True):
+                    if local_base is not None:  # our own export: mapped here, kept by the producer
+                        bases.append(local_base)
+                        continue
+                    opened = self._legacy_locked(handle, device, evicted)
+                    failed = lib.aib_owner_add_dependency(group, opened.owner)
+                    lib.aib_owner_unref(opened.owner)
+                    if failed:
+                        raise MemoryError("adding an owner dependency")
+                    bases.append(opened.base)
+        except BaseException:
+            lib.aib_owner_unref(group)
+            raise
+        finally:
+            for entry in evicted:
+                lib.aib_owner_unref(entry.owner)
+        return bases, group
+
+    def _legacy_locked(self, handle: bytes, device: int, evicted: list[_Opened]) -> _Opened:
+        """Under the lock: the open handle (one owner reference for the caller), from the LRU or
+        opened now; an entry the LRU pushes out goes to ``evicted`` for the caller to unref after
+        the lock.
+
+        Opens and closes happen under the lock, and a handle is opened once per process however
+        many owners use it: an evicted entry whose arrays are still alive keeps its mapping, and a
+        new get of the same handle reuses it instead of opening it again (a later close would
+        otherwise pull the mapping from under the new one)."""
+        hit = self._legacy.get(handle)
+        if hit is not None:
+            self._legacy.move_to_end(handle)
+            lib.aib_owner_ref(hit.owner)
+            _stats["legacy_hits"] += 1
+            return hit
+        if handle not in self._legacy_live:
+            _stats["legacy_opens"] += 1
+        ptr = _acquire(self._legacy_live, handle, lambda: cuda.ipc_open_mem_handle(handle, device))
+        owner = lib.aib_owner_new(
+            _reaper.register(
+                lambda: self._release(
+                    self._legacy_live, handle, lambda ptr: cuda.ipc_close_mem_handle(ptr, device=device)
                 )
             )
-            opened = _Opened(ptr, owner)
-            lib.aib_owner_ref(owner)  # the caller's reference; the cache keeps the first
-            self._legacy[handle] = opened
-            if len(self._legacy) > self._max_legacy:
-                evicted = self._legacy.popitem(last=False)[1]
-        if evicted is not None:
-            lib.aib_owner_unref(evicted.owner)  # its handle closes once no array uses it
+        )
+        opened = _Opened(ptr, owner)
+        lib.aib_owner_ref(owner)  # the caller's reference; the cache keeps the first
+        self._legacy[handle] = opened
+        if len(self._legacy) > self._max_legacy:
+            evicted.append(self._legacy.popitem(last=False)[1])
         return opened
 
     def _release(self, table: dict[bytes, list[int]], key: bytes, close: Any) -> None:
