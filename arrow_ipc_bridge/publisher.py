@@ -184,7 +184,7 @@ class Publisher:
 
     @staticmethod
     def _send_pool_fd(channel: Channel, identity: bytes) -> None:
-        """Answer POOL_FD: the fd of one of our IPC pools that a published message named. Messages
+        """Answer POOL_FD: the fd of one of our IPC pools that an exported message named. Messages
         leave pool fds out (see publish), so each session process asks once per pool."""
         from arrow_ipc_bridge.memory import cuda_regions  # loads no CUDA until a pool is named
 
