@@ -9,6 +9,7 @@ borrower is done.
 
 from __future__ import annotations
 
+import os
 import threading
 
 from arrow_ipc_bridge.errors import ReleasedError
@@ -17,6 +18,14 @@ __all__ = ["DeferredClose"]
 
 # One lock for every object: each use holds it for a few bytecodes.
 _lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # a parent thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class DeferredClose:

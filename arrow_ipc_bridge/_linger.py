@@ -11,6 +11,7 @@ and sleeps until the earliest next deadline.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -31,6 +32,18 @@ _cond = threading.Condition()
 _sessions: weakref.WeakSet[Lingering] = weakref.WeakSet()
 _changes = 0  # bumped by watch(): the thread does not sleep through a watch made during its scan
 _thread: threading.Thread | None = None
+
+
+def _after_fork_in_child() -> None:
+    # Sessions the child inherited are its parent's (unusable here); the thread stayed there.
+    global _cond, _sessions, _changes, _thread
+    _cond = threading.Condition()
+    _sessions = weakref.WeakSet()
+    _changes = 0
+    _thread = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def watch(session: Lingering) -> None:

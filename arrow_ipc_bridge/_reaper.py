@@ -7,6 +7,10 @@ queues the dead owner's token and writes a byte to a pipe; one daemon thread her
 drains the queue and runs the callback registered for each token (a lease release message, a CUDA
 handle close). ``drain()`` runs the same work synchronously, for tests and shutdown.
 
+A child of ``fork`` starts with nothing registered: the owners it inherited belong to the parent's
+leases and handles, so their deaths run nothing there (a release would be a frame on the parent's
+connection); it registers its own from then on.
+
 A *family* serves many owners with one registration: its tokens are ``base | value`` and the
 callback gets ``value``. A session's leases are one family (the value is the lease id), so the C core
 can name a lease's owner without a Python call per get.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 import select
 import threading
 from collections.abc import Callable
@@ -113,6 +118,20 @@ def drain() -> int:
                 callback()
             except Exception:  # a failing notice must not stop the others
                 _log.exception("arrow_ipc_bridge: owner release callback failed")
+
+
+def _after_fork_in_child() -> None:
+    # The parent's owners' callbacks act on the parent's resources (a lease release is a frame on
+    # the parent's connection): none runs here. The C core empties its queue and makes its own
+    # pipe (owner.c); the thread, if any, stayed in the parent; the lock may have been held.
+    global _lock, _thread
+    _lock = threading.Lock()
+    _thread = None
+    _callbacks.clear()
+    _families.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _run() -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "ProtocolError",
     "BridgeTimeoutError",
     "NotPublishedError",
+    "ForeignProcessError",
 ]
 
 
@@ -114,6 +115,12 @@ class ProtocolError(TransportError):
 
 class BridgeTimeoutError(BridgeError, TimeoutError):
     """A wait ran past its timeout."""
+
+
+class ForeignProcessError(BridgeError, RuntimeError):
+    """A publisher, session or connection was used in a process other than the one that made it:
+    a child of ``fork`` inherits them, but they belong to the parent (using the socket would
+    interleave with the parent's frames). Make a new one in this process."""
 
 
 class NotPublishedError(BridgeError, KeyError):

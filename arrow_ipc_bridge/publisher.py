@@ -20,7 +20,13 @@ from typing import Any
 from arrow_ipc_bridge import _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.channel import Channel, frame_from
-from arrow_ipc_bridge.errors import BridgeError, NotPublishedError, ProtocolError, RegionError
+from arrow_ipc_bridge.errors import (
+    BridgeError,
+    ForeignProcessError,
+    NotPublishedError,
+    ProtocolError,
+    RegionError,
+)
 from arrow_ipc_bridge.exporter import CopyPolicy, ExportStats, export
 
 __all__ = ["Publisher"]
@@ -53,6 +59,7 @@ class Publisher:
         allowed_uids: list[int] | None = None,
         copy: CopyPolicy = "if_needed",
     ) -> None:
+        self._pid = os.getpid()  # a forked child inherits this object; it serves nothing there
         self._lock = threading.Lock()
         self._names: set[str] = set()
         table = lib.aib_pubtable_new()
@@ -102,6 +109,7 @@ class Publisher:
     def unpublish(self, name: str) -> None:
         """Stop serving ``name``; its data lives on until every lease on it has ended."""
         raw_name = protocol.encode_name(name)
+        self._check_process()
         with self._lock:
             absent = lib.aib_pubtable_remove(self._table, raw_name, len(raw_name))
             self._names.discard(name)
@@ -110,6 +118,7 @@ class Publisher:
         _reaper.drain()
 
     def names(self) -> list[str]:
+        self._check_process()
         with self._lock:
             return sorted(self._names)
 
@@ -123,8 +132,16 @@ class Publisher:
         return self._server.active_connections()
 
     def _check_open(self) -> None:
+        self._check_process()
         if self._server.closed:
             raise BridgeError("this publisher is closed")
+
+    def _check_process(self) -> None:
+        if self._pid != os.getpid():
+            raise ForeignProcessError(
+                f"this publisher belongs to process {self._pid}, not to this one ({os.getpid()}, a child "
+                "of fork): publish from a Publisher made here"
+            )
 
     # ---------- serving one session -----------------------------------------------------------------
     def _serve(self, conn: transport.Connection) -> None:
@@ -209,8 +226,13 @@ class Publisher:
         return self._server.closed
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop serving (idempotent). Sessions are disconnected; what they already mapped stays valid."""
+        """Stop serving (idempotent). Sessions are disconnected; what they already mapped stays valid.
+
+        In a child of ``fork`` this only drops the child's copies of the descriptors: the socket
+        file, the sessions and the published data stay the parent's."""
         self._server.close(timeout)
+        if self._pid != os.getpid():
+            return
         with self._lock:
             lib.aib_pubtable_clear(self._table)
             self._names.clear()

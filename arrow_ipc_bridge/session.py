@@ -28,6 +28,7 @@ from arrow_ipc_bridge.channel import Channel, millis
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
+    ForeignProcessError,
     PeerClosedError,
     ProtocolError,
     RegionError,
@@ -108,6 +109,7 @@ class Session:
     def __init__(self, *, mapping_cache_size: int = 256, pool_linger: float = 1.0) -> None:
         if not pool_linger >= 0:  # also refuses NaN
             raise ValueError(f"pool_linger must be a number of seconds >= 0, not {pool_linger!r}")
+        self._pid = os.getpid()  # a forked child inherits this object; it may not use it
         self._cache = HostMappingCache(mapping_cache_size)
         self._pool_linger = float(pool_linger)
         # message bytes -> regions already open for it; bounded, entries hold their regions open
@@ -691,6 +693,11 @@ class Session:
 
     # ---------- lifetime ----------------------------------------------------------------------------
     def _check_open(self) -> None:
+        if self._pid != os.getpid():
+            raise ForeignProcessError(
+                f"this session belongs to process {self._pid}, not to this one ({os.getpid()}, a child "
+                "of fork): connect again here (imported objects the child inherited stay readable)"
+            )
         if self._closed:
             raise BridgeError("this session is closed")
 
@@ -714,6 +721,12 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        if self._pid != os.getpid():
+            # A fork child's copy: the leases, the remembered messages and the connection are the
+            # parent's (and its locks may have been held at the fork). Only our descriptor goes.
+            if self._conn is not None:
+                self._conn.close()
+            return
         for imported in list(self._imported):
             imported.release()
         with self._request_lock, self._resolved_lock:

@@ -87,6 +87,7 @@ from types import TracebackType
 from .errors import (
     BridgeError,
     BridgeTimeoutError,
+    ForeignProcessError,
     PeerClosedError,
     ProtocolError,
     TransportError,
@@ -297,6 +298,8 @@ class Connection:
         self.peer_pid, self.peer_uid, self.peer_gid = _UCRED.unpack(creds)
         self._sock = sock
         self._fd = sock.fileno()
+        # A forked child inherits this object and the socket, but the conversation is the parent's.
+        self._pid = os.getpid()
 
         self._state_lock = threading.Lock()
         self._closed = False
@@ -817,7 +820,13 @@ class Connection:
         return self._recv_lock, self._send_lock
 
     def check_open(self) -> None:
-        """Raise :class:`~arrow_ipc_bridge.errors.PeerClosedError` when the connection is closed."""
+        """Raise :class:`~arrow_ipc_bridge.errors.PeerClosedError` when the connection is closed,
+        :class:`~arrow_ipc_bridge.errors.ForeignProcessError` in a process other than its own."""
+        if self._pid != os.getpid():
+            raise ForeignProcessError(
+                f"this connection belongs to process {self._pid}, not to this one ({os.getpid()}, "
+                "a child of fork): connect again here"
+            )
         if self._closed:
             raise self._closed_error()
 
@@ -839,6 +848,13 @@ class Connection:
         self._teardown("closed by close()", holding=None)
 
     def _teardown(self, reason: str, *, holding: str | None) -> None:
+        if self._pid != os.getpid():
+            # A fork child's copy: shutdown() would end the parent's conversation and the locks may
+            # have been held by parent threads at the fork. Only our descriptor goes.
+            self._closed = True
+            self._close_reason = "closed in a forked child"
+            self._sock.close()
+            return
         with self._state_lock:
             already = self._closed
             if not already:
@@ -1020,6 +1036,7 @@ class Server:
 
         self._lock = threading.Lock()
         self._closing = False
+        self._pid = os.getpid()
         self._stop = threading.Event()
         self._conns: dict[Connection, threading.Thread] = {}
         self._rejected = 0
@@ -1098,6 +1115,16 @@ class Server:
             connection's calls) is logged and left behind; its thread is a daemon.
         """
         deadline = time.monotonic() + max(timeout, 0.0)
+        if self._pid != os.getpid():
+            # A fork child's copy: the socket file, the threads and the connections are the
+            # parent's (and its locks may have been held at the fork). Only our descriptors go.
+            self._closing = True
+            self._sock.close()
+            with contextlib.suppress(OSError):
+                self._selector.close()
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+            return
         with self._lock:
             if self._closing:
                 return

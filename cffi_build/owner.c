@@ -60,10 +60,27 @@ static int reaper_pipe[2] = {-1, -1};
 static uint64_t *reaper_tokens;
 static size_t reaper_len, reaper_cap;
 
+/* In a child of fork: the queue holds the parent's owners' deaths (their callbacks would act on
+ * the parent's connections), the lock may have been held by a parent thread, and the pipe is
+ * shared with the parent, whose reaper thread would lose its wake-ups to our reads. The child
+ * starts with an empty queue, a fresh lock and a pipe of its own. */
+static void reaper_after_fork_child(void) {
+  pthread_mutex_init(&reaper_lock, NULL);
+  reaper_len = 0;
+  int fresh[2];
+  if (pipe2(fresh, O_CLOEXEC | O_NONBLOCK) != 0) fresh[0] = fresh[1] = -1;
+  int old_read = reaper_pipe[0], old_write = reaper_pipe[1];
+  reaper_pipe[0] = fresh[0];
+  reaper_pipe[1] = fresh[1];
+  if (old_read >= 0) close(old_read);
+  if (old_write >= 0) close(old_write);
+}
+
 static void reaper_init(void) {
   if (pipe2(reaper_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
     reaper_pipe[0] = reaper_pipe[1] = -1;
   }
+  pthread_atfork(NULL, NULL, reaper_after_fork_child);
 }
 
 int aib_reaper_fd(void) {

@@ -66,6 +66,14 @@ _log = logging.getLogger("arrow_ipc_bridge")
 PoolFdSource = Callable[[bytes], int]
 _NONCE = os.urandom(16)
 _lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # CUDA is unusable in a fork child; the counters must not deadlock
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 _bridge_pools: dict[int, cuda.IpcMemoryPool] = {}
 _legacy_handles = cuda.LegacyHandleCache()
 _stats = {

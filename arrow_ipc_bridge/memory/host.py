@@ -561,6 +561,17 @@ _registry_starts: list[int] = []
 _registry: dict[int, _Registered] = {}
 
 
+def _after_fork_in_child() -> None:
+    # A parent thread may have held these at the fork; the child's copies would stay locked. (The
+    # registered buffers stay: the child inherited their mappings.)
+    global _stats_lock, _registry_lock
+    _stats_lock = threading.Lock()
+    _registry_lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _registry_lookup(address: int, nbytes: int) -> _Registered | None:
     with _registry_lock:
         k = bisect.bisect_right(_registry_starts, address) - 1
