@@ -2101,6 +2101,23 @@ def test_forget_drops_remembered_messages(publisher: aib.Publisher) -> None:
             aib.Session(pool_linger=bad)
 
 
+def test_remembered_messages_bounds_the_steady_state(publisher: aib.Publisher) -> None:
+    """remembered_messages is how many names' messages re-gets find remembered: three names got in
+    a cycle all hit with room for three, all miss with room for two (least recently used out
+    first), and nothing is remembered with 0. Anything but an int >= 0 is refused up front."""
+    for rows, name in enumerate(("a", "b", "c"), start=10):
+        publisher.publish(name, null_batch(2, rows))  # three different messages
+    for room, hits in ((3, 3), (2, 0), (0, 0)):
+        with aib.connect(publisher.path, timeout=5.0, remembered_messages=room) as session:
+            for name in ("a", "b", "c", "a", "b", "c"):
+                session.get(name).release()
+            assert session.remembered_gets == hits, room
+            assert len(session._resolved) == min(room, 3)
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="remembered_messages"):
+            aib.Session(remembered_messages=bad)  # type: ignore[arg-type]
+
+
 def test_pool_messages_are_kept_from_their_second_get_under_one_name() -> None:
     """The kept-lease decision (the GPU suite checks what follows from it): a get keeps its lease
     only for IPC-pool data (pool regions, legacy ones beside them allowed) got under the same name
