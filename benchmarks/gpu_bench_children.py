@@ -974,41 +974,25 @@ class _BridgeConsumer:
             finally:
                 times.setdefault(kinds.get(region.kind, str(region.kind)), []).append(_perf() - t0)
 
-        original_pool = opener.open_pool_regions
+        def per_item(kind: str, batch: Callable[..., Any], items_at: int = 0) -> Callable[..., Any]:
+            # A batch opens together (a message's pool or legacy regions, the driver's pointer
+            # imports): per item = the batch's time / its size; items are argument ``items_at``.
+            def timed(*args: Any) -> Any:
+                t0 = _perf()
+                try:
+                    return batch(*args)
+                finally:
+                    times.setdefault(kind, []).append((_perf() - t0) / max(1, len(args[items_at])))
 
-        def timed_pool(regions: Any, *args: Any) -> Any:
-            # Pool regions of a message open together: per region = the batch's time / its size.
-            t0 = _perf()
-            try:
-                return original_pool(regions, *args)
-            finally:
-                times.setdefault("pool", []).append((_perf() - t0) / max(1, len(regions)))
-
-        original_legacy = opener.open_legacy_regions
-
-        def timed_legacy(regions: Any, *args: Any) -> Any:
-            # A message's legacy regions open together too: per region = the batch's time / its size.
-            t0 = _perf()
-            try:
-                return original_legacy(regions, *args)
-            finally:
-                times.setdefault("legacy", []).append((_perf() - t0) / max(1, len(regions)))
+            return timed
 
         original_import = cuda.ImportedPool.import_pointers
-
-        def timed_import(pool: Any, export_datas: Any) -> Any:
-            # The part of a pool open that is the driver's: its import calls, looped in C.
-            t0 = _perf()
-            try:
-                return original_import(pool, export_datas)
-            finally:
-                times.setdefault("pool_driver", []).append((_perf() - t0) / max(1, len(export_datas)))
-
         # instance attributes: shadow the methods for this process only
         opener.open = timed_open
-        opener.open_pool_regions = timed_pool
-        opener.open_legacy_regions = timed_legacy
-        cuda.ImportedPool.import_pointers = timed_import  # type: ignore[method-assign]
+        opener.open_pool_regions = per_item("pool", opener.open_pool_regions)
+        opener.open_legacy_regions = per_item("legacy", opener.open_legacy_regions)
+        # the part of a pool open that is the driver's: its import calls, looped in C
+        cuda.ImportedPool.import_pointers = per_item("pool_driver", original_import, 1)  # type: ignore[method-assign]
         try:
             for i in range(iterations):
                 one(start + i)
