@@ -66,14 +66,6 @@ _log = logging.getLogger("arrow_ipc_bridge")
 PoolFdSource = Callable[[bytes], int]
 _NONCE = os.urandom(16)
 _lock = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    global _lock
-    _lock = threading.Lock()  # CUDA is unusable in a fork child; the counters must not deadlock
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 _bridge_pools: dict[int, cuda.IpcMemoryPool] = {}
 _legacy_handles = cuda.LegacyHandleCache()
 _stats = {
@@ -94,9 +86,15 @@ _named_pools: weakref.WeakValueDictionary[int, cuda.IpcMemoryPool] = weakref.Wea
 # resolves its regions here instead. Bounded: entries of freed allocations age out.
 _LOCAL_MAX = 4096
 _local_exports: OrderedDict[bytes, int] = OrderedDict()
-
-
 _local_events: OrderedDict[bytes, int] = OrderedDict()
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # CUDA is unusable in a fork child; the counters must not deadlock
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def remember_local_event(handle: bytes, event: int) -> None:
@@ -148,6 +146,7 @@ class CudaPlacement:
     copied_bytes: int = 0
     buffers: int = 0
     copies: list[tuple[cuda.IpcMemoryPool, int]] = field(default_factory=list)
+    pool_fd_indexes: dict[int, int] = field(default_factory=dict)  # pool serial -> its fd's index
 
     def close(self) -> None:
         """Close the fds and free the policy copies (idempotent)."""
@@ -182,7 +181,6 @@ class CudaPlacer:
         placement = CudaPlacement(regions=[], fds=[], buffers=len(wanted))
         try:
             by_allocation: dict[int, int] = {}  # buffer id -> region index
-            pool_fds: dict[int, int] = {}  # pool serial -> fd index
             current: cuda.PointerInfo | None = None
             for i in wanted:
                 address, length = slots[i], slots[i + 1]
@@ -208,7 +206,7 @@ class CudaPlacer:
                 region_index = by_allocation.get(info.buffer_id)
                 if region_index is None:
                     region_index = len(placement.regions)
-                    placement.regions.append(self._region_for(info, placement, pool_fds))
+                    placement.regions.append(self._region_for(info, placement))
                     by_allocation[info.buffer_id] = region_index
                 slots[i + 2] = SLOT_FIRST_REGION + region_index
                 slots[i + 3] = address - info.base
@@ -225,12 +223,10 @@ class CudaPlacer:
             info.allowed_handle_types & cuda.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         )
 
-    def _region_for(
-        self, info: cuda.PointerInfo, placement: CudaPlacement, pool_fds: dict[int, int]
-    ) -> Region:
+    def _region_for(self, info: cuda.PointerInfo, placement: CudaPlacement) -> Region:
         if info.mempool:
             pool = _own_pool(info.mempool)
-            fd_index = self._pool_fd_index(pool, placement, pool_fds)
+            fd_index = self._pool_fd_index(pool, placement)
             export = _export_pool_pointer(pool, info.base, self.device)
             handle = _pool_identity(pool) + export
             _remember_local(handle, info.base)
@@ -265,7 +261,7 @@ class CudaPlacer:
         )
         info = cuda.pointer_info(target)
         assert info is not None
-        fd_index = self._pool_fd_index(pool, placement, {})
+        fd_index = self._pool_fd_index(pool, placement)
         handle = _pool_identity(pool) + pool.export_pointer(info.base)
         _remember_local(handle, info.base)
         placement.regions.append(
@@ -275,18 +271,16 @@ class CudaPlacer:
         )
         return len(placement.regions) - 1, target - info.base
 
-    def _pool_fd_index(
-        self, pool: cuda.IpcMemoryPool, placement: CudaPlacement, pool_fds: dict[int, int]
-    ) -> int:
+    def _pool_fd_index(self, pool: cuda.IpcMemoryPool, placement: CudaPlacement) -> int:
         """The fd index a region of ``pool`` names: its fd, attached once per message, or -1 when
         fds are left out (the consumer asks for the pool's fd once, see :func:`pool_fd_for`)."""
         with _lock:
             _named_pools[pool.serial] = pool
         if not self.pool_fds:
             return -1
-        fd_index = pool_fds.get(pool.serial)
+        fd_index = placement.pool_fd_indexes.get(pool.serial)
         if fd_index is None:
-            fd_index = pool_fds[pool.serial] = len(placement.fds)
+            fd_index = placement.pool_fd_indexes[pool.serial] = len(placement.fds)
             placement.fds.append(pool.export_pool_fd())
         return fd_index
 
@@ -486,17 +480,9 @@ class CudaOpener:
         device: int,
         fetch_pool_fd: PoolFdSource | None,
     ) -> _Opened:
-        if len(region.handle) != 88:
-            raise RegionError("a pool region needs an 88-byte handle", field="handle")
-        pool = self._pool(region.handle[:24], _attached_fd(region, fds), device, fetch_pool_fd)
-        # One import per allocation however many leases use it at once: CUDA maps a pointer once
-        # per process, and the first free would pull it from under the other leases. Each lease
-        # counts; the last one to end frees the import (before the producer may free the memory).
-        key = region.handle
-        with self._lock:
-            ptr = _acquire(self._pool_pointers, key, lambda: pool.import_pointer(key[24:]))
-        token = _reaper.register(lambda: self._release(self._pool_pointers, key, pool.free_imported))
-        return _Opened(ptr, lib.aib_owner_new(token))
+        # One import per allocation however many leases use it at once (see open_pool_regions).
+        bases, owner = self.open_pool_regions([region], fds, device, fetch_pool_fd)
+        return _Opened(bases[0], owner)
 
     def open_pool_regions(
         self,
@@ -609,7 +595,7 @@ class CudaOpener:
             )
         else:
             fetched = fetch_pool_fd(pool_key)
-            with self._lock:
+            with _lock:
                 _stats["pool_fd_requests"] += 1
             try:
                 imported = cuda.import_pool(fetched, device)
