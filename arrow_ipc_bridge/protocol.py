@@ -67,7 +67,7 @@ POOL = 12  # publisher -> session: the same identity, the pool's fd attached
 
 MAX_PING = 64
 # An IPC pool's identity, the first bytes of a CUDA_POOL region's handle: the producer's 16-byte
-# nonce and the 8-byte CUmemoryPool value (docs/wire-format.md).
+# nonce and the pool's 8-byte serial (docs/wire-format.md).
 POOL_IDENTITY_SIZE = 24
 # What this side's publisher offers beyond protocol 1's first frames, advertised in WELCOME's
 # "features": a session checks before it uses one, so older publishers keep working with it.
