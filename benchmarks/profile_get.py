@@ -75,14 +75,40 @@ def producer(path: str, options: tuple[str, str, str], ready: Any, echo_sock: so
         ready.set()
         buf = bytearray(64)
         value = 0.0
+        make_s: list[float] = []
+        publish_s: list[float] = []
+        profile = None
+        if fresh and os.environ.get("AIB_PROFILE_PRODUCER"):
+            import cProfile
+
+            profile = cProfile.Profile()
         while True:
             n = echo_sock.recv_into(buf)
             if n == 0:
-                return
+                break
             if fresh and buf[:1] == b"F":  # new data under the same name, then answer
                 value += 1.0
-                pub.publish("t", new_columns(value))
+                t0 = time.perf_counter()
+                obj = new_columns(value)
+                t1 = time.perf_counter()
+                if profile is not None:
+                    profile.enable()
+                pub.publish("t", obj)
+                if profile is not None:
+                    profile.disable()
+                make_s.append(t1 - t0)
+                publish_s.append(time.perf_counter() - t1)
             echo_sock.sendall(buf[:n])
+        if publish_s:
+            print(
+                f"producer: new columns median {median_us(make_s):.1f} µs, publish median "
+                f"{median_us(publish_s):.1f} µs ({len(publish_s)} publishes)",
+                flush=True,
+            )
+        if profile is not None:
+            import pstats
+
+            pstats.Stats(profile).sort_stats("cumulative").print_stats("arrow_ipc_bridge", 30)
 
 
 def median_us(samples: list[float]) -> float:
