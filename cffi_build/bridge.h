@@ -457,4 +457,18 @@ int aib_cuda_import_pool_pointers(uintptr_t import_fn, uintptr_t pool, const uin
 /* Calls free_fn (the address of cuMemFree_v2) for each pointer, all of them even after a failure;
  * returns 0 or the first failing CUresult. */
 int aib_cuda_free_pointers(uintptr_t free_fn, const uint64_t *pointers, size_t n);
+#define AIB_MAX_POINTER_ATTRIBUTES 16
+/* For n buffers sorted by address: calls get_attributes (the address of cuPointerGetAttributes)
+ * once per allocation — a buffer lying inside the previous buffer's allocation is not asked about —
+ * writing n_attributes 8-byte slots per allocation to infos (the allocation's base and size are slots
+ * base_slot and size_slot) and each buffer's allocation index to allocation_of. Returns 0, -1 for bad
+ * arguments, or the failing CUresult with *n_infos the allocations described before it. */
+int aib_cuda_describe_buffers(uintptr_t get_attributes, const int *attributes, unsigned n_attributes,
+                              unsigned base_slot, unsigned size_slot, const uint64_t *addresses,
+                              const uint64_t *lengths, size_t n, uint64_t *infos, uint32_t *allocation_of,
+                              size_t *n_infos);
+/* Calls export_fn (the address of cuMemPoolExportPointer) for each pointer, writing 64 bytes each
+ * to out. Returns 0, or the first failing CUresult with *done the number exported before it. */
+int aib_cuda_export_pool_pointers(uintptr_t export_fn, const uint64_t *pointers, size_t n, uint8_t *out,
+                                  size_t *done);
 #endif

@@ -1188,10 +1188,15 @@ def pointer_info(ptr: int) -> PointerInfo | None:
                 slots[i] = 0
                 if int(lib.cuPointerGetAttribute(slots + i, attribute, ptr)) != CUDA_SUCCESS:
                     slots[i] = 0
-    raw_type = int(slots[0]) & 0xFFFFFFFF
+    return _info_from_slots(ffi.unpack(slots, n))
+
+
+def _info_from_slots(slots: Sequence[int]) -> PointerInfo | None:
+    """A :class:`PointerInfo` from the 8-byte slots of :data:`_POINTER_ATTRIBUTES`, in order."""
+    raw_type = slots[0] & 0xFFFFFFFF
     if raw_type == 0:
         return None  # not a CUDA pointer: the driver leaves every attribute at its default
-    is_managed = int(slots[2]) != 0
+    is_managed = slots[2] != 0
     memory_type: MemoryType
     if is_managed or raw_type == CU_MEMORYTYPE_UNIFIED:
         memory_type = "managed"
@@ -1202,16 +1207,63 @@ def pointer_info(ptr: int) -> PointerInfo | None:
     else:
         memory_type = "device"
     return PointerInfo(
-        device=_signed32(int(slots[1])),
+        device=_signed32(slots[1]),
         memory_type=memory_type,
         is_managed=is_managed,
-        base=int(slots[3]),
-        size=int(slots[4]),
-        buffer_id=int(slots[5]),
-        legacy_ipc_capable=int(slots[6]) != 0,
-        mempool=int(slots[7]),
-        allowed_handle_types=int(slots[8]) & 0xFFFFFFFF,
+        base=slots[3],
+        size=slots[4],
+        buffer_id=slots[5],
+        legacy_ipc_capable=slots[6] != 0,
+        mempool=slots[7],
+        allowed_handle_types=slots[8] & 0xFFFFFFFF,
     )
+
+
+def describe_buffers(
+    addresses: Sequence[int], lengths: Sequence[int]
+) -> tuple[list[PointerInfo | None], list[int]] | None:
+    """The allocations behind buffers sorted by address: ``(infos, index of each buffer's info)``.
+
+    One ``cuPointerGetAttributes`` per allocation (a buffer inside the previous buffer's allocation
+    asks nothing), looped in the C core: a message's attribute queries cost the driver's calls,
+    not a Python round per buffer. None when the driver refuses the attribute set for one of the
+    buffers (memory for which an attribute is undefined): :func:`pointer_info` copes with those, one
+    by one.
+    """
+    n = len(addresses)
+    if n == 0:
+        return [], []
+    global _POINTER_ATTRIBUTE_ARRAY
+    lib, ffi = _api()
+    if _POINTER_ATTRIBUTE_ARRAY is None:
+        _POINTER_ATTRIBUTE_ARRAY = ffi.new("CUpointer_attribute[]", list(_POINTER_ATTRIBUTES))
+    n_attributes = len(_POINTER_ATTRIBUTES)
+    attributes = _core_ffi.cast("int *", int(ffi.cast("uintptr_t", _POINTER_ATTRIBUTE_ARRAY)))
+    infos = _core_ffi.new("uint64_t[]", n * n_attributes)
+    allocation_of = _core_ffi.new("uint32_t[]", n)
+    n_infos = _core_ffi.new("size_t *")
+    get_attributes = int(ffi.cast("uintptr_t", lib.cuPointerGetAttributes))
+    with _ctx(None):
+        rc = _core.aib_cuda_describe_buffers(
+            get_attributes,
+            attributes,
+            n_attributes,
+            3,  # CU_POINTER_ATTRIBUTE_RANGE_START_ADDR's slot
+            4,  # CU_POINTER_ATTRIBUTE_RANGE_SIZE's slot
+            _core_ffi.new("uint64_t[]", list(addresses)),
+            _core_ffi.new("uint64_t[]", list(lengths)),
+            n,
+            infos,
+            allocation_of,
+            n_infos,
+        )
+    if rc == CUDA_ERROR_INVALID_VALUE:
+        return None
+    if rc != CUDA_SUCCESS:
+        raise _DRIVER.error("cuPointerGetAttributes", rc)
+    flat: list[int] = _core_ffi.unpack(infos, int(n_infos[0]) * n_attributes)
+    described = [_info_from_slots(flat[k : k + n_attributes]) for k in range(0, len(flat), n_attributes)]
+    return described, _core_ffi.unpack(allocation_of, n)
 
 
 def _device_of(ptr: int) -> int:
@@ -2159,6 +2211,28 @@ class IpcMemoryPool(_DriverResource):
         with device_context(self._device):
             _check("cuMemPoolExportPointer", lib.cuMemPoolExportPointer(out, ptr))
         return bytes(ffi.buffer(out))
+
+    def export_pointers(self, pointers: Sequence[int]) -> list[bytes]:
+        """:meth:`export_pointer` for several allocations: one context switch, the driver calls
+        looped in C (a message's new pool buffers, on the producer's publish path)."""
+        self._check_open()
+        if not pointers:
+            return []
+        lib, ffi = _api()
+        if not self._shared_once:  # see export_pointer
+            os.close(self.export_pool_fd())
+            self._shared_once = True
+        n = len(pointers)
+        array = _core_ffi.new("uint64_t[]", [_address(ptr, "ptr") for ptr in pointers])
+        out = _core_ffi.new("uint8_t[]", 64 * n)
+        done = _core_ffi.new("size_t *")
+        export_fn = int(ffi.cast("uintptr_t", lib.cuMemPoolExportPointer))
+        with device_context(self._device):
+            rc = _core.aib_cuda_export_pool_pointers(export_fn, array, n, out, done)
+        if rc != CUDA_SUCCESS:
+            raise _DRIVER.error("cuMemPoolExportPointer", rc, f"pointer {int(done[0]) + 1} of {n}")
+        data = bytes(_core_ffi.buffer(out, 64 * n))
+        return [data[64 * i : 64 * (i + 1)] for i in range(n)]
 
     def _attribute(self, attribute: int) -> int:
         self._check_open()

@@ -179,21 +179,23 @@ class CudaPlacer:
             (i for i in range(0, len(slots), 4) if slots[i + 2] == SLOT_UNPLACED), key=lambda i: slots[i]
         )
         placement = CudaPlacement(regions=[], fds=[], buffers=len(wanted))
+        addresses = [slots[i] for i in wanted]
+        lengths = [slots[i + 1] for i in wanted]
         try:
+            infos = _allocations_of(addresses, lengths)
+            shareable: dict[int, bool] = {}  # buffer id -> can be shared as it is
+            for info, address in zip(infos, addresses, strict=True):
+                if info is None or info.memory_type == "host":
+                    raise RegionError(f"buffer at {address:#x} is not CUDA device memory")
+                if info.buffer_id not in shareable:
+                    shareable[info.buffer_id] = not info.is_managed and self._shareable(info)
+            exports = self._export_pool_allocations(
+                [info for info in infos if info is not None and shareable[info.buffer_id]]
+            )
             by_allocation: dict[int, int] = {}  # buffer id -> region index
-            current: cuda.PointerInfo | None = None
-            for i in wanted:
-                address, length = slots[i], slots[i + 1]
-                # Buffers sorted by address: consecutive ones often share an allocation (CuPy's pool
-                # carves arrays out of big blocks), so one attribute query serves many buffers.
-                if current is None or not (
-                    current.base <= address and address + length <= current.base + current.size
-                ):
-                    current = cuda.pointer_info(address)
-                    if current is None or current.memory_type == "host":
-                        raise RegionError(f"buffer at {address:#x} is not CUDA device memory")
-                info = current
-                if info.is_managed or not self._shareable(info):
+            for i, address, length, info in zip(wanted, addresses, lengths, infos, strict=True):
+                assert info is not None
+                if not shareable[info.buffer_id]:
                     if self.copy == "never":
                         raise CopyRequiredError(
                             f"a {length}-byte buffer at {address:#x} lives in {info.memory_type} memory that "
@@ -206,7 +208,7 @@ class CudaPlacer:
                 region_index = by_allocation.get(info.buffer_id)
                 if region_index is None:
                     region_index = len(placement.regions)
-                    placement.regions.append(self._region_for(info, placement))
+                    placement.regions.append(self._region_for(info, placement, exports))
                     by_allocation[info.buffer_id] = region_index
                 slots[i + 2] = SLOT_FIRST_REGION + region_index
                 slots[i + 3] = address - info.base
@@ -223,12 +225,26 @@ class CudaPlacer:
             info.allowed_handle_types & cuda.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         )
 
-    def _region_for(self, info: cuda.PointerInfo, placement: CudaPlacement) -> Region:
+    def _export_pool_allocations(self, infos: list[cuda.PointerInfo]) -> dict[int, bytes]:
+        """The export data of every pool allocation among ``infos`` (buffer id -> 64 bytes): one
+        batch per pool."""
+        by_pool: dict[int, dict[int, int]] = {}  # pool handle -> {buffer id: base}
+        for info in infos:
+            if info.mempool:
+                by_pool.setdefault(info.mempool, {})[info.buffer_id] = info.base
+        exports: dict[int, bytes] = {}
+        for handle, allocations in by_pool.items():
+            datas = _export_pool_pointers(_own_pool(handle), list(allocations.values()), self.device)
+            exports.update(zip(allocations, datas, strict=True))
+        return exports
+
+    def _region_for(
+        self, info: cuda.PointerInfo, placement: CudaPlacement, exports: dict[int, bytes]
+    ) -> Region:
         if info.mempool:
             pool = _own_pool(info.mempool)
             fd_index = self._pool_fd_index(pool, placement)
-            export = _export_pool_pointer(pool, info.base, self.device)
-            handle = _pool_identity(pool) + export
+            handle = _pool_identity(pool) + exports[info.buffer_id]
             _remember_local(handle, info.base)
             return Region(
                 REGION_CUDA_POOL, size=info.size, identity=info.buffer_id, fd_index=fd_index, handle=handle
@@ -311,17 +327,34 @@ def pool_fd_for(identity: bytes) -> int:
     return fd
 
 
-def _export_pool_pointer(pool: cuda.IpcMemoryPool, base: int, device: int) -> bytes:
+def _allocations_of(addresses: list[int], lengths: list[int]) -> list[cuda.PointerInfo | None]:
+    """The allocation behind each buffer (sorted by address). Consecutive buffers often share an
+    allocation (CuPy's pool carves arrays out of big blocks), so one attribute query serves many;
+    the queries run in one C loop, or one by one where the driver refuses the batch's attribute set."""
+    described = cuda.describe_buffers(addresses, lengths)
+    if described is not None:
+        infos, allocation_of = described
+        return [infos[k] for k in allocation_of]
+    out: list[cuda.PointerInfo | None] = []
+    current: cuda.PointerInfo | None = None
+    for address, length in zip(addresses, lengths, strict=True):
+        if current is None or not (
+            current.base <= address and address + length <= current.base + current.size
+        ):
+            current = cuda.pointer_info(address)
+        out.append(current)
+    return out
+
+
+def _export_pool_pointers(pool: cuda.IpcMemoryPool, bases: list[int], device: int) -> list[bytes]:
     try:
-        return pool.export_pointer(base)
+        return pool.export_pointers(bases)
     except CudaError:
         # A stream-ordered allocation whose allocating work has not run yet cannot be exported;
         # once the device has caught up it can.
-        _log.debug(
-            "arrow_ipc_bridge: pool pointer %#x not exportable yet; synchronizing device %d", base, device
-        )
+        _log.debug("arrow_ipc_bridge: pool pointers not exportable yet; synchronizing device %d", device)
         cuda.synchronize(device)
-        return pool.export_pointer(base)
+        return pool.export_pointers(bases)
 
 
 def _own_pool(handle: int) -> cuda.IpcMemoryPool:
