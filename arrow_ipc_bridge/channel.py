@@ -31,6 +31,7 @@ from arrow_ipc_bridge.transport import Connection, Frame
 __all__ = ["Channel", "error_for", "frame_from", "millis"]
 
 _GET_IMPORTED = int(lib.AIB_GET_IMPORTED)
+_GET_IMPORTED_NEW = int(lib.AIB_GET_IMPORTED_NEW)
 
 
 def millis(timeout: float | None) -> int:
@@ -136,7 +137,9 @@ class Channel:
 
         Returns ``((cache entry id, lease owner, its address, sync slot or NULL), None)`` when the
         answer was a message remembered in ``cache`` and is imported already (the owner is the
-        caller's: wrap it at once; its token is ``lease_tokens | lease id`` and it holds ``keeper``), else
+        caller's: wrap it at once; its token is ``lease_tokens | lease id`` and it holds ``keeper``);
+        ``((0, owner, address, slot), frame)`` when it was a new message the C core imported over
+        regions open in this process (``aib_import_new``; the frame is the ITEM); else
         ``(None, frame)`` with the answer for the caller.
         """
         err = self._err
@@ -148,6 +151,9 @@ class Channel:
             )
             if rc == _GET_IMPORTED:
                 return (result.entry_id, result.owner, result.owner_address, result.sync_slot), None
+            if rc == _GET_IMPORTED_NEW:  # entry id 0; the frame carries the message it imported
+                imported = (0, result.owner, result.owner_address, result.sync_slot)
+                return imported, frame_from(self._frame)
             if rc:
                 timeout = None if timeout_ms < 0 else timeout_ms / 1000
                 raise self.failed(rc, err, "a request", timeout, holding="both")

@@ -289,6 +289,19 @@ class Decoded(DeferredClose):
         self._allow_process_regions = decoded._allow_process_regions
         return self
 
+    @classmethod
+    def adopt_owned(cls, owner: Any, message: bytes) -> Decoded:
+        """A handle over ``owner``, a fresh owner the C core made with a validated decode of
+        ``message`` of its own (``aib_import_new``: a new message over regions open here); this
+        object takes over the caller's reference."""
+        self = cls.__new__(cls)
+        self.owner = ffi.gc(owner, lib.aib_owner_unref)
+        self._d = lib.aib_owner_decoded(owner)
+        self._message = message
+        self._n_fds = 0
+        self._allow_process_regions = False
+        return self
+
     @property
     def raw(self) -> Any:
         """The ``aib_decoded *`` (valid while this object is open)."""

@@ -160,6 +160,10 @@ class Session:
         self.publisher_info: dict[str, object] = {}
         self.remembered_gets = 0
         """Gets answered with a remembered message and imported by the C core (the steady state)."""
+        self.new_message_gets = 0
+        """Gets answered with a message not remembered but imported by the C core all the same,
+        because every region it names is open in this process (new arrays carved out of CUDA
+        allocations shared before)."""
 
     # ---------- local import ------------------------------------------------------------------------
     def import_message(self, message: bytes, fds: Sequence[int] = (), *, name: str | None = None) -> Imported:
@@ -652,7 +656,7 @@ class Session:
             imported_now, frame = channel.get(
                 raw_name, self._import_cache, self._lease_tokens, self._lease_keeper, self._timeout_ms
             )
-            if imported_now is not None:
+            if imported_now is not None and imported_now[0] != 0:
                 # The steady state: a remembered message, imported by the C core already; the
                 # owner's token ends the lease when it dies. Changes to the remembered set wait for
                 # _request_lock, so the entry is here.
@@ -668,6 +672,9 @@ class Session:
                     self._resolved.move_to_end(key)
                     if key in self._lingering:
                         self._lingering[key] = time.monotonic()
+        if imported_now is not None and imported_now[0] == 0:
+            assert frame is not None
+            return self._adopt_new(imported_now, frame, name)
         if fast is not None:
             self.remembered_gets += 1
             decoded, hit, address, sync_slot = fast
@@ -700,6 +707,35 @@ class Session:
                 raise
         finally:
             frame.close_fds()  # the mappings keep the files alive
+
+    def _adopt_new(
+        self, imported_now: tuple[int, Any, int, Any], frame: transport.Frame, name: str
+    ) -> Imported:
+        """The import of a message the session had not seen, which the C core made because all its
+        regions are open in this process (``aib_import_new``): its owner carries the decode, the
+        view and the lease token; wrap it."""
+        _, owner, address, sync_slot = imported_now
+        # The C core checked the ITEM (lease id, then the message it decoded).
+        decoded = Decoded.adopt_owned(owner, frame.payload[8:])  # owns the reference from here on
+        message = decoded.message
+        found = ffi.new("const uint64_t **")
+        device_id = ffi.new("int64_t *")
+        n = lib.aib_owner_view_bases(owner, found, device_id)
+        bases = ffi.new("uint64_t[]", ffi.unpack(found[0], n) if n else [0])
+        imported_type = ImportedStream if decoded.is_stream else ImportedArray
+        imported: Imported = imported_type.adopt(
+            decoded,
+            bases,
+            device_type=DEVICE_CUDA,
+            device_id=int(device_id[0]),
+            sync_event=sync_slot or None,
+            name=name,
+            owner_address=address,
+        )
+        self.new_message_gets += 1
+        self._imported.add(imported)
+        self._forget_replaced(name, message)
+        return imported
 
     def _connection(self) -> Channel:
         self._check_open()

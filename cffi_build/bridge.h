@@ -444,10 +444,33 @@ typedef struct aib_get_result {
  * 2^AIB_LEASE_ID_BITS - 1; others take the caller's path) and holds a reference on keeper, so that what
  * the caller needs to send the RELEASE lives as long as any lease does. */
 #define AIB_GET_IMPORTED 101
+/* The answer was a message not remembered, imported here because every region of it is open in
+ * this process already (region_table.c); out->entry_id is 0. */
+#define AIB_GET_IMPORTED_NEW 102
 #define AIB_LEASE_ID_BITS 40
 int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64_t timeout_ms,
                     aib_import_cache *cache, uint64_t lease_tokens, aib_owner *keeper, aib_get_result *out,
                     aib_frame *frame, aib_error *err);
+/* ---------- what this process has open, for aib_session_get (region_table.c) ------------------
+ * Keys: a legacy IPC handle (64 bytes; value: its base here; owner: what keeps it open, one
+ * reference held by the table), an IPC event handle (value: the opened CUevent), a GPU UUID
+ * (value: its ordinal here). Put replaces; remove returns 1 when absent. */
+#define AIB_REGION_KEY_LEGACY 1
+#define AIB_REGION_KEY_EVENT 2
+#define AIB_REGION_KEY_DEVICE 3
+#define AIB_REGION_KEY_MAX 128
+#define AIB_MAX_NEW_REGIONS 256
+int aib_regions_put(uint32_t kind, const uint8_t *key, size_t key_len, uint64_t value, aib_owner *owner);
+int aib_regions_remove(uint32_t kind, const uint8_t *key, size_t key_len);
+size_t aib_regions_count(void);
+/* The lease owner (token set, view and sync slot filled) for a CUDA message whose device, event
+ * and regions (all legacy handles) are in the table, or NULL: the caller's slow path. */
+aib_owner *aib_import_new(const uint8_t *message, size_t length, uint32_t n_fds, uint64_t token,
+                          aib_owner *keeper);
+/* An owner's decoded message (NULL when none), and its view: the bases (n returned; valid while
+ * the owner lives) and the device id. */
+aib_decoded *aib_owner_decoded(aib_owner *owner);
+size_t aib_owner_view_bases(aib_owner *owner, const uint64_t **bases, int64_t *device_id);
 /* ---------- driver loops (cuda_batch.c); the driver is resolved by memory/cuda.py ---------------
  * Calls import_fn (the address of cuMemPoolImportPointer) for n 64-byte export records in order,
  * the current context being the caller's. Returns 0, or the first failing CUresult with *done the

@@ -23,6 +23,7 @@ C_SOURCES = [
     "serve.c",
     "import_cache.c",
     "cuda_batch.c",
+    "region_table.c",
     "py_capsules.c",
 ]
 HEADERS = ["arrow_c_abi.h", "bridge.h"]

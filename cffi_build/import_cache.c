@@ -203,7 +203,15 @@ int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64
   if (lease == 0 || lease >> AIB_LEASE_ID_BITS) return AIB_OK;
   aib_owner *owner = import_remembered(cache, p + 8, (size_t)frame->length - 8, frame->fds, frame->n_fds,
                                        lease_tokens | lease, keeper, &out->entry_id);
-  if (owner == NULL) return AIB_OK;
+  if (owner == NULL) {
+    /* Not remembered: imported here still when every region is open in this process already. */
+    owner = aib_import_new(p + 8, (size_t)frame->length - 8, frame->n_fds, lease_tokens | lease, keeper);
+    if (owner == NULL) return AIB_OK;
+    out->owner = owner;
+    out->owner_address = (uintptr_t)owner;
+    out->sync_slot = *aib_owner_slot(owner) != 0 ? aib_owner_slot(owner) : NULL;
+    return AIB_GET_IMPORTED_NEW;
+  }
   /* The template maps these files already: the duplicates that came with the answer go. */
   for (uint32_t i = 0; i < frame->n_fds; i++) close(frame->fds[i]);
   frame->n_fds = 0;

@@ -18,7 +18,6 @@ size_t aib_metadata_length(const char *metadata);
 /* The owner owns a decoded message and frees it when it dies (see aib_owner_attach_decoded). */
 void aib_decoded_release_internal(aib_decoded *d);
 
-aib_decoded *aib_owner_decoded(aib_owner *owner);
 
 /* Where an imported message's regions start in this process, and on which device: what a struct
  * rebuilt from the owner's decode needs besides it (aib_owner_set_view). */

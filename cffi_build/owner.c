@@ -293,6 +293,18 @@ int aib_owner_set_view(aib_owner *owner, const uint64_t *bases, size_t n_bases, 
 
 const aib_view *aib_owner_view(aib_owner *owner) { return owner->view; }
 
+size_t aib_owner_view_bases(aib_owner *owner, const uint64_t **bases, int64_t *device_id) {
+  const aib_view *v = owner->view;
+  if (v == NULL) {
+    *bases = NULL;
+    *device_id = -1;
+    return 0;
+  }
+  *bases = v->bases;
+  *device_id = v->device_id;
+  return v->n_bases;
+}
+
 void aib_owner_ref(aib_owner *owner) { atomic_fetch_add_explicit(&owner->refs, 1, memory_order_relaxed); }
 
 int64_t aib_owner_refcount(aib_owner *owner) { return atomic_load(&owner->refs); }

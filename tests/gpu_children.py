@@ -34,7 +34,7 @@ def consumer_loop(socket_path: str, conn: Connection, pool_linger: float = 1.0) 
     """Serve the parent: for each name received, get it, copy to host, send Arrow IPC bytes back (with
     the device id and the session's remembered-get count). ``("forget", name)`` forgets ``name``
     and answers ``("ok", forgotten, pool pointers still imported in this process)``; ``("stats",)``
-    answers ``("ok", cuda_regions.cuda_stats() + {"pools_cached": imported pools cached})``."""
+    answers ``("ok", cuda_regions.cuda_stats() + {"pools_cached", "new_message_gets"})``."""
     import arrow_ipc_bridge as aib
     from arrow_ipc_bridge.memory import cuda_regions
 
@@ -51,6 +51,7 @@ def consumer_loop(socket_path: str, conn: Connection, pool_linger: float = 1.0) 
                 if name == ("stats",):
                     stats = cuda_regions.cuda_stats()
                     stats["pools_cached"] = len(cuda_regions.opener()._pools)
+                    stats["new_message_gets"] = session.new_message_gets
                     conn.send(("ok", stats))
                     continue
                 try:

@@ -315,6 +315,28 @@ def test_pools_that_come_and_go_are_imported_afresh(publisher: aib.Publisher, cu
         consumer.stop()
 
 
+def test_new_arrays_over_open_allocations_import_in_c(publisher: aib.Publisher, cupy: Any) -> None:
+    """New CuPy arrays every round, which CuPy's pool carves out of allocations shared before:
+    once those are open in the consumer, each new message is imported by its C core (no Python
+    import path), reads right, and gives its lease back."""
+    consumer = _LingerConsumer(str(publisher.path), pool_linger=0.0)
+    try:
+        for i in range(12):
+            columns = {
+                "a": cupy.full(1000, float(i), dtype=cupy.float32),
+                "b": cupy.arange(i, 1000 + i, dtype=cupy.int64),
+            }
+            cupy.cuda.runtime.deviceSynchronize()
+            publisher.publish("fresh", aib.from_cuda_arrays(columns))
+            got = consumer.get("fresh")[0]
+            assert got.column("a").to_pylist() == [float(i)] * 1000
+            assert got.column("b").to_pylist() == list(range(i, 1000 + i))
+            assert _wait_for(lambda: publisher.active_leases == 0, 5.0)
+        assert consumer.stats()["new_message_gets"] >= 6
+    finally:
+        consumer.stop()
+
+
 def test_cupy_columns_sliced_from_a_pool_block(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:
     """CuPy arrays carved out of one allocation (offsets inside a shared block) travel as legacy IPC
     handles; one region per allocation, values intact."""

@@ -1205,6 +1205,96 @@ def test_a_forked_child_neither_uses_nor_breaks_its_parents_bridge(sock_dir: str
         session.close()
 
 
+def _cuda_shaped_message(batch: pa.RecordBatch, handles: list[bytes], uuid: bytes, sync: bytes) -> bytes:
+    """A CUDA message over ``batch``'s layout whose buffers live in legacy regions with ``handles``
+    (one per buffer, in slot order, each at offset 0): what a producer of new arrays sends."""
+    from arrow_ipc_bridge.capsules import DEVICE_CUDA, capture
+    from arrow_ipc_bridge.metadata import REGION_CUDA_LEGACY, SLOT_FIRST_REGION, Described, DeviceInfo, Region
+
+    captured = capture(batch)
+    try:
+        described = Described(captured)
+        slots = described.slots()
+        regions = []
+        for s in range(0, len(slots), 4):
+            if slots[s + 1] == 0:
+                continue
+            regions.append(Region(REGION_CUDA_LEGACY, slots[s + 1], handle=handles[len(regions)]))
+            slots[s + 2] = SLOT_FIRST_REGION + len(regions) - 1
+            slots[s + 3] = 0
+        return described.encode(DeviceInfo(DEVICE_CUDA, identity=uuid, sync=sync), regions)
+    finally:
+        captured.close()
+
+
+def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.Publisher) -> None:
+    """A message the session has not seen, whose GPU, event and legacy handles are all in the
+    process's region table (what the opener and the driver module put there), is imported by the
+    C core: its structs point into the regions' bases, name the GPU's ordinal and the event, and
+    hold the handles' owners until released; the lease ends with it. With one handle missing the
+    get takes the Python path (here that path needs the CUDA driver: CudaError) and gives its lease
+    back. No GPU needed: nothing is dereferenced."""
+    from arrow_ipc_bridge.capsules import DEVICE_CUDA
+
+    batch = pa.record_batch({f"c{i}": pa.array([float(i)] * 8, pa.float32()) for i in range(3)})
+    handles = [bytes([i + 1]) * 64 for i in range(3)]
+    uuid, sync = bytes(range(16)), bytes(range(64))
+    message = _cuda_shaped_message(batch, handles, uuid, sync)
+    keeper = lib.aib_owner_new(0)
+    err = ffi.new("aib_error *")
+    assert (
+        lib.aib_pubtable_put(publisher._table, b"new", 3, message, len(message), ffi.NULL, 0, keeper, err)
+        == 0
+    )
+    lib.aib_owner_unref(keeper)
+
+    released: list[int] = []
+    owners = [lib.aib_owner_new(_reaper.register(lambda i=i: released.append(i))) for i in range(3)]
+    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, sync)]
+    try:
+        assert lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, 16, 3, ffi.NULL) == 0
+        assert lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, sync, 64, 0x77, ffi.NULL) == 0
+        for i, (handle, owner) in enumerate(zip(handles, owners, strict=True)):
+            assert lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handle, 64, 0x10000 * (i + 1), owner) == 0
+            keys.append((lib.AIB_REGION_KEY_LEGACY, handle))
+            lib.aib_owner_unref(owner)  # the table holds them now
+        with aib.connect(publisher.path, timeout=5.0) as session:
+            imported = session.get("new")
+            assert (session.new_message_gets, session.remembered_gets) == (1, 0)
+            assert imported.device_id == 3
+            _, array_capsule = imported.__arrow_c_device_array__()
+            device_array = capsule_struct(array_capsule, "device_array")
+            assert device_array.device_type == DEVICE_CUDA
+            assert device_array.device_id == 3
+            assert ffi.cast("uint64_t *", device_array.sync_event)[0] == 0x77
+            children = device_array.array.children
+            data = [int(ffi.cast("uintptr_t", children[i].buffers[1])) for i in range(3)]
+            assert data == [0x10000 * (i + 1) for i in range(3)]
+            del children, device_array, array_capsule
+            for _, key in keys[2:]:  # the table lets go; the import still holds the handles
+                lib.aib_regions_remove(lib.AIB_REGION_KEY_LEGACY, key, 64)
+            keys = keys[:2]
+            _reaper.drain()
+            assert released == []
+            assert publisher.active_leases == 1
+            imported.release()
+            assert wait_for(lambda: publisher.active_leases == 0, 5.0)
+            _reaper.drain()
+            assert sorted(released) == [0, 1, 2]
+
+            # one handle missing: the Python path, which needs the driver here
+            lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handles[0], 64, 0x10000, ffi.NULL)
+            keys.append((lib.AIB_REGION_KEY_LEGACY, handles[0]))
+            with pytest.raises(aib.BridgeError):
+                session.get("new")
+            assert session.new_message_gets == 1
+            assert wait_for(lambda: publisher.active_leases == 0, 5.0)
+    finally:
+        for kind, key in keys:
+            lib.aib_regions_remove(kind, key, len(key))
+        publisher.unpublish("new")
+
+
 def test_ping_to_a_dead_publisher_raises_peer_closed(sock_dir: str) -> None:
     path = os.path.join(sock_dir, "dead.sock")
     pub = aib.Publisher(path)

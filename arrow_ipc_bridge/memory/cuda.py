@@ -852,6 +852,9 @@ def ordinal_for_uuid(uuid: bytes) -> int:
         table = {device_uuid(i): i for i in range(device_count())}
         with _DRIVER.lock:
             _DRIVER.uuids = table
+        # The C core's get path resolves a message's GPU by the same table (region_table.c).
+        for known, index in table.items():
+            _core.aib_regions_put(_core.AIB_REGION_KEY_DEVICE, known, len(known), index, _core_ffi.NULL)
     ordinal = table.get(uuid)
     if ordinal is None:
         visible = [format_uuid(u) for u in table]
@@ -1916,6 +1919,8 @@ def open_ipc_event(handle: bytes | bytearray | memoryview, device: int) -> int:
     with _CACHE_LOCK:
         winner = _OPENED_EVENTS.setdefault(key, value)
         _OPENED_EVENT_DEVICES[winner] = device
+        if winner == value:  # the C core's get path finds opened events here (region_table.c)
+            _core.aib_regions_put(_core.AIB_REGION_KEY_EVENT, data, len(data), value, _core_ffi.NULL)
     if winner != value:  # another thread opened it meanwhile: keep one, destroy ours
         with device_context(device):
             lib.cuEventDestroy_v2(out[0])
@@ -1942,6 +1947,7 @@ def close_ipc_event(handle: bytes | bytearray | memoryview, device: int) -> bool
         value = _OPENED_EVENTS.pop((data, device), None)
         if value is not None:
             _OPENED_EVENT_DEVICES.pop(value, None)
+            _core.aib_regions_remove(_core.AIB_REGION_KEY_EVENT, data, len(data))
     if value is None:
         return False
     lib, ffi = _api()
@@ -1956,6 +1962,8 @@ def clear_ipc_event_cache() -> None:
         items = list(_OPENED_EVENTS.items())
         _OPENED_EVENTS.clear()
         _OPENED_EVENT_DEVICES.clear()
+        for (data, _), _ in items:
+            _core.aib_regions_remove(_core.AIB_REGION_KEY_EVENT, data, len(data))
     if not items or not _usable_in_this_process():
         return
     lib, ffi = _api()

@@ -488,8 +488,12 @@ class CudaOpener:
         opened = _Opened(ptr, owner)
         lib.aib_owner_ref(owner)  # the caller's reference; the cache keeps the first
         self._legacy[handle] = opened
+        # The C core's get path imports new messages over handles open here (region_table.c).
+        lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handle, len(handle), ptr, owner)
         if len(self._legacy) > self._max_legacy:
-            evicted.append(self._legacy.popitem(last=False)[1])
+            old_handle, old = self._legacy.popitem(last=False)
+            lib.aib_regions_remove(lib.AIB_REGION_KEY_LEGACY, old_handle, len(old_handle))
+            evicted.append(old)
         return opened
 
     def _release(self, table: dict[bytes, list[int]], key: bytes, close: Any) -> None:
@@ -688,8 +692,10 @@ class CudaOpener:
     def close(self) -> None:
         """Drop the cache's references (handles close as their last arrays go)."""
         with self._lock:
-            legacy, self._legacy = list(self._legacy.values()), OrderedDict()
-        for entry in legacy:
+            legacy, self._legacy = list(self._legacy.items()), OrderedDict()
+            for handle, _ in legacy:
+                lib.aib_regions_remove(lib.AIB_REGION_KEY_LEGACY, handle, len(handle))
+        for _, entry in legacy:
             lib.aib_owner_unref(entry.owner)
 
 

@@ -1,0 +1,181 @@
+/* What this process has open of other processes' CUDA memory, for the session's C get path.
+ *
+ * A message the session has not seen before goes to Python (decode, open each region, rebuild):
+ * ~200 µs for 16 columns. But producers that allocate new arrays every step mostly carve them out of
+ * blocks shared before (CuPy's pool, PyTorch's caching allocator), so the new message names legacy
+ * IPC handles this process has open already. aib_import_new imports such a message in C: decode and
+ * validate (the same checks as Python's path), look every handle up here, build the lease's owner.
+ * Anything else (a handle, event or device not here, other region kinds, descriptors) returns NULL
+ * and the caller takes the Python path, which reports errors properly.
+ *
+ * Python mirrors its state here (cuda_regions.CudaOpener): a legacy handle when it opens one, with
+ * the owner that keeps it open (one reference held here), removed when its LRU lets go; every event
+ * it opens; every GPU UUID it resolves to an ordinal. One table per process, like the handles. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define N_BUCKETS 1024 /* entries are bounded by the opener's LRU (256 handles) plus events and GPUs */
+
+typedef struct region_entry {
+  uint64_t hash;
+  uint32_t kind;
+  uint32_t key_len;
+  uint8_t key[AIB_REGION_KEY_MAX];
+  uint64_t value;
+  aib_owner *owner; /* one reference, or NULL */
+  struct region_entry *next;
+} region_entry;
+
+static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
+static region_entry *buckets[N_BUCKETS];
+static size_t table_count;
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+
+/* A child of fork cannot use its parent's CUDA state: it starts with an empty table (the entries
+ * are leaked, not released: their owners' callbacks act on the parent's handles). */
+static void table_after_fork_child(void) {
+  pthread_mutex_init(&table_lock, NULL);
+  memset(buckets, 0, sizeof(buckets));
+  table_count = 0;
+}
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, table_after_fork_child); }
+
+static uint64_t key_hash(uint32_t kind, const uint8_t *key, size_t len) {
+  return aib_hash_bytes(key, len) ^ ((uint64_t)kind * 0x9E3779B97F4A7C15ull);
+}
+
+static region_entry **find(uint32_t kind, const uint8_t *key, size_t len, uint64_t hash) {
+  region_entry **slot = &buckets[hash & (N_BUCKETS - 1)];
+  while (*slot != NULL && !((*slot)->hash == hash && (*slot)->kind == kind && (*slot)->key_len == len &&
+                            memcmp((*slot)->key, key, len) == 0))
+    slot = &(*slot)->next;
+  return slot;
+}
+
+int aib_regions_put(uint32_t kind, const uint8_t *key, size_t key_len, uint64_t value, aib_owner *owner) {
+  if (key_len == 0 || key_len > AIB_REGION_KEY_MAX) return AIB_E_LIMIT;
+  pthread_once(&fork_once, register_fork_handler);
+  region_entry *e = malloc(sizeof(*e));
+  if (e == NULL) return AIB_E_NOMEM;
+  e->hash = key_hash(kind, key, key_len);
+  e->kind = kind;
+  e->key_len = (uint32_t)key_len;
+  memcpy(e->key, key, key_len);
+  e->value = value;
+  e->owner = owner;
+  if (owner != NULL) aib_owner_ref(owner);
+  pthread_mutex_lock(&table_lock);
+  region_entry **slot = find(kind, key, key_len, e->hash);
+  region_entry *previous = *slot;
+  e->next = previous != NULL ? previous->next : NULL;
+  *slot = e;
+  if (previous == NULL) table_count++;
+  pthread_mutex_unlock(&table_lock);
+  if (previous != NULL) {
+    aib_owner_unref(previous->owner);
+    free(previous);
+  }
+  return AIB_OK;
+}
+
+int aib_regions_remove(uint32_t kind, const uint8_t *key, size_t key_len) {
+  if (key_len == 0 || key_len > AIB_REGION_KEY_MAX) return 1;
+  uint64_t hash = key_hash(kind, key, key_len);
+  pthread_mutex_lock(&table_lock);
+  region_entry **slot = find(kind, key, key_len, hash);
+  region_entry *e = *slot;
+  if (e != NULL) {
+    *slot = e->next;
+    table_count--;
+  }
+  pthread_mutex_unlock(&table_lock);
+  if (e == NULL) return 1;
+  aib_owner_unref(e->owner);
+  free(e);
+  return 0;
+}
+
+size_t aib_regions_count(void) {
+  pthread_mutex_lock(&table_lock);
+  size_t n = table_count;
+  pthread_mutex_unlock(&table_lock);
+  return n;
+}
+
+/* Under table_lock: the entry's value, and a reference on its owner for the caller when asked. */
+static int lookup(uint32_t kind, const uint8_t *key, size_t len, uint64_t *value, aib_owner **owner) {
+  region_entry *e = *find(kind, key, len, key_hash(kind, key, len));
+  if (e == NULL) return 0;
+  *value = e->value;
+  if (owner != NULL) {
+    *owner = e->owner;
+    if (e->owner != NULL) aib_owner_ref(e->owner);
+  }
+  return 1;
+}
+
+aib_owner *aib_import_new(const uint8_t *message, size_t length, uint32_t n_fds, uint64_t token,
+                          aib_owner *keeper) {
+  if (n_fds != 0) return NULL;
+  pthread_mutex_lock(&table_lock);
+  int empty = table_count == 0;
+  pthread_mutex_unlock(&table_lock);
+  if (empty) return NULL; /* a process without CUDA imports: no decode spent on host messages */
+  aib_decoded *decoded = NULL;
+  aib_error err;
+  if (aib_decode(message, length, 0, 0, &decoded, &err) != AIB_OK) return NULL;
+  const aib_device_info *device = aib_decoded_device(decoded);
+  size_t n = aib_decoded_region_count(decoded);
+  const aib_region *regions = aib_decoded_regions(decoded);
+  if (device->device_type != ARROW_DEVICE_CUDA || n > AIB_MAX_NEW_REGIONS) {
+    aib_decoded_free(decoded);
+    return NULL;
+  }
+  uint64_t bases[AIB_MAX_NEW_REGIONS > 0 ? AIB_MAX_NEW_REGIONS : 1];
+  aib_owner *held[AIB_MAX_NEW_REGIONS > 0 ? AIB_MAX_NEW_REGIONS : 1];
+  size_t n_held = 0;
+  uint64_t ordinal = 0, event = 0;
+  pthread_mutex_lock(&table_lock);
+  int found = lookup(AIB_REGION_KEY_DEVICE, device->identity, device->identity_len, &ordinal, NULL);
+  if (found && device->sync_len > 0) found = lookup(AIB_REGION_KEY_EVENT, device->sync, device->sync_len, &event, NULL);
+  for (size_t i = 0; found && i < n; i++) {
+    if (regions[i].kind != AIB_REGION_KIND_CUDA_LEGACY || regions[i].handle_len != 64) {
+      found = 0;
+      break;
+    }
+    aib_owner *owner = NULL;
+    found = lookup(AIB_REGION_KEY_LEGACY, regions[i].handle, 64, &bases[i], &owner);
+    if (found && owner == NULL) found = 0; /* a handle is only ever put with what keeps it open */
+    if (owner != NULL) held[n_held++] = owner;
+  }
+  pthread_mutex_unlock(&table_lock);
+  aib_owner *owner = NULL;
+  if (found) {
+    /* Token set only once the owner is complete: one that fails dies quietly (see import_cache.c). */
+    owner = aib_owner_new(0);
+    if (owner != NULL && aib_owner_attach_decoded(owner, decoded) != AIB_OK) {
+      aib_owner_unref(owner);
+      owner = NULL;
+    } else if (owner != NULL) {
+      decoded = NULL; /* the owner's now */
+    }
+    int ok = owner != NULL && aib_owner_add_dependency(owner, keeper) == AIB_OK;
+    for (size_t i = 0; ok && i < n_held; i++) ok = aib_owner_add_dependency(owner, held[i]) == AIB_OK;
+    ok = ok && aib_owner_set_view(owner, bases, n, ARROW_DEVICE_CUDA, (int64_t)ordinal) == AIB_OK;
+    if (ok) {
+      *aib_owner_slot(owner) = event;
+      aib_owner_set_token(owner, token);
+    } else if (owner != NULL) {
+      aib_owner_unref(owner);
+      owner = NULL;
+    }
+  }
+  for (size_t i = 0; i < n_held; i++) aib_owner_unref(held[i]);
+  if (decoded != NULL) aib_decoded_free(decoded);
+  return owner;
+}
