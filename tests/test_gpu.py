@@ -337,6 +337,33 @@ def test_new_arrays_over_open_allocations_import_in_c(publisher: aib.Publisher, 
         consumer.stop()
 
 
+class _OnlyDLPack:
+    """A producer that speaks DLPack and nothing else (no ``__cuda_array_interface__``)."""
+
+    def __init__(self, tensor: Any) -> None:
+        self._tensor = tensor
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._tensor.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self._tensor.__dlpack_device__()
+
+
+def test_torch_and_dlpack_producers_are_columns(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:
+    """PyTorch tensors (``__cuda_array_interface__``) and a producer that only speaks DLPack are
+    wrapped as Arrow columns without a copy and read right in another process."""
+    torch = pytest.importorskip("torch")
+    values = torch.arange(1000, dtype=torch.float32, device="cuda")
+    doubled = values * 2
+    torch.cuda.synchronize()
+    batch = aib.from_cuda_arrays({"cai": values, "dlpack": _OnlyDLPack(doubled)})
+    publisher.publish("torch", batch)
+    table, _ = consumer("torch")
+    assert table.column("cai").to_pylist() == [float(i) for i in range(1000)]
+    assert table.column("dlpack").to_pylist() == [2.0 * i for i in range(1000)]
+
+
 def test_cupy_columns_sliced_from_a_pool_block(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:
     """CuPy arrays carved out of one allocation (offsets inside a shared block) travel as legacy IPC
     handles; one region per allocation, values intact."""
