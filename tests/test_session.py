@@ -1205,7 +1205,9 @@ def test_a_forked_child_neither_uses_nor_breaks_its_parents_bridge(sock_dir: str
         session.close()
 
 
-def _cuda_shaped_message(batch: pa.RecordBatch, handles: list[bytes], uuid: bytes, sync: bytes) -> bytes:
+def _cuda_shaped_message(
+    batch: pa.RecordBatch | pa.Table, handles: list[bytes], uuid: bytes, sync: bytes
+) -> bytes:
     """A CUDA message over ``batch``'s layout whose buffers live in legacy regions with ``handles``
     (one per buffer, in slot order, each at offset 0): what a producer of new arrays sends."""
     from arrow_ipc_bridge.capsules import DEVICE_CUDA, capture
@@ -1227,6 +1229,61 @@ def _cuda_shaped_message(batch: pa.RecordBatch, handles: list[bytes], uuid: byte
         captured.close()
 
 
+def _publish_raw(publisher: aib.Publisher, name: str, message: bytes) -> None:
+    """Serve ``message`` (no descriptors) as ``name`` from the publisher's C table directly."""
+    keeper = lib.aib_owner_new(0)
+    err = ffi.new("aib_error *")
+    raw = name.encode()
+    try:
+        assert (
+            lib.aib_pubtable_put(
+                publisher._table, raw, len(raw), message, len(message), ffi.NULL, 0, keeper, err
+            )
+            == 0
+        )
+    finally:
+        lib.aib_owner_unref(keeper)
+
+
+def test_new_stream_over_open_handles_is_imported_by_the_c_core(publisher: aib.Publisher) -> None:
+    """A two-batch stream over open handles takes the same C path: the session hands out a stream
+    whose device batches point into the regions' bases on the GPU's ordinal."""
+    from arrow_ipc_bridge.capsules import DEVICE_CUDA, capture
+
+    table = pa.Table.from_batches(
+        [pa.record_batch({"x": pa.array([float(b)] * 4, pa.float64())}) for b in range(2)]
+    )
+    handles = [bytes([0x40 + i]) * 64 for i in range(2)]
+    uuid, sync = bytes(range(1, 17)), bytes(range(2, 66))
+    _publish_raw(publisher, "stream", _cuda_shaped_message(table, handles, uuid, sync))
+    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, sync)]
+    keeper = lib.aib_owner_new(0)
+    try:
+        lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, 16, 1, ffi.NULL)
+        lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, sync, 64, 0x55, ffi.NULL)
+        for i, handle in enumerate(handles):
+            lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handle, 64, 0x200000 * (i + 1), keeper)
+            keys.append((lib.AIB_REGION_KEY_LEGACY, handle))
+        with aib.connect(publisher.path, timeout=5.0) as session, session.get("stream") as imported:
+            assert isinstance(imported, aib.ImportedStream)
+            assert session.new_message_gets == 1
+            captured = capture(imported)
+            try:
+                assert len(captured.arrays) == 2
+                for b, device_array in enumerate(captured.arrays):
+                    assert (device_array.device_type, device_array.device_id) == (DEVICE_CUDA, 1)
+                    column = device_array.array.children[0]
+                    assert int(ffi.cast("uintptr_t", column.buffers[1])) == 0x200000 * (b + 1)
+            finally:
+                captured.close()
+        assert wait_for(lambda: publisher.active_leases == 0, 5.0)
+    finally:
+        for kind, key in keys:
+            lib.aib_regions_remove(kind, key, len(key))
+        lib.aib_owner_unref(keeper)
+        publisher.unpublish("stream")
+
+
 def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.Publisher) -> None:
     """A message the session has not seen, whose GPU, event and legacy handles are all in the
     process's region table (what the opener and the driver module put there), is imported by the
@@ -1239,14 +1296,7 @@ def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.
     batch = pa.record_batch({f"c{i}": pa.array([float(i)] * 8, pa.float32()) for i in range(3)})
     handles = [bytes([i + 1]) * 64 for i in range(3)]
     uuid, sync = bytes(range(16)), bytes(range(64))
-    message = _cuda_shaped_message(batch, handles, uuid, sync)
-    keeper = lib.aib_owner_new(0)
-    err = ffi.new("aib_error *")
-    assert (
-        lib.aib_pubtable_put(publisher._table, b"new", 3, message, len(message), ffi.NULL, 0, keeper, err)
-        == 0
-    )
-    lib.aib_owner_unref(keeper)
+    _publish_raw(publisher, "new", _cuda_shaped_message(batch, handles, uuid, sync))
 
     released: list[int] = []
     owners = [lib.aib_owner_new(_reaper.register(lambda i=i: released.append(i))) for i in range(3)]
