@@ -17,7 +17,7 @@ import threading
 from types import TracebackType
 from typing import Any
 
-from arrow_ipc_bridge import _reaper, protocol, transport
+from arrow_ipc_bridge import _process, _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.channel import Channel, frame_from
 from arrow_ipc_bridge.errors import (
@@ -59,7 +59,7 @@ class Publisher:
         allowed_uids: list[int] | None = None,
         copy: CopyPolicy = "if_needed",
     ) -> None:
-        self._pid = os.getpid()  # a forked child inherits this object; it serves nothing there
+        self._pid = _process.pid  # a forked child inherits this object; it serves nothing there
         self._lock = threading.Lock()
         self._names: set[str] = set()
         table = lib.aib_pubtable_new()
@@ -137,7 +137,7 @@ class Publisher:
             raise BridgeError("this publisher is closed")
 
     def _check_process(self) -> None:
-        if self._pid != os.getpid():
+        if self._pid != _process.pid:
             raise ForeignProcessError(
                 f"this publisher belongs to process {self._pid}, not to this one ({os.getpid()}, a child "
                 "of fork): publish from a Publisher made here"
@@ -231,7 +231,7 @@ class Publisher:
         In a child of ``fork`` this only drops the child's copies of the descriptors: the socket
         file, the sessions and the published data stay the parent's."""
         self._server.close(timeout)
-        if self._pid != os.getpid():
+        if self._pid != _process.pid:
             return
         with self._lock:
             lib.aib_pubtable_clear(self._table)

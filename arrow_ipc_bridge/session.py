@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from arrow_ipc_bridge import _linger, _reaper, protocol, transport
+from arrow_ipc_bridge import _linger, _process, _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.channel import Channel, millis
@@ -124,7 +124,7 @@ class Session:
             or remembered_messages < 0
         ):
             raise ValueError(f"remembered_messages must be an int >= 0, not {remembered_messages!r}")
-        self._pid = os.getpid()  # a forked child inherits this object; it may not use it
+        self._pid = _process.pid  # a forked child inherits this object; it may not use it
         self._cache = HostMappingCache(mapping_cache_size)
         self._pool_linger = float(pool_linger)
         # message bytes -> regions already open for it; bounded, entries hold their regions open
@@ -747,7 +747,7 @@ class Session:
 
     # ---------- lifetime ----------------------------------------------------------------------------
     def _check_open(self) -> None:
-        if self._pid != os.getpid():
+        if self._pid != _process.pid:
             raise ForeignProcessError(
                 f"this session belongs to process {self._pid}, not to this one ({os.getpid()}, a child "
                 "of fork): connect again here (imported objects the child inherited stay readable)"
@@ -775,7 +775,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        if self._pid != os.getpid():
+        if self._pid != _process.pid:
             # A fork child's copy: the leases, the remembered messages and the connection are the
             # parent's (and its locks may have been held at the fork). Only our descriptor goes.
             if self._conn is not None:

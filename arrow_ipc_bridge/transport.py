@@ -84,6 +84,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from . import _process
 from .errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -299,7 +300,7 @@ class Connection:
         self._sock = sock
         self._fd = sock.fileno()
         # A forked child inherits this object and the socket, but the conversation is the parent's.
-        self._pid = os.getpid()
+        self._pid = _process.pid
 
         self._state_lock = threading.Lock()
         self._closed = False
@@ -822,7 +823,7 @@ class Connection:
     def check_open(self) -> None:
         """Raise :class:`~arrow_ipc_bridge.errors.PeerClosedError` when the connection is closed,
         :class:`~arrow_ipc_bridge.errors.ForeignProcessError` in a process other than its own."""
-        if self._pid != os.getpid():
+        if self._pid != _process.pid:
             raise ForeignProcessError(
                 f"this connection belongs to process {self._pid}, not to this one ({os.getpid()}, "
                 "a child of fork): connect again here"
@@ -848,7 +849,7 @@ class Connection:
         self._teardown("closed by close()", holding=None)
 
     def _teardown(self, reason: str, *, holding: str | None) -> None:
-        if self._pid != os.getpid():
+        if self._pid != _process.pid:
             # A fork child's copy: shutdown() would end the parent's conversation and the locks may
             # have been held by parent threads at the fork. Only our descriptor goes.
             self._closed = True
@@ -1036,7 +1037,7 @@ class Server:
 
         self._lock = threading.Lock()
         self._closing = False
-        self._pid = os.getpid()
+        self._pid = _process.pid
         self._stop = threading.Event()
         self._conns: dict[Connection, threading.Thread] = {}
         self._rejected = 0
@@ -1115,7 +1116,7 @@ class Server:
             connection's calls) is logged and left behind; its thread is a daemon.
         """
         deadline = time.monotonic() + max(timeout, 0.0)
-        if self._pid != os.getpid():
+        if self._pid != _process.pid:
             # A fork child's copy: the socket file, the threads and the connections are the
             # parent's (and its locks may have been held at the fork). Only our descriptors go.
             self._closing = True
