@@ -1245,6 +1245,64 @@ def _publish_raw(publisher: aib.Publisher, name: str, message: bytes) -> None:
         lib.aib_owner_unref(keeper)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(record_batches(max_columns=4, max_rows=20))
+def test_new_messages_of_any_type_over_open_handles_import_in_c(
+    publisher: aib.Publisher, batch: pa.RecordBatch
+) -> None:
+    """Any Arrow type goes through the C new-message path: the session's structs carry the
+    producer's schema and every data buffer points at its region's base plus its offset."""
+    from arrow_ipc_bridge.capsules import DEVICE_CUDA
+    from arrow_ipc_bridge.metadata import REGION_CUDA_LEGACY, Decoded
+
+    uuid, sync = b"U" * 16, b"S" * 64
+    handles = [i.to_bytes(4, "little") * 16 for i in range(1, 4096)]
+    message = _cuda_shaped_message(batch, handles, uuid, sync)
+    decoded = Decoded(message, 0)
+    try:
+        regions = decoded.regions()
+    finally:
+        decoded.close()
+    assert {r.kind for r in regions} <= {REGION_CUDA_LEGACY}
+    _publish_raw(publisher, "any", message)
+    keeper = lib.aib_owner_new(0)
+    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, sync)]
+    try:
+        lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, 16, 0, ffi.NULL)
+        lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, sync, 64, 0x99, ffi.NULL)
+        for i, region in enumerate(regions):
+            lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, region.handle, 64, 0x1000000 * (i + 1), keeper)
+            keys.append((lib.AIB_REGION_KEY_LEGACY, region.handle))
+        with aib.connect(publisher.path, timeout=5.0) as session, session.get("any") as imported:
+            assert session.new_message_gets == 1
+            assert pa.Schema._import_from_c_capsule(imported.__arrow_c_schema__()) == batch.schema
+            _, array_capsule = imported.__arrow_c_device_array__()
+            device_array = capsule_struct(array_capsule, "device_array")
+            assert device_array.device_type == DEVICE_CUDA
+            assert device_array.array.length == batch.num_rows
+            # Every region backs a buffer, which starts at the region's base (offset 0 here).
+            seen: set[int] = set()
+            pending = [device_array.array]
+            while pending:
+                node = pending.pop()
+                for k in range(node.n_buffers):
+                    index, offset = divmod(int(ffi.cast("uintptr_t", node.buffers[k])), 0x1000000)
+                    if 1 <= index <= len(regions):
+                        assert offset == 0
+                        seen.add(index)
+                pending.extend(node.children[c] for c in range(node.n_children))
+                if node.dictionary != ffi.NULL:
+                    pending.append(node.dictionary)
+            assert seen == set(range(1, len(regions) + 1))
+            del device_array, array_capsule, pending, node
+        assert wait_for(lambda: publisher.active_leases == 0, 5.0)
+    finally:
+        for kind, key in keys:
+            lib.aib_regions_remove(kind, key, len(key))
+        lib.aib_owner_unref(keeper)
+        publisher.unpublish("any")
+
+
 def test_new_stream_over_open_handles_is_imported_by_the_c_core(publisher: aib.Publisher) -> None:
     """A two-batch stream over open handles takes the same C path: the session hands out a stream
     whose device batches point into the regions' bases on the GPU's ordinal."""
