@@ -545,6 +545,13 @@ class Collector:
                 )
             if b and ping:
                 detail = f"bridge {fmt_us(b['median_us'])}, PING {fmt_us(ping['median_us'])}"
+                phases = b.get("extra") or {}
+                if all(f"{k}_us" in phases for k in ("get", "capsules", "consumer")):
+                    detail += (
+                        " (medians: get {}, capsules {}, consumer's struct reads + stream wait {})".format(
+                            *(fmt_us(phases[f"{k}_us"]["median_us"]) for k in ("get", "capsules", "consumer"))
+                        )
+                    )
                 if bare:
                     detail += (
                         f"; against the back-to-back Python socket echo ({fmt_us(bare['median_us'])}) "

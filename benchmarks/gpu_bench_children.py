@@ -919,7 +919,9 @@ class _BridgeConsumer:
         assert self.session is not None
         t0 = _perf()
         imported = self.session.get(name)
+        t_got = _perf()
         capsules = imported.__arrow_c_device_array__()
+        t_capsules = _perf()
         device_array = capsule_struct(capsules[1], "device_array")
         sync = device_array.sync_event
         if sync:
@@ -941,7 +943,15 @@ class _BridgeConsumer:
         _reaper.drain()  # lease release + handle/pointer frees now, not during the next timed get
         t3 = _perf()
         check_close(name, got, expected)
-        return t_ready - t0, {"launched_s": t1 - t0, "release_s": t3 - t2, "sync_event": float(has_sync)}
+        return t_ready - t0, {
+            "launched_s": t1 - t0,
+            "release_s": t3 - t2,
+            "sync_event": float(has_sync),
+            # where the round trip goes: the get, the capsule pair, the consumer's struct reads + wait
+            "get_s": t_got - t0,
+            "capsules_s": t_capsules - t_got,
+            "consumer_s": t_ready - t_capsules,
+        }
 
     @contextlib.contextmanager
     def _count_opens(self) -> Iterator[dict[str, Any]]:
