@@ -463,6 +463,8 @@ int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64
 int aib_regions_put(uint32_t kind, const uint8_t *key, size_t key_len, uint64_t value, aib_owner *owner);
 int aib_regions_remove(uint32_t kind, const uint8_t *key, size_t key_len);
 size_t aib_regions_count(void);
+/* How many messages aib_import_new imported, and how many legacy handles they found open. */
+void aib_regions_stats(uint64_t *imports, uint64_t *handles);
 /* The lease owner (token set, view and sync slot filled) for a CUDA message whose device, event
  * and regions (all legacy handles) are in the table, or NULL: the caller's slow path. */
 aib_owner *aib_import_new(const uint8_t *message, size_t length, uint32_t n_fds, uint64_t token,

@@ -31,6 +31,8 @@ typedef struct region_entry {
 } region_entry;
 
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Messages imported here, and the legacy handles they found open (cuda_regions.cuda_stats()). */
+static atomic_ullong imports_done, handles_found;
 static region_entry *buckets[N_BUCKETS];
 static size_t table_count;
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
@@ -98,6 +100,11 @@ int aib_regions_remove(uint32_t kind, const uint8_t *key, size_t key_len) {
   aib_owner_unref(e->owner);
   free(e);
   return 0;
+}
+
+void aib_regions_stats(uint64_t *imports, uint64_t *handles) {
+  *imports = atomic_load(&imports_done);
+  *handles = atomic_load(&handles_found);
 }
 
 size_t aib_regions_count(void) {
@@ -170,6 +177,8 @@ aib_owner *aib_import_new(const uint8_t *message, size_t length, uint32_t n_fds,
     if (ok) {
       *aib_owner_slot(owner) = event;
       aib_owner_set_token(owner, token);
+      atomic_fetch_add(&imports_done, 1);
+      atomic_fetch_add(&handles_found, n);
     } else if (owner != NULL) {
       aib_owner_unref(owner);
       owner = NULL;

@@ -1366,9 +1366,15 @@ def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.
             assert lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handle, 64, 0x10000 * (i + 1), owner) == 0
             keys.append((lib.AIB_REGION_KEY_LEGACY, handle))
             lib.aib_owner_unref(owner)  # the table holds them now
+        from arrow_ipc_bridge.memory import cuda_regions
+
+        before = cuda_regions.cuda_stats()
         with aib.connect(publisher.path, timeout=5.0) as session:
             imported = session.get("new")
             assert (session.new_message_gets, session.remembered_gets) == (1, 0)
+            after = cuda_regions.cuda_stats()
+            assert after["c_imports"] - before["c_imports"] == 1
+            assert after["c_legacy_hits"] - before["c_legacy_hits"] == 3
             assert imported.device_id == 3
             _, array_capsule = imported.__arrow_c_device_array__()
             device_array = capsule_struct(array_capsule, "device_array")

@@ -123,9 +123,16 @@ def _remember_local(handle: bytes, base: int) -> None:
 
 
 def cuda_stats() -> dict[str, int]:
-    """Process-wide counters: device bytes copied by policy, handle opens and cache hits."""
+    """Process-wide counters: device bytes copied by policy, handle opens and cache hits, and the
+    new messages the C get path imported over handles open here (``c_imports``, ``c_legacy_hits``)."""
+    imports = ffi.new("uint64_t *")
+    handles = ffi.new("uint64_t *")
+    lib.aib_regions_stats(imports, handles)
     with _lock:
-        return dict(_stats)
+        stats = dict(_stats)
+    stats["c_imports"] = int(imports[0])
+    stats["c_legacy_hits"] = int(handles[0])
+    return stats
 
 
 def bridge_pool(device: int) -> cuda.IpcMemoryPool:
