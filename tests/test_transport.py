@@ -75,7 +75,12 @@ def send_raw(sock: socket.socket, data: bytes, fds: list[int] | None = None) -> 
     """Send bytes (and descriptors) the way a hostile peer might: no framing logic at all."""
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     sent = sock.sendmsg([data], anc)
-    assert sent == len(data)
+    # A large send stops short when the receiver closes on what it got (the point of several tests:
+    # seen on a busy 2-core CI machine, where the receiver is not slower than the sender): the
+    # descriptors went with the first bytes; the rest follows while the receiver still reads.
+    if sent < len(data):
+        with contextlib.suppress(OSError):
+            sock.sendall(data[sent:])
 
 
 def open_fd_count() -> int:
