@@ -511,45 +511,36 @@ class _CapturedSource(ArrowExporter):
         captured.borrow()  # ReleasedError once closed
         return captured
 
-    def _fill_schema(self, out: Any) -> None:
+    def _borrowed_call(self, what: str, call: Callable[[CapturedData, Any], int]) -> None:
+        """``call(captured, err)``, a C call returning an aib error code, with the record borrowed
+        across it; raises the error it reports."""
         captured = self._borrowed()
         try:
             err = new_error()
-            rc = lib.aib_schema_copy(captured.schema, out, err)
+            rc = call(captured, err)
         finally:
             captured.unborrow()
         if rc:
-            raise_for(rc, err, "copying the schema")
+            raise_for(rc, err, what)
+
+    def _fill_schema(self, out: Any) -> None:
+        self._borrowed_call("copying the schema", lambda c, err: lib.aib_schema_copy(c.schema, out, err))
 
     def _fill_batch(self, index: int, out: Any) -> None:
-        captured = self._borrowed()
-        try:
-            err = new_error()
-            rc = lib.aib_array_share(ffi.addressof(captured.arrays[index], "array"), captured.owner, out, err)
-        finally:
-            captured.unborrow()
-        if rc:
-            raise_for(rc, err, "sharing the array")
+        self._borrowed_call(
+            "sharing the array",
+            lambda c, err: lib.aib_array_share(ffi.addressof(c.arrays[index], "array"), c.owner, out, err),
+        )
 
     def _fill_device_stream(self, out: Any) -> None:
-        captured = self._borrowed()
-        try:
-            err = new_error()
-            rc = lib.aib_device_stream_from_capture(captured.owner, out, err)
-        finally:
-            captured.unborrow()
-        if rc:
-            raise_for(rc, err, "creating a stream")
+        self._borrowed_call(
+            "creating a stream", lambda c, err: lib.aib_device_stream_from_capture(c.owner, out, err)
+        )
 
     def _fill_stream(self, out: Any) -> None:
-        captured = self._borrowed()
-        try:
-            err = new_error()
-            rc = lib.aib_stream_from_capture(captured.owner, out, err)
-        finally:
-            captured.unborrow()
-        if rc:
-            raise_for(rc, err, "creating a stream")
+        self._borrowed_call(
+            "creating a stream", lambda c, err: lib.aib_stream_from_capture(c.owner, out, err)
+        )
 
     @property
     def device_type(self) -> int:

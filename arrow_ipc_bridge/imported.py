@@ -181,56 +181,49 @@ class _ImportedBase(ArrowExporter):
         finally:
             decoded.unborrow()
 
-    def _fill_device_array(self, schema: Any, array: Any) -> None:
+    def _borrowed_call(self, what: str, call: Callable[[Decoded, Any], int]) -> None:
+        """``call(decoded, err)``, a C call returning an aib error code, with the message borrowed
+        across it; raises the error it reports."""
         decoded = self._borrow()
         try:
             err = new_error()
-            rc = lib.aib_rebuild_device_array(
-                decoded.raw,
+            rc = call(decoded, err)
+        finally:
+            decoded.unborrow()
+        if rc:
+            raise_for(rc, err, what)
+
+    def _fill_device_array(self, schema: Any, array: Any) -> None:
+        self._borrowed_call(
+            "rebuilding a device array",
+            lambda d, err: lib.aib_rebuild_device_array(
+                d.raw,
                 0,
                 self._bases,
                 self._n_bases,
-                decoded.owner,
+                d.owner,
                 self._device_type,
                 self._device_id,
                 self._sync,
                 schema,
                 array,
                 err,
-            )
-        finally:
-            decoded.unborrow()
-        if rc:
-            raise_for(rc, err, "rebuilding a device array")
+            ),
+        )
 
     def _fill_device_stream(self, out: Any) -> None:
-        decoded = self._borrow()
-        try:
-            err = new_error()
-            rc = lib.aib_device_stream_from_decoded(
-                decoded.owner,
-                self._bases,
-                self._n_bases,
-                self._device_type,
-                self._device_id,
-                self._sync,
-                out,
-                err,
-            )
-        finally:
-            decoded.unborrow()
-        if rc:
-            raise_for(rc, err, "creating a device stream")
+        self._borrowed_call(
+            "creating a device stream",
+            lambda d, err: lib.aib_device_stream_from_decoded(
+                d.owner, self._bases, self._n_bases, self._device_type, self._device_id, self._sync, out, err
+            ),
+        )
 
     def _fill_stream(self, out: Any) -> None:
-        decoded = self._borrow()
-        try:
-            err = new_error()
-            rc = lib.aib_stream_from_decoded(decoded.owner, self._bases, self._n_bases, out, err)
-        finally:
-            decoded.unborrow()
-        if rc:
-            raise_for(rc, err, "creating a stream")
+        self._borrowed_call(
+            "creating a stream",
+            lambda d, err: lib.aib_stream_from_decoded(d.owner, self._bases, self._n_bases, out, err),
+        )
 
     def __repr__(self) -> str:
         state = (

@@ -1245,6 +1245,28 @@ def _publish_raw(publisher: aib.Publisher, name: str, message: bytes) -> None:
         lib.aib_owner_unref(keeper)
 
 
+@contextlib.contextmanager
+def _open_in_region_table(
+    uuid: bytes, ordinal: int, sync: bytes, event: int, handles: list[tuple[bytes, int]]
+) -> Iterator[None]:
+    """Put a GPU, an opened event and legacy handles (with their bases here) in the process's
+    region table, as the driver module and the opener would, the handles held by one owner; take
+    them out again after."""
+    keeper = lib.aib_owner_new(0)
+    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, sync)]
+    try:
+        assert lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, len(uuid), ordinal, ffi.NULL) == 0
+        assert lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, sync, len(sync), event, ffi.NULL) == 0
+        for handle, base in handles:
+            assert lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handle, len(handle), base, keeper) == 0
+            keys.append((lib.AIB_REGION_KEY_LEGACY, handle))
+        yield
+    finally:
+        for kind, key in keys:
+            lib.aib_regions_remove(kind, key, len(key))
+        lib.aib_owner_unref(keeper)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(record_batches(max_columns=4, max_rows=20))
 def test_new_messages_of_any_type_over_open_handles_import_in_c(
@@ -1265,15 +1287,13 @@ def test_new_messages_of_any_type_over_open_handles_import_in_c(
         decoded.close()
     assert {r.kind for r in regions} <= {REGION_CUDA_LEGACY}
     _publish_raw(publisher, "any", message)
-    keeper = lib.aib_owner_new(0)
-    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, sync)]
+    bases = [(region.handle, 0x1000000 * (i + 1)) for i, region in enumerate(regions)]
     try:
-        lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, 16, 0, ffi.NULL)
-        lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, sync, 64, 0x99, ffi.NULL)
-        for i, region in enumerate(regions):
-            lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, region.handle, 64, 0x1000000 * (i + 1), keeper)
-            keys.append((lib.AIB_REGION_KEY_LEGACY, region.handle))
-        with aib.connect(publisher.path, timeout=5.0) as session, session.get("any") as imported:
+        with (
+            _open_in_region_table(uuid, 0, sync, 0x99, bases),
+            aib.connect(publisher.path, timeout=5.0) as session,
+            session.get("any") as imported,
+        ):
             assert session.new_message_gets == 1
             assert pa.Schema._import_from_c_capsule(imported.__arrow_c_schema__()) == batch.schema
             _, array_capsule = imported.__arrow_c_device_array__()
@@ -1297,9 +1317,6 @@ def test_new_messages_of_any_type_over_open_handles_import_in_c(
             del device_array, array_capsule, pending, node
         assert wait_for(lambda: publisher.active_leases == 0, 5.0)
     finally:
-        for kind, key in keys:
-            lib.aib_regions_remove(kind, key, len(key))
-        lib.aib_owner_unref(keeper)
         publisher.unpublish("any")
 
 
@@ -1314,15 +1331,13 @@ def test_new_stream_over_open_handles_is_imported_by_the_c_core(publisher: aib.P
     handles = [bytes([0x40 + i]) * 64 for i in range(2)]
     uuid, sync = bytes(range(1, 17)), bytes(range(2, 66))
     _publish_raw(publisher, "stream", _cuda_shaped_message(table, handles, uuid, sync))
-    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, sync)]
-    keeper = lib.aib_owner_new(0)
+    bases = [(handle, 0x200000 * (i + 1)) for i, handle in enumerate(handles)]
     try:
-        lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, 16, 1, ffi.NULL)
-        lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, sync, 64, 0x55, ffi.NULL)
-        for i, handle in enumerate(handles):
-            lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handle, 64, 0x200000 * (i + 1), keeper)
-            keys.append((lib.AIB_REGION_KEY_LEGACY, handle))
-        with aib.connect(publisher.path, timeout=5.0) as session, session.get("stream") as imported:
+        with (
+            _open_in_region_table(uuid, 1, sync, 0x55, bases),
+            aib.connect(publisher.path, timeout=5.0) as session,
+            session.get("stream") as imported,
+        ):
             assert isinstance(imported, aib.ImportedStream)
             assert session.new_message_gets == 1
             captured = capture(imported)
@@ -1336,9 +1351,6 @@ def test_new_stream_over_open_handles_is_imported_by_the_c_core(publisher: aib.P
                 captured.close()
         assert wait_for(lambda: publisher.active_leases == 0, 5.0)
     finally:
-        for kind, key in keys:
-            lib.aib_regions_remove(kind, key, len(key))
-        lib.aib_owner_unref(keeper)
         publisher.unpublish("stream")
 
 
