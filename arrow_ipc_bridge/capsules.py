@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from arrow_ipc_bridge._deferred_close import DeferredClose
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
@@ -184,6 +184,22 @@ def _check_kwargs(kwargs: dict[str, object]) -> None:
             raise NotImplementedError(
                 f"arrow_ipc_bridge does not support the {key!r} keyword (got {value!r})"
             )
+
+
+_Borrowed = TypeVar("_Borrowed", bound=DeferredClose)
+
+
+def call_borrowed(target: _Borrowed, what: str, call: Callable[[_Borrowed, Any], int]) -> None:
+    """``call(target, err)``, a C call returning an aib error code, for a ``target`` the caller has
+    just borrowed (the call releases the GIL: a close() meanwhile waits for it); unborrows it after
+    and raises the error the call reported."""
+    try:
+        err = new_error()
+        rc = call(target, err)
+    finally:
+        target.unborrow()
+    if rc:
+        raise_for(rc, err, what)
 
 
 class CapturedData(DeferredClose):
@@ -511,35 +527,30 @@ class _CapturedSource(ArrowExporter):
         captured.borrow()  # ReleasedError once closed
         return captured
 
-    def _borrowed_call(self, what: str, call: Callable[[CapturedData, Any], int]) -> None:
-        """``call(captured, err)``, a C call returning an aib error code, with the record borrowed
-        across it; raises the error it reports."""
-        captured = self._borrowed()
-        try:
-            err = new_error()
-            rc = call(captured, err)
-        finally:
-            captured.unborrow()
-        if rc:
-            raise_for(rc, err, what)
-
     def _fill_schema(self, out: Any) -> None:
-        self._borrowed_call("copying the schema", lambda c, err: lib.aib_schema_copy(c.schema, out, err))
+        call_borrowed(
+            self._borrowed(), "copying the schema", lambda c, err: lib.aib_schema_copy(c.schema, out, err)
+        )
 
     def _fill_batch(self, index: int, out: Any) -> None:
-        self._borrowed_call(
+        call_borrowed(
+            self._borrowed(),
             "sharing the array",
             lambda c, err: lib.aib_array_share(ffi.addressof(c.arrays[index], "array"), c.owner, out, err),
         )
 
     def _fill_device_stream(self, out: Any) -> None:
-        self._borrowed_call(
-            "creating a stream", lambda c, err: lib.aib_device_stream_from_capture(c.owner, out, err)
+        call_borrowed(
+            self._borrowed(),
+            "creating a stream",
+            lambda c, err: lib.aib_device_stream_from_capture(c.owner, out, err),
         )
 
     def _fill_stream(self, out: Any) -> None:
-        self._borrowed_call(
-            "creating a stream", lambda c, err: lib.aib_stream_from_capture(c.owner, out, err)
+        call_borrowed(
+            self._borrowed(),
+            "creating a stream",
+            lambda c, err: lib.aib_stream_from_capture(c.owner, out, err),
         )
 
     @property

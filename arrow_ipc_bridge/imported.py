@@ -13,11 +13,12 @@ from types import TracebackType
 from typing import Any, Self
 
 from arrow_ipc_bridge import _reaper
-from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
+from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.capsules import (
     ArrowArrayExporter,
     ArrowExporter,
     array_capsules,
+    call_borrowed,
     capsule_struct,
     device_array_capsules,
     owner_address,
@@ -181,20 +182,9 @@ class _ImportedBase(ArrowExporter):
         finally:
             decoded.unborrow()
 
-    def _borrowed_call(self, what: str, call: Callable[[Decoded, Any], int]) -> None:
-        """``call(decoded, err)``, a C call returning an aib error code, with the message borrowed
-        across it; raises the error it reports."""
-        decoded = self._borrow()
-        try:
-            err = new_error()
-            rc = call(decoded, err)
-        finally:
-            decoded.unborrow()
-        if rc:
-            raise_for(rc, err, what)
-
     def _fill_device_array(self, schema: Any, array: Any) -> None:
-        self._borrowed_call(
+        call_borrowed(
+            self._borrow(),
             "rebuilding a device array",
             lambda d, err: lib.aib_rebuild_device_array(
                 d.raw,
@@ -212,7 +202,8 @@ class _ImportedBase(ArrowExporter):
         )
 
     def _fill_device_stream(self, out: Any) -> None:
-        self._borrowed_call(
+        call_borrowed(
+            self._borrow(),
             "creating a device stream",
             lambda d, err: lib.aib_device_stream_from_decoded(
                 d.owner, self._bases, self._n_bases, self._device_type, self._device_id, self._sync, out, err
@@ -220,7 +211,8 @@ class _ImportedBase(ArrowExporter):
         )
 
     def _fill_stream(self, out: Any) -> None:
-        self._borrowed_call(
+        call_borrowed(
+            self._borrow(),
             "creating a stream",
             lambda d, err: lib.aib_stream_from_decoded(d.owner, self._bases, self._n_bases, out, err),
         )
