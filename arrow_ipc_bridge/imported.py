@@ -149,7 +149,11 @@ class _ImportedBase(ArrowExporter):
         return self._live().batch_count
 
     def _sync_event(self) -> Any:
-        return self._sync
+        """The ``sync_event`` for a struct built now: the producer's event while its work is
+        pending, NULL once the driver says it completed (``sync_event.c``)."""
+        if self._sync == ffi.NULL:
+            return self._sync
+        return lib.aib_sync_event_if_pending(self._device_type, self._sync)
 
     @property
     def root_format(self) -> str:
@@ -194,7 +198,7 @@ class _ImportedBase(ArrowExporter):
                 d.owner,
                 self._device_type,
                 self._device_id,
-                self._sync,
+                self._sync_event(),
                 schema,
                 array,
                 err,

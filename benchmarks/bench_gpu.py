@@ -19,7 +19,9 @@ of a CuPy/PyTorch ``sum`` of the last column follows, untimed in the main figure
                          "over the same socket" of issue 5's goal)
     bridge_steady        the producer published 16 CuPy float32 columns once (``from_cuda_arrays``, legacy
                          cudaMalloc memory); per round trip the consumer does session.get ->
-                         __arrow_c_device_array__ -> cuStreamWaitEvent(sync_event) | launch -> (untimed)
+                         __arrow_c_device_array__ -> cuStreamWaitEvent(sync_event) if the struct
+                         carries one (the bridge hands it out only while the producer's work is
+                         pending) | launch -> (untimed)
                          synchronise, check the sum, release. Handles are already open (the session
                          remembers the message's opened regions; the opener keeps legacy handles in an LRU)
     bridge_pool_steady   the same with columns from the bridge's IPC-enabled memory pool
@@ -552,6 +554,9 @@ class Collector:
                             *(fmt_us(phases[f"{k}_us"]["median_us"]) for k in ("get", "capsules", "consumer"))
                         )
                     )
+                with_event = (phases.get("sync_event") or {}).get("mean")
+                if with_event is not None:
+                    detail += f"; sync_event handed out in {100 * with_event:.0f}% of gets"
                 if bare:
                     detail += (
                         f"; against the back-to-back Python socket echo ({fmt_us(bare['median_us'])}) "

@@ -496,4 +496,12 @@ int aib_cuda_describe_buffers(uintptr_t get_attributes, const int *attributes, u
  * to out. Returns 0, or the first failing CUresult with *done the number exported before it. */
 int aib_cuda_export_pool_pointers(uintptr_t export_fn, const uint64_t *pointers, size_t n, uint8_t *out,
                                   size_t *done);
+/* ---------- sync events handed out only while pending (sync_event.c) -----------------------------
+ * fn: the address of cuEventQuery, set once the driver is loaded (memory/cuda.py). */
+void aib_cuda_set_event_query(uintptr_t fn);
+/* For the bridge's own imported data: sync_event (a pointer to a CUevent, as the C Device interface
+ * has it) unless the driver says its recording completed, then NULL. Unchanged when no query
+ * function is set, for other device types, or when the query fails. Counts both outcomes. */
+void *aib_sync_event_if_pending(int32_t device_type, void *sync_event);
+void aib_sync_event_stats(uint64_t *pending, uint64_t *complete);
 #endif

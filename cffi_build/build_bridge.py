@@ -24,6 +24,7 @@ C_SOURCES = [
     "import_cache.c",
     "cuda_batch.c",
     "region_table.c",
+    "sync_event.c",
     "py_capsules.c",
 ]
 HEADERS = ["arrow_c_abi.h", "bridge.h"]

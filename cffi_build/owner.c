@@ -686,7 +686,8 @@ static int dstream_get_next(struct ArrowDeviceArrayStream *st, struct ArrowDevic
   if (rc != AIB_OK) return errno_for(rc);
   out->device_type = s->device_type;
   out->device_id = s->device_id;
-  out->sync_event = s->sync_event;
+  /* Imported data (no captured arrays): the bridge's own event, handed out only while pending. */
+  out->sync_event = s->arrays == NULL ? aib_sync_event_if_pending(s->device_type, s->sync_event) : s->sync_event;
   s->next++;
   return 0;
 }

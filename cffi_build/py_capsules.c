@@ -9,7 +9,8 @@
  * here runs with the GIL held and touches Python objects only through the limited API.
  *
  * What a rebuild needs besides the decode comes from the owner's view (aib_owner_set_view): the
- * region bases in this process and the device. The sync event is the owner's slot when set. */
+ * region bases in this process and the device. The sync event is the owner's slot when set and the
+ * producer's work behind it is still pending (sync_event.c). */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -56,7 +57,8 @@ static PyObject *capsule_pair(aib_owner *owner, int device) {
   if (device) {
     uint64_t *slot = aib_owner_slot(owner);
     rc = aib_rebuild_device_array(decoded, 0, view->bases, view->n_bases, owner, view->device_type,
-                                  view->device_id, *slot != 0 ? (void *)slot : NULL, schema, array, &err);
+                                  view->device_id, aib_sync_event_if_pending(view->device_type, *slot != 0 ? (void *)slot : NULL),
+                                  schema, array, &err);
   } else {
     rc = aib_rebuild_schema(decoded, schema, &err);
     if (rc == AIB_OK) rc = aib_rebuild_array(decoded, 0, view->bases, view->n_bases, owner, array, &err);

@@ -66,8 +66,9 @@ def consumer_loop(socket_path: str, conn: Connection, pool_linger: float = 1.0) 
 
 
 def cudf_style_reader(socket_path: str, name: str, conn: Connection) -> None:
-    """Like cuDF: take the device array capsule, wait on its sync_event on a stream, then read a buffer
-    with a kernel on that stream; send the values of the first column back."""
+    """Like cuDF: take the device array capsule, wait on its sync_event (if any) on a stream, then
+    read a buffer with a kernel on that stream. Connects, says "ready", then for every "go" gets
+    ``name`` and sends back (values of the first column, whether the struct carried an event)."""
     import cupy
 
     import arrow_ipc_bridge as aib
@@ -76,23 +77,27 @@ def cudf_style_reader(socket_path: str, name: str, conn: Connection) -> None:
     from arrow_ipc_bridge.memory import cuda, cuda_regions
 
     try:
-        with aib.connect(socket_path, timeout=30.0) as session, session.get(name) as imported:
-            schema_capsule, array_capsule = imported.__arrow_c_device_array__()
-            device_array = capsule_struct(array_capsule, "device_array")
-            cupy.cuda.Device(int(device_array.device_id)).use()
-            stream = cupy.cuda.Stream(non_blocking=True)
-            if device_array.sync_event:
-                cuda.stream_wait_event(stream.ptr, cuda_regions.event_value(device_array.sync_event))
-            column = device_array.array.children[0]
-            length = int(column.length)
-            ptr = int(ffi.cast("uintptr_t", column.buffers[1]))
-            memory = cupy.cuda.UnownedMemory(ptr, length * 4, owner=imported)
-            values = cupy.ndarray((length,), cupy.float32, cupy.cuda.MemoryPointer(memory, 0))
-            with stream:
-                copy = values * 1  # a kernel on the stream that waited on the producer's event
-            stream.synchronize()
-            conn.send(cupy.asnumpy(copy).tolist())
-            del schema_capsule, array_capsule
+        with aib.connect(socket_path, timeout=30.0) as session:
+            conn.send("ready")
+            while conn.recv() == "go":
+                with session.get(name) as imported:
+                    schema_capsule, array_capsule = imported.__arrow_c_device_array__()
+                    device_array = capsule_struct(array_capsule, "device_array")
+                    cupy.cuda.Device(int(device_array.device_id)).use()
+                    stream = cupy.cuda.Stream(non_blocking=True)
+                    had_event = bool(device_array.sync_event)
+                    if had_event:
+                        cuda.stream_wait_event(stream.ptr, cuda_regions.event_value(device_array.sync_event))
+                    column = device_array.array.children[0]
+                    length = int(column.length)
+                    ptr = int(ffi.cast("uintptr_t", column.buffers[1]))
+                    memory = cupy.cuda.UnownedMemory(ptr, length * 4, owner=imported)
+                    values = cupy.ndarray((length,), cupy.float32, cupy.cuda.MemoryPointer(memory, 0))
+                    with stream:
+                        copy = values * 1  # a kernel on the stream that waited on the producer's event
+                    stream.synchronize()
+                    conn.send((cupy.asnumpy(copy).tolist(), had_event))
+                    del schema_capsule, array_capsule, device_array, column, values, memory
     except Exception:
         traceback.print_exc()
         sys.exit(1)

@@ -379,7 +379,8 @@ def test_cupy_columns_sliced_from_a_pool_block(publisher: aib.Publisher, consume
 
 def test_consumer_sees_final_data_of_a_running_kernel(publisher: aib.Publisher, cupy: Any) -> None:
     """The producer's kernel is still running when the message is sent; a cuDF-style consumer waits
-    on sync_event on its own stream and reads the final values, never the stale ones."""
+    on sync_event on its own stream and reads the final values, never the stale ones. Once that
+    kernel is done, a re-get's struct carries no event (nothing to wait for), same values."""
     import gpu_children
 
     spin = cupy.RawKernel(
@@ -396,17 +397,30 @@ def test_consumer_sees_final_data_of_a_running_kernel(publisher: aib.Publisher, 
     n = 4096
     data = cupy.zeros(n, dtype=cupy.float32)
     cupy.cuda.runtime.deviceSynchronize()
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        spin((n // 256,), (256,), (data, cupy.int32(n), cupy.int64(2_000_000_000)))  # ~1 s
-        publisher.publish("slow", aib.from_cuda_arrays({"v": data}))  # records an event on `stream`
     parent, child = _CTX.Pipe()
     process = _CTX.Process(target=gpu_children.cudf_style_reader, args=(str(publisher.path), "slow", child))
     process.start()
-    assert parent.poll(120), "reader did not answer"
-    values = parent.recv()
-    _join(process)
-    assert values == [7.0] * n
+    try:
+        assert parent.poll(120), "reader did not start"
+        assert parent.recv() == "ready"
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            spin((n // 256,), (256,), (data, cupy.int32(n), cupy.int64(2_000_000_000)))  # ~1 s
+            publisher.publish("slow", aib.from_cuda_arrays({"v": data}))  # records an event on `stream`
+        parent.send("go")
+        assert parent.poll(120), "reader did not answer"
+        values, had_event = parent.recv()
+        assert had_event, "the kernel was still running: the struct must carry the producer's event"
+        assert values == [7.0] * n
+        stream.synchronize()
+        parent.send("go")
+        assert parent.poll(120), "reader did not answer"
+        values, had_event = parent.recv()
+        assert not had_event, "the producer's work is complete: the struct needs no event"
+        assert values == [7.0] * n
+    finally:
+        parent.send("stop")
+        _join(process)
 
 
 def test_producer_exit_leaves_consumer_data_valid(cuda_device: int, cupy: Any) -> None:

@@ -1421,6 +1421,99 @@ def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.
         publisher.unpublish("new")
 
 
+@contextlib.contextmanager
+def _stand_in_event_query(answer: list[int]) -> Iterator[tuple[list[int], Any]]:
+    """Make the C core ask a stand-in for ``cuEventQuery``: it answers ``answer[0]`` and records the
+    events it was asked about (yields them and the stand-in); the driver's own query (or none) is
+    put back after."""
+    from arrow_ipc_bridge.memory import cuda
+
+    asked: list[int] = []
+
+    @ffi.callback("int(void *)")
+    def query(event: Any) -> int:
+        asked.append(int(ffi.cast("uintptr_t", event)))
+        return answer[0]
+
+    lib.aib_cuda_set_event_query(int(ffi.cast("uintptr_t", query)))
+    try:
+        yield asked, query
+    finally:
+        real = cuda._DRIVER.lib
+        restore = int(cuda._DRIVER.ffi.cast("uintptr_t", real.cuEventQuery)) if real is not None else 0
+        lib.aib_cuda_set_event_query(restore)
+
+
+def test_imported_structs_carry_the_sync_event_only_while_it_is_pending(publisher: aib.Publisher) -> None:
+    """The C Device interface's sync_event may be NULL when nothing needs waiting for: every struct
+    of imported CUDA data asks the driver about the producer's event when it is built and carries
+    it only unless the answer is 'complete' (CUDA_SUCCESS). Not ready (600) and errors keep it; so
+    does a process without a query function. Array capsules (the C path and the Python builder) and
+    every batch of a device stream; cuda_stats() counts both outcomes."""
+    from arrow_ipc_bridge.capsules import DEVICE_CUDA, capture, new_capsule
+    from arrow_ipc_bridge.memory import cuda_regions
+
+    batch = pa.record_batch({"x": pa.array([1.0, 2.0], pa.float32())})
+    table = pa.Table.from_batches([batch, batch])
+    uuid, sync = b"u" * 16, b"s" * 64
+    _publish_raw(publisher, "one", _cuda_shaped_message(batch, [b"\x31" * 64], uuid, sync))
+    _publish_raw(publisher, "two", _cuda_shaped_message(table, [b"\x32" * 64, b"\x33" * 64], uuid, sync))
+    handles = [(b"\x31" * 64, 0x100000), (b"\x32" * 64, 0x200000), (b"\x33" * 64, 0x300000)]
+
+    def events_handed_out(imported: Any) -> list[int]:
+        out = []
+        _, array_capsule = imported.__arrow_c_device_array__()
+        out.append(int(ffi.cast("uintptr_t", capsule_struct(array_capsule, "device_array").sync_event)))
+        schema, array = new_capsule("schema"), new_capsule("device_array")
+        imported._fill_device_array(schema[1], array[1])  # the Python builder
+        out.append(int(ffi.cast("uintptr_t", array[1].sync_event)))
+        return out
+
+    answer = [0]
+    try:
+        with (
+            _open_in_region_table(uuid, 0, sync, 0x99, handles),
+            _stand_in_event_query(answer) as (asked, stand_in),
+            aib.connect(publisher.path, timeout=5.0) as session,
+        ):
+            with session.get("one") as imported:
+                assert imported.device_type == DEVICE_CUDA
+                before = cuda_regions.cuda_stats()
+                assert events_handed_out(imported) == [0, 0]  # complete: nothing to wait for
+                assert asked == [0x99, 0x99]
+                answer[0] = 600  # CUDA_ERROR_NOT_READY: the event travels, pointing at the CUevent
+                pending = events_handed_out(imported)
+                assert all(p != 0 and ffi.cast("uint64_t *", p)[0] == 0x99 for p in pending)
+                answer[0] = 201  # an error (no context here, say): kept too
+                assert all(p != 0 for p in events_handed_out(imported))
+                after = cuda_regions.cuda_stats()
+                assert after["sync_events_complete"] - before["sync_events_complete"] == 2
+                assert after["sync_events_pending"] - before["sync_events_pending"] == 4
+                lib.aib_cuda_set_event_query(0)  # no driver loaded: handed out as it is, not asked
+                answer[0] = 0
+                assert all(p != 0 for p in events_handed_out(imported))
+                assert len(asked) == 6
+                lib.aib_cuda_set_event_query(int(ffi.cast("uintptr_t", stand_in)))
+            with session.get("two") as imported:
+                assert isinstance(imported, aib.ImportedStream)
+                answer[0] = 0
+                captured = capture(imported)  # the device stream asks once per batch
+                try:
+                    assert [a.sync_event == ffi.NULL for a in captured.arrays] == [True, True]
+                finally:
+                    captured.close()
+                answer[0] = 600
+                captured = capture(imported)
+                try:
+                    assert [a.sync_event != ffi.NULL for a in captured.arrays] == [True, True]
+                finally:
+                    captured.close()
+        assert wait_for(lambda: publisher.active_leases == 0, 5.0)
+    finally:
+        publisher.unpublish("one")
+        publisher.unpublish("two")
+
+
 def test_ping_to_a_dead_publisher_raises_peer_closed(sock_dir: str) -> None:
     path = os.path.join(sock_dir, "dead.sock")
     pub = aib.Publisher(path)

@@ -621,6 +621,9 @@ class _Driver:
                 raise CudaError(self.failure.message, **self.failure.details)
             self.pid = os.getpid()
             self.lib = lib
+            # Structs of imported data carry their sync_event only while it is pending: the C core
+            # asks the driver (cffi_build/sync_event.c).
+            _core.aib_cuda_set_event_query(int(self.ffi.cast("uintptr_t", lib.cuEventQuery)))
             return lib
 
     def _error(self, lib: Any, call: str, code: int, hint: str | None) -> CudaError:

@@ -123,15 +123,22 @@ def _remember_local(handle: bytes, base: int) -> None:
 
 
 def cuda_stats() -> dict[str, int]:
-    """Process-wide counters: device bytes copied by policy, handle opens and cache hits, and the
-    new messages the C get path imported over handles open here (``c_imports``, ``c_legacy_hits``)."""
+    """Process-wide counters: device bytes copied by policy, handle opens and cache hits, the new
+    messages the C get path imported over handles open here (``c_imports``, ``c_legacy_hits``), and
+    the structs of imported data built with the producer's event still pending (handed out) or
+    already complete (``sync_event`` NULL): ``sync_events_pending``, ``sync_events_complete``."""
     imports = ffi.new("uint64_t *")
     handles = ffi.new("uint64_t *")
     lib.aib_regions_stats(imports, handles)
+    pending = ffi.new("uint64_t *")
+    complete = ffi.new("uint64_t *")
+    lib.aib_sync_event_stats(pending, complete)
     with _lock:
         stats = dict(_stats)
     stats["c_imports"] = int(imports[0])
     stats["c_legacy_hits"] = int(handles[0])
+    stats["sync_events_pending"] = int(pending[0])
+    stats["sync_events_complete"] = int(complete[0])
     return stats
 
 
