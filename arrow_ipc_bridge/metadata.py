@@ -46,6 +46,7 @@ __all__ = [
     "SLOT_UNPLACED",
     "WIRE_VERSION",
     "MAX_MESSAGE_BYTES",
+    "REGION_FLAG_KEPT",
     "REGION_FLAG_SEALED",
     "REGION_FLAG_ZERO_COPY",
 ]
@@ -67,6 +68,9 @@ MAX_MESSAGE_BYTES = int(lib.AIB_MAX_MESSAGE_BYTES)
 # on the file descriptor itself.
 REGION_FLAG_SEALED = 1  # a memfd sealed against shrink/grow/write
 REGION_FLAG_ZERO_COPY = 2  # the producer's own memory, not a copy
+# A CUDA pool allocation the producer never frees while its process lives (a SlabAllocator slab):
+# consumers may keep the import beyond their leases.
+REGION_FLAG_KEPT = 4
 _PROCESS_SPAN = 2**64 - 1
 _SLOT_WORDS = 4  # aib_buffer_slot: address, length, region, offset (uint64 each)
 _uncleared = ffi.new_allocator(should_clear_after_alloc=False)  # encode writes every byte it returns

@@ -38,6 +38,7 @@ from arrow_ipc_bridge.memory.host_map import HostMappingCache
 from arrow_ipc_bridge.metadata import (
     REGION_CUDA_LEGACY,
     REGION_CUDA_POOL,
+    REGION_FLAG_KEPT,
     REGION_FLAG_ZERO_COPY,
     REGION_HOST_FD,
     Decoded,
@@ -269,7 +270,7 @@ class Session:
         if token == 0 or name is None or self._pool_linger <= 0 or not regions or not self._resolved_max:
             return False
         kinds = {r.kind for r in regions}
-        if REGION_CUDA_POOL not in kinds or not kinds <= {REGION_CUDA_POOL, REGION_CUDA_LEGACY}:
+        if not _needs_lease(regions) or not kinds <= {REGION_CUDA_POOL, REGION_CUDA_LEGACY}:
             return False
         digest = hash(message)
         with self._resolved_lock:
@@ -341,10 +342,11 @@ class Session:
         opener = cuda_regions.opener()
         fd_list = list(fds)
         bases = [0] * len(regions)
-        # Legacy handles stay open beyond a lease (the opener's LRU); pool imports only under a lease.
+        # Legacy handles and kept pool slabs stay open beyond a lease (the opener's LRUs); other
+        # pool imports only under a lease.
         pool_indexes = [i for i, r in enumerate(regions) if r.kind == REGION_CUDA_POOL]
         remember = all(r.kind in (REGION_CUDA_LEGACY, REGION_CUDA_POOL) for r in regions) and (
-            not pool_indexes or lease_owner is not None
+            not _needs_lease(regions) or lease_owner is not None
         )
         if pool_indexes:  # imported together: per buffer this is near the driver's own cost
             pool_bases, pool_owner = opener.open_pool_regions(
@@ -362,6 +364,8 @@ class Session:
                     template.depend_on(lease_owner)
                 else:
                     decoded.depend_on(pool_owner)
+                    if remember:  # kept slabs only: held like legacy handles
+                        template.depend_on(pool_owner)
             finally:
                 lib.aib_owner_unref(pool_owner)
             for i, base in zip(pool_indexes, pool_bases, strict=True):
@@ -806,6 +810,12 @@ class Session:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _needs_lease(regions: list[Region]) -> bool:
+    """Whether keeping these regions imported needs a lease: a pool allocation the producer may
+    free (one not flagged kept), which CUDA wants freed here first."""
+    return any(r.kind == REGION_CUDA_POOL and not r.flags & REGION_FLAG_KEPT for r in regions)
 
 
 def _file_identities(fds: Sequence[int]) -> tuple[tuple[int, int], ...] | None:

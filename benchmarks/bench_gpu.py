@@ -33,6 +33,9 @@ of a CuPy/PyTorch ``sum`` of the last column follows, untimed in the main figure
                          and opener caches), so the consumer reconnects its session (untimed) whenever
                          that would pin more than 8 GiB
     bridge_fresh_pool    the same with new IPC-pool arrays: per-buffer pointer imports after the pool import
+    bridge_fresh_slab    the same with new arrays from the slab allocator (``cupy_allocator(0, slab_size=256 MiB)``):
+                         carved out of kept slabs, which the consumer imports once; later messages over
+                         them are imported by the C get path
     bridge_mixed_*       a mixed table (string with nulls, list<int32> with nulls, int64 with nulls,
                          float32) uploaded with ``to_device``: published once / uploaded anew every time;
                          ``mixed_legacy``: published once from ``to_device(..., allocation="legacy")``
@@ -619,11 +622,32 @@ class Collector:
                     )
                 checks.append(
                     {
-                        "check": f"{fmt_size(s)}: IPC pool, µs per new buffer after the pool import",
+                        "check": f"{fmt_size(s)}: IPC pool, one allocation per array, µs per new buffer",
                         "value": direct,
                         "goal": f"<= {POOL_US_PER_BUFFER_GOAL:.0f} µs",
                         "pass": None if direct is None else direct <= POOL_US_PER_BUFFER_GOAL,
                         "detail": detail,
+                    }
+                )
+            fresh_slab = self.get("bridge_fresh_slab", s)
+            if fresh_slab and b:
+                # Everything a message of 16 new buffers adds to a get, per buffer: the whole get
+                # of new arrays against the steady get of the same size.
+                per_buffer = (fresh_slab["median_us"] - b["median_us"]) / NCOLS
+                per_iteration = fresh_slab.get("per_iteration") or {}
+                checks.append(
+                    {
+                        "check": f"{fmt_size(s)}: slab allocator, µs per new buffer (whole get)",
+                        "value": per_buffer,
+                        "goal": f"<= {POOL_US_PER_BUFFER_GOAL:.0f} µs",
+                        "pass": per_buffer <= POOL_US_PER_BUFFER_GOAL,
+                        "detail": (
+                            f"(new slab arrays {fmt_us(fresh_slab['median_us'])} - legacy steady "
+                            f"{fmt_us(b['median_us'])}) / {NCOLS}; per round trip "
+                            f"{per_iteration.get('pool_pointer_imports', 0.0):.2f} pointer imports, "
+                            f"{per_iteration.get('c_imports', 0.0):.2f} C-path imports, "
+                            f"{per_iteration.get('pool_kept_hits', 0.0):.2f} kept-slab hits in Python"
+                        ),
                     }
                 )
             fresh = self.get("bridge_fresh_legacy", s)
@@ -935,6 +959,7 @@ def _synthetic_results(sizes: list[int], iterations: int) -> list[tuple[str, str
         "bridge_pool_steady": 62.0,
         "bridge_fresh_legacy": 2500.0,
         "bridge_fresh_pool": 160.0,
+        "bridge_fresh_slab": 45.0,
         "bridge_mixed_steady": 62.0,
         "bridge_mixed_legacy_steady": 35.0,
         "bridge_mixed_fresh": 75.0,

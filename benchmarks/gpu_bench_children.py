@@ -50,6 +50,7 @@ METHODS: dict[str, str] = {
     "bridge_pool_steady": "bridge, IPC-pool arrays published once",
     "bridge_fresh_legacy": "bridge, new cudaMalloc arrays every time",
     "bridge_fresh_pool": "bridge, new IPC-pool arrays every time",
+    "bridge_fresh_slab": "bridge, new slab-allocator arrays every time",
     "bridge_mixed_steady": "bridge, mixed table (to_device), steady",
     "bridge_mixed_fresh": "bridge, mixed table, new to_device every time",
     "bridge_mixed_legacy_steady": "bridge, mixed table (to_device legacy), steady",
@@ -72,7 +73,16 @@ STEADY = {
     "torch_steady",
     "torch_steady_drop",
 }
-FRESH = {"bridge_fresh_legacy", "bridge_fresh_pool", "bridge_mixed_fresh", "raw_fresh", "torch_fresh"}
+FRESH = {
+    "bridge_fresh_legacy",
+    "bridge_fresh_pool",
+    "bridge_fresh_slab",
+    "bridge_mixed_fresh",
+    "raw_fresh",
+    "torch_fresh",
+}
+# The slab allocator's slab size for bridge_fresh_slab: four 64 MiB columns of the 1 GiB table.
+SLAB_SIZE = 256 * MiB
 MIXED = {"bridge_mixed_steady", "bridge_mixed_fresh", "bridge_mixed_legacy_steady"}
 
 # shared/DESIGN.md, "Peer baselines" (NVIDIA H200, median round trip, microseconds), for comparison.
@@ -397,6 +407,7 @@ class _BridgeProducer:
         self.pub: Any = None
         self.cp: Any = None
         self.pool_alloc: Any = None
+        self.slab_alloc: Any = None
 
     # -- life --
     def serve(self) -> None:
@@ -427,6 +438,7 @@ class _BridgeProducer:
             # another: with the rings of fresh data alive that is ~10 at a time.
             cuda_regions.event_pool(0).prefill(16)
             self.pool_alloc = cuda.cupy_allocator(0)
+            self.slab_alloc = cuda.cupy_allocator(0, slab_size=SLAB_SIZE)
         self.pub = aib.Publisher(self.cfg["bridge_sock"])
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn = None
@@ -592,6 +604,8 @@ class _BridgeProducer:
             cols = self._full(value, None)  # plain cudaMalloc: a new allocation (buffer id) per array
         elif kind in ("pool", "raw"):
             cols = self._full(value, self.pool_alloc if kind == "pool" else None)
+        elif kind == "slab":
+            cols = self._full(value, self.slab_alloc)
         elif kind == "mixed":
             obj = to_device(self.mixed)
             expected = self.mixed_expected
@@ -813,7 +827,7 @@ class _BridgeConsumer:
             )
             # A half-finished method may leave fresh data published: drop it, keep going.
             with contextlib.suppress(Exception):
-                for kind in ("legacy", "pool", "mixed", "raw"):
+                for kind in ("legacy", "pool", "slab", "mixed", "raw"):
                     self.ctl.call_json(b"U", {"kind": kind})  # type: ignore[union-attr]
             return
         if result is None:
@@ -1060,7 +1074,7 @@ class _BridgeConsumer:
             total = 1 + warmup + result["n"]
             result["iterations_total"] = total
             result["per_iteration"] = {k: v / total for k, v in opens.items()}
-            if kind in ("pool", "legacy"):
+            if kind in ("pool", "slab", "legacy"):
                 k = min(20, n)
                 result["open_us_by_region_kind"] = self._instrumented_opens(one, k, 1 + warmup + n)
         finally:
@@ -1110,6 +1124,9 @@ class _BridgeConsumer:
 
     def m_bridge_fresh_pool(self, size: int) -> dict[str, Any]:
         return self._fresh("bridge_fresh_pool", size, "pool")
+
+    def m_bridge_fresh_slab(self, size: int) -> dict[str, Any]:
+        return self._fresh("bridge_fresh_slab", size, "slab")
 
     def m_bridge_mixed_fresh(self, size: int) -> dict[str, Any]:
         result = self._fresh("bridge_mixed_fresh", size, "mixed")

@@ -268,6 +268,8 @@ typedef struct aib_region {
 #define AIB_REGION_KIND_CUDA_POOL 4   /* IPC mempool: pool fd + 64-byte pointer export data */
 #define AIB_REGION_KIND_CUDA_VMM 5    /* cuMem POSIX fd of one VMM allocation */
 #define AIB_REGION_KIND_MAX 5
+/* Region flag: a CUDA pool allocation the producer never frees while its process lives (a slab). */
+#define AIB_REGION_FLAG_KEPT 4
 
 #define AIB_MESSAGE_ARRAY 1     /* exactly one batch, imported as an array */
 #define AIB_MESSAGE_STREAM 2    /* zero or more batches, imported as a stream */
@@ -453,17 +455,20 @@ int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64
                     aib_frame *frame, aib_error *err);
 /* ---------- what this process has open, for aib_session_get (region_table.c) ------------------
  * Keys: a legacy IPC handle (64 bytes; value: its base here; owner: what keeps it open, one
- * reference held by the table), an IPC event handle (value: the opened CUevent), a GPU UUID
- * (value: its ordinal here). Put replaces; remove returns 1 when absent. */
+ * reference held by the table), a kept pool slab's handle (88 bytes; the same), an IPC event handle
+ * (value: the opened CUevent), a GPU UUID (value: its ordinal here). Put replaces; remove returns 1
+ * when absent. */
 #define AIB_REGION_KEY_LEGACY 1
 #define AIB_REGION_KEY_EVENT 2
 #define AIB_REGION_KEY_DEVICE 3
+#define AIB_REGION_KEY_POOL 4 /* a kept IPC-pool slab's 88-byte handle -> its imported pointer */
 #define AIB_REGION_KEY_MAX 128
 #define AIB_MAX_NEW_REGIONS 256
 int aib_regions_put(uint32_t kind, const uint8_t *key, size_t key_len, uint64_t value, aib_owner *owner);
 int aib_regions_remove(uint32_t kind, const uint8_t *key, size_t key_len);
 size_t aib_regions_count(void);
-/* How many messages aib_import_new imported, and how many legacy handles they found open. */
+/* How many messages aib_import_new imported, and how many open handles (legacy or kept pool) they
+ * used. */
 void aib_regions_stats(uint64_t *imports, uint64_t *handles);
 /* The lease owner (token set, view and sync slot filled) for a CUDA message whose device, event
  * and regions (all legacy handles) are in the table, or NULL: the caller's slow path. */

@@ -2,14 +2,16 @@
  *
  * A message the session has not seen before goes to Python (decode, open each region, rebuild):
  * ~200 µs for 16 columns. But producers that allocate new arrays every step mostly carve them out of
- * blocks shared before (CuPy's pool, PyTorch's caching allocator), so the new message names legacy
- * IPC handles this process has open already. aib_import_new imports such a message in C: decode and
+ * blocks shared before (CuPy's pool, PyTorch's caching allocator, the bridge's slab allocator), so
+ * the new message names legacy IPC handles or kept pool slabs this process has open already.
+ * aib_import_new imports such a message in C: decode and
  * validate (the same checks as Python's path), look every handle up here, build the lease's owner.
  * Anything else (a handle, event or device not here, other region kinds, descriptors) returns NULL
  * and the caller takes the Python path, which reports errors properly.
  *
- * Python mirrors its state here (cuda_regions.CudaOpener): a legacy handle when it opens one, with
- * the owner that keeps it open (one reference held here), removed when its LRU lets go; every event
+ * Python mirrors its state here (cuda_regions.CudaOpener): a legacy handle or a kept slab's import
+ * when it opens one, with the owner that keeps it open (one reference held here), removed when its
+ * LRU lets go; every event
  * it opens; every GPU UUID it resolves to an ordinal. One table per process, like the handles. */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -151,12 +153,18 @@ aib_owner *aib_import_new(const uint8_t *message, size_t length, uint32_t n_fds,
   int found = lookup(AIB_REGION_KEY_DEVICE, device->identity, device->identity_len, &ordinal, NULL);
   if (found && device->sync_len > 0) found = lookup(AIB_REGION_KEY_EVENT, device->sync, device->sync_len, &event, NULL);
   for (size_t i = 0; found && i < n; i++) {
-    if (regions[i].kind != AIB_REGION_KIND_CUDA_LEGACY || regions[i].handle_len != 64) {
+    uint32_t key_kind;
+    if (regions[i].kind == AIB_REGION_KIND_CUDA_LEGACY && regions[i].handle_len == 64) {
+      key_kind = AIB_REGION_KEY_LEGACY;
+    } else if (regions[i].kind == AIB_REGION_KIND_CUDA_POOL && regions[i].handle_len == 88 &&
+               (regions[i].flags & AIB_REGION_FLAG_KEPT)) {
+      key_kind = AIB_REGION_KEY_POOL; /* a kept slab imported here: held like a legacy handle */
+    } else {
       found = 0;
       break;
     }
     aib_owner *owner = NULL;
-    found = lookup(AIB_REGION_KEY_LEGACY, regions[i].handle, 64, &bases[i], &owner);
+    found = lookup(key_kind, regions[i].handle, regions[i].handle_len, &bases[i], &owner);
     if (found && owner == NULL) found = 0; /* a handle is only ever put with what keeps it open */
     if (owner != NULL) held[n_held++] = owner;
   }

@@ -289,6 +289,48 @@ def test_pool_fd_goes_once_per_consumer_process(publisher: aib.Publisher) -> Non
         second.stop()
 
 
+def test_new_arrays_in_kept_slabs_cost_the_consumer_no_import(publisher: aib.Publisher, cupy: Any) -> None:
+    """A producer whose CuPy arrays come from the slab allocator publishes new arrays under a new
+    name every time: the regions are its kept slabs (flagged), the consumer imports a slab once and
+    finds it open for every later message, which the C get path imports (no pointer import, no
+    lease kept: pool_linger is 0); every table reads right. Freed space is carved again."""
+    from arrow_ipc_bridge.memory import cuda
+    from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, REGION_FLAG_KEPT, Decoded
+
+    allocator = cuda.cupy_allocator(0, slab_size=8 << 20)
+    consumer = _LingerConsumer(str(publisher.path), pool_linger=0.0)
+    try:
+        for i in range(8):
+            with cupy.cuda.using_allocator(allocator):
+                columns = {f"c{j}": cupy.full(5000, float(i * 10 + j), dtype=cupy.float32) for j in range(4)}
+            data = aib.from_cuda_arrays(columns)
+            if i == 0:
+                with aib.export(data) as exported:
+                    decoded = Decoded(exported.message, len(exported.fds))
+                    try:
+                        regions = decoded.regions()
+                    finally:
+                        decoded.close()
+                assert [(r.kind, r.flags & REGION_FLAG_KEPT) for r in regions] == [
+                    (REGION_CUDA_POOL, REGION_FLAG_KEPT)
+                ]
+            publisher.publish(f"slab{i}", data)
+            del data, columns
+            got, _ = consumer.get(f"slab{i}")
+            assert [got.column(f"c{j}").to_pylist() for j in range(4)] == [
+                [float(i * 10 + j)] * 5000 for j in range(4)
+            ]
+            if i >= 1:
+                publisher.unpublish(f"slab{i - 1}")
+        stats = consumer.stats()
+        assert stats["pool_pointer_imports"] == 1, stats  # one 8 MiB slab holds every table
+        assert stats["new_message_gets"] == 7, stats  # all but the first: the C get path
+        assert _wait_for(lambda: publisher.active_leases == 0, 5.0)
+        assert allocator.slabs.stats()["slabs"] == 1
+    finally:
+        consumer.stop()
+
+
 def test_pools_that_come_and_go_are_imported_afresh(publisher: aib.Publisher, cupy: Any) -> None:
     """A producer that makes a new IPC pool for each publication and drops the old one (the driver
     may give the new pool the destroyed one's handle value): every publication reads right in the

@@ -1092,6 +1092,63 @@ def test_imported_pools_beyond_the_bound_are_dropped_once_idle(monkeypatch: pyte
     assert opener._pool_pointers == {}
 
 
+def test_kept_slab_imports_outlive_their_leases_in_a_bounded_lru(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pool regions flagged kept (slabs the producer never frees) are imported once and stay
+    imported after the message using them ends, in an LRU the C get path sees too; a later message
+    over the same slab imports nothing (pool_kept_hits). Unflagged pool pointers of the same
+    message are still freed with it. Beyond max_kept the least recently used slab leaves the LRU
+    and its import is freed once no message uses it; close() lets the rest go."""
+    from arrow_ipc_bridge.memory import cuda, cuda_regions
+    from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, REGION_FLAG_KEPT, Region
+
+    pool = _FakeImportedPool()
+    monkeypatch.setattr(cuda, "import_pool", lambda fd, device: pool)
+    opener = cuda_regions.CudaOpener(max_kept=2)
+
+    def region(pointer: int, kept: bool = True) -> Region:
+        return Region(
+            REGION_CUDA_POOL,
+            1 << 20,
+            fd_index=0,
+            handle=b"P" * 24 + bytes([pointer]) * 64,
+            flags=REGION_FLAG_KEPT if kept else 0,
+        )
+
+    def let_go(owner: Any) -> None:
+        lib.aib_owner_unref(owner)
+        _reaper.drain()
+
+    tables_before = lib.aib_regions_count()
+    stats = cuda_regions.cuda_stats()
+    bases, owner = opener.open_pool_regions([region(1), region(1), region(2, kept=False)], [0], 0)
+    slab_1 = bases[0]
+    assert bases[1] == slab_1
+    assert len(pool.imported) == 2
+    assert lib.aib_regions_count() == tables_before + 1  # the kept slab, for the C get path
+    let_go(owner)
+    assert pool.imported == {slab_1}  # the kept slab stays; the counted pointer went with its lease
+    bases, owner = opener.open_pool_regions([region(1)], [0], 0)
+    assert bases == [slab_1]
+    assert len(pool.imported) == 1
+    after = cuda_regions.cuda_stats()
+    assert after["pool_kept_hits"] - stats["pool_kept_hits"] == 1
+    assert after["pool_pointer_imports"] - stats["pool_pointer_imports"] == 2
+    held = owner  # a message still using slab 1
+    let_go(opener.open_pool_regions([region(2)], [0], 0)[1])
+    let_go(opener.open_pool_regions([region(3)], [0], 0)[1])  # over the bound: slab 1 leaves the LRU
+    assert list(opener._kept) == [region(2).handle, region(3).handle]
+    assert slab_1 in pool.imported  # still used
+    let_go(held)
+    assert slab_1 not in pool.imported
+    assert len(pool.imported) == 2
+    assert lib.aib_regions_count() == tables_before + 2
+    opener.close()
+    _reaper.drain()
+    assert pool.imported == set()
+    assert opener._pool_pointers == {}
+    assert lib.aib_regions_count() == tables_before
+
+
 def test_legacy_regions_of_a_message_open_together(monkeypatch: pytest.MonkeyPatch) -> None:
     """A message's legacy regions open under one owner: each handle once (a repeat is a cache
     hit), in order; the LRU still bounds what stays open, and a handle it pushes out closes only
@@ -1206,10 +1263,17 @@ def test_a_forked_child_neither_uses_nor_breaks_its_parents_bridge(sock_dir: str
 
 
 def _cuda_shaped_message(
-    batch: pa.RecordBatch | pa.Table, handles: list[bytes], uuid: bytes, sync: bytes
+    batch: pa.RecordBatch | pa.Table,
+    handles: list[bytes],
+    uuid: bytes,
+    sync: bytes,
+    *,
+    kind: int | None = None,
+    flags: int = 0,
 ) -> bytes:
-    """A CUDA message over ``batch``'s layout whose buffers live in legacy regions with ``handles``
-    (one per buffer, in slot order, each at offset 0): what a producer of new arrays sends."""
+    """A CUDA message over ``batch``'s layout whose buffers live in regions with ``handles`` (one
+    per buffer, in slot order, each at offset 0; legacy regions unless ``kind`` says otherwise):
+    what a producer of new arrays sends."""
     from arrow_ipc_bridge.capsules import DEVICE_CUDA, capture
     from arrow_ipc_bridge.metadata import REGION_CUDA_LEGACY, SLOT_FIRST_REGION, Described, DeviceInfo, Region
 
@@ -1221,7 +1285,14 @@ def _cuda_shaped_message(
         for s in range(0, len(slots), 4):
             if slots[s + 1] == 0:
                 continue
-            regions.append(Region(REGION_CUDA_LEGACY, slots[s + 1], handle=handles[len(regions)]))
+            regions.append(
+                Region(
+                    REGION_CUDA_LEGACY if kind is None else kind,
+                    slots[s + 1],
+                    handle=handles[len(regions)],
+                    flags=flags,
+                )
+            )
             slots[s + 2] = SLOT_FIRST_REGION + len(regions) - 1
             slots[s + 3] = 0
         return described.encode(DeviceInfo(DEVICE_CUDA, identity=uuid, sync=sync), regions)
@@ -1419,6 +1490,46 @@ def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.
         for kind, key in keys:
             lib.aib_regions_remove(kind, key, len(key))
         publisher.unpublish("new")
+
+
+def test_new_message_over_kept_slabs_is_imported_by_the_c_core(publisher: aib.Publisher) -> None:
+    """Pool regions flagged kept whose slabs are in the region table (what the opener puts there)
+    take the C new-message path like open legacy handles; the same regions without the flag (pool
+    pointers that need a lease) never do: the get goes to Python, which needs the driver here."""
+    from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, REGION_FLAG_KEPT
+
+    batch = pa.record_batch({f"c{i}": pa.array([float(i)] * 8, pa.float32()) for i in range(2)})
+    handles = [b"K" * 24 + bytes([i + 1]) * 64 for i in range(2)]
+    uuid, sync = b"k" * 16, b"e" * 64
+    kept = _cuda_shaped_message(batch, handles, uuid, sync, kind=REGION_CUDA_POOL, flags=REGION_FLAG_KEPT)
+    _publish_raw(publisher, "kept", kept)
+    _publish_raw(publisher, "leased", _cuda_shaped_message(batch, handles, uuid, sync, kind=REGION_CUDA_POOL))
+    keeper = lib.aib_owner_new(0)
+    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, sync)]
+    try:
+        assert lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, 16, 0, ffi.NULL) == 0
+        assert lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, sync, 64, 0x66, ffi.NULL) == 0
+        for i, handle in enumerate(handles):
+            assert lib.aib_regions_put(lib.AIB_REGION_KEY_POOL, handle, 88, 0x400000 * (i + 1), keeper) == 0
+            keys.append((lib.AIB_REGION_KEY_POOL, handle))
+        with aib.connect(publisher.path, timeout=5.0) as session:
+            with session.get("kept") as imported:
+                assert session.new_message_gets == 1
+                _, array_capsule = imported.__arrow_c_device_array__()
+                children = capsule_struct(array_capsule, "device_array").array.children
+                data = [int(ffi.cast("uintptr_t", children[i].buffers[1])) for i in range(2)]
+                assert data == [0x400000, 0x800000]
+                del children, array_capsule
+            with pytest.raises(aib.BridgeError):
+                session.get("leased")
+            assert session.new_message_gets == 1
+        assert wait_for(lambda: publisher.active_leases == 0, 5.0)
+    finally:
+        for kind, key in keys:
+            lib.aib_regions_remove(kind, key, len(key))
+        lib.aib_owner_unref(keeper)
+        publisher.unpublish("kept")
+        publisher.unpublish("leased")
 
 
 @contextlib.contextmanager

@@ -2577,7 +2577,9 @@ class CupyPoolAllocator:
         return cupy.cuda.MemoryPointer(memory, 0)
 
 
-def cupy_allocator(device: int = 0, *, pool: IpcMemoryPool | None = None) -> CupyPoolAllocator:
+def cupy_allocator(
+    device: int = 0, *, pool: IpcMemoryPool | None = None, slab_size: int | None = None
+) -> Any:
     """Return an allocator for ``cupy.cuda.set_allocator`` whose allocations are shareable via a pool fd.
 
     Parameters
@@ -2585,13 +2587,26 @@ def cupy_allocator(device: int = 0, *, pool: IpcMemoryPool | None = None) -> Cup
     device : int
         Device ordinal.
     pool : IpcMemoryPool, optional
-        Pool to allocate from; default: a new one (reachable as ``allocator.pool``).
+        Pool to allocate from; default: a new one (reachable as ``allocator.pool``). Not with
+        ``slab_size``.
+    slab_size : int, optional
+        Carve arrays out of kept slabs of this many bytes (``memory.slab.SlabAllocator``): a
+        consumer imports each slab once, and new arrays in it cost no driver call there; the
+        slabs are never freed while this process lives. Default: one pool allocation per array,
+        freed when CuPy drops it (each new array is one pointer import per consumer).
 
     Examples
     --------
     >>> import cupy  # doctest: +SKIP
     >>> cupy.cuda.set_allocator(cupy_allocator(0))  # doctest: +SKIP
+    >>> cupy.cuda.set_allocator(cupy_allocator(0, slab_size=256 << 20))  # doctest: +SKIP
     """
+    if slab_size is not None:
+        if pool is not None:
+            raise ValueError("pool and slab_size do not go together: a slab allocator makes its own pool")
+        from arrow_ipc_bridge.memory.slab import CupySlabAllocator
+
+        return CupySlabAllocator(device, slab_size=slab_size)
     return CupyPoolAllocator(device, pool=pool)
 
 

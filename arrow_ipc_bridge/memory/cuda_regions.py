@@ -38,10 +38,12 @@ from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.errors import CopyRequiredError, CudaError, RegionError
 from arrow_ipc_bridge.memory import cuda
+from arrow_ipc_bridge.memory.slab import kept_slab
 from arrow_ipc_bridge.metadata import (
     REGION_CUDA_LEGACY,
     REGION_CUDA_POOL,
     REGION_CUDA_VMM,
+    REGION_FLAG_KEPT,
     SLOT_FIRST_REGION,
     SLOT_UNPLACED,
     Described,
@@ -74,6 +76,8 @@ _stats = {
     "legacy_opens": 0,
     "legacy_hits": 0,
     "pool_imports": 0,
+    "pool_pointer_imports": 0,
+    "pool_kept_hits": 0,
     "pool_fd_requests": 0,
     "pool_fds_served": 0,
     "same_process": 0,
@@ -241,15 +245,26 @@ class CudaPlacer:
 
     def _export_pool_allocations(self, infos: list[cuda.PointerInfo]) -> dict[int, bytes]:
         """The export data of every pool allocation among ``infos`` (buffer id -> 64 bytes): one
-        batch per pool."""
+        batch per pool. A kept slab's is made once and reused, so consumers see one handle for it
+        and find their import of it again."""
         by_pool: dict[int, dict[int, int]] = {}  # pool handle -> {buffer id: base}
-        for info in infos:
-            if info.mempool:
-                by_pool.setdefault(info.mempool, {})[info.buffer_id] = info.base
         exports: dict[int, bytes] = {}
+        slabs: dict[int, Any] = {}
+        for info in infos:
+            if not info.mempool:
+                continue
+            slab = kept_slab(info.base)
+            if slab is not None and slab.export_data is not None:
+                exports[info.buffer_id] = slab.export_data
+                continue
+            if slab is not None:
+                slabs[info.buffer_id] = slab
+            by_pool.setdefault(info.mempool, {})[info.buffer_id] = info.base
         for handle, allocations in by_pool.items():
             datas = _export_pool_pointers(_own_pool(handle), list(allocations.values()), self.device)
             exports.update(zip(allocations, datas, strict=True))
+        for buffer_id, slab in slabs.items():
+            slab.export_data = exports[buffer_id]  # the same bytes whichever thread wins
         return exports
 
     def _region_for(
@@ -260,8 +275,15 @@ class CudaPlacer:
             fd_index = self._pool_fd_index(pool, placement)
             handle = _pool_identity(pool) + exports[info.buffer_id]
             _remember_local(handle, info.base)
+            # A slab is never freed while this process lives: consumers may keep it imported.
+            flags = REGION_FLAG_KEPT if kept_slab(info.base) is not None else 0
             return Region(
-                REGION_CUDA_POOL, size=info.size, identity=info.buffer_id, fd_index=fd_index, handle=handle
+                REGION_CUDA_POOL,
+                size=info.size,
+                identity=info.buffer_id,
+                fd_index=fd_index,
+                handle=handle,
+                flags=flags,
             )
         if info.legacy_ipc_capable:
             handle = _legacy_handles.get(info.base, info.buffer_id)
@@ -391,7 +413,7 @@ class _Opened:
 class CudaOpener:
     """Opens CUDA regions in this process (one instance per process: handles are per process)."""
 
-    def __init__(self, max_legacy: int = 256, max_pools: int = 16) -> None:
+    def __init__(self, max_legacy: int = 256, max_pools: int = 16, max_kept: int = 256) -> None:
         self._lock = threading.Lock()
         self._legacy: OrderedDict[bytes, _Opened] = OrderedDict()  # LRU of open handles kept open
         # handle -> [pointer, owners using it]: each is opened once per process, closed by its last owner
@@ -400,8 +422,12 @@ class CudaOpener:
         # pointer imported are destroyed (producers that come and go, or churn pools).
         self._pools: OrderedDict[bytes, cuda.ImportedPool] = OrderedDict()
         self._pool_pointers: dict[bytes, list[int]] = {}  # handle -> [pointer, leases using it]
+        # Imports of kept slabs (REGION_FLAG_KEPT: the producer never frees them), open beyond their
+        # leases like legacy handles: LRU of handle -> (pointer, the owner whose end releases it).
+        self._kept: OrderedDict[bytes, _Opened] = OrderedDict()
         self._max_legacy = max_legacy
         self._max_pools = max_pools
+        self._max_kept = max_kept
 
     def open(
         self,
@@ -559,34 +585,75 @@ class CudaOpener:
             local = any(key in _local_exports for key in keys)
         if local:  # our own export (same process): one region at a time, from the producer's records
             return self._open_one_by_one(regions, fds, device, fetch_pool_fd)
-        for _ in range(3):
-            pools: dict[bytes, cuda.ImportedPool] = {}
-            for region in regions:
-                pool_key = region.handle[:24]
-                if pool_key not in pools:
-                    pools[pool_key] = self._pool(pool_key, _attached_fd(region, fds), device, fetch_pool_fd)
-            with self._lock:
-                # An idle pool can be evicted between _pool() and here (many other pools imported
-                # meanwhile by other threads): then look it up again.
-                if all(self._pools.get(key) is pool for key, pool in pools.items()):
-                    bases = self._import_pool_pointers(keys, pools)
-                    break
-        else:
-            raise RegionError("the message's IPC pools were evicted three times while being imported")
-        token = _reaper.register(lambda: self._release_pool_pointers(keys, pools))
-        return bases, lib.aib_owner_new(token)
+        # Kept slabs are held by their LRU entries; the others are counted per message (lease).
+        kept = {region.handle for region in regions if region.flags & REGION_FLAG_KEPT}
+        counted = [key for key in keys if key not in kept]
+        evicted: list[_Opened] = []
+        held: list[Any] = []  # one reference on each kept slab's owner, for the group below
+        try:
+            for _ in range(3):
+                pools: dict[bytes, cuda.ImportedPool] = {}
+                for region in regions:
+                    pool_key = region.handle[:24]
+                    if pool_key not in pools:
+                        pools[pool_key] = self._pool(
+                            pool_key, _attached_fd(region, fds), device, fetch_pool_fd
+                        )
+                with self._lock:
+                    # An idle pool can be evicted between _pool() and here (many other pools
+                    # imported meanwhile by other threads): then look it up again.
+                    if all(self._pools.get(key) is pool for key, pool in pools.items()):
+                        bases = self._import_pool_pointers(
+                            keys, counted=counted, kept=kept, pools=pools, held=held, evicted=evicted
+                        )
+                        break
+            else:
+                raise RegionError("the message's IPC pools were evicted three times while being imported")
+            token = _reaper.register(lambda: self._release_pool_pointers(counted, pools)) if counted else 0
+            group = lib.aib_owner_new(token)
+            if group == ffi.NULL:
+                if token:
+                    _reaper.unregister(token)
+                    self._release_pool_pointers(counted, pools)
+                raise MemoryError("allocating an owner")
+            for owner in held:
+                if lib.aib_owner_add_dependency(group, owner):
+                    lib.aib_owner_unref(group)
+                    raise MemoryError("adding an owner dependency")
+        finally:
+            for owner in held:
+                lib.aib_owner_unref(owner)
+            for entry in evicted:
+                lib.aib_owner_unref(entry.owner)  # its import is freed once no array uses it
+        return bases, group
 
-    def _import_pool_pointers(self, keys: list[bytes], pools: dict[bytes, cuda.ImportedPool]) -> list[int]:
-        """Under the lock: import the pointers not imported yet (one batch per pool) and count one
-        more lease on every pointer of ``keys``; returns their addresses in order."""
+    def _import_pool_pointers(
+        self,
+        keys: list[bytes],
+        *,
+        counted: list[bytes],
+        kept: set[bytes],
+        pools: dict[bytes, cuda.ImportedPool],
+        held: list[Any],
+        evicted: list[_Opened],
+    ) -> list[int]:
+        """Under the lock: import the pointers not imported yet (one batch per pool), count one
+        more lease on every pointer of ``counted``, and append to ``held`` a reference on the LRU
+        entry's owner of every kept one (made now for new ones; one the LRU pushes out goes to
+        ``evicted``; the caller unrefs both after the lock). Returns the addresses of ``keys`` in
+        order."""
         fresh: dict[bytes, list[bytes]] = {}
         for key in dict.fromkeys(keys):
-            if key not in self._pool_pointers:
+            if key in self._kept:
+                self._kept.move_to_end(key)
+                _stats["pool_kept_hits"] += 1
+            elif key not in self._pool_pointers:
                 fresh.setdefault(key[:24], []).append(key)
         done: list[bytes] = []
         try:
             for pool_key, new_keys in fresh.items():
                 pointers = pools[pool_key].import_pointers([key[24:] for key in new_keys])
+                _stats["pool_pointer_imports"] += len(pointers)
                 for key, ptr in zip(new_keys, pointers, strict=True):
                     self._pool_pointers[key] = [ptr, 0]
                     done.append(key)
@@ -595,12 +662,35 @@ class CudaOpener:
                 ptr = self._pool_pointers.pop(key)[0]
                 _close_quietly(lambda ptr=ptr, key=key: pools[key[:24]].free_imported(ptr))
             raise
-        bases = []
-        for key in keys:
-            entry = self._pool_pointers[key]
-            entry[1] += 1
-            bases.append(entry[0])
-        return bases
+        for key in counted:
+            self._pool_pointers[key][1] += 1
+        for key in kept:
+            entry = self._kept.get(key)
+            if entry is None:
+                entry = self._keep_pool_pointer(key, pools[key[:24]], evicted)
+            lib.aib_owner_ref(entry.owner)
+            held.append(entry.owner)
+        return [self._pool_pointers[key][0] for key in keys]
+
+    def _keep_pool_pointer(self, key: bytes, pool: cuda.ImportedPool, evicted: list[_Opened]) -> _Opened:
+        """Under the lock: the LRU entry for a kept slab's import (imported already): one more
+        count on the pointer, held by an owner the entry keeps; the C core's get path finds it
+        too (region_table.c). The owner's end (evicted, and no array using it) takes the count
+        back, and the last count frees the import."""
+        self._pool_pointers[key][1] += 1
+        owner = lib.aib_owner_new(
+            _reaper.register(lambda: self._release_pool_pointers([key], {key[:24]: pool}))
+        )
+        if owner == ffi.NULL:
+            self._pool_pointers[key][1] -= 1
+            raise MemoryError("allocating an owner")
+        entry = self._kept[key] = _Opened(self._pool_pointers[key][0], owner)
+        lib.aib_regions_put(lib.AIB_REGION_KEY_POOL, key, len(key), entry.base, owner)
+        if len(self._kept) > self._max_kept:
+            old_key, old = self._kept.popitem(last=False)
+            lib.aib_regions_remove(lib.AIB_REGION_KEY_POOL, old_key, len(old_key))
+            evicted.append(old)
+        return entry
 
     def _open_one_by_one(
         self,
@@ -704,12 +794,16 @@ class CudaOpener:
         return _Opened(mapping.ptr, lib.aib_owner_new(token))
 
     def close(self) -> None:
-        """Drop the cache's references (handles close as their last arrays go)."""
+        """Drop the caches' references (handles close, kept slab imports are freed, as their last
+        arrays go)."""
         with self._lock:
             legacy, self._legacy = list(self._legacy.items()), OrderedDict()
             for handle, _ in legacy:
                 lib.aib_regions_remove(lib.AIB_REGION_KEY_LEGACY, handle, len(handle))
-        for _, entry in legacy:
+            kept, self._kept = list(self._kept.items()), OrderedDict()
+            for key, _ in kept:
+                lib.aib_regions_remove(lib.AIB_REGION_KEY_POOL, key, len(key))
+        for _, entry in legacy + kept:
             lib.aib_owner_unref(entry.owner)
 
 
