@@ -83,6 +83,7 @@ FRESH = {
 }
 # The slab allocator's slab size for bridge_fresh_slab: four 64 MiB columns of the 1 GiB table.
 SLAB_SIZE = 256 * MiB
+CONTROL_BASE = 1 << 20  # iteration numbers of the control publications (bridge_fresh_slab)
 MIXED = {"bridge_mixed_steady", "bridge_mixed_fresh", "bridge_mixed_legacy_steady"}
 
 # shared/DESIGN.md, "Peer baselines" (NVIDIA H200, median round trip, microseconds), for comparison.
@@ -931,9 +932,12 @@ class _BridgeConsumer:
         from arrow_ipc_bridge.memory import cuda_regions
 
         assert self.session is not None
+        remembered, new_in_c = self.session.remembered_gets, self.session.new_message_gets
         t0 = _perf()
         imported = self.session.get(name)
         t_got = _perf()
+        remembered = self.session.remembered_gets - remembered
+        new_in_c = self.session.new_message_gets - new_in_c
         capsules = imported.__arrow_c_device_array__()
         t_capsules = _perf()
         device_array = capsule_struct(capsules[1], "device_array")
@@ -961,6 +965,9 @@ class _BridgeConsumer:
             "launched_s": t1 - t0,
             "release_s": t3 - t2,
             "sync_event": float(has_sync),
+            # how the get was imported: a remembered message, or a new one by the C core (else Python)
+            "remembered": float(remembered),
+            "new_in_c": float(new_in_c),
             # where the round trip goes: the get, the capsule pair, the consumer's struct reads + wait
             "get_s": t_got - t0,
             "capsules_s": t_capsules - t_got,
@@ -1065,6 +1072,12 @@ class _BridgeConsumer:
                 buffers=float(prep.get("buffers", 0)),
                 copied_bytes=float(prep.get("copied_bytes", 0)),
             )
+            if kind == "slab":
+                # The control: the same producer work before the get (which leaves both processes
+                # idle for a millisecond or two: cold caches, deeper sleeps), then a get of the
+                # steady message. What the new message adds is the difference.
+                self.ctl.call_json(b"F", {"kind": kind, "i": CONTROL_BASE + i})  # type: ignore[union-attr]
+                extra["control_get_s"] = self._bridge_get("steady", self.size_info["expected_last"])[0]
             return dt, extra
 
         try:

@@ -292,8 +292,10 @@ def test_pool_fd_goes_once_per_consumer_process(publisher: aib.Publisher) -> Non
 def test_new_arrays_in_kept_slabs_cost_the_consumer_no_import(publisher: aib.Publisher, cupy: Any) -> None:
     """A producer whose CuPy arrays come from the slab allocator publishes new arrays under a new
     name every time: the regions are its kept slabs (flagged), the consumer imports a slab once and
-    finds it open for every later message, which the C get path imports (no pointer import, no
-    lease kept: pool_linger is 0); every table reads right. Freed space is carved again."""
+    finds it open for every later message, which the C core imports (new bytes: the C new-message
+    path; the same bytes as an earlier message, when the new arrays landed where the old ones were
+    with the same event: the remembered path); no pointer import and no lease kept (pool_linger is
+    0); every table reads right. Freed space is carved again: one slab holds them all."""
     from arrow_ipc_bridge.memory import cuda
     from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, REGION_FLAG_KEPT, Decoded
 
@@ -316,7 +318,7 @@ def test_new_arrays_in_kept_slabs_cost_the_consumer_no_import(publisher: aib.Pub
                 ]
             publisher.publish(f"slab{i}", data)
             del data, columns
-            got, _ = consumer.get(f"slab{i}")
+            got, remembered = consumer.get(f"slab{i}")
             assert [got.column(f"c{j}").to_pylist() for j in range(4)] == [
                 [float(i * 10 + j)] * 5000 for j in range(4)
             ]
@@ -324,7 +326,10 @@ def test_new_arrays_in_kept_slabs_cost_the_consumer_no_import(publisher: aib.Pub
                 publisher.unpublish(f"slab{i - 1}")
         stats = consumer.stats()
         assert stats["pool_pointer_imports"] == 1, stats  # one 8 MiB slab holds every table
-        assert stats["new_message_gets"] == 7, stats  # all but the first: the C get path
+        # Python imported the first message and found the slab open at most for the next few (a
+        # new event handle on the way); the C core imported the rest.
+        assert stats["pool_kept_hits"] <= 3, stats
+        assert stats["new_message_gets"] + remembered >= 4, (stats, remembered)
         assert _wait_for(lambda: publisher.active_leases == 0, 5.0)
         assert allocator.slabs.stats()["slabs"] == 1
     finally:
