@@ -117,3 +117,19 @@ def test_allocator_carves_slabs_per_stream_and_keeps_them() -> None:
     with pytest.raises(ValueError, match="slab_size"):
         SlabAllocator(0, slab_size=0, pool=pool)
     assert slab.kept_slab(base + ALIGNMENT) is None  # only slab bases are slabs
+
+
+def test_finalizer_frees_queue_until_the_next_call() -> None:
+    """CuPy's finalizers give space back with free_later, which only queues (the collector may run
+    them inside the allocator's locked section): the next allocate, free or stats applies them; an
+    address the allocator never handed out is reported with a ResourceWarning, not lost silently."""
+    pool: Any = _StandInPool()
+    allocator = SlabAllocator(0, slab_size=2 << 20, pool=pool)
+    a = allocator.allocate(1024)
+    allocator.free_later(a)
+    assert allocator._live  # queued, not applied yet
+    assert allocator.stats()["used_bytes"] == 0
+    assert allocator.allocate(1024) == a  # the space is carved again
+    allocator.free_later(a + 1)
+    with pytest.warns(ResourceWarning, match="did not hand out"):
+        allocator.stats()

@@ -19,7 +19,7 @@ follows: work queued on that stream before the free finishes before work on a re
 from __future__ import annotations
 
 import bisect
-import contextlib
+import collections
 import threading
 import warnings
 from dataclasses import dataclass
@@ -161,6 +161,10 @@ class SlabAllocator:
         self._lock = threading.Lock()
         self._by_stream: dict[int, list[_Slab]] = {}
         self._live: dict[int, _Slab] = {}  # address handed out -> its slab
+        # Addresses given back by finalizers (free_later): the garbage collector may run one on a
+        # thread that holds the lock already, in the middle of an allocation, so they only queue
+        # here (deque appends need no lock) and the next call that takes the lock applies them.
+        self._freed_later: collections.deque[int] = collections.deque()
 
     def allocate(self, nbytes: int, stream: object = 0) -> int:
         """A device address of at least ``nbytes`` (512-byte aligned) for work on ``stream``
@@ -169,6 +173,7 @@ class SlabAllocator:
         size = _align(max(int(nbytes), 1), ALIGNMENT)
         stream_value = cuda._stream_value(stream)
         with self._lock:
+            self._apply_freed_later()
             slabs = self._by_stream.setdefault(stream_value, [])
             for slab in slabs:
                 offset = slab.ranges.take(size)
@@ -190,14 +195,36 @@ class SlabAllocator:
     def free(self, address: int) -> None:
         """Give a buffer's space back to its slab (no driver call; the slab stays)."""
         with self._lock:
-            slab = self._live.pop(address, None)
-            if slab is None:
+            self._apply_freed_later()
+            if not self._give_back(address):
                 raise RegionError(f"address {address:#x} was not allocated here (or was freed)", field="ptr")
-            slab.ranges.give(address - slab.base)
+
+    def free_later(self, address: int) -> None:
+        """:meth:`free` from a finalizer: queued, applied by the next call that takes the lock."""
+        self._freed_later.append(address)
+
+    def _give_back(self, address: int) -> bool:
+        slab = self._live.pop(address, None)
+        if slab is None:
+            return False
+        slab.ranges.give(address - slab.base)
+        return True
+
+    def _apply_freed_later(self) -> None:
+        """Under the lock: the addresses finalizers gave back."""
+        while self._freed_later:
+            address = self._freed_later.popleft()
+            if not self._give_back(address):
+                warnings.warn(
+                    f"a finalizer gave back {address:#x}, which this slab allocator did not hand out",
+                    ResourceWarning,
+                    stacklevel=2,
+                )
 
     def stats(self) -> dict[str, int]:
         """``slabs``, ``reserved_bytes`` (all slabs) and ``used_bytes`` (handed out, aligned)."""
         with self._lock:
+            self._apply_freed_later()
             slabs = [slab for group in self._by_stream.values() for slab in group]
             return {
                 "slabs": len(slabs),
@@ -216,15 +243,8 @@ class _SlabAllocationOwner:
         self.address = address
 
     def __del__(self) -> None:
-        if not cuda._usable_in_this_process():
-            return  # a fork child: the allocator (and its lock) are the parent's
-        try:
-            self.allocator.free(self.address)
-        except Exception as exc:
-            with contextlib.suppress(Exception):  # finalizers never raise
-                warnings.warn(
-                    f"could not give {self.address:#x} back to its slab: {exc}", ResourceWarning, stacklevel=2
-                )
+        # Queued, not applied: the collector may run this inside the allocator's own locked section.
+        self.allocator.free_later(self.address)
 
 
 class CupySlabAllocator:
