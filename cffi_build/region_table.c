@@ -131,6 +131,9 @@ static int lookup(uint32_t kind, const uint8_t *key, size_t len, uint64_t *value
 aib_owner *aib_import_new(const uint8_t *message, size_t length, uint32_t n_fds, uint64_t token,
                           aib_owner *keeper) {
   if (n_fds != 0) return NULL;
+  /* The device type is the body's first varint (wire-format.md, section 3): a host message (or one
+   * encoded oddly) goes to the caller's path without a decode spent on it here. */
+  if (length <= 16 || message[16] != ARROW_DEVICE_CUDA) return NULL;
   pthread_mutex_lock(&table_lock);
   int empty = table_count == 0;
   pthread_mutex_unlock(&table_lock);
