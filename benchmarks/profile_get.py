@@ -2,7 +2,7 @@
 """Where a steady-state get's time goes, phase by phase, in one consumer process.
 
     python benchmarks/profile_get.py [--device cuda|cpu] [--table float|mixed] [--iterations 3000]
-                                     [--cprofile] [--fresh legacy|pool]
+                                     [--cprofile] [--fresh legacy|pool|slab]
 
 A producer process publishes 16 float32 columns (CuPy arrays with ``--device cuda``; all-null columns on
 the CPU, whose message, like an all-legacy CUDA one, is remembered), or
@@ -13,7 +13,8 @@ consumer times, per get: ``session.get`` alone, then ``__arrow_c_device_array__`
 struct and waiting on ``sync_event`` (the bench's "can launch work" end point), a bare 64-byte
 socket round trip between the same two processes and a ``Session.ping`` on the session's own
 connection, for scale. ``--fresh`` (CUDA, float table): the producer republishes 16 new columns
-(``legacy``: CuPy's default allocator, ``pool``: the bridge's IPC-pool allocator) before each get
+(``legacy``: CuPy's default allocator, ``pool``: the bridge's IPC-pool allocator, ``slab``: its
+slab allocator) before each get
 (untimed), so every get imports a new message: the first-get path. A development aid, not a benchmark of
 record: benchmarks/bench_gpu.py is that.
 """
@@ -48,7 +49,13 @@ def producer(path: str, options: tuple[str, str, str], ready: Any, echo_sock: so
         from arrow_ipc_bridge.memory import cuda
 
         if not allocators:
-            allocators.append(cuda.cupy_allocator(0) if fresh == "pool" else cp.cuda.get_allocator())
+            allocators.append(
+                cuda.cupy_allocator(0)
+                if fresh == "pool"
+                else cuda.cupy_allocator(0, slab_size=256 << 20)
+                if fresh == "slab"
+                else cp.cuda.get_allocator()
+            )
         with cp.cuda.using_allocator(allocators[0]):
             columns = {f"c{i}": cp.full(ROWS, value, dtype=cp.float32) for i in range(NCOLS)}
         cp.cuda.runtime.deviceSynchronize()
@@ -122,7 +129,7 @@ def main() -> None:
     parser.add_argument("--table", choices=["float", "mixed"], default="float")
     parser.add_argument("--iterations", type=int, default=3000)
     parser.add_argument("--cprofile", action="store_true")
-    parser.add_argument("--fresh", choices=["legacy", "pool"], default="")
+    parser.add_argument("--fresh", choices=["legacy", "pool", "slab"], default="")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     directory = tempfile.mkdtemp(prefix="aib-prof-")
