@@ -40,11 +40,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from .._ffi import ffi as _core_ffi
 from .._ffi import lib as _core
 from ..errors import BridgeError, CopyRequiredError, CudaError, RegionError, ReleasedError
+
+if TYPE_CHECKING:  # slab.py imports this module
+    from arrow_ipc_bridge.memory.slab import CupySlabAllocator
 
 __all__ = [
     # driver and devices
@@ -2579,7 +2582,7 @@ class CupyPoolAllocator:
 
 def cupy_allocator(
     device: int = 0, *, pool: IpcMemoryPool | None = None, slab_size: int | None = None
-) -> Any:
+) -> CupyPoolAllocator | CupySlabAllocator:
     """Return an allocator for ``cupy.cuda.set_allocator`` whose allocations are shareable via a pool fd.
 
     Parameters

@@ -119,7 +119,7 @@ class _Slab:
     base: int
     size: int
     stream: int
-    pool: cuda.IpcMemoryPool
+    pool: cuda.IpcMemoryPool  # held here too: a pool is never destroyed under its slabs
     ranges: SlabRanges
     export_data: bytes | None = None  # cuMemPoolExportPointer of base, made once (cuda_regions)
 
