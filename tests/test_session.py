@@ -1318,19 +1318,25 @@ def _publish_raw(publisher: aib.Publisher, name: str, message: bytes) -> None:
 
 @contextlib.contextmanager
 def _open_in_region_table(
-    uuid: bytes, ordinal: int, sync: bytes, event: int, handles: list[tuple[bytes, int]]
+    uuid: bytes,
+    ordinal: int,
+    sync: bytes,
+    event: int,
+    handles: list[tuple[bytes, int]],
+    *,
+    key_kind: int = lib.AIB_REGION_KEY_LEGACY,
 ) -> Iterator[None]:
-    """Put a GPU, an opened event and legacy handles (with their bases here) in the process's
-    region table, as the driver module and the opener would, the handles held by one owner; take
-    them out again after."""
+    """Put a GPU, an opened event and handles (legacy ones, or kept pool slabs with ``key_kind``
+    AIB_REGION_KEY_POOL; with their bases here) in the process's region table, as the driver
+    module and the opener would, the handles held by one owner; take them out again after."""
     keeper = lib.aib_owner_new(0)
     keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, sync)]
     try:
         assert lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, len(uuid), ordinal, ffi.NULL) == 0
         assert lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, sync, len(sync), event, ffi.NULL) == 0
         for handle, base in handles:
-            assert lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handle, len(handle), base, keeper) == 0
-            keys.append((lib.AIB_REGION_KEY_LEGACY, handle))
+            assert lib.aib_regions_put(key_kind, handle, len(handle), base, keeper) == 0
+            keys.append((key_kind, handle))
         yield
     finally:
         for kind, key in keys:
@@ -1504,15 +1510,12 @@ def test_new_message_over_kept_slabs_is_imported_by_the_c_core(publisher: aib.Pu
     kept = _cuda_shaped_message(batch, handles, uuid, sync, kind=REGION_CUDA_POOL, flags=REGION_FLAG_KEPT)
     _publish_raw(publisher, "kept", kept)
     _publish_raw(publisher, "leased", _cuda_shaped_message(batch, handles, uuid, sync, kind=REGION_CUDA_POOL))
-    keeper = lib.aib_owner_new(0)
-    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, sync)]
+    bases = [(handle, 0x400000 * (i + 1)) for i, handle in enumerate(handles)]
     try:
-        assert lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, 16, 0, ffi.NULL) == 0
-        assert lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, sync, 64, 0x66, ffi.NULL) == 0
-        for i, handle in enumerate(handles):
-            assert lib.aib_regions_put(lib.AIB_REGION_KEY_POOL, handle, 88, 0x400000 * (i + 1), keeper) == 0
-            keys.append((lib.AIB_REGION_KEY_POOL, handle))
-        with aib.connect(publisher.path, timeout=5.0) as session:
+        with (
+            _open_in_region_table(uuid, 0, sync, 0x66, bases, key_kind=lib.AIB_REGION_KEY_POOL),
+            aib.connect(publisher.path, timeout=5.0) as session,
+        ):
             with session.get("kept") as imported:
                 assert session.new_message_gets == 1
                 _, array_capsule = imported.__arrow_c_device_array__()
@@ -1525,9 +1528,6 @@ def test_new_message_over_kept_slabs_is_imported_by_the_c_core(publisher: aib.Pu
             assert session.new_message_gets == 1
         assert wait_for(lambda: publisher.active_leases == 0, 5.0)
     finally:
-        for kind, key in keys:
-            lib.aib_regions_remove(kind, key, len(key))
-        lib.aib_owner_unref(keeper)
         publisher.unpublish("kept")
         publisher.unpublish("leased")
 

@@ -2542,6 +2542,18 @@ class _PoolAllocationOwner:
                 )
 
 
+def cupy_allocation_request(cupy: Any, device: int, nbytes: int) -> tuple[int, int]:
+    """What a CuPy allocator call asks for: (bytes, at least 1, since CuPy asks for 0 for empty
+    arrays and the driver refuses 0; CuPy's current stream). RegionError when CuPy's current
+    device is not the allocator's."""
+    current = cupy.cuda.Device().id
+    if current != device:
+        raise RegionError(
+            f"CuPy allocates on device {current} but this allocator serves device {device}", field="device"
+        )
+    return max(int(nbytes), 1), int(cupy.cuda.get_current_stream().ptr)
+
+
 class CupyPoolAllocator:
     """A CuPy allocator (for ``cupy.cuda.set_allocator``) that serves memory from an :class:`IpcMemoryPool`.
 
@@ -2566,14 +2578,7 @@ class CupyPoolAllocator:
 
     def __call__(self, nbytes: int) -> Any:
         cupy = self._cupy
-        current = cupy.cuda.Device().id
-        if current != self.device:
-            raise RegionError(
-                f"CuPy allocates on device {current} but this allocator serves device {self.device}",
-                field="device",
-            )
-        size = max(int(nbytes), 1)  # CuPy asks for 0 bytes for empty arrays; the driver rejects 0
-        stream = int(cupy.cuda.get_current_stream().ptr)
+        size, stream = cupy_allocation_request(cupy, self.device, nbytes)
         ptr = self.pool.allocate(size, stream)
         owner = _PoolAllocationOwner(self.pool, ptr, size, stream)
         memory = cupy.cuda.UnownedMemory(ptr, size, owner, self.device)

@@ -264,14 +264,8 @@ class CupySlabAllocator:
 
     def __call__(self, nbytes: int) -> Any:
         cupy = self._cupy
-        current = cupy.cuda.Device().id
-        if current != self.device:
-            raise RegionError(
-                f"CuPy allocates on device {current} but this allocator serves device {self.device}",
-                field="device",
-            )
-        size = max(int(nbytes), 1)
-        address = self.slabs.allocate(size, int(cupy.cuda.get_current_stream().ptr))
+        size, stream = cuda.cupy_allocation_request(cupy, self.device, nbytes)
+        address = self.slabs.allocate(size, stream)
         memory = cupy.cuda.UnownedMemory(
             address, size, _SlabAllocationOwner(self.slabs, address), self.device
         )
