@@ -1105,7 +1105,12 @@ class _BridgeConsumer:
         """The bare round trip on the bridge's own connection (``Session.ping``: 64 bytes echoed by
         the publisher's C loop), in the steady loop's rhythm: each timed ping is followed by an
         untimed steady-state get (get, capsule, wait, launch, synchronise, release), so the ping
-        meets the same gaps and the same idle threads as the gets of ``bridge_steady`` do."""
+        meets the same gaps and the same idle threads as the gets of ``bridge_steady`` do.
+
+        Then one more steady get, timed ("interleaved_get"): it follows a full get cycle just as
+        the ping does, and it runs within a few hundred microseconds of that ping, so the two
+        medians compare like with like even on a machine whose speed drifts between the separate
+        loops of bridge_ping and bridge_steady."""
         warmup, n, budget = plan(self.cfg, "bridge_steady", size)
         assert self.session is not None
         session = self.session
@@ -1115,7 +1120,7 @@ class _BridgeConsumer:
         def one(i: int) -> tuple[float, dict[str, float]]:
             dt = session.ping(payload)
             self._bridge_get("steady", expected)
-            return dt, {}
+            return dt, {"interleaved_get_s": self._bridge_get("steady", expected)[0]}
 
         return run_loop(one, warmup=warmup, n=n, budget_s=budget)
 
