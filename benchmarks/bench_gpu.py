@@ -16,8 +16,8 @@ of a CuPy/PyTorch ``sum`` of the last column follows, untimed in the main figure
     bridge_ping          Session.ping: 64 bytes echoed by the publisher's C serve loop on the session's own
                          connection, each ping followed by an untimed bridge_steady round trip, so that
                          it meets the gaps and idle threads a steady get meets (the bare round trip
-                         "over the same socket" of issue 5's goal); then one more steady round trip,
-                         timed ("interleaved get": the ratio taken within one loop)
+                         "over the same socket" of issue 5's goal); then one more steady round trip
+                         and one of each mixed table, timed (the ratios taken within one loop)
     bridge_steady        the producer published 16 CuPy float32 columns once (``from_cuda_arrays``, legacy
                          cudaMalloc memory); per round trip the consumer does session.get ->
                          __arrow_c_device_array__ -> cuStreamWaitEvent(sync_event) if the struct
@@ -604,9 +604,9 @@ class Collector:
                         "detail": f"bridge {fmt_us(b['median_us'])}, bare {fmt_us(bare['median_us'])}",
                     }
                 )
-            for mixed_key, how in (
-                ("bridge_mixed_steady", "to_device pool"),
-                ("bridge_mixed_legacy_steady", "to_device legacy"),
+            for mixed_key, how, interleaved_key in (
+                ("bridge_mixed_steady", "to_device pool", "interleaved_mixed_get_us"),
+                ("bridge_mixed_legacy_steady", "to_device legacy", "interleaved_mixed_legacy_get_us"),
             ):
                 mixed = self.get(mixed_key, s)
                 if mixed and ping:
@@ -619,6 +619,21 @@ class Collector:
                             "goal": f"<= {BARE_RATIO_GOAL}",
                             "pass": ratio <= BARE_RATIO_GOAL,
                             "detail": f"mixed {fmt_us(mixed['median_us'])}, PING {fmt_us(ping['median_us'])}",
+                        }
+                    )
+                in_loop = ((ping or {}).get("extra") or {}).get(interleaved_key) or {}
+                if ping and in_loop.get("median_us"):
+                    ratio = in_loop["median_us"] / ping["median_us"]
+                    checks.append(
+                        {
+                            "check": f"{fmt_size(s)}: the same, mixed table ({how}) timed in the PING loop",
+                            "value": ratio,
+                            "goal": f"<= {BARE_RATIO_GOAL}",
+                            "pass": ratio <= BARE_RATIO_GOAL,
+                            "detail": (
+                                f"mixed {fmt_us(in_loop['median_us'])}, PING {fmt_us(ping['median_us'])} "
+                                "(each timed after a full get cycle, in one loop)"
+                            ),
                         }
                     )
             fresh_pool = self.get("bridge_fresh_pool", s)
@@ -1020,7 +1035,11 @@ def _synthetic_results(sizes: list[int], iterations: int) -> list[tuple[str, str
                 extra={},
             )
             if key == "bridge_ping":
-                r["extra"] = {"interleaved_get_us": kids.stats_us([2.2e-5])}
+                r["extra"] = {
+                    "interleaved_get_us": kids.stats_us([2.2e-5]),
+                    "interleaved_mixed_get_us": kids.stats_us([2.4e-5]),
+                    "interleaved_mixed_legacy_get_us": kids.stats_us([2.3e-5]),
+                }
             if key in FRESH:
                 r["extra"] = {
                     "producer_publish_us": kids.stats_us([4e-4]),

@@ -1107,20 +1107,28 @@ class _BridgeConsumer:
         untimed steady-state get (get, capsule, wait, launch, synchronise, release), so the ping
         meets the same gaps and the same idle threads as the gets of ``bridge_steady`` do.
 
-        Then one more steady get, timed ("interleaved_get"): it follows a full get cycle just as
-        the ping does, and it runs within a few hundred microseconds of that ping, so the two
-        medians compare like with like even on a machine whose speed drifts between the separate
-        loops of bridge_ping and bridge_steady."""
+        Then one more steady get, timed ("interleaved_get"), and a get of each mixed table when
+        they are published ("interleaved_mixed_get", "interleaved_mixed_legacy_get"): each follows
+        a full get cycle just as the ping does, and runs within a few hundred microseconds of that
+        ping, so the medians compare like with like even on a machine whose speed drifts between
+        the separate loops of bridge_ping and the steady methods."""
         warmup, n, budget = plan(self.cfg, "bridge_steady", size)
         assert self.session is not None
         session = self.session
         payload = bytes(range(64))
         expected = self.size_info["expected_last"]
+        mixed = self.size_info.get("mixed") or {}
+        interleaved = [("interleaved_get_s", "steady", expected)]
+        if mixed.get("expected_last") is not None:
+            interleaved += [
+                ("interleaved_mixed_get_s", "mixed", mixed["expected_last"]),
+                ("interleaved_mixed_legacy_get_s", "mixed_legacy", mixed["expected_last"]),
+            ]
 
         def one(i: int) -> tuple[float, dict[str, float]]:
             dt = session.ping(payload)
             self._bridge_get("steady", expected)
-            return dt, {"interleaved_get_s": self._bridge_get("steady", expected)[0]}
+            return dt, {key: self._bridge_get(name, value)[0] for key, name, value in interleaved}
 
         return run_loop(one, warmup=warmup, n=n, budget_s=budget)
 
