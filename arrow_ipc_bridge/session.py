@@ -48,7 +48,7 @@ from arrow_ipc_bridge.metadata import (
 
 __all__ = ["Session", "connect"]
 
-_POOL_SEEN_MAX = 256  # names whose last pool message a session compares the next get with
+_SEEN_ONCE_MAX = 256  # names whose last unremembered message a session compares the next get with
 
 Imported = ImportedArray | ImportedStream
 
@@ -138,9 +138,10 @@ class Session:
         self._key_by_name: dict[str, bytes] = {}  # the message each name was last remembered with
         # Remembered pool messages holding a lease -> when a get last used them (time.monotonic()).
         self._lingering: dict[bytes, float] = {}
-        # name -> hash of the pool message its last get imported without keeping it: a pool
-        # message is kept (with a lease) from its second get on, so a stream of new data pins nothing.
-        self._pool_seen: OrderedDict[str, int] = OrderedDict()
+        # name -> hash of the message its last get imported without remembering it: a pool message
+        # (kept with a lease) and a new message the C core imported are remembered from their second
+        # get in a row on, so a stream of new data pins nothing and costs no template.
+        self._seen_once: OrderedDict[str, int] = OrderedDict()
         self._resolved_lock = threading.Lock()
         cache = lib.aib_import_cache_new()
         if cache == ffi.NULL:
@@ -272,13 +273,18 @@ class Session:
         kinds = {r.kind for r in regions}
         if not _needs_lease(regions) or not kinds <= {REGION_CUDA_POOL, REGION_CUDA_LEGACY}:
             return False
+        return self._got_again(name, message)
+
+    def _got_again(self, name: str, message: bytes) -> bool:
+        """Whether the last get of ``name`` that remembered nothing returned these same bytes (and
+        records them for the next get when not)."""
         digest = hash(message)
         with self._resolved_lock:
-            if self._pool_seen.pop(name, None) == digest:
+            if self._seen_once.pop(name, None) == digest:
                 return True
-            self._pool_seen[name] = digest
-            if len(self._pool_seen) > _POOL_SEEN_MAX:
-                self._pool_seen.popitem(last=False)
+            self._seen_once[name] = digest
+            if len(self._seen_once) > _SEEN_ONCE_MAX:
+                self._seen_once.popitem(last=False)
         return False
 
     def _import_resolved(self, decoded: Decoded, hit: _Resolved, name: str | None) -> Imported:
@@ -739,7 +745,24 @@ class Session:
         self.new_message_gets += 1
         self._imported.add(imported)
         self._forget_replaced(name, message)
+        if self._resolved_max and self._got_again(name, message):
+            # The same new message twice in a row (a consumer polling a name the producer has not
+            # republished yet): remember it, so the next gets skip even the C decode.
+            self._remember_new(owner, message, bases, int(device_id[0]), name)
         return imported
+
+    def _remember_new(self, owner: Any, message: bytes, bases: Any, device_id: int, name: str) -> None:
+        """Remember a message the C core imported: a template with a decode of its own that holds
+        what the import's owner holds open (the region table's owners), not its lease."""
+        template = Decoded(message, 0)
+        try:
+            if lib.aib_owner_copy_dependencies(template.owner, owner, self._lease_keeper):
+                raise MemoryError("copying owner dependencies")
+        except BaseException:
+            template.close()
+            raise
+        event = int(lib.aib_owner_slot(owner)[0])
+        self._remember(template, bases, DEVICE_CUDA, device_id, event, files=None, name=name)
 
     def _connection(self) -> Channel:
         self._check_open()

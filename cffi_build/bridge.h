@@ -59,6 +59,9 @@ aib_owner *aib_owner_new_capture(uint64_t token, struct ArrowSchema *schema,
  * dies: the target of device-to-host copies whose structs must keep it alive. NULL on failure. */
 aib_owner *aib_owner_new_host_buffer(uint64_t token, uint64_t size, void **address_out);
 int aib_owner_add_dependency(aib_owner *owner, aib_owner *dependency);
+/* Makes owner hold every dependency of source but `except` (NULL: all): what keeps source's
+ * regions open keeps them open for owner too. On failure owner may hold some of them. */
+int aib_owner_copy_dependencies(aib_owner *owner, aib_owner *source, aib_owner *except);
 /* An 8-byte slot inside the owner, valid while the owner lives: rebuilt device arrays point their
  * sync_event here (the spec wants a pointer to the CUevent, which must outlive every struct). */
 uint64_t *aib_owner_slot(aib_owner *owner);

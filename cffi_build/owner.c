@@ -256,6 +256,15 @@ int aib_owner_add_dependency(aib_owner *owner, aib_owner *dependency) {
   return AIB_OK;
 }
 
+int aib_owner_copy_dependencies(aib_owner *owner, aib_owner *source, aib_owner *except) {
+  for (int i = 0; i < source->n_deps; i++) {
+    if (source->deps[i] == except) continue;
+    int rc = aib_owner_add_dependency(owner, source->deps[i]);
+    if (rc) return rc;
+  }
+  return AIB_OK;
+}
+
 int aib_owner_attach_decoded(aib_owner *owner, aib_decoded *decoded) {
   if (owner->decoded != NULL) return AIB_E_STATE;
   owner->decoded = decoded;

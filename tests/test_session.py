@@ -1498,6 +1498,57 @@ def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.
         publisher.unpublish("new")
 
 
+def test_a_new_message_got_twice_in_a_row_is_remembered(publisher: aib.Publisher) -> None:
+    """A consumer polling a name the producer has not republished gets the same new message again:
+    the C core imports it twice (new-message path), then the session remembers it, so the third
+    get is the remembered path. The remembered template holds the regions' owners open, not a
+    lease; forget() lets them go (they die once the table lets go too). A stream of different
+    messages under one name is never remembered."""
+    batch = pa.record_batch({f"c{i}": pa.array([float(i)] * 8, pa.float32()) for i in range(2)})
+    handles = [bytes([0x70 + i]) * 64 for i in range(2)]
+    uuid, sync = b"p" * 16, b"q" * 64
+    message = _cuda_shaped_message(batch, handles, uuid, sync)
+    _publish_raw(publisher, "poll", message)
+    released: list[int] = []
+    owners = [lib.aib_owner_new(_reaper.register(lambda i=i: released.append(i))) for i in range(2)]
+    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, sync)]
+    try:
+        assert lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, 16, 0, ffi.NULL) == 0
+        assert lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, sync, 64, 0x55, ffi.NULL) == 0
+        for i, (handle, owner) in enumerate(zip(handles, owners, strict=True)):
+            assert lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handle, 64, 0x20000 * (i + 1), owner) == 0
+            keys.append((lib.AIB_REGION_KEY_LEGACY, handle))
+            lib.aib_owner_unref(owner)  # the table holds them now
+        with aib.connect(publisher.path, timeout=5.0) as session:
+            for _ in range(3):
+                with session.get("poll") as imported:
+                    _, array_capsule = imported.__arrow_c_device_array__()
+                    children = capsule_struct(array_capsule, "device_array").array.children
+                    assert int(ffi.cast("uintptr_t", children[1].buffers[1])) == 0x40000
+                    del children, array_capsule
+            assert (session.new_message_gets, session.remembered_gets) == (2, 1)
+            assert wait_for(lambda: publisher.active_leases == 0, 5.0)  # the template holds none
+            # new data under one name every get: each a new message, none remembered
+            for k in range(4):
+                changed = _cuda_shaped_message(batch.slice(0, 7 - k), handles, uuid, sync)
+                _publish_raw(publisher, "stream", changed)
+                session.get("stream").release()
+            assert (session.new_message_gets, session.remembered_gets) == (6, 1)
+            for kind, key in keys[2:]:
+                lib.aib_regions_remove(kind, key, len(key))
+            keys = keys[:2]
+            _reaper.drain()
+            assert released == []  # the remembered template holds the handles' owners
+            assert session.forget("poll") == 1
+            _reaper.drain()
+            assert sorted(released) == [0, 1]
+    finally:
+        for kind, key in keys:
+            lib.aib_regions_remove(kind, key, len(key))
+        publisher.unpublish("poll")
+        publisher.unpublish("stream")
+
+
 def test_new_message_over_kept_slabs_is_imported_by_the_c_core(publisher: aib.Publisher) -> None:
     """Pool regions flagged kept whose slabs are in the region table (what the opener puts there)
     take the C new-message path like open legacy handles; the same regions without the flag (pool
@@ -2577,7 +2628,7 @@ def test_pool_messages_are_kept_from_their_second_get_under_one_name() -> None:
             assert not keeps(pool, b"n", None, 7)
         for i in range(300):  # the per-name memory is bounded
             keeps(pool, b"b", f"name{i}", 7)
-        assert len(session._pool_seen) <= 256
+        assert len(session._seen_once) <= 256
     with aib.Session(pool_linger=0) as session:
         for _ in range(3):
             assert not session._keeps_pool_lease(pool, b"m1", "x", 7)
