@@ -1344,6 +1344,32 @@ def _open_in_region_table(
         lib.aib_owner_unref(keeper)
 
 
+def _put_handles_recording_release(
+    uuid: bytes,
+    ordinal: int,
+    sync: bytes,
+    event: int,
+    handles: list[bytes],
+    *,
+    stride: int,
+    released: list[int],
+) -> list[tuple[int, bytes]]:
+    """Put a GPU, an opened event and legacy handles (handle i based at stride * (i + 1)) in the
+    region table, each handle held by an owner of its own (the table's reference only) whose end
+    appends i to ``released``; returns the keys put, for the caller to remove."""
+    assert lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, len(uuid), ordinal, ffi.NULL) == 0
+    assert lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, sync, len(sync), event, ffi.NULL) == 0
+    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, sync)]
+    for i, handle in enumerate(handles):
+        owner = lib.aib_owner_new(_reaper.register(lambda i=i: released.append(i)))
+        assert (
+            lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handle, len(handle), stride * (i + 1), owner) == 0
+        )
+        keys.append((lib.AIB_REGION_KEY_LEGACY, handle))
+        lib.aib_owner_unref(owner)  # the table holds it now
+    return keys
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(record_batches(max_columns=4, max_rows=20))
 def test_new_messages_of_any_type_over_open_handles_import_in_c(
@@ -1446,15 +1472,8 @@ def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.
     _publish_raw(publisher, "new", _cuda_shaped_message(batch, handles, uuid, sync))
 
     released: list[int] = []
-    owners = [lib.aib_owner_new(_reaper.register(lambda i=i: released.append(i))) for i in range(3)]
-    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, sync)]
+    keys = _put_handles_recording_release(uuid, 3, sync, 0x77, handles, stride=0x10000, released=released)
     try:
-        assert lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, 16, 3, ffi.NULL) == 0
-        assert lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, sync, 64, 0x77, ffi.NULL) == 0
-        for i, (handle, owner) in enumerate(zip(handles, owners, strict=True)):
-            assert lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handle, 64, 0x10000 * (i + 1), owner) == 0
-            keys.append((lib.AIB_REGION_KEY_LEGACY, handle))
-            lib.aib_owner_unref(owner)  # the table holds them now
         from arrow_ipc_bridge.memory import cuda_regions
 
         before = cuda_regions.cuda_stats()
@@ -1510,15 +1529,8 @@ def test_a_new_message_got_twice_in_a_row_is_remembered(publisher: aib.Publisher
     message = _cuda_shaped_message(batch, handles, uuid, sync)
     _publish_raw(publisher, "poll", message)
     released: list[int] = []
-    owners = [lib.aib_owner_new(_reaper.register(lambda i=i: released.append(i))) for i in range(2)]
-    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, sync)]
+    keys = _put_handles_recording_release(uuid, 0, sync, 0x55, handles, stride=0x20000, released=released)
     try:
-        assert lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, 16, 0, ffi.NULL) == 0
-        assert lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, sync, 64, 0x55, ffi.NULL) == 0
-        for i, (handle, owner) in enumerate(zip(handles, owners, strict=True)):
-            assert lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handle, 64, 0x20000 * (i + 1), owner) == 0
-            keys.append((lib.AIB_REGION_KEY_LEGACY, handle))
-            lib.aib_owner_unref(owner)  # the table holds them now
         with aib.connect(publisher.path, timeout=5.0) as session:
             for _ in range(3):
                 with session.get("poll") as imported:
