@@ -207,8 +207,10 @@ class CudaPlacer:
                     raise RegionError(f"buffer at {address:#x} is not CUDA device memory")
                 if info.buffer_id not in shareable:
                     shareable[info.buffer_id] = not info.is_managed and self._shareable(info)
+            # one info per allocation (buffers of one allocation share theirs)
+            allocations = {info.buffer_id: info for info in infos if info is not None}
             exports = self._export_pool_allocations(
-                [info for info in infos if info is not None and shareable[info.buffer_id]]
+                [info for buffer_id, info in allocations.items() if shareable[buffer_id]]
             )
             by_allocation: dict[int, int] = {}  # buffer id -> region index
             for i, address, length, info in zip(wanted, addresses, lengths, infos, strict=True):
