@@ -261,8 +261,7 @@ class Session:
                 return
             del self._key_by_name[name]
             stale = self._forget_locked(key)
-        if stale is not None:
-            stale.template.close()
+        _close_templates([stale])
 
     def _keeps_pool_lease(self, regions: list[Region], message: bytes, name: str | None, token: int) -> bool:
         """Whether this get's message is remembered with its lease: IPC-pool data (CUDA regions that
@@ -318,11 +317,7 @@ class Session:
             mapped = self._cache.map(
                 fds[region.fd_index], region, cacheable=bool(region.flags & REGION_FLAG_ZERO_COPY)
             )
-            try:
-                decoded.depend_on(mapped.owner)
-                template.depend_on(mapped.owner)
-            finally:
-                lib.aib_owner_unref(mapped.owner)
+            _hold(mapped.owner, decoded, template)
             bases.append(mapped.base)
         return bases
 
@@ -361,19 +356,17 @@ class Session:
                 ordinal,
                 self._fetch_pool_fd if self._channel is not None else None,
             )
-            try:
-                if lease_owner is not None:
+            if lease_owner is not None:
+                try:
                     # The lease's owner holds the imports, so they are freed (reaper order: its
                     # dependencies first) before the lease is given back and the producer may free.
                     if lib.aib_owner_add_dependency(lease_owner, pool_owner):
                         raise MemoryError("adding an owner dependency")
                     template.depend_on(lease_owner)
-                else:
-                    decoded.depend_on(pool_owner)
-                    if remember:  # kept slabs only: held like legacy handles
-                        template.depend_on(pool_owner)
-            finally:
-                lib.aib_owner_unref(pool_owner)
+                finally:
+                    lib.aib_owner_unref(pool_owner)
+            else:  # kept slabs only, when remembered: held like legacy handles
+                _hold(pool_owner, decoded, template if remember else None)
             for i, base in zip(pool_indexes, pool_bases, strict=True):
                 bases[i] = base
         legacy_indexes = [i for i, r in enumerate(regions) if r.kind == REGION_CUDA_LEGACY]
@@ -381,24 +374,14 @@ class Session:
             legacy_bases, legacy_owner = opener.open_legacy_regions(
                 [regions[i] for i in legacy_indexes], ordinal
             )
-            try:
-                decoded.depend_on(legacy_owner)
-                if remember:
-                    template.depend_on(legacy_owner)
-            finally:
-                lib.aib_owner_unref(legacy_owner)
+            _hold(legacy_owner, decoded, template if remember else None)
             for i, base in zip(legacy_indexes, legacy_bases, strict=True):
                 bases[i] = base
         for i, region in enumerate(regions):
             if region.kind in (REGION_CUDA_POOL, REGION_CUDA_LEGACY):
                 continue
             opened = opener.open(region, fd_list, ordinal)
-            try:
-                decoded.depend_on(opened.owner)
-                if remember:
-                    template.depend_on(opened.owner)
-            finally:
-                lib.aib_owner_unref(opened.owner)
+            _hold(opened.owner, decoded, template if remember else None)
             bases[i] = opened.base
         event = cuda_regions.open_event(device.sync, ordinal) if device.sync else 0
         base_array = ffi.new("uint64_t[]", bases or [0])
@@ -491,9 +474,7 @@ class Session:
                 self._lingering.pop(key, None)
             while len(self._resolved) > self._resolved_max:
                 evicted.append(self._forget_locked(next(iter(self._resolved))))
-            for old in evicted:
-                if old is not None:
-                    old.template.close()
+            _close_templates(evicted)
         if lingers:
             _linger.watch(self)
 
@@ -519,9 +500,7 @@ class Session:
                 expired = [key for key, used in self._lingering.items() if now - used >= self._pool_linger]
                 forgotten = [self._forget_locked(key) for key in expired]
                 next_deadline = min(self._lingering.values(), default=None)
-            for resolved in forgotten:
-                if resolved is not None:
-                    resolved.template.close()
+            _close_templates(forgotten)
         finally:
             self._request_lock.release()
         return None if next_deadline is None else next_deadline + self._pool_linger
@@ -542,9 +521,7 @@ class Session:
                 key = self._key_by_name.pop(name, None)
                 keys = [] if key is None else [key]
             forgotten = [self._forget_locked(key) for key in keys]
-            for resolved in forgotten:
-                if resolved is not None:
-                    resolved.template.close()
+            _close_templates(forgotten)
         _reaper.drain()
         return sum(resolved is not None for resolved in forgotten)
 
@@ -813,9 +790,7 @@ class Session:
         with self._request_lock, self._resolved_lock:
             forgotten = [self._forget_locked(key) for key in list(self._resolved)]
             self._key_by_name.clear()
-        for resolved in forgotten:
-            if resolved is not None:
-                resolved.template.close()
+        _close_templates(forgotten)
         # While the connection is open: pool imports are freed and kept leases given back in that
         # order (the producer frees its memory only after the importer did).
         _reaper.drain()
@@ -833,6 +808,24 @@ class Session:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _hold(owner: Any, decoded: Decoded, template: Decoded | None) -> None:
+    """Make the import (and the template that remembers the message, if any) hold ``owner``, what
+    keeps a region open; the caller's reference goes."""
+    try:
+        decoded.depend_on(owner)
+        if template is not None:
+            template.depend_on(owner)
+    finally:
+        lib.aib_owner_unref(owner)
+
+
+def _close_templates(forgotten: Sequence[_Resolved | None]) -> None:
+    """Close the templates of remembered messages just forgotten (None: nothing was there)."""
+    for resolved in forgotten:
+        if resolved is not None:
+            resolved.template.close()
 
 
 def _needs_lease(regions: list[Region]) -> bool:

@@ -30,7 +30,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,14 +201,15 @@ class CudaPlacer:
         lengths = [slots[i + 1] for i in wanted]
         try:
             infos = _allocations_of(addresses, lengths)
-            shareable: dict[int, bool] = {}  # buffer id -> can be shared as it is
+            allocations: dict[int, cuda.PointerInfo] = {}  # buffer id -> its info (one per allocation)
             for info, address in zip(infos, addresses, strict=True):
                 if info is None or info.memory_type == "host":
                     raise RegionError(f"buffer at {address:#x} is not CUDA device memory")
-                if info.buffer_id not in shareable:
-                    shareable[info.buffer_id] = not info.is_managed and self._shareable(info)
-            # one info per allocation (buffers of one allocation share theirs)
-            allocations = {info.buffer_id: info for info in infos if info is not None}
+                allocations.setdefault(info.buffer_id, info)
+            # buffer id -> can be shared as it is
+            shareable = {
+                bid: not info.is_managed and self._shareable(info) for bid, info in allocations.items()
+            }
             exports = self._export_pool_allocations(
                 [info for buffer_id, info in allocations.items() if shareable[buffer_id]]
             )
@@ -412,12 +413,51 @@ class _Opened:
     owner: Any  # aib_owner*, one reference held by the cache entry (when cached)
 
 
+class _OpenLru:
+    """Opened regions kept open beyond their last array, least recently used first, mirrored into
+    the C core's region table (``region_table.c``), whose get path imports new messages over them.
+    Each entry holds one owner reference. No lock of its own: the opener's guards it."""
+
+    def __init__(self, key_kind: int, limit: int) -> None:
+        self._entries: OrderedDict[bytes, _Opened] = OrderedDict()
+        self._key_kind = key_kind
+        self._limit = limit
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._entries)
+
+    def find(self, key: bytes) -> _Opened | None:
+        """The entry for ``key`` (now the most recently used), or None."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def add(self, key: bytes, entry: _Opened, evicted: list[_Opened]) -> None:
+        """Keep ``entry`` (and its owner reference); one the bound pushes out goes to ``evicted``,
+        for the caller to unref after the lock."""
+        self._entries[key] = entry
+        lib.aib_regions_put(self._key_kind, key, len(key), entry.base, entry.owner)
+        if len(self._entries) > self._limit:
+            old_key, old = self._entries.popitem(last=False)
+            lib.aib_regions_remove(self._key_kind, old_key, len(old_key))
+            evicted.append(old)
+
+    def clear(self) -> list[_Opened]:
+        """Take every entry out (the caller unrefs their owners after the lock)."""
+        for key in self._entries:
+            lib.aib_regions_remove(self._key_kind, key, len(key))
+        entries = list(self._entries.values())
+        self._entries.clear()
+        return entries
+
+
 class CudaOpener:
     """Opens CUDA regions in this process (one instance per process: handles are per process)."""
 
     def __init__(self, max_legacy: int = 256, max_pools: int = 16, max_kept: int = 256) -> None:
         self._lock = threading.Lock()
-        self._legacy: OrderedDict[bytes, _Opened] = OrderedDict()  # LRU of open handles kept open
+        self._legacy = _OpenLru(lib.AIB_REGION_KEY_LEGACY, max_legacy)  # legacy handles kept open
         # handle -> [pointer, owners using it]: each is opened once per process, closed by its last owner
         self._legacy_live: dict[bytes, list[int]] = {}
         # Imported pools by identity, least recently used first. Beyond max_pools, pools with no
@@ -425,11 +465,9 @@ class CudaOpener:
         self._pools: OrderedDict[bytes, cuda.ImportedPool] = OrderedDict()
         self._pool_pointers: dict[bytes, list[int]] = {}  # handle -> [pointer, leases using it]
         # Imports of kept slabs (REGION_FLAG_KEPT: the producer never frees them), open beyond their
-        # leases like legacy handles: LRU of handle -> (pointer, the owner whose end releases it).
-        self._kept: OrderedDict[bytes, _Opened] = OrderedDict()
-        self._max_legacy = max_legacy
+        # leases like legacy handles; an entry's owner, when it ends, releases the import.
+        self._kept = _OpenLru(lib.AIB_REGION_KEY_POOL, max_kept)
         self._max_pools = max_pools
-        self._max_kept = max_kept
 
     def open(
         self,
@@ -511,9 +549,8 @@ class CudaOpener:
         many owners use it: an evicted entry whose arrays are still alive keeps its mapping, and a
         new get of the same handle reuses it instead of opening it again (a later close would
         otherwise pull the mapping from under the new one)."""
-        hit = self._legacy.get(handle)
+        hit = self._legacy.find(handle)
         if hit is not None:
-            self._legacy.move_to_end(handle)
             lib.aib_owner_ref(hit.owner)
             _stats["legacy_hits"] += 1
             return hit
@@ -529,13 +566,7 @@ class CudaOpener:
         )
         opened = _Opened(ptr, owner)
         lib.aib_owner_ref(owner)  # the caller's reference; the cache keeps the first
-        self._legacy[handle] = opened
-        # The C core's get path imports new messages over handles open here (region_table.c).
-        lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handle, len(handle), ptr, owner)
-        if len(self._legacy) > self._max_legacy:
-            old_handle, old = self._legacy.popitem(last=False)
-            lib.aib_regions_remove(lib.AIB_REGION_KEY_LEGACY, old_handle, len(old_handle))
-            evicted.append(old)
+        self._legacy.add(handle, opened, evicted)
         return opened
 
     def _release(self, table: dict[bytes, list[int]], key: bytes, close: Any) -> None:
@@ -646,8 +677,7 @@ class CudaOpener:
         order."""
         fresh: dict[bytes, list[bytes]] = {}
         for key in dict.fromkeys(keys):
-            if key in self._kept:
-                self._kept.move_to_end(key)
+            if self._kept.find(key) is not None:
                 _stats["pool_kept_hits"] += 1
             elif key not in self._pool_pointers:
                 fresh.setdefault(key[:24], []).append(key)
@@ -667,7 +697,7 @@ class CudaOpener:
         for key in counted:
             self._pool_pointers[key][1] += 1
         for key in kept:
-            entry = self._kept.get(key)
+            entry = self._kept.find(key)
             if entry is None:
                 entry = self._keep_pool_pointer(key, pools[key[:24]], evicted)
             lib.aib_owner_ref(entry.owner)
@@ -686,12 +716,8 @@ class CudaOpener:
         if owner == ffi.NULL:
             self._pool_pointers[key][1] -= 1
             raise MemoryError("allocating an owner")
-        entry = self._kept[key] = _Opened(self._pool_pointers[key][0], owner)
-        lib.aib_regions_put(lib.AIB_REGION_KEY_POOL, key, len(key), entry.base, owner)
-        if len(self._kept) > self._max_kept:
-            old_key, old = self._kept.popitem(last=False)
-            lib.aib_regions_remove(lib.AIB_REGION_KEY_POOL, old_key, len(old_key))
-            evicted.append(old)
+        entry = _Opened(self._pool_pointers[key][0], owner)
+        self._kept.add(key, entry, evicted)
         return entry
 
     def _open_one_by_one(
@@ -799,13 +825,8 @@ class CudaOpener:
         """Drop the caches' references (handles close, kept slab imports are freed, as their last
         arrays go)."""
         with self._lock:
-            legacy, self._legacy = list(self._legacy.items()), OrderedDict()
-            for handle, _ in legacy:
-                lib.aib_regions_remove(lib.AIB_REGION_KEY_LEGACY, handle, len(handle))
-            kept, self._kept = list(self._kept.items()), OrderedDict()
-            for key, _ in kept:
-                lib.aib_regions_remove(lib.AIB_REGION_KEY_POOL, key, len(key))
-        for _, entry in legacy + kept:
+            entries = self._legacy.clear() + self._kept.clear()
+        for entry in entries:
             lib.aib_owner_unref(entry.owner)
 
 
