@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import os
 
+from arrow_ipc_bridge.errors import ForeignProcessError
+
 pid = os.getpid()
+
+
+def foreign(what: str, owner_pid: int, advice: str) -> ForeignProcessError:
+    """The error for ``what`` (made by process ``owner_pid``) used in this process, a fork child."""
+    return ForeignProcessError(
+        f"this {what} belongs to process {owner_pid}, not to this one ({os.getpid()}, a child of "
+        f"fork): {advice}"
+    )
 
 
 def _after_fork_in_child() -> None:

@@ -22,7 +22,6 @@ from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.channel import Channel, frame_from
 from arrow_ipc_bridge.errors import (
     BridgeError,
-    ForeignProcessError,
     NotPublishedError,
     ProtocolError,
     RegionError,
@@ -138,10 +137,7 @@ class Publisher:
 
     def _check_process(self) -> None:
         if self._pid != _process.pid:
-            raise ForeignProcessError(
-                f"this publisher belongs to process {self._pid}, not to this one ({os.getpid()}, a child "
-                "of fork): publish from a Publisher made here"
-            )
+            raise _process.foreign("publisher", self._pid, "publish from a Publisher made here")
 
     # ---------- serving one session -----------------------------------------------------------------
     def _serve(self, conn: transport.Connection) -> None:

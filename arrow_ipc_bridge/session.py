@@ -28,7 +28,6 @@ from arrow_ipc_bridge.channel import Channel, millis
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
-    ForeignProcessError,
     PeerClosedError,
     ProtocolError,
     RegionError,
@@ -752,9 +751,10 @@ class Session:
     # ---------- lifetime ----------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._pid != _process.pid:
-            raise ForeignProcessError(
-                f"this session belongs to process {self._pid}, not to this one ({os.getpid()}, a child "
-                "of fork): connect again here (imported objects the child inherited stay readable)"
+            raise _process.foreign(
+                "session",
+                self._pid,
+                "connect again here (imported objects the child inherited stay readable)",
             )
         if self._closed:
             raise BridgeError("this session is closed")

@@ -88,7 +88,6 @@ from . import _process
 from .errors import (
     BridgeError,
     BridgeTimeoutError,
-    ForeignProcessError,
     PeerClosedError,
     ProtocolError,
     TransportError,
@@ -824,10 +823,7 @@ class Connection:
         """Raise :class:`~arrow_ipc_bridge.errors.PeerClosedError` when the connection is closed,
         :class:`~arrow_ipc_bridge.errors.ForeignProcessError` in a process other than its own."""
         if self._pid != _process.pid:
-            raise ForeignProcessError(
-                f"this connection belongs to process {self._pid}, not to this one ({os.getpid()}, "
-                "a child of fork): connect again here"
-            )
+            raise _process.foreign("connection", self._pid, "connect again here")
         if self._closed:
             raise self._closed_error()
 
