@@ -474,7 +474,7 @@ size_t aib_regions_count(void);
  * used. */
 void aib_regions_stats(uint64_t *imports, uint64_t *handles);
 /* The lease owner (token set, view and sync slot filled) for a CUDA message whose device, event
- * and regions (all legacy handles) are in the table, or NULL: the caller's slow path. */
+ * and regions (legacy handles, kept pool slabs) are in the table, or NULL: the caller's slow path. */
 aib_owner *aib_import_new(const uint8_t *message, size_t length, uint32_t n_fds, uint64_t token,
                           aib_owner *keeper);
 /* An owner's decoded message (NULL when none), and its view: the bases (n returned; valid while

@@ -657,8 +657,6 @@ typedef struct served_stream {
   aib_error error;
 } served_stream;
 
-aib_decoded *aib_owner_decoded(aib_owner *owner);
-
 static int served_make(served_stream *s, struct ArrowArray *out) {
   s->error.code = 0;
   if (s->arrays != NULL) return aib_array_share(&s->arrays[s->next]->array, s->owner, out, &s->error);

@@ -4,15 +4,15 @@
  * ~200 µs for 16 columns. But producers that allocate new arrays every step mostly carve them out of
  * blocks shared before (CuPy's pool, PyTorch's caching allocator, the bridge's slab allocator), so
  * the new message names legacy IPC handles or kept pool slabs this process has open already.
- * aib_import_new imports such a message in C: decode and
- * validate (the same checks as Python's path), look every handle up here, build the lease's owner.
+ * aib_import_new imports such a message in C: decode and validate (the same checks as Python's
+ * path), look every handle up here, build the lease's owner.
  * Anything else (a handle, event or device not here, other region kinds, descriptors) returns NULL
  * and the caller takes the Python path, which reports errors properly.
  *
  * Python mirrors its state here (cuda_regions.CudaOpener): a legacy handle or a kept slab's import
  * when it opens one, with the owner that keeps it open (one reference held here), removed when its
- * LRU lets go; every event
- * it opens; every GPU UUID it resolves to an ordinal. One table per process, like the handles. */
+ * LRU lets go; every event it opens; every GPU UUID it resolves to an ordinal. One table per
+ * process, like the handles. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdlib.h>
@@ -20,7 +20,7 @@
 
 #include "internal.h"
 
-#define N_BUCKETS 1024 /* entries are bounded by the opener's LRU (256 handles) plus events and GPUs */
+#define N_BUCKETS 1024 /* entries: the opener's LRUs (256 handles, 256 kept slabs), events and GPUs */
 
 typedef struct region_entry {
   uint64_t hash;
@@ -33,7 +33,7 @@ typedef struct region_entry {
 } region_entry;
 
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
-/* Messages imported here, and the legacy handles they found open (cuda_regions.cuda_stats()). */
+/* Messages imported here, and the open handles (legacy, kept slabs) they used (cuda_stats()). */
 static atomic_ullong imports_done, handles_found;
 static region_entry *buckets[N_BUCKETS];
 static size_t table_count;

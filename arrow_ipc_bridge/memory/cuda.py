@@ -2089,7 +2089,7 @@ class IpcMemoryPool(_DriverResource):
 
     def __init__(self, device: int, *, release_threshold: int | None = None, max_size: int = 0) -> None:
         _nbytes(max_size, "max_size")
-        self._shared_once = False  # see export_pointer
+        self._shared_once = False  # see export_pointers
         threshold = (
             _UINT64_MAX if release_threshold is None else _nbytes(release_threshold, "release_threshold")
         )
@@ -2212,19 +2212,7 @@ class IpcMemoryPool(_DriverResource):
         ptr : int
             Address from :meth:`allocate` (the start of the allocation).
         """
-        self._check_open()
-        ptr = _address(ptr, "ptr")
-        lib, ffi = _api()
-        if not self._shared_once:
-            # Measured on the H200 (driver 580): cuMemPoolExportPointer answers INVALID_VALUE until
-            # the pool itself was exported as a shareable handle once. Do that first (the fd is
-            # closed again at once; consumers get theirs from export_pool_fd).
-            os.close(self.export_pool_fd())
-            self._shared_once = True
-        out = ffi.new("CUmemPoolPtrExportData *")
-        with device_context(self._device):
-            _check("cuMemPoolExportPointer", lib.cuMemPoolExportPointer(out, ptr))
-        return bytes(ffi.buffer(out))
+        return self.export_pointers([ptr])[0]
 
     def export_pointers(self, pointers: Sequence[int]) -> list[bytes]:
         """:meth:`export_pointer` for several allocations: one context switch, the driver calls
@@ -2233,9 +2221,11 @@ class IpcMemoryPool(_DriverResource):
         if not pointers:
             return []
         lib, ffi = _api()
-        if not self._shared_once:  # see export_pointer
+        if not self._shared_once:
+            # Measured on the H200 (driver 580): cuMemPoolExportPointer answers INVALID_VALUE until
+            # the pool itself was exported as a shareable handle once. Do that first (the fd is
+            # closed again at once; consumers get theirs from export_pool_fd, which sets the flag).
             os.close(self.export_pool_fd())
-            self._shared_once = True
         n = len(pointers)
         array = _core_ffi.new("uint64_t[]", [_address(ptr, "ptr") for ptr in pointers])
         out = _core_ffi.new("uint8_t[]", 64 * n)
