@@ -123,6 +123,8 @@ what the numbers mean
 # ---------------------------------------------------------------------------------------------------------
 # machine facts
 # ---------------------------------------------------------------------------------------------------------
+
+
 def _version_of(*dists: str) -> str | None:
     from importlib import metadata
 
@@ -236,6 +238,18 @@ def _json_safe(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [_json_safe(v) for v in obj]
     return obj
+
+
+def _ratio_check(check: str, value: float, detail: str) -> dict[str, Any]:
+    """A check of issue 5's round-trip goal: ``value``, a median over a bare round trip's, at most
+    BARE_RATIO_GOAL."""
+    return {
+        "check": check,
+        "value": value,
+        "goal": f"<= {BARE_RATIO_GOAL}",
+        "pass": value <= BARE_RATIO_GOAL,
+        "detail": detail,
+    }
 
 
 class Collector:
@@ -569,40 +583,30 @@ class Collector:
                         f"{b['median_us'] / bare['median_us']:.1f}x"
                     )
                 checks.append(
-                    {
-                        "check": f"{fmt_size(s)}: bridge steady / bare round trip on the same connection",
-                        "value": b["median_us"] / ping["median_us"],
-                        "goal": f"<= {BARE_RATIO_GOAL}",
-                        "pass": b["median_us"] / ping["median_us"] <= BARE_RATIO_GOAL,
-                        "detail": detail,
-                    }
+                    _ratio_check(
+                        f"{fmt_size(s)}: bridge steady / bare round trip on the same connection",
+                        b["median_us"] / ping["median_us"],
+                        detail,
+                    )
                 )
                 interleaved = ((ping.get("extra") or {}).get("interleaved_get_us") or {}).get("median_us")
                 if interleaved:
-                    ratio = interleaved / ping["median_us"]
                     checks.append(
-                        {
-                            "check": f"{fmt_size(s)}: the same, gets and PINGs interleaved in one loop",
-                            "value": ratio,
-                            "goal": f"<= {BARE_RATIO_GOAL}",
-                            "pass": ratio <= BARE_RATIO_GOAL,
-                            "detail": (
-                                f"steady get {fmt_us(interleaved)}, PING {fmt_us(ping['median_us'])}: each "
-                                "timed PING and timed get follows a full get cycle, a few hundred µs apart "
-                                "(the separate loops above run seconds apart; a VM's speed drifts between "
-                                "them)"
-                            ),
-                        }
+                        _ratio_check(
+                            f"{fmt_size(s)}: the same, gets and PINGs interleaved in one loop",
+                            interleaved / ping["median_us"],
+                            f"steady get {fmt_us(interleaved)}, PING {fmt_us(ping['median_us'])}: each "
+                            "timed PING and timed get follows a full get cycle, a few hundred µs apart "
+                            "(the separate loops above run seconds apart; a VM's speed drifts between them)",
+                        )
                     )
             elif b and bare:
                 checks.append(
-                    {
-                        "check": f"{fmt_size(s)}: bridge steady / bare 64-byte round trip (no PING measured)",
-                        "value": b["median_us"] / bare["median_us"],
-                        "goal": f"<= {BARE_RATIO_GOAL}",
-                        "pass": b["median_us"] / bare["median_us"] <= BARE_RATIO_GOAL,
-                        "detail": f"bridge {fmt_us(b['median_us'])}, bare {fmt_us(bare['median_us'])}",
-                    }
+                    _ratio_check(
+                        f"{fmt_size(s)}: bridge steady / bare 64-byte round trip (no PING measured)",
+                        b["median_us"] / bare["median_us"],
+                        f"bridge {fmt_us(b['median_us'])}, bare {fmt_us(bare['median_us'])}",
+                    )
                 )
             for mixed_key, how, interleaved_key in (
                 ("bridge_mixed_steady", "to_device pool", "interleaved_mixed_get_us"),
@@ -610,31 +614,22 @@ class Collector:
             ):
                 mixed = self.get(mixed_key, s)
                 if mixed and ping:
-                    ratio = mixed["median_us"] / ping["median_us"]
-                    label = f"{fmt_size(s)}: mixed table ({how}) steady / round trip on the connection"
                     checks.append(
-                        {
-                            "check": label,
-                            "value": ratio,
-                            "goal": f"<= {BARE_RATIO_GOAL}",
-                            "pass": ratio <= BARE_RATIO_GOAL,
-                            "detail": f"mixed {fmt_us(mixed['median_us'])}, PING {fmt_us(ping['median_us'])}",
-                        }
+                        _ratio_check(
+                            f"{fmt_size(s)}: mixed table ({how}) steady / round trip on the connection",
+                            mixed["median_us"] / ping["median_us"],
+                            f"mixed {fmt_us(mixed['median_us'])}, PING {fmt_us(ping['median_us'])}",
+                        )
                     )
                 in_loop = ((ping or {}).get("extra") or {}).get(interleaved_key) or {}
                 if ping and in_loop.get("median_us"):
-                    ratio = in_loop["median_us"] / ping["median_us"]
                     checks.append(
-                        {
-                            "check": f"{fmt_size(s)}: the same, mixed table ({how}) timed in the PING loop",
-                            "value": ratio,
-                            "goal": f"<= {BARE_RATIO_GOAL}",
-                            "pass": ratio <= BARE_RATIO_GOAL,
-                            "detail": (
-                                f"mixed {fmt_us(in_loop['median_us'])}, PING {fmt_us(ping['median_us'])} "
-                                "(each timed after a full get cycle, in one loop)"
-                            ),
-                        }
+                        _ratio_check(
+                            f"{fmt_size(s)}: the same, mixed table ({how}) timed in the PING loop",
+                            in_loop["median_us"] / ping["median_us"],
+                            f"mixed {fmt_us(in_loop['median_us'])}, PING {fmt_us(ping['median_us'])} "
+                            "(each timed after a full get cycle, in one loop)",
+                        )
                     )
             fresh_pool = self.get("bridge_fresh_pool", s)
             if fresh_pool:
