@@ -133,3 +133,11 @@ def test_finalizer_frees_queue_until_the_next_call() -> None:
     allocator.free_later(a + 1)
     with pytest.warns(ResourceWarning, match="did not hand out"):
         allocator.stats()
+
+
+def test_cupy_allocator_refuses_a_pool_with_slabs() -> None:
+    """A slab allocator makes its own pool: asking for both is a clear error (before CuPy loads)."""
+    from arrow_ipc_bridge.memory import cuda
+
+    with pytest.raises(ValueError, match="pool and slab_size"):
+        cuda.cupy_allocator(0, pool=_StandInPool(), slab_size=2 << 20)  # type: ignore[arg-type]
