@@ -68,6 +68,7 @@ __all__ = [
     "COPY_POLICIES",
     "BUFFER_ALIGNMENT",
     "FULL_SEALS",
+    "F_SEAL_FUTURE_WRITE",
 ]
 
 COPY_POLICIES: Final = ("never", "if_needed", "always")
@@ -76,9 +77,16 @@ BUFFER_ALIGNMENT: Final = 64
 #: Seals of a copy region: the consumer may rely on the bytes and the size never changing.
 FULL_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 _CONTENT_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
-# allocate_shared() memory stays writable by its owner, but its size is fixed: a consumer mapping it can
-# never be hit by SIGBUS from a truncation. F_SEAL_SEAL is left off so a later "freeze" can add F_SEAL_WRITE.
-_SHARED_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+# F_SEAL_FUTURE_WRITE (Linux 5.1; <linux/fcntl.h> 0x0010, missing from the fcntl module before Python 3.12):
+# write(), fallocate hole punching and *new* writable shared mappings fail with EPERM for every fd of the
+# file, while mappings that already exist stay writable.
+F_SEAL_FUTURE_WRITE: Final = int(getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010))
+# allocate_shared() memory: the size is fixed (a consumer's mapping can never SIGBUS from a truncation) and
+# the owner's one writable mapping, made before the seal, is the only way to write it. Any holder of an fd
+# can reopen a memfd read-write through /proc/PID/fd (its inode is mode 0777, whatever the uid), so without
+# the write seal every consumer could change the data under the producer and the other consumers.
+# F_SEAL_SEAL is left off so a later "freeze" can add F_SEAL_WRITE once the owner's mapping is gone.
+_SHARED_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
 
 _PAGE: Final = mmap.PAGESIZE
 _ADDRESS_LIMIT: Final = 1 << 64
@@ -671,16 +679,19 @@ def allocate_shared(nbytes: int, *, name: str = "aib") -> SharedHostBuffer:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except (OSError, ValueError) as exc:  # EINVAL: name over 249 bytes; ValueError: embedded NUL
         raise RegionError(f"memfd_create({name!r}) failed: {exc}", field="name") from exc
+    length = _align_up(nbytes, _PAGE)
+    pointer = _MAP_FAILED
     try:
         os.ftruncate(fd, nbytes)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SHARED_SEALS)
         st = os.fstat(fd)
-        length = _align_up(nbytes, _PAGE)
         pointer = _libc.mmap(_ffi.NULL, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
         if pointer == _MAP_FAILED:
             code = _ffi.errno
             raise RegionError(f"mmap of {nbytes} shared bytes failed: {os.strerror(code)}", nbytes=nbytes)
+        _seal_shared(fd)  # after the mmap: from now on no new writable mapping can be made
     except BaseException:
+        if pointer != _MAP_FAILED:
+            _libc.munmap(pointer, length)
         os.close(fd)
         raise
     address = int(_ffi.cast("uintptr_t", pointer))
@@ -691,6 +702,21 @@ def allocate_shared(nbytes: int, *, name: str = "aib") -> SharedHostBuffer:
     keeper = _ffi.gc(_ffi.cast("char *", pointer), lambda cdata: _release_shared(address, length, fd, cdata))
     _count(shared_allocations=1)
     return SharedHostBuffer(keeper, address, nbytes, fd)
+
+
+def _seal_shared(fd: int) -> None:
+    """Add _SHARED_SEALS; RegionError (no fallback) on a kernel without F_SEAL_FUTURE_WRITE (before 5.1)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SHARED_SEALS)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise RegionError(f"sealing the shared memfd failed: {exc}") from exc
+        raise RegionError(
+            f"this kernel ({os.uname().release}) does not support F_SEAL_FUTURE_WRITE (Linux 5.1+): "
+            "allocate_shared memory could not be protected against writes by its consumers, so it is "
+            "refused; build the data in ordinary memory and export it with copy='if_needed' or 'always' "
+            "(a sealed, counted copy)"
+        ) from exc
 
 
 # --- finding the mapping behind an address ------------------------------------------------------------------
