@@ -8,7 +8,7 @@ first; they need root to do so and skip otherwise.
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import gc
 import json
 import mmap
 import os
@@ -21,6 +21,8 @@ import pyarrow as pa
 import pytest
 
 import arrow_ipc_bridge as aib
+from arrow_ipc_bridge.errors import RegionError
+from arrow_ipc_bridge.memory import host
 from arrow_ipc_bridge.memory.host import SharedHostBuffer, allocate_shared, export_host_buffers
 
 PAGE = mmap.PAGESIZE
@@ -37,7 +39,8 @@ if uid >= 0:
     os.setuid(uid)
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long]
 libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 PAGE = mmap.PAGESIZE
@@ -228,7 +231,8 @@ def test_zero_copy_file_is_as_writable_as_its_mode(uid: int | None) -> None:
         with export_host_buffers([(data.address, data.size)], copy="never") as export:
             (region,) = export.regions
             placement = export.placements[0]
-            assert region.zero_copy and placement is not None
+            assert region.zero_copy
+            assert placement is not None
             # Truncation would SIGBUS this process through its mapping: only writes are tried.
             results = run_attacker(
                 region.fd, uid, offset=region.file_offset + placement.offset, attacks=("pwrite", "mmap_write")
@@ -241,3 +245,20 @@ def test_zero_copy_file_is_as_writable_as_its_mode(uid: int | None) -> None:
     else:
         assert results == {"reopen_rdwr": "EACCES"}
         assert after == before
+
+
+def test_kernel_without_future_write_seal_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel refuses the seal (EINVAL, as before Linux 5.1), allocate_shared raises RegionError
+    naming the copy policy as the way out, and leaks no fd, mapping or registry entry."""
+    # A seal bit no kernel knows makes this kernel answer EINVAL exactly as an old one answers the write seal.
+    monkeypatch.setattr(host, "_SHARED_SEALS", host._SHARED_SEALS | 0x4000)
+    gc.collect()
+    fds_before = len(os.listdir("/proc/self/fd"))
+    registered_before = len(host._registry)
+    with pytest.raises(RegionError, match="F_SEAL_FUTURE_WRITE") as info:
+        allocate_shared(PAGE, name="aib-test-unsealable")
+    assert "copy='if_needed'" in str(info.value)
+    with open("/proc/self/maps") as maps:
+        assert "aib-test-unsealable" not in maps.read()
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert len(host._registry) == registered_before
