@@ -14,7 +14,10 @@ message cross; :func:`export_host_buffers` decides, per buffer, where its bytes 
     case of an IPC file under /dev/shm. Untouched or read-faulted private pages are the page-cache pages of
     the file; a copied-on-write page is not, and is detected through /proc/self/pagemap.
 
-  Buffers in the same mapping share one region (one fd, one range covering all of them).
+  Buffers in the same mapping share one region (one fd, one range covering all of them). The fd opens the
+  whole file, not only that range: a consumer can read every byte of the file (an allocate_shared
+  allocation, an IPC file), and can write it where the file lets it -- never for allocate_shared memory
+  (sealed with F_SEAL_FUTURE_WRITE), otherwise as the file's permissions allow (docs/security.md).
 
 * **copy** -- everything else (heap memory from Arrow's allocator) is written into ONE new memfd per export,
   each buffer at a 64-byte aligned offset, then the memfd is sealed against shrink, grow and write so the
@@ -606,8 +609,14 @@ class SharedHostBuffer:
 
     Fill it through :meth:`view` or wrap it with :meth:`as_pyarrow` and build arrays on it. The memory stays
     mapped while any view or pyarrow buffer made from it is alive: :meth:`close` only drops this owner's
-    reference, so closing can never leave an array pointing at unmapped memory. The memfd is sealed against
-    shrink and grow, so a consumer's mapping can never SIGBUS; it is not write-sealed (the owner writes it).
+    reference, so closing can never leave an array pointing at unmapped memory.
+
+    The memfd is sealed against shrink and grow, so a consumer's mapping can never SIGBUS, and with
+    ``F_SEAL_FUTURE_WRITE``: the mapping made at allocation (behind :meth:`view` and :meth:`as_pyarrow`) is
+    the only way to write it. ``write()`` on :attr:`fd`, new writable mappings and hole punching fail with
+    ``EPERM`` for every process, this one included, so no consumer can change the data (a consumer can
+    reopen the memfd read-write through /proc, memfd inodes being mode 0777, but cannot write through it).
+    The owner's writes stay visible to consumers: the memory is shared, not frozen.
     """
 
     def __init__(self, keeper: Any, address: int, size: int, fd: int) -> None:
@@ -671,6 +680,18 @@ def allocate_shared(nbytes: int, *, name: str = "aib") -> SharedHostBuffer:
     """Allocate ``nbytes`` of zero-filled shared memory that :func:`export_host_buffers` shares zero-copy.
 
     ``name`` labels the memfd (it shows as ``/memfd:NAME`` in /proc/PID/maps of both processes).
+
+    Write the memory through the result's :meth:`~SharedHostBuffer.view` or
+    :meth:`~SharedHostBuffer.as_pyarrow`; nothing else can write it, consumers included (see
+    :class:`SharedHostBuffer`).
+
+    A zero-copy export hands consumers an fd on the *whole* allocation, not only the buffers published: a
+    consumer can read every byte of it, including bytes never published (stale data, other arrays built
+    in the same allocation). Give data that must not reach a consumer an allocation of its own, or export
+    with ``copy="always"``, which sends a sealed copy of the published bytes alone.
+
+    Raises :class:`RegionError` for a size that is not positive, a bad name, or a kernel without
+    ``F_SEAL_FUTURE_WRITE`` (before Linux 5.1): memory that consumers could write is never handed out.
     """
     nbytes = operator.index(nbytes)
     if nbytes <= 0:
