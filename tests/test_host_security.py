@@ -16,11 +16,13 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
 import arrow_ipc_bridge as aib
+from arrow_ipc_bridge import protocol, transport
 from arrow_ipc_bridge.errors import RegionError
 from arrow_ipc_bridge.memory import host
 from arrow_ipc_bridge.memory.host import SharedHostBuffer, allocate_shared, export_host_buffers
@@ -161,6 +163,29 @@ def test_consumer_cannot_write_shared_memory(
     # The producer still writes its own memory through its mapping.
     shared.view()[:8] = b"PRODUCER"
     assert arr.buffers()[1].to_pybytes()[:8] == b"PRODUCER"
+
+
+@consumers
+def test_publisher_consumer_cannot_write_shared_memory(
+    shared_array: tuple[SharedHostBuffer, pa.Array], uid: int | None, tmp_path: Path
+) -> None:
+    """The same through a Publisher: a raw client gets the ITEM frame's fd, hands it to a consumer process
+    (the other-uid case stands for a uid admitted with allowed_uids), and its writes are all refused."""
+    _, arr = shared_array
+    require_uid_switch(uid)
+    before = arr.buffers()[1].to_pybytes()
+    with aib.Publisher(tmp_path / "pub.sock", copy="never") as publisher:
+        publisher.publish("secure", arr)
+        with contextlib.closing(transport.connect(publisher.path)) as conn:
+            conn.send(protocol.HELLO, protocol.encode_hello())
+            assert conn.recv(timeout=10).kind == protocol.WELCOME
+            conn.send(protocol.GET, protocol.encode_name("secure"))
+            with conn.recv(timeout=10) as item:
+                assert item.kind == protocol.ITEM
+                (fd,) = item.fds
+                results = run_attacker(fd, uid)
+    assert {attack: results[attack] for attack in WRITES if results[attack] == "ok"} == {}, results
+    assert arr.buffers()[1].to_pybytes() == before
 
 
 def test_producer_fd_refuses_new_writes(shared_array: tuple[SharedHostBuffer, pa.Array]) -> None:

@@ -345,7 +345,8 @@ def test_allocate_shared_array_exports_zero_copy_without_reading_proc() -> None:
                 region.seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
                 == fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
             )
-            assert not region.sealed  # the owner may still write: not write-sealed
+            assert not region.sealed  # the owner may still write: not write-sealed...
+            assert region.seals & host.F_SEAL_FUTURE_WRITE  # ...but only through its own mapping
             assert fcntl.fcntl(region.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
             assert region.fd != shared.fd
             assert export.placements[1] == host.Placement(0, 800)
