@@ -345,7 +345,8 @@ def test_allocate_shared_array_exports_zero_copy_without_reading_proc() -> None:
                 region.seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
                 == fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
             )
-            assert not region.sealed  # the owner may still write: not write-sealed
+            assert not region.sealed  # the owner may still write: not write-sealed...
+            assert region.seals & host.F_SEAL_FUTURE_WRITE  # ...but only through its own mapping
             assert fcntl.fcntl(region.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
             assert region.fd != shared.fd
             assert export.placements[1] == host.Placement(0, 800)
@@ -402,6 +403,75 @@ def test_range_past_end_of_file_is_copied() -> None:
                 export_host_buffers([(address + 50, 100)], copy="never")
         finally:
             libc.munmap(address, PAGE)
+
+
+@contextlib.contextmanager
+def shm_file(data: bytes) -> Iterator[int]:
+    """A file under /dev/shm holding ``data``; yields an fd open on it (read-write)."""
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="aib-test-offset-") as f:
+        f.write(data)
+        f.flush()
+        yield f.fileno()
+
+
+@pytest.mark.parametrize("lookup", ["procmap_query", "text"])
+def test_mapping_at_a_file_offset_reaches_the_consumer_intact(
+    lookup: str, request: pytest.FixtureRequest
+) -> None:
+    """A table in a mapping that starts at a non-zero file offset (numpy.memmap(path, offset=...), mmap with
+    offset) is exported from that offset of the file: the consumer reads the producer's bytes."""
+    import arrow_ipc_bridge as aib
+
+    if lookup == "text":
+        request.getfixturevalue("text_maps")
+    values = pa.array(range(PAGE), pa.int64())  # 8 pages of data, distinct from the pages before it
+    data = values.buffers()[1].to_pybytes()
+    with (
+        shm_file(os.urandom(3 * PAGE) + data) as fd,
+        mmap.mmap(fd, len(data), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=3 * PAGE) as m,
+    ):
+        mapped = pa.py_buffer(m)
+        arr = pa.Array.from_buffers(pa.int64(), PAGE - 10, [None, mapped], offset=10)
+        with export_host_buffers([(mapped.address + 80, len(data) - 80)], copy="never") as export:
+            assert export.regions[0].file_offset == 3 * PAGE
+            assert placed_bytes(export, 0, len(data) - 80) == data[80:]
+        with aib.export(arr, copy="never") as exported, aib.Session() as session:
+            assert exported.stats.copied_bytes == 0
+            with session.import_message(exported.message, exported.fds) as imported:
+                assert pa.array(imported).equals(values.slice(10))
+        del arr, mapped
+
+
+@pytest.mark.parametrize("second", ["other file", "same file, later offset"])
+def test_buffer_straddling_adjacent_mappings_is_not_one_region(second: str) -> None:
+    """Two file mappings placed back to back (MAP_FIXED) are two regions: a buffer running from the first
+    into the second is copied (or refused with copy="never"), never exported as a range of the first file,
+    whose bytes past the first mapping are not what the producer sees at those addresses."""
+    first_file = b"A" * PAGE + b"a" * PAGE + b"C" * PAGE
+    with shm_file(first_file) as fd_a, shm_file(b"B" * PAGE) as fd_b:
+        base = raw_mmap(-1, 2 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # reserve two pages
+        try:
+            # Python's mmap cannot place a mapping; libc's with MAP_FIXED replaces the reservation.
+            assert libc.mmap(base, PAGE, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, fd_a, 0) == base
+            fd, offset = (fd_b, 0) if second == "other file" else (fd_a, 2 * PAGE)
+            assert (
+                libc.mmap(base + PAGE, PAGE, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, fd, offset)
+                == base + PAGE
+            )
+            expected = memory_at(base + PAGE - 50, 100)
+            assert expected[:50] == b"A" * 50
+            assert expected[50:] in (b"B" * 50, b"C" * 50)
+            # Alone, and after a buffer of the first mapping (its lookup must not be reused for the next).
+            for pairs in ([(base + PAGE - 50, 100)], [(base + 8, 16), (base + PAGE - 50, 100)]):
+                with export_host_buffers(pairs) as export:
+                    assert export.copied_bytes == 100
+                    assert placed_bytes(export, len(pairs) - 1, 100) == expected
+                    for i, (address, nbytes) in enumerate(pairs):
+                        assert placed_bytes(export, i, nbytes) == memory_at(address, nbytes)
+                with pytest.raises(CopyRequiredError, match="mapping"):
+                    export_host_buffers(pairs, copy="never")
+        finally:
+            libc.munmap(base, 2 * PAGE)
 
 
 def test_private_copy_on_write_pages_are_not_shared(shm_ipc_file: str) -> None:

@@ -14,7 +14,10 @@ message cross; :func:`export_host_buffers` decides, per buffer, where its bytes 
     case of an IPC file under /dev/shm. Untouched or read-faulted private pages are the page-cache pages of
     the file; a copied-on-write page is not, and is detected through /proc/self/pagemap.
 
-  Buffers in the same mapping share one region (one fd, one range covering all of them).
+  Buffers in the same mapping share one region (one fd, one range covering all of them). The fd opens the
+  whole file, not only that range: a consumer can read every byte of the file (an allocate_shared
+  allocation, an IPC file), and can write it where the file lets it -- never for allocate_shared memory
+  (sealed with F_SEAL_FUTURE_WRITE), otherwise as the file's permissions allow (docs/security.md).
 
 * **copy** -- everything else (heap memory from Arrow's allocator) is written into ONE new memfd per export,
   each buffer at a 64-byte aligned offset, then the memfd is sealed against shrink, grow and write so the
@@ -68,6 +71,7 @@ __all__ = [
     "COPY_POLICIES",
     "BUFFER_ALIGNMENT",
     "FULL_SEALS",
+    "F_SEAL_FUTURE_WRITE",
 ]
 
 COPY_POLICIES: Final = ("never", "if_needed", "always")
@@ -76,9 +80,16 @@ BUFFER_ALIGNMENT: Final = 64
 #: Seals of a copy region: the consumer may rely on the bytes and the size never changing.
 FULL_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 _CONTENT_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
-# allocate_shared() memory stays writable by its owner, but its size is fixed: a consumer mapping it can
-# never be hit by SIGBUS from a truncation. F_SEAL_SEAL is left off so a later "freeze" can add F_SEAL_WRITE.
-_SHARED_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+# F_SEAL_FUTURE_WRITE (Linux 5.1; <linux/fcntl.h> 0x0010, missing from the fcntl module before Python 3.12):
+# write(), fallocate hole punching and *new* writable shared mappings fail with EPERM for every fd of the
+# file, while mappings that already exist stay writable.
+F_SEAL_FUTURE_WRITE: Final = int(getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010))
+# allocate_shared() memory: the size is fixed (a consumer's mapping can never SIGBUS from a truncation) and
+# the owner's one writable mapping, made before the seal, is the only way to write it. Any holder of an fd
+# can reopen a memfd read-write through /proc/PID/fd (its inode is mode 0777, whatever the uid), so without
+# the write seal every consumer could change the data under the producer and the other consumers.
+# F_SEAL_SEAL is left off so a later "freeze" can add F_SEAL_WRITE once the owner's mapping is gone.
+_SHARED_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
 
 _PAGE: Final = mmap.PAGESIZE
 _ADDRESS_LIMIT: Final = 1 << 64
@@ -598,8 +609,14 @@ class SharedHostBuffer:
 
     Fill it through :meth:`view` or wrap it with :meth:`as_pyarrow` and build arrays on it. The memory stays
     mapped while any view or pyarrow buffer made from it is alive: :meth:`close` only drops this owner's
-    reference, so closing can never leave an array pointing at unmapped memory. The memfd is sealed against
-    shrink and grow, so a consumer's mapping can never SIGBUS; it is not write-sealed (the owner writes it).
+    reference, so closing can never leave an array pointing at unmapped memory.
+
+    The memfd is sealed against shrink and grow, so a consumer's mapping can never SIGBUS, and with
+    ``F_SEAL_FUTURE_WRITE``: the mapping made at allocation (behind :meth:`view` and :meth:`as_pyarrow`) is
+    the only way to write it. ``write()`` on :attr:`fd`, new writable mappings and hole punching fail with
+    ``EPERM`` for every process, this one included, so no consumer can change the data (a consumer can
+    reopen the memfd read-write through /proc, memfd inodes being mode 0777, but cannot write through it).
+    The owner's writes stay visible to consumers: the memory is shared, not frozen.
     """
 
     def __init__(self, keeper: Any, address: int, size: int, fd: int) -> None:
@@ -663,6 +680,18 @@ def allocate_shared(nbytes: int, *, name: str = "aib") -> SharedHostBuffer:
     """Allocate ``nbytes`` of zero-filled shared memory that :func:`export_host_buffers` shares zero-copy.
 
     ``name`` labels the memfd (it shows as ``/memfd:NAME`` in /proc/PID/maps of both processes).
+
+    Write the memory through the result's :meth:`~SharedHostBuffer.view` or
+    :meth:`~SharedHostBuffer.as_pyarrow`; nothing else can write it, consumers included (see
+    :class:`SharedHostBuffer`).
+
+    A zero-copy export hands consumers an fd on the *whole* allocation, not only the buffers published: a
+    consumer can read every byte of it, including bytes never published (stale data, other arrays built
+    in the same allocation). Give data that must not reach a consumer an allocation of its own, or export
+    with ``copy="always"``, which sends a sealed copy of the published bytes alone.
+
+    Raises :class:`RegionError` for a size that is not positive, a bad name, or a kernel without
+    ``F_SEAL_FUTURE_WRITE`` (before Linux 5.1): memory that consumers could write is never handed out.
     """
     nbytes = operator.index(nbytes)
     if nbytes <= 0:
@@ -671,16 +700,19 @@ def allocate_shared(nbytes: int, *, name: str = "aib") -> SharedHostBuffer:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except (OSError, ValueError) as exc:  # EINVAL: name over 249 bytes; ValueError: embedded NUL
         raise RegionError(f"memfd_create({name!r}) failed: {exc}", field="name") from exc
+    length = _align_up(nbytes, _PAGE)
+    pointer = _MAP_FAILED
     try:
         os.ftruncate(fd, nbytes)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SHARED_SEALS)
         st = os.fstat(fd)
-        length = _align_up(nbytes, _PAGE)
         pointer = _libc.mmap(_ffi.NULL, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
         if pointer == _MAP_FAILED:
             code = _ffi.errno
             raise RegionError(f"mmap of {nbytes} shared bytes failed: {os.strerror(code)}", nbytes=nbytes)
+        _seal_shared(fd)  # after the mmap: from now on no new writable mapping can be made
     except BaseException:
+        if pointer != _MAP_FAILED:
+            _libc.munmap(pointer, length)
         os.close(fd)
         raise
     address = int(_ffi.cast("uintptr_t", pointer))
@@ -691,6 +723,21 @@ def allocate_shared(nbytes: int, *, name: str = "aib") -> SharedHostBuffer:
     keeper = _ffi.gc(_ffi.cast("char *", pointer), lambda cdata: _release_shared(address, length, fd, cdata))
     _count(shared_allocations=1)
     return SharedHostBuffer(keeper, address, nbytes, fd)
+
+
+def _seal_shared(fd: int) -> None:
+    """Add _SHARED_SEALS; RegionError (no fallback) on a kernel without F_SEAL_FUTURE_WRITE (before 5.1)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SHARED_SEALS)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise RegionError(f"sealing the shared memfd failed: {exc}") from exc
+        raise RegionError(
+            f"this kernel ({os.uname().release}) does not support F_SEAL_FUTURE_WRITE (Linux 5.1+): "
+            "allocate_shared memory could not be protected against writes by its consumers, so it is "
+            "refused; build the data in ordinary memory and export it with copy='if_needed' or 'always' "
+            "(a sealed, counted copy)"
+        ) from exc
 
 
 # --- finding the mapping behind an address ------------------------------------------------------------------
