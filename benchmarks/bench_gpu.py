@@ -44,7 +44,7 @@ of a CuPy/PyTorch ``sum`` of the last column follows, untimed in the main figure
                          ``mixed_legacy``: published once from ``to_device(..., allocation="legacy")``
                          (cuMemAlloc memory: one legacy handle, remembered by the session); the default
                          pool upload is kept with a lease from its second get, like bridge_pool_steady
-    raw_cached/raw_fresh the DESIGN.md peer rows "raw legacy IPC": 16 (handle, offset) entries over the
+    raw_cached/raw_fresh the design's peer rows "raw legacy IPC": 16 (handle, offset) entries over the
                          same control socket, cuIpcOpenMemHandle per handle (or a consumer-side cache)
     torch_steady         torch.multiprocessing (spawn-context Queue): the producer puts the same 16 CUDA
                          tensors, the consumer gets them and launches the sum; it keeps each transfer until
@@ -161,8 +161,8 @@ def machine_info() -> dict[str, Any]:
             return out.stdout.strip() if out.returncode == 0 else ""
 
         git["head"] = read_git("rev-parse", "--short", "HEAD")
-    # The lent GPU machine gets a copy of the working tree whose .git may lag behind it: the caller
-    # names the commit it copied (scripts/gpu-check.sh passes it on).
+    # A copy of a working tree (for example one sent to a GPU machine) may carry a .git that lags
+    # behind it: the caller names the commit it copied in AIB_SOURCE_COMMIT.
     if os.environ.get("AIB_SOURCE_COMMIT"):
         git["source_commit"] = os.environ["AIB_SOURCE_COMMIT"]
         git["library_changes_vs_head"] = read_git(
@@ -503,7 +503,7 @@ class Collector:
         self.write_json()
 
     def _design_table(self, sizes: list[int]) -> None:
-        print("=== peer baselines of shared/DESIGN.md: this run's median (DESIGN.md's H200 median) ===")
+        print("=== peer baselines: this run's median (the design's H200 reference median) ===")
         cols = sizes or [MiB, 64 * MiB, GiB]
         head = f"{'method':52s}" + "".join(f"{fmt_size(s):>22s}" for s in cols)
         print(head)

@@ -86,7 +86,8 @@ SLAB_SIZE = 256 * MiB
 CONTROL_BASE = 1 << 20  # iteration numbers of the control publications (bridge_fresh_slab)
 MIXED = {"bridge_mixed_steady", "bridge_mixed_fresh", "bridge_mixed_legacy_steady"}
 
-# shared/DESIGN.md, "Peer baselines" (NVIDIA H200, median round trip, microseconds), for comparison.
+# The peer baselines the project's design goals were set against (NVIDIA H200, median round trip,
+# microseconds), printed beside this run's figures for comparison.
 DESIGN_BASELINES_US: dict[str, dict[int, float]] = {
     "d2h_ipc": {MiB: 3.6e3, 64 * MiB: 322e3, GiB: 4.7e6},
     "torch_steady": {MiB: 1.13e3, 64 * MiB: 1.31e3, GiB: 1.80e3},

@@ -1,39 +1,178 @@
 #!/usr/bin/env bash
-# The whole GPU run, in one call on the lent GPU machine:
-#   run(command="AIB_SOURCE_COMMIT=<git rev-parse --short HEAD here> bash scripts/gpu-check.sh [quick|full]",
-#       carry=[".whl"])
-# (the machine's copy of the tree may carry an older .git; the benchmark records the commit given)
-# Installs the carried wheels (cffi, pycparser, nanoarrow, polars: the machine lacks them), builds
-# the C core in place, runs the GPU tests and the GPU benchmark, and writes results under $OUT.
+# The whole GPU check. On a machine with an NVIDIA GPU and the CUDA driver, run:
+#
+#   bash scripts/gpu-check.sh [quick|full]
+#
+# It installs the Python packages the checks need that the machine lacks (from an optional local
+# wheel folder `.whl/` when one is present, for a machine without network access; otherwise from the
+# package index) into a private folder, builds the C core in place, runs the GPU tests, a host smoke
+# test, the README demo and the benchmarks, and writes log.txt, gpu-tests.xml and the benchmark JSON
+# under $OUT (default /tmp/aib-out).
+#
+# Exit status: 0 only when every step passed and at least one GPU test ran. Non-zero when the install
+# or the build fails, when any GPU test fails or errors, when no GPU test ran (no GPU, all skipped,
+# none collected), or when a later step (smoke tests, demo, benchmarks) fails; the summary at the end
+# of the log names each failed step.
+#
+# Environment: PYTHON (default python3) is the interpreter to test with; AIB_SOURCE_COMMIT=<commit>
+# labels the benchmark results when this tree's .git is absent or not the commit being tested (for
+# example a copy of a working tree); AIB_SITE (default /tmp/aib-site) is where missing packages go.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-quick}
+case "$mode" in
+  quick | full) ;;
+  *)
+    echo "usage: bash scripts/gpu-check.sh [quick|full]" >&2
+    exit 2
+    ;;
+esac
 OUT=${OUT:-/tmp/aib-out}
+PYTHON=${PYTHON:-python3}
+AIB_SITE=${AIB_SITE:-/tmp/aib-site}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-{
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 setup.py -q build_ext --inplace 2>&1 | grep -Ev "^(running|copying|creating)" || true
-  python3 -m arrow_ipc_bridge doctor
-  echo "== GPU tests"
-  python3 -m pytest -p no:cacheprovider -q -m gpu -rs tests/test_gpu.py tests/test_cuda_driver.py \
-    --junitxml="$OUT/gpu-tests.xml"
-  echo "pytest exit: $?"
-  echo "== host suites on the GPU machine (smoke)"
-  # polars is not carried (its runtime wheel is 54 MB), so test_capsules (which imports it) runs in CI
-  python3 -m pytest -p no:cacheprovider -q -x tests/test_metadata.py tests/test_layout.py -k "not fuzz"
-  echo "== the README's main job, on the GPU"
-  python3 -m arrow_ipc_bridge demo --rows 1000000
-  echo "== benchmarks"
-  python3 benchmarks/bench_metadata.py --json "$OUT/bench-metadata.json"
-  if [ -f benchmarks/bench_gpu.py ]; then
-    if [ "$mode" = full ]; then
-      timeout 480 python3 benchmarks/bench_gpu.py --json "$OUT/bench-gpu.json"
-    else
-      timeout 240 python3 benchmarks/bench_gpu.py --quick --json "$OUT/bench-gpu.json"
+
+# What the checks import (each module's distribution on the package index has the same name).
+NEEDED_MODULES=(cffi pycparser pyarrow numpy pytest hypothesis nanoarrow polars)
+
+failed=()
+fail() {
+  failed+=("$1")
+  echo "FAIL: $1"
+}
+
+install_missing() {
+  local missing=() module
+  for module in "${NEEDED_MODULES[@]}"; do
+    if ! "$PYTHON" -c "import $module" 2>/dev/null; then
+      missing+=("$module")
     fi
-    echo "bench exit: $?"
+  done
+  if [ "${#missing[@]}" -eq 0 ]; then
+    echo "every needed package is installed"
+    return 0
   fi
+  echo "installing into $AIB_SITE: ${missing[*]}"
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    # An offline machine: the wheels were put in .whl/ beforehand; nothing is fetched.
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$AIB_SITE" .whl/*.whl
+  else
+    "$PYTHON" -m pip install -q --no-compile --upgrade --target "$AIB_SITE" "${missing[@]}"
+  fi
+}
+
+# Reads pytest's JUnit XML and prints "<ran> <failed> <errors> <skipped>".
+junit_counts() {
+  "$PYTHON" - "$1" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError):
+    print("0 0 1 0")  # no report: count it as an error
+    raise SystemExit
+suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+total = sum(int(s.get("tests", 0)) for s in suites)
+failures = sum(int(s.get("failures", 0)) for s in suites)
+errors = sum(int(s.get("errors", 0)) for s in suites)
+skipped = sum(int(s.get("skipped", 0)) for s in suites)
+print(total - skipped, failures, errors, skipped)
+EOF
+}
+
+main() {
+  echo "== install"
+  if ! install_missing; then
+    fail "install of the missing packages"
+    return
+  fi
+  export PYTHONPATH="$AIB_SITE:$PWD"
+
+  echo "== GPU"
+  local have_gpu=1
+  if ! command -v nvidia-smi >/dev/null; then
+    echo "nvidia-smi not found: no NVIDIA driver on this machine"
+    have_gpu=0
+  elif ! timeout 60 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; then
+    echo "nvidia-smi failed: no usable GPU"
+    have_gpu=0
+  fi
+
+  echo "== build the C core"
+  local build_log="$OUT/build.log"
+  if ! "$PYTHON" setup.py -q build_ext --inplace --force >"$build_log" 2>&1; then
+    cat "$build_log"
+    fail "build of the C core (setup.py build_ext)"
+    return
+  fi
+  grep -Ev "^(running|copying|creating)" "$build_log" || true
+  "$PYTHON" -m arrow_ipc_bridge doctor || fail "arrow_ipc_bridge doctor"
+
+  echo "== GPU tests"
+  local xml="$OUT/gpu-tests.xml" rc
+  rm -f "$xml"
+  timeout 1800 "$PYTHON" -m pytest -p no:cacheprovider -q -m gpu -rs tests/test_gpu.py tests/test_cuda_driver.py \
+    --junitxml="$xml"
+  rc=$?
+  local ran nfail nerr nskip
+  read -r ran nfail nerr nskip < <(junit_counts "$xml")
+  echo "pytest exit $rc: $ran GPU tests ran, $nfail failed, $nerr errors, $nskip skipped"
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
+    fail "GPU tests (pytest exit $rc: $nfail failed, $nerr errors)"
+  elif [ "$nfail" -ne 0 ] || [ "$nerr" -ne 0 ]; then
+    fail "GPU tests ($nfail failed, $nerr errors)"
+  fi
+  if [ "$ran" -eq 0 ]; then
+    fail "no GPU test ran ($nskip skipped; pytest exit $rc): this check needs a GPU"
+  fi
+
+  echo "== host suites (smoke)"
+  timeout 900 "$PYTHON" -m pytest -p no:cacheprovider -q -x tests/test_metadata.py tests/test_layout.py -k "not fuzz" ||
+    fail "host smoke tests"
+
+  echo "== the README's main job"
+  timeout 300 "$PYTHON" -m arrow_ipc_bridge demo --rows 1000000 || fail "README demo"
+
+  echo "== benchmarks"
+  timeout 600 "$PYTHON" benchmarks/bench_metadata.py --json "$OUT/bench-metadata.json" || fail "bench_metadata.py"
+  if [ "$have_gpu" -eq 0 ]; then
+    echo "bench_gpu.py not run: no GPU"
+  else
+    local quick=(--quick) limit=240
+    if [ "$mode" = full ]; then
+      quick=()
+      limit=480
+    fi
+    timeout "$limit" "$PYTHON" benchmarks/bench_gpu.py "${quick[@]}" --json "$OUT/bench-gpu.json"
+    rc=$?
+    echo "bench_gpu.py exit $rc"
+    if [ "$rc" -eq 124 ]; then
+      fail "bench_gpu.py (timed out after ${limit}s)"
+    elif [ "$rc" -ne 0 ]; then
+      fail "bench_gpu.py (exit $rc)"
+    fi
+  fi
+}
+
+summary() {
+  echo "== summary"
+  if [ "${#failed[@]}" -eq 0 ]; then
+    echo "gpu-check: PASS"
+    return 0
+  fi
+  echo "gpu-check: FAILED (${#failed[@]})"
+  printf '  - %s\n' "${failed[@]}"
+  return 1
+}
+
+# The log is written through tee; the pipeline's status would be tee's, so the verdict is taken
+# from main's own record of failures, inside the same shell as main (a pipeline member runs in a
+# subshell: its variables do not come back), and returned as the pipeline's first status.
+{
+  main
+  summary
 } 2>&1 | tee "$OUT/log.txt"
+exit "${PIPESTATUS[0]}"
