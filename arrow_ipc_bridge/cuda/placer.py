@@ -345,7 +345,7 @@ def _own_pool(handle: int) -> IpcMemoryPool:
     if pool is None:
         raise RegionError(
             "the buffer comes from an IPC-capable memory pool this process did not create through "
-            "arrow_ipc_bridge.memory.cuda.IpcMemoryPool; its pool fd cannot be exported here"
+            "arrow_ipc_bridge.cuda.IpcMemoryPool; its pool fd cannot be exported here"
         )
     return pool
 

@@ -123,10 +123,10 @@ class _Slab:
     stream: int
     pool: IpcMemoryPool  # held here too: a pool is never destroyed under its slabs
     ranges: SlabRanges
-    export_data: bytes | None = None  # cuMemPoolExportPointer of base, made once (cuda_regions)
+    export_data: bytes | None = None  # cuMemPoolExportPointer of base, made once (placer.py)
 
 
-# Every slab of the process, by base address: cuda_regions asks whether an allocation is a kept slab
+# Every slab of the process, by base address: the placer asks whether an allocation is a kept slab
 # (and for its export data, made once so consumers see the same handle every time). Slabs are never
 # removed: that is the promise consumers rely on.
 _slabs: dict[int, _Slab] = {}
