@@ -1,9 +1,11 @@
 """CUDA memory for the bridge: the driver (through cffi, loaded on first use), IPC kinds, allocators, regions.
 
-One module per concern, dependencies pointing one way::
+One module per concern, dependencies pointing one way (``a <- b``: b imports a)::
 
-    _declarations <- _driver <- devices <- pointers <- legacy_ipc, events, pools, vmm
-        <- slab <- allocators;   placer (producer) and opener (consumer) build on the IPC kinds
+    _declarations <- _driver <- devices <- pointers <- legacy_ipc
+                                devices <- events, pools, vmm
+                                           pools <- slab <- allocators
+    the IPC kinds, slab, _state <- placer (producer), opener (consumer)
 
 Importing any of them needs no GPU and no driver. This face re-exports the public names of the driver-level
 modules, the allocators and :func:`cuda_stats`; the producer's :mod:`~arrow_ipc_bridge.cuda.placer` and the
