@@ -227,7 +227,7 @@ def _device_of(ptr: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Copies (helpers for tests and for the bridge's own copy-if-needed path)
+# Copies (the bridge's copy-if-needed path, to_device and to_host)
 # ----------------------------------------------------------------------------------------------------------
 
 
