@@ -37,7 +37,7 @@ def _zero_copy_table(rows: int, columns: int, directory: str) -> Any:
 
 
 def _gpu_present() -> bool:
-    from arrow_ipc_bridge.memory import cuda
+    from arrow_ipc_bridge import cuda
 
     return cuda.driver_available() and cuda.device_count() > 0
 
@@ -163,9 +163,8 @@ def doctor() -> int:
     """Print what this machine supports."""
     import pyarrow as pa
 
-    from arrow_ipc_bridge import __version__
+    from arrow_ipc_bridge import __version__, cuda
     from arrow_ipc_bridge._ffi import WIRE_VERSION
-    from arrow_ipc_bridge.memory import cuda
 
     print(
         f"arrow_ipc_bridge {__version__}, wire format {WIRE_VERSION[0]}.{WIRE_VERSION[1]}, "

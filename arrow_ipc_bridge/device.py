@@ -80,7 +80,8 @@ def to_device(
     >>> gpu = aib.to_device(pa.table({"x": [1.0, 2.0]}))  # doctest: +SKIP
     >>> pub.publish("x", gpu)                              # doctest: +SKIP
     """
-    from arrow_ipc_bridge.memory import cuda, cuda_regions
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge.cuda import placer
 
     if allocation not in ("pool", "legacy"):
         raise ValueError(f"allocation must be 'pool' or 'legacy', not {allocation!r}")
@@ -98,7 +99,7 @@ def to_device(
                 total += (slots[i + 1] + _ALIGN - 1) // _ALIGN * _ALIGN
         nbytes = max(total, _ALIGN)
         if allocation == "pool":
-            pool = cuda_regions.bridge_pool(device)
+            pool = placer.bridge_pool(device)
             base = pool.allocate(nbytes)
             owner = lib.aib_owner_new(_reaper.register(lambda: pool.free(base)))
         else:
@@ -123,7 +124,7 @@ def to_device(
 def _column(obj: Any) -> tuple[pa.Array, int, int | None]:
     """A pyarrow array whose data buffer is the GPU array's memory (never read on the host), the
     device it lives on, and the stream its producer announced (``__cuda_array_interface__`` v3)."""
-    from arrow_ipc_bridge.memory import cuda
+    from arrow_ipc_bridge import cuda
 
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is None and hasattr(obj, "__dlpack__"):
@@ -163,7 +164,8 @@ def _column(obj: Any) -> tuple[pa.Array, int, int | None]:
 
 def _as_device(captured_array: CapturedArray, device: int, streams: set[int]) -> CapturedArray:
     """Mark captured structs as CUDA data and attach a sync event for the producer's stream(s)."""
-    from arrow_ipc_bridge.memory import cuda, cuda_regions
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge.cuda import placer
 
     captured = captured_array._captured
     sync = ffi.NULL
@@ -173,7 +175,7 @@ def _as_device(captured_array: CapturedArray, device: int, streams: set[int]) ->
     if pending:
         for stream in sorted(pending)[1:]:
             cuda.stream_synchronize(stream, device=device)  # one event per batch: settle the others
-        events = cuda_regions.event_pool(device)
+        events = placer.event_pool(device)
         event = events.acquire()
         event.record(sorted(pending)[0])
         holder = lib.aib_owner_new(_reaper.register(lambda: events.release(event)))
@@ -241,11 +243,11 @@ def _copy_to_host(imported: ImportedArray | ImportedStream, decoded: Any) -> tup
     """The device regions ``decoded`` uses, copied to one host buffer: a new decode of the message
     whose owner holds that buffer, and the regions' bases in it (the caller has ``decoded``
     borrowed)."""
-    from arrow_ipc_bridge.memory import cuda, cuda_regions
+    from arrow_ipc_bridge import cuda
 
     sync = imported._sync_event()
     if sync != ffi.NULL:
-        cuda.event_synchronize(cuda_regions.event_value(sync))
+        cuda.event_synchronize(cuda.event_value(sync))
     bases = imported._bases
     spans: dict[int, tuple[int, int]] = {}
     for code, offset, length in decoded.buffer_refs():
@@ -344,7 +346,7 @@ class ColumnView:
             if key not in ("max_version", "dl_device", "copy") or (key == "copy" and value):
                 raise BufferError(f"column views do not support __dlpack__({key}={value!r})")
         if self._event and stream not in (None, -1):
-            from arrow_ipc_bridge.memory import cuda
+            from arrow_ipc_bridge import cuda
 
             cuda.stream_wait_event(stream, self._event, device=self._device_id)
         typestr = self._typestr
@@ -409,9 +411,9 @@ def column_view(imported: ImportedArray, column: int | str = 0, *, stream: int |
         raise BridgeError("the column has nulls (or an unknown null count); a plain array cannot show them")
     event = 0
     if device_array.sync_event != ffi.NULL:
-        from arrow_ipc_bridge.memory import cuda, cuda_regions
+        from arrow_ipc_bridge import cuda
 
-        event = cuda_regions.event_value(device_array.sync_event)
+        event = cuda.event_value(device_array.sync_event)
         if stream is None:
             cuda.event_synchronize(event)
         else:

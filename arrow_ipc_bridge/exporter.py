@@ -147,26 +147,27 @@ def _export_host(captured: CapturedData, copy: CopyPolicy) -> Exported:
 
 
 def _export_cuda(captured: CapturedData, copy: CopyPolicy, pool_fds: bool) -> Exported:
-    from arrow_ipc_bridge.memory import cuda, cuda_regions
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge.cuda.placer import CudaPlacer, event_pool, remember_local_event
 
     device = captured.device_id
     described = Described(captured)
-    placer = cuda_regions.CudaPlacer(device, copy=copy, pool_fds=pool_fds)
+    placer = CudaPlacer(device, copy=copy, pool_fds=pool_fds)
     placer.resolve_pending_lengths(described)
     placement = placer.place(described)
     closers: list[Callable[[], None]] = [placement.close]
     try:
         # The consumer must not read before the producer's writes are done: our interprocess event
         # waits on the producer's own sync event (if any) and travels with the message.
-        events = cuda_regions.event_pool(device)
+        events = event_pool(device)
         event = events.acquire()
         closers.append(lambda: events.release(event))
         producer_event = captured.arrays[0].sync_event if captured.arrays else None
         if producer_event:
-            cuda.stream_wait_event(0, cuda_regions.event_value(producer_event), device=device)
+            cuda.stream_wait_event(0, cuda.event_value(producer_event), device=device)
         event.record(0)
         sync = event.ipc_handle()
-        cuda_regions.remember_local_event(sync, event.handle)
+        remember_local_event(sync, event.handle)
         info = DeviceInfo(device_type=DEVICE_CUDA, identity=cuda.device_uuid(device), sync=sync)
         message = described.encode(info, placement.regions, n_fds=len(placement.fds))
     except BaseException:

@@ -199,7 +199,7 @@ class Publisher:
     def _send_pool_fd(channel: Channel, identity: bytes) -> None:
         """Answer POOL_FD: the fd of one of our IPC pools that an exported message named. Messages
         leave pool fds out (see publish), so each session process asks once per pool."""
-        from arrow_ipc_bridge.memory import cuda_regions  # loads no CUDA until a pool is named
+        from arrow_ipc_bridge.cuda import placer as cuda_regions  # loads no CUDA until a pool is named
 
         fd = cuda_regions.pool_fd_for(identity)  # RegionError for anything else
         try:

@@ -335,7 +335,8 @@ class Session:
         also remembered, with ``template`` holding them: all-legacy ones, and IPC-pool ones when
         ``lease_owner`` (this get's lease, see _keeps_pool_lease) is given, which the template then
         keeps too. Returns the import and whether the template was kept."""
-        from arrow_ipc_bridge.memory import cuda, cuda_regions
+        from arrow_ipc_bridge import cuda
+        from arrow_ipc_bridge.cuda import opener as cuda_regions  # the consumer's side of CUDA regions
 
         # The producer's GPU, by UUID, in this process's numbering (CUDA_VISIBLE_DEVICES may differ).
         ordinal = cuda.ordinal_for_uuid(device.identity)

@@ -117,7 +117,7 @@ what the numbers mean
   torch ÷   = torch.multiprocessing steady median / this median (how many times faster than torch).
   bridge "publish" (new allocations): the producer's from_cuda_arrays + publish before each round trip,
   not inside the round trip; "publish+get" adds both per iteration.
-  opens/it: CUDA driver opens per round trip in the consumer (cuda_regions.cuda_stats() deltas)."""
+  opens/it: CUDA driver opens per round trip in the consumer (cuda.cuda_stats() deltas)."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -213,9 +213,9 @@ def nvidia_smi() -> dict[str, Any]:
 def gpu_present() -> tuple[bool, str]:
     """Whether this process sees a CUDA device through the driver (no context is created)."""
     try:
-        from arrow_ipc_bridge.memory import cuda
+        from arrow_ipc_bridge import cuda
     except Exception as exc:
-        return False, f"cannot import arrow_ipc_bridge.memory.cuda: {exc!r}"
+        return False, f"cannot import arrow_ipc_bridge.cuda: {exc!r}"
     try:
         if not cuda.driver_available():
             cuda.load_driver()  # raises with the driver's reason
@@ -960,7 +960,7 @@ _API = [
     ("arrow_ipc_bridge._reaper", ["drain", "pending_callbacks"]),
     ("arrow_ipc_bridge.metadata", ["REGION_CUDA_LEGACY", "REGION_CUDA_POOL", "REGION_CUDA_VMM"]),
     (
-        "arrow_ipc_bridge.memory.cuda",
+        "arrow_ipc_bridge.cuda",
         [
             "driver_available",
             "device_count",
@@ -976,12 +976,12 @@ _API = [
             "stream_wait_event",
             "cupy_allocator",
             "IpcMemoryPool",
+            "cuda_stats",
+            "event_value",
         ],
     ),
-    (
-        "arrow_ipc_bridge.memory.cuda_regions",
-        ["cuda_stats", "opener", "event_value", "event_pool", "bridge_pool", "CudaOpener"],
-    ),
+    ("arrow_ipc_bridge.cuda.opener", ["opener", "CudaOpener"]),
+    ("arrow_ipc_bridge.cuda.placer", ["event_pool", "bridge_pool"]),
 ]
 
 

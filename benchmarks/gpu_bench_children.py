@@ -425,7 +425,8 @@ class _BridgeProducer:
         if not self.host_only:
             import cupy as cp
 
-            from arrow_ipc_bridge.memory import cuda, cuda_regions
+            from arrow_ipc_bridge import cuda
+            from arrow_ipc_bridge.cuda import placer
 
             self.cp = cp
             cp.cuda.Device(0).use()
@@ -442,7 +443,7 @@ class _BridgeProducer:
             # Pay the one-time costs (interprocess events ~225 µs each, the IPC pool) before any timing.
             # from_cuda_arrays takes one event per call (CuPy announces the legacy stream), every export
             # another: with the rings of fresh data alive that is ~10 at a time.
-            cuda_regions.event_pool(0).prefill(16)
+            placer.event_pool(0).prefill(16)
             self.pool_alloc = cuda.cupy_allocator(0)
             self.slab_alloc = cuda.cupy_allocator(0, slab_size=SLAB_SIZE)
         self.pub = aib.Publisher(self.cfg["bridge_sock"])
@@ -532,7 +533,7 @@ class _BridgeProducer:
         return out
 
     def _raw_blob(self, arrays: list[Any]) -> bytes:
-        from arrow_ipc_bridge.memory import cuda
+        from arrow_ipc_bridge import cuda
 
         parts = []
         for a in arrays:
@@ -707,12 +708,12 @@ class _BridgeProducer:
                 self.cp.cuda.runtime.deviceSynchronize()
                 self.cp.get_default_memory_pool().free_all_blocks()
             # Unpublished entries whose leases already ended are closed: give pool memory back.
-            from arrow_ipc_bridge.memory import cuda_regions
+            from arrow_ipc_bridge.cuda import placer
 
             with contextlib.suppress(Exception):
                 self.pool_alloc.pool.trim_to(0)
             with contextlib.suppress(Exception):
-                cuda_regions.bridge_pool(0).trim_to(0)
+                placer.bridge_pool(0).trim_to(0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -860,12 +861,12 @@ class _BridgeConsumer:
         if self.host_only:
             return
         from arrow_ipc_bridge import _reaper
-        from arrow_ipc_bridge.memory import cuda_regions
+        from arrow_ipc_bridge.cuda import opener as cuda_opener
 
         if self.session is not None:
             self.session.close()
             self.session = None
-        cuda_regions.opener().close()  # legacy handles close once nothing uses them
+        cuda_opener.opener().close()  # legacy handles close once nothing uses them
         gc.collect()
         _reaper.drain()
         with contextlib.suppress(Exception):
@@ -931,10 +932,9 @@ class _BridgeConsumer:
         """One hand-off: get -> device capsule -> wait sync_event on our stream: timed so far (the
         consumer can launch work); then the launch of a kernel on the last column (reported as
         "launched"), and (untimed) synchronise, check, release."""
-        from arrow_ipc_bridge import _reaper
+        from arrow_ipc_bridge import _reaper, cuda
         from arrow_ipc_bridge._ffi import ffi
         from arrow_ipc_bridge.capsules import capsule_struct
-        from arrow_ipc_bridge.memory import cuda_regions
 
         assert self.session is not None
         remembered, new_in_c = self.session.remembered_gets, self.session.new_message_gets
@@ -949,7 +949,7 @@ class _BridgeConsumer:
         sync = device_array.sync_event
         if sync:
             # What a CuPy consumer writes (cuDF does the same in C++): the runtime's cudaStreamWaitEvent.
-            self.cp.cuda.runtime.streamWaitEvent(self.stream_ptr, cuda_regions.event_value(sync))
+            self.cp.cuda.runtime.streamWaitEvent(self.stream_ptr, cuda.event_value(sync))
         root = device_array.array
         column = root.children[root.n_children - 1]
         ptr = int(ffi.cast("uintptr_t", column.buffers[1])) + int(column.offset) * F32
@@ -982,24 +982,25 @@ class _BridgeConsumer:
     @contextlib.contextmanager
     def _count_opens(self) -> Iterator[dict[str, Any]]:
         """cuda_stats() deltas (legacy opens/hits, pool imports) over a block."""
-        from arrow_ipc_bridge.memory import cuda_regions
+        from arrow_ipc_bridge import cuda
 
         out: dict[str, Any] = {}
-        before = cuda_regions.cuda_stats()
+        before = cuda.cuda_stats()
         try:
             yield out
         finally:
-            after = cuda_regions.cuda_stats()
+            after = cuda.cuda_stats()
             out.update({k: after[k] - before.get(k, 0) for k in after})
 
     def _instrumented_opens(self, one: Iteration, iterations: int, start: int) -> dict[str, Any]:
         """Time every region open of a few extra iterations (CudaOpener.open per region kind; a
         message's pool regions, opened in one batch, as the batch's time per region)."""
-        from arrow_ipc_bridge.memory import cuda, cuda_regions
+        from arrow_ipc_bridge import cuda
+        from arrow_ipc_bridge.cuda import opener as cuda_opener
         from arrow_ipc_bridge.metadata import REGION_CUDA_LEGACY, REGION_CUDA_POOL, REGION_CUDA_VMM
 
         kinds = {REGION_CUDA_LEGACY: "legacy", REGION_CUDA_POOL: "pool", REGION_CUDA_VMM: "vmm"}
-        opener = cuda_regions.opener()
+        opener = cuda_opener.opener()
         original = opener.open
         times: dict[str, list[float]] = {}
 
@@ -1168,7 +1169,7 @@ class _BridgeConsumer:
         """Raw legacy IPC, no bridge: the producer sends 16 (handle, offset, length) entries over the
         control socket; the consumer opens each handle (or finds it in its own cache) and launches the
         same kernel. The producer synchronised its device before, so no event is involved."""
-        from arrow_ipc_bridge.memory import cuda
+        from arrow_ipc_bridge import cuda
 
         assert self.ctl is not None
         ctl = self.ctl

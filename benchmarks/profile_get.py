@@ -46,7 +46,7 @@ def producer(path: str, options: tuple[str, str, str], ready: Any, echo_sock: so
     def new_columns(value: float) -> Any:
         import cupy as cp
 
-        from arrow_ipc_bridge.memory import cuda
+        from arrow_ipc_bridge import cuda
 
         if not allocators:
             allocators.append(
@@ -151,14 +151,14 @@ def main() -> None:
     if args.device == "cuda":
         import cupy as cp
 
-        from arrow_ipc_bridge.memory import cuda_regions
+        from arrow_ipc_bridge import cuda
 
         stream = cp.cuda.Stream(non_blocking=True)
         stream_ptr = stream.ptr
 
         def wait(sync: Any) -> None:
             # What a CuPy consumer writes (cuDF does the same in C++).
-            cp.cuda.runtime.streamWaitEvent(stream_ptr, cuda_regions.event_value(sync))
+            cp.cuda.runtime.streamWaitEvent(stream_ptr, cuda.event_value(sync))
 
     session = aib.connect(path, timeout=10.0)
     phases: dict[str, list[float]] = {"get": [], "capsules": [], "struct+wait": [], "total": [], "bare": []}

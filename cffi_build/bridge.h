@@ -481,7 +481,7 @@ aib_owner *aib_import_new(const uint8_t *message, size_t length, uint32_t n_fds,
  * the owner lives) and the device id. */
 aib_decoded *aib_owner_decoded(aib_owner *owner);
 size_t aib_owner_view_bases(aib_owner *owner, const uint64_t **bases, int64_t *device_id);
-/* ---------- driver loops (cuda_batch.c); the driver is resolved by memory/cuda.py ---------------
+/* ---------- driver loops (cuda_batch.c); the driver is resolved by cuda/_driver.py -------------
  * Calls import_fn (the address of cuMemPoolImportPointer) for n 64-byte export records in order,
  * the current context being the caller's. Returns 0, or the first failing CUresult with *done the
  * number imported before it (their pointers are in out: the caller frees them). */
@@ -505,7 +505,7 @@ int aib_cuda_describe_buffers(uintptr_t get_attributes, const int *attributes, u
 int aib_cuda_export_pool_pointers(uintptr_t export_fn, const uint64_t *pointers, size_t n, uint8_t *out,
                                   size_t *done);
 /* ---------- sync events handed out only while pending (sync_event.c) -----------------------------
- * fn: the address of cuEventQuery, set once the driver is loaded (memory/cuda.py). */
+ * fn: the address of cuEventQuery, set once the driver is loaded (cuda/_driver.py). */
 void aib_cuda_set_event_query(uintptr_t fn);
 /* For the bridge's own imported data: sync_event (a pointer to a CUevent, as the C Device interface
  * has it) unless the driver says its recording completed, then NULL. Unchanged when no query

@@ -1,6 +1,6 @@
 /* Driver calls made in a loop without Python in between.
  *
- * The core is built without CUDA headers or libraries (CUDA loads lazily, in memory/cuda.py); the
+ * The core is built without CUDA headers or libraries (CUDA loads lazily, in cuda/_driver.py); the
  * driver function arrives as an address resolved there. Only what a consumer repeats per buffer of
  * a message lives here: on the producer the attribute queries of a message's buffers and the export
  * of its IPC-pool pointers, on the consumer the import of those pointers and their frees — each a

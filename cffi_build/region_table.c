@@ -9,7 +9,7 @@
  * Anything else (a handle, event or device not here, other region kinds, descriptors) returns NULL
  * and the caller takes the Python path, which reports errors properly.
  *
- * Python mirrors its state here (cuda_regions.CudaOpener): a legacy handle or a kept slab's import
+ * Python mirrors its state here (cuda/opener.py, events.py, devices.py): a legacy handle or a kept slab's import
  * when it opens one, with the owner that keeps it open (one reference held here), removed when its
  * LRU lets go; every event it opens; every GPU UUID it resolves to an ordinal. One table per
  * process, like the handles. */

@@ -14,7 +14,7 @@
  * lease, so "complete" cannot refer to a later recording. Events of captured data belong to other
  * libraries and are passed through unchanged by the callers.
  *
- * The query function arrives as an address resolved by memory/cuda.py when it opens the first
+ * The query function arrives as an address resolved by cuda/_driver.py when it opens the first
  * event; until then (and in a fork child) nothing is queried. */
 #define _GNU_SOURCE
 #include <pthread.h>

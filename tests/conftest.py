@@ -31,7 +31,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 @pytest.fixture(scope="session")
 def cuda_device() -> int:
     """The ordinal of a usable CUDA GPU, or a skip that says why there is none."""
-    from arrow_ipc_bridge.memory import cuda
+    from arrow_ipc_bridge import cuda
 
     if not cuda.driver_available():
         pytest.skip("no CUDA driver (libcuda.so.1) on this machine")

@@ -34,9 +34,10 @@ def consumer_loop(socket_path: str, conn: Connection, pool_linger: float = 1.0) 
     """Serve the parent: for each name received, get it, copy to host, send Arrow IPC bytes back (with
     the device id and the session's remembered-get count). ``("forget", name)`` forgets ``name``
     and answers ``("ok", forgotten, pool pointers still imported in this process)``; ``("stats",)``
-    answers ``("ok", cuda_regions.cuda_stats() + {"pools_cached", "new_message_gets"})``."""
+    answers ``("ok", cuda.cuda_stats() + {"pools_cached", "new_message_gets"})``."""
     import arrow_ipc_bridge as aib
-    from arrow_ipc_bridge.memory import cuda_regions
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge.cuda import opener as cuda_opener
 
     try:
         with aib.connect(socket_path, timeout=30.0, pool_linger=pool_linger) as session:
@@ -46,11 +47,11 @@ def consumer_loop(socket_path: str, conn: Connection, pool_linger: float = 1.0) 
                     break
                 if isinstance(name, tuple) and name[0] == "forget":
                     forgotten = session.forget(name[1])
-                    conn.send(("ok", forgotten, len(cuda_regions.opener()._pool_pointers)))
+                    conn.send(("ok", forgotten, len(cuda_opener.opener()._pool_pointers)))
                     continue
                 if name == ("stats",):
-                    stats = cuda_regions.cuda_stats()
-                    stats["pools_cached"] = len(cuda_regions.opener()._pools)
+                    stats = cuda.cuda_stats()
+                    stats["pools_cached"] = len(cuda_opener.opener()._pools)
                     stats["new_message_gets"] = session.new_message_gets
                     conn.send(("ok", stats))
                     continue
@@ -72,9 +73,9 @@ def cudf_style_reader(socket_path: str, name: str, conn: Connection) -> None:
     import cupy
 
     import arrow_ipc_bridge as aib
+    from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge._ffi import ffi
     from arrow_ipc_bridge.capsules import capsule_struct
-    from arrow_ipc_bridge.memory import cuda, cuda_regions
 
     try:
         with aib.connect(socket_path, timeout=30.0) as session:
@@ -87,7 +88,7 @@ def cudf_style_reader(socket_path: str, name: str, conn: Connection) -> None:
                     stream = cupy.cuda.Stream(non_blocking=True)
                     had_event = bool(device_array.sync_event)
                     if had_event:
-                        cuda.stream_wait_event(stream.ptr, cuda_regions.event_value(device_array.sync_event))
+                        cuda.stream_wait_event(stream.ptr, cuda.event_value(device_array.sync_event))
                     column = device_array.array.children[0]
                     length = int(column.length)
                     ptr = int(ffi.cast("uintptr_t", column.buffers[1]))
@@ -147,7 +148,7 @@ def swapped_gpu_producer(socket_path: str, conn: Connection) -> None:
     "1,0"), so its device 0 is the consumer's device 1: the message must name the GPU by UUID."""
     os.environ["CUDA_VISIBLE_DEVICES"] = "1,0"  # before CUDA initialises in this process
     import arrow_ipc_bridge as aib
-    from arrow_ipc_bridge.memory import cuda
+    from arrow_ipc_bridge import cuda
 
     try:
         with aib.Publisher(socket_path) as pub:

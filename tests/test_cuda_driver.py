@@ -1,4 +1,4 @@
-"""Tests of the CUDA driver layer, ``arrow_ipc_bridge.memory.cuda``.
+"""Tests of the CUDA driver layer, ``arrow_ipc_bridge.cuda`` (declarations, driver, devices, IPC kinds).
 
 Without a GPU (CI): the module imports without opening the driver; the cffi declarations parse; every enum
 value and struct layout matches ``cuda.h``; every driver-dependent call raises ``CudaError``; input is
@@ -32,10 +32,12 @@ from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
+import cuda_helpers
 import pytest
 
+from arrow_ipc_bridge import cuda
+from arrow_ipc_bridge.cuda import _declarations, _driver, devices, pools
 from arrow_ipc_bridge.errors import BridgeError, CopyRequiredError, CudaError, RegionError, ReleasedError
-from arrow_ipc_bridge.memory import cuda
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT = 60.0  # seconds for any single wait on a child process
@@ -217,7 +219,8 @@ def _declared_functions(cdef: str) -> set[str]:
 def test_import_does_not_open_the_driver() -> None:
     """Importing the module parses nothing and opens nothing: it works on a machine without CUDA."""
     code = (
-        "import arrow_ipc_bridge.memory.cuda as c\n"
+        "import arrow_ipc_bridge.cuda, arrow_ipc_bridge.cuda.placer, arrow_ipc_bridge.cuda.opener\n"
+        "from arrow_ipc_bridge.cuda import _driver as c\n"
         "assert not c._DRIVER.loaded, 'driver loaded at import'\n"
         "assert c._DRIVER.ffi is None, 'declarations parsed at import'\n"
         "print('ok')\n"
@@ -260,9 +263,9 @@ def test_struct_offsets_match_cuda_h(ctype: str, fields: tuple[str, ...], offset
 def test_enum_constants_match_cuda_h() -> None:
     """The module's constants carry cuda.h's values."""
     wrong = {
-        name: getattr(cuda, name, None)
+        name: getattr(_declarations, name, None)
         for name, value in CUDA_H_VALUES.items()
-        if getattr(cuda, name, None) != value
+        if getattr(_declarations, name, None) != value
     }
     assert not wrong
 
@@ -270,15 +273,17 @@ def test_enum_constants_match_cuda_h() -> None:
 def test_cdef_enums_carry_the_same_values() -> None:
     """The C enums in the declarations are built from the same constants (one source for Python and C)."""
     ffi = cuda.build_ffi()
-    for typedef, (_tag, members) in cuda._ENUMS.items():
+    for typedef, (_tag, members) in _declarations._ENUMS.items():
         elements = ffi.typeof(typedef).relements
         for name in members:
             assert elements[name] == CUDA_H_VALUES[name], (typedef, name)
 
 
 def test_every_called_driver_function_is_declared() -> None:
-    """Each ``lib.cuX`` the module calls is declared in the cdef -- ABI mode would only fail at call time."""
-    source = Path(cuda.__file__).read_text()
+    """Each ``lib.cuX`` the package calls is declared in the cdef -- ABI mode would only fail at call time.
+    Every declared one is called, by the package or by the tests' helpers (``cuda_helpers.py``)."""
+    modules = [*sorted(Path(cuda.__file__).parent.glob("*.py")), Path(cuda_helpers.__file__)]
+    source = "\n".join(module.read_text() for module in modules)
     called = set(re.findall(r"\blib\.(cu\w+)", source))
     declared = _declared_functions(cuda.cdef_source())
     assert called, "no driver calls found"
@@ -350,7 +355,7 @@ def test_buffer_description_asks_once_per_allocation() -> None:
 
 def test_missing_library_raises_clear_cuda_error() -> None:
     """A missing driver library raises ``CudaError("CUDA driver <lib> not found: ...")``, each time."""
-    driver = cuda._Driver("libcuda-does-not-exist.so.1")
+    driver = _driver._Driver("libcuda-does-not-exist.so.1")
     for _ in range(2):  # the failure is cached and re-raised as a fresh exception
         with pytest.raises(CudaError) as info:
             driver.load()
@@ -368,18 +373,18 @@ def test_library_without_driver_symbols_is_refused_at_load() -> None:
     if libc is None:
         pytest.skip("no C library to stand in for an incomplete driver")
     with pytest.raises(CudaError, match=r"too old: it lacks .*cuInit") as info:
-        cuda._Driver(libc).load()
+        _driver._Driver(libc).load()
     assert info.value.call == "dlopen"
 
 
 def test_forked_child_gets_a_clear_error_instead_of_undefined_behaviour() -> None:
     """After a fork, a driver initialised by the parent refuses use and says to use 'spawn'."""
-    driver = cuda._Driver("libcuda.so.1")
+    driver = _driver._Driver("libcuda.so.1")
     driver.lib, driver.pid = object(), 12345  # as if this process had initialised CUDA ...
     driver.reset_after_fork()  # ... and then forked (what os.register_at_fork runs in the child)
     with pytest.raises(CudaError, match="spawn") as info:
         driver.load()
-    assert info.value.code == cuda.CUDA_ERROR_NOT_INITIALIZED
+    assert info.value.code == _declarations.CUDA_ERROR_NOT_INITIALIZED
 
 
 @pytest.mark.skipif(cuda.driver_available(), reason="a CUDA driver is available here")
@@ -418,7 +423,7 @@ def test_driver_dependent_calls_raise_cuda_error_without_driver() -> None:
 
 def test_error_message_names_call_code_and_driver_name() -> None:
     """A failed call reads ``cuX failed: NAME (code): description. hint``; details are kept as attributes."""
-    error = cuda._format_error(
+    error = _driver._format_error(
         "cuIpcOpenMemHandle_v2", 1, "CUDA_ERROR_INVALID_VALUE", "invalid argument", "the handle is stale"
     )
     assert str(error) == (
@@ -433,7 +438,9 @@ def test_error_message_names_call_code_and_driver_name() -> None:
         error.name,
         str(error),
     )
-    default_hint = cuda._format_error("cuDeviceGet", 101, "CUDA_ERROR_INVALID_DEVICE", "invalid device", None)
+    default_hint = _driver._format_error(
+        "cuDeviceGet", 101, "CUDA_ERROR_INVALID_DEVICE", "invalid device", None
+    )
     assert "CUDA_VISIBLE_DEVICES" in str(default_hint)
 
 
@@ -448,7 +455,7 @@ def test_error_message_names_call_code_and_driver_name() -> None:
         lambda: cuda.pointer_info(1 << 64),
         lambda: cuda.read_device(-5, 1),
         lambda: cuda.read_device(0x1000, -1),
-        lambda: cuda.memset_d8(0x1000, 256, 1),
+        lambda: cuda_helpers.memset_d8(0x1000, 256, 1),
         lambda: cuda.ordinal_for_uuid(b"short"),
         lambda: cuda.format_uuid(b"x"),
         lambda: cuda.import_pool(-1, 0),
@@ -512,18 +519,18 @@ def test_stream_arguments_accept_framework_streams() -> None:
         def __cuda_stream__(self) -> tuple[int, int]:
             return (0, 0x9ABC)
 
-    assert cuda._stream_value(0) == 0
-    assert cuda._stream_value(None) == 0
-    assert cuda._stream_value(7) == 7
-    assert cuda._stream_value(CupyLike()) == 0x1234
-    assert cuda._stream_value(TorchLike()) == 0x5678
-    assert cuda._stream_value(Protocol()) == 0x9ABC
+    assert _driver._stream_value(0) == 0
+    assert _driver._stream_value(None) == 0
+    assert _driver._stream_value(7) == 7
+    assert _driver._stream_value(CupyLike()) == 0x1234
+    assert _driver._stream_value(TorchLike()) == 0x5678
+    assert _driver._stream_value(Protocol()) == 0x9ABC
     for bad in (True, "0", -1, object()):
         with pytest.raises(RegionError):
-            cuda._stream_value(bad)
+            _driver._stream_value(bad)
 
 
-class _FlakyResource(cuda._DriverResource):
+class _FlakyResource(_driver._DriverResource):
     def __init__(self) -> None:
         self.releases = 0
         self._closed = False
@@ -535,7 +542,7 @@ class _FlakyResource(cuda._DriverResource):
 
 def test_close_is_idempotent_and_finalizer_warns_without_raising(monkeypatch: pytest.MonkeyPatch) -> None:
     """close() releases once (even when that fails); an unclosed object warns from __del__, never raises."""
-    monkeypatch.setattr(cuda, "_usable_in_this_process", lambda: True)
+    monkeypatch.setattr(_driver, "_usable_in_this_process", lambda: True)
     resource = _FlakyResource()
     with pytest.raises(CudaError):
         resource.close()
@@ -730,12 +737,12 @@ def _child_event_cycles(conn: Any, uuid: bytes, handle: bytes, cycles: int) -> d
     for _ in range(10):  # warm-up: the first open sets up the process's IPC machinery
         cuda.open_ipc_event(handle, device)
         cuda.close_ipc_event(handle, device)
-    fds0, rss0, free0 = _fd_count(), _rss_bytes(), cuda.mem_get_info(device)[0]
+    fds0, rss0, free0 = _fd_count(), _rss_bytes(), cuda_helpers.mem_get_info(device)[0]
     for _ in range(cycles):
         event = cuda.open_ipc_event(handle, device)
         cuda.event_synchronize(event)
         assert cuda.close_ipc_event(handle, device)
-    fds1, rss1, free1 = _fd_count(), _rss_bytes(), cuda.mem_get_info(device)[0]
+    fds1, rss1, free1 = _fd_count(), _rss_bytes(), cuda_helpers.mem_get_info(device)[0]
     first = cuda.open_ipc_event(handle, device)
     same = all(cuda.open_ipc_event(handle, device) == first for _ in range(cycles))
     cached = cuda.ipc_event_cache_size()
@@ -853,15 +860,15 @@ def test_device_identity_round_trips_through_uuid(cuda_device: int) -> None:
 @pytest.mark.gpu
 def test_device_context_pushes_the_primary_context_and_restores(cuda_device: int) -> None:
     """device_context makes the primary context current and restores the previous one, per thread."""
-    primary = int(cuda._ffi().cast("uintptr_t", cuda._primary_context(cuda_device)))
+    primary = int(_driver._ffi().cast("uintptr_t", devices._primary_context(cuda_device)))
 
     def in_fresh_thread() -> tuple[int, int, int, int]:
-        before = cuda._current_context()
+        before = cuda_helpers.current_context()
         with cuda.device_context(cuda_device):
-            inside = cuda._current_context()
+            inside = cuda_helpers.current_context()
             with cuda.device_context(cuda_device):
-                nested = cuda._current_context()
-        return before, inside, nested, cuda._current_context()
+                nested = cuda_helpers.current_context()
+        return before, inside, nested, cuda_helpers.current_context()
 
     with ThreadPoolExecutor(1) as pool:
         before, inside, nested, after = pool.submit(in_fresh_thread).result(timeout=CHILD_TIMEOUT)
@@ -872,11 +879,11 @@ def test_device_context_pushes_the_primary_context_and_restores(cuda_device: int
 def test_primary_context_is_the_one_cupy_uses(cupy: Any, cuda_device: int) -> None:
     """CuPy (the runtime) works in the same primary context, so its pointers are valid in ours."""
     cupy.zeros(1, dtype=cupy.uint8)  # makes CuPy initialise the runtime on this thread
-    primary = int(cuda._ffi().cast("uintptr_t", cuda._primary_context(cuda_device)))
-    assert cuda._current_context() == primary
+    primary = int(_driver._ffi().cast("uintptr_t", devices._primary_context(cuda_device)))
+    assert cuda_helpers.current_context() == primary
     with cuda.device_context(cuda_device):
-        assert cuda._current_context() == primary
-    assert cuda._current_context() == primary
+        assert cuda_helpers.current_context() == primary
+    assert cuda_helpers.current_context() == primary
 
 
 @pytest.mark.gpu
@@ -915,10 +922,10 @@ def test_copies_round_trip(cupy: Any, cuda_device: int) -> None:
     array = cupy.zeros(4096, dtype=cupy.uint8)
     ptr = array.data.ptr
     payload = bytes(range(256)) * 16
-    cuda.write_device(ptr, payload)
+    cuda_helpers.write_device(ptr, payload)
     assert cuda.read_device(ptr, len(payload)) == payload
     assert bytes(array.get().tobytes()) == payload
-    cuda.memset_d8(ptr + 100, 7, 10)
+    cuda_helpers.memset_d8(ptr + 100, 7, 10)
     host = ctypes.create_string_buffer(20)
     cuda.memcpy_dtoh(ctypes.addressof(host), ptr + 95, 20)
     assert host.raw == payload[95:100] + b"\x07" * 10 + payload[110:115]
@@ -1060,13 +1067,14 @@ def test_ipc_memory_pool_shares_allocations_across_processes(cuda_device: int) -
     payload = os.urandom(3 << 20)
     with cuda.IpcMemoryPool(cuda_device) as pool:
         ptr = pool.allocate(len(payload))
-        cuda.write_device(ptr, payload, device=cuda_device)  # legacy stream: ordered after the allocation
+        # legacy stream: ordered after the allocation
+        cuda_helpers.write_device(ptr, payload, device=cuda_device)
         info = cuda.pointer_info(ptr)
         assert info is not None
         assert info.mempool == pool.handle
-        assert cuda.pool_of_pointer(ptr) == pool.handle
+        assert cuda_helpers.pool_of_pointer(ptr) == pool.handle
         assert cuda.pool_is_ipc_capable(pool.handle)
-        assert cuda._export_probe(pool.handle)  # what other pools get asked: the driver agrees too
+        assert pools._export_probe(pool.handle)  # what other pools get asked: the driver agrees too
         assert pool.used_bytes >= len(payload)
         export_data = pool.export_pointer(ptr)
         assert len(export_data) == 64
@@ -1093,7 +1101,7 @@ def test_pool_pointers_import_in_one_batch(cuda_device: int) -> None:
     with cuda.IpcMemoryPool(cuda_device) as pool:
         pointers = [pool.allocate(len(p)) for p in payloads]
         for ptr, payload in zip(pointers, payloads, strict=True):
-            cuda.write_device(ptr, payload, device=cuda_device)
+            cuda_helpers.write_device(ptr, payload, device=cuda_device)
         # Pointers exported before the pool's fd: the driver refuses that unless the pool was
         # shared once, which export_pointer does for us.
         export_datas = [pool.export_pointer(ptr) for ptr in pointers]
@@ -1152,7 +1160,7 @@ def test_vmm_allocation_shares_across_processes(cuda_device: int) -> None:
         granularity = cuda.vmm_granularity(cuda_device)
         assert allocation.size % granularity == 0
         assert allocation.size >= len(payload)
-        cuda.write_device(allocation.ptr, payload, device=cuda_device)
+        cuda_helpers.write_device(allocation.ptr, payload, device=cuda_device)
         info = cuda.pointer_info(allocation.ptr)
         assert info is not None
         assert info.memory_type == "device"
@@ -1179,7 +1187,7 @@ def test_vmm_allocation_reports_posix_fd_handle_type(cuda_device: int) -> None:
     with cuda.vmm_allocate(1, cuda_device) as allocation:
         info = cuda.pointer_info(allocation.ptr)
         assert info is not None
-        assert info.allowed_handle_types & cuda.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        assert info.allowed_handle_types & _declarations.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
 
 @pytest.mark.gpu
@@ -1243,7 +1251,7 @@ def test_threads_share_contexts_and_caches(cupy: Any, cuda_device: int) -> None:
             event = events.acquire()
             event.record(0)
             events.release(event)
-        return cuda._current_context()
+        return cuda_helpers.current_context()
 
     with ThreadPoolExecutor(8) as pool:
         leftovers = list(pool.map(work, range(8), timeout=CHILD_TIMEOUT))

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+import cuda_helpers
 import pyarrow as pa
 import pytest
 from arrow_strategies import TYPE_KINDS, arrow_arrays, assert_arrays_equal
@@ -185,7 +186,7 @@ class _LingerConsumer:
         return forgotten, pointers
 
     def stats(self) -> dict[str, int]:
-        """The consumer process's cuda_regions.cuda_stats()."""
+        """The consumer process's cuda.cuda_stats()."""
         self.parent.send(("stats",))
         assert self.parent.poll(60), "consumer did not answer"
         status, stats = self.parent.recv()
@@ -254,7 +255,7 @@ def test_pool_fd_goes_once_per_consumer_process(publisher: aib.Publisher) -> Non
     """A publisher's messages name IPC pools without attaching their fds: each consumer process
     asks for a pool's fd once (POOL_FD) and imports all later data of that pool with no descriptor.
     A message exported by hand still attaches the pool fd (or leaves it out when asked to)."""
-    from arrow_ipc_bridge.memory import cuda_regions
+    from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, Decoded
 
     table = pa.table({"s": pa.array(["ab", None, "c"] * 40), "v": pa.array(range(120), pa.float32())})
@@ -270,7 +271,7 @@ def test_pool_fd_goes_once_per_consumer_process(publisher: aib.Publisher) -> Non
             assert {r.kind for r in regions} == {REGION_CUDA_POOL}
             assert {r.fd_index for r in regions} == ({0} if pool_fds else {-1})
 
-    served = cuda_regions.cuda_stats()["pool_fds_served"]
+    served = cuda.cuda_stats()["pool_fds_served"]
     for i in range(3):
         publisher.publish(f"t{i}", aib.to_device(table))
     first = _LingerConsumer(str(publisher.path), pool_linger=0.0)
@@ -280,10 +281,10 @@ def test_pool_fd_goes_once_per_consumer_process(publisher: aib.Publisher) -> Non
             assert first.get(f"t{i}")[0].equals(table)
         stats = first.stats()
         assert (stats["pool_fd_requests"], stats["pool_imports"]) == (1, 1)
-        assert cuda_regions.cuda_stats()["pool_fds_served"] == served + 1
+        assert cuda.cuda_stats()["pool_fds_served"] == served + 1
         assert second.get("t2")[0].equals(table)
         assert second.stats()["pool_fd_requests"] == 1
-        assert cuda_regions.cuda_stats()["pool_fds_served"] == served + 2
+        assert cuda.cuda_stats()["pool_fds_served"] == served + 2
     finally:
         first.stop()
         second.stop()
@@ -296,7 +297,7 @@ def test_new_arrays_in_kept_slabs_cost_the_consumer_no_import(publisher: aib.Pub
     path; the same bytes as an earlier message, when the new arrays landed where the old ones were
     with the same event: the remembered path); no pointer import and no lease kept (pool_linger is
     0); every table reads right. Freed space is carved again: one slab holds them all."""
-    from arrow_ipc_bridge.memory import cuda
+    from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, REGION_FLAG_KEPT, Decoded
 
     allocator = cuda.cupy_allocator(0, slab_size=8 << 20)
@@ -341,7 +342,7 @@ def test_pools_that_come_and_go_are_imported_afresh(publisher: aib.Publisher, cu
     may give the new pool the destroyed one's handle value): every publication reads right in the
     consumer, which imports each pool once (pools are named by a serial that is never reused) and
     keeps at most 16 imported pools."""
-    from arrow_ipc_bridge.memory import cuda
+    from arrow_ipc_bridge import cuda
 
     consumer = _LingerConsumer(str(publisher.path), pool_linger=0.0)
     try:
@@ -518,9 +519,9 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
     """10,000 get/release cycles from another process's publisher (legacy handles and IPC-pool
     pointers): open handles, fds, owners and GPU memory stay flat; the legacy handle is opened once."""
 
-    from arrow_ipc_bridge import _reaper
+    from arrow_ipc_bridge import _reaper, cuda
     from arrow_ipc_bridge._ffi import lib
-    from arrow_ipc_bridge.memory import cuda, cuda_regions
+    from arrow_ipc_bridge.cuda import opener as cuda_opener
 
     path, parent, producer = _start_cupy_producer(1 << 16)
     try:
@@ -535,11 +536,11 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
                 cycle(name)
             gc.collect()
             _reaper.drain()
-            free_before = cuda.mem_get_info(0)[0]
+            free_before = cuda_helpers.mem_get_info(0)[0]
             fds_before = len(os.listdir("/proc/self/fd"))
             owners_before = lib.aib_live_owners()
-            hits_before = cuda_regions.cuda_stats()["legacy_hits"]
-            opens_before = cuda_regions.cuda_stats()["legacy_opens"]
+            hits_before = cuda.cuda_stats()["legacy_hits"]
+            opens_before = cuda.cuda_stats()["legacy_opens"]
             for i in range(10_000):
                 cycle("cupy" if i % 2 else "pool")
             gc.collect()
@@ -547,8 +548,8 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
             _reaper.drain()
             assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
             assert lib.aib_live_owners() <= owners_before + 2
-            assert cuda.mem_get_info(0)[0] >= free_before - (64 << 20)
-            stats = cuda_regions.cuda_stats()
+            assert cuda_helpers.mem_get_info(0)[0] >= free_before - (64 << 20)
+            stats = cuda.cuda_stats()
             # opened once, before the loop; the session then reuses the opened regions
             assert stats["legacy_opens"] == opens_before
             assert stats["legacy_hits"] >= hits_before
@@ -560,7 +561,7 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
             cycle("pool")
             gc.collect()
             _reaper.drain()
-            free_before = cuda.mem_get_info(0)[0]
+            free_before = cuda_helpers.mem_get_info(0)[0]
             fds_before = len(os.listdir("/proc/self/fd"))
             owners_before = lib.aib_live_owners()
             for _ in range(2_000):
@@ -571,8 +572,8 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
             assert session.remembered_gets == 0
             assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
             assert lib.aib_live_owners() <= owners_before + 2
-            assert cuda.mem_get_info(0)[0] >= free_before - (64 << 20)
-            assert cuda_regions.opener()._pool_pointers == {}  # every import freed again
+            assert cuda_helpers.mem_get_info(0)[0] >= free_before - (64 << 20)
+            assert cuda_opener.opener()._pool_pointers == {}  # every import freed again
         parent.send("leases")
         assert parent.recv() == 0
     finally:
@@ -583,17 +584,17 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
 def test_same_process_publisher_and_session(publisher: aib.Publisher, cupy: Any) -> None:
     """CUDA will not open a legacy handle in the process that made it: a session in the producer's
     own process resolves its regions from the producer's records instead, and reads the data."""
-    from arrow_ipc_bridge.memory import cuda_regions
+    from arrow_ipc_bridge import cuda
 
     publisher.publish("legacy", aib.from_cuda_arrays({"v": cupy.arange(100, dtype=cupy.float32)}))
     publisher.publish("pool", aib.to_device(pa.table({"v": pa.array(range(100))})))
-    before = cuda_regions.cuda_stats()["same_process"]
+    before = cuda.cuda_stats()["same_process"]
     with aib.connect(publisher.path, timeout=30.0) as session:
         with session.get("legacy") as imported:
             assert imported.to_host().column("v").to_pylist() == [float(i) for i in range(100)]
         with session.get("pool") as imported:
             assert imported.to_host().column("v").to_pylist() == list(range(100))
-    assert cuda_regions.cuda_stats()["same_process"] - before == 2
+    assert cuda.cuda_stats()["same_process"] - before == 2
 
 
 def test_managed_memory_needs_the_copy_policy(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:
@@ -613,11 +614,11 @@ def test_managed_memory_needs_the_copy_policy(publisher: aib.Publisher, consumer
 
 def test_vmm_allocation_travels_as_an_fd(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:
     """A VMM allocation (cuMemCreate) is exported as a POSIX fd region and read in another process."""
-    from arrow_ipc_bridge.memory import cuda
+    from arrow_ipc_bridge import cuda
 
     allocation = cuda.vmm_allocate(1 << 21, 0)
     n = 1000
-    cuda.write_device(allocation.ptr, pa.array(range(n), pa.int64()).buffers()[1].to_pybytes())
+    cuda_helpers.write_device(allocation.ptr, pa.array(range(n), pa.int64()).buffers()[1].to_pybytes())
 
     class VmmColumn:
         __cuda_array_interface__: ClassVar[dict[str, Any]] = {
@@ -673,7 +674,7 @@ def test_cupy_pool_allocator_arrays_travel_as_pool_regions(
 ) -> None:
     """With the bridge's IPC-pool allocator installed, new CuPy arrays are shared as pool regions
     (pool fd once, then per-pointer export data) and read correctly in another process."""
-    from arrow_ipc_bridge.memory import cuda
+    from arrow_ipc_bridge import cuda
 
     allocator = cuda.cupy_allocator(0)
     with cupy.cuda.using_allocator(allocator):
@@ -689,20 +690,20 @@ def test_evicted_legacy_handle_stays_open_for_its_arrays(cuda_device: int, cupy:
     """With a one-entry handle cache, a handle evicted while its arrays live is reused (not opened
     twice) by the next get, stays valid, and is closed once when the last array goes."""
 
-    from arrow_ipc_bridge import _reaper
-    from arrow_ipc_bridge.memory import cuda_regions
+    from arrow_ipc_bridge import _reaper, cuda
+    from arrow_ipc_bridge.cuda import opener as cuda_opener
 
     path, parent, producer = _start_cupy_producer(1000)
-    saved = cuda_regions._opener
-    cuda_regions._opener = opener = cuda_regions.CudaOpener(max_legacy=1)
+    saved = cuda_opener._opener
+    cuda_opener._opener = opener = cuda_opener.CudaOpener(max_legacy=1)
     try:
         # two sessions, so the session-level message cache does not hide the opener
         with aib.connect(path, timeout=30.0) as first, aib.connect(path, timeout=30.0) as second:
             held = first.get("cupy")
             capsules = held.__arrow_c_device_array__()
-            opens = cuda_regions.cuda_stats()["legacy_opens"]
+            opens = cuda.cuda_stats()["legacy_opens"]
             other = second.get("cupy")  # same handles: hits the LRU or reuses the live ones
-            assert cuda_regions.cuda_stats()["legacy_opens"] == opens
+            assert cuda.cuda_stats()["legacy_opens"] == opens
             assert other.to_host().column("a").to_pylist() == [float(i) for i in range(1000, 2000)]
             other.release()
             assert held.to_host().column("b").to_pylist() == [2 * i for i in range(1000)]
@@ -714,7 +715,7 @@ def test_evicted_legacy_handle_stays_open_for_its_arrays(cuda_device: int, cupy:
         _reaper.drain()
         assert opener._legacy_live == {}  # every handle closed exactly once
     finally:
-        cuda_regions._opener = saved
+        cuda_opener._opener = saved
         parent.send("stop")
         _join(producer)
 
@@ -724,7 +725,7 @@ def test_gpu_is_named_by_uuid_not_ordinal(cuda_device: int) -> None:
     device 0; the consumer maps the UUID to its own ordinal (1), opens the data there, and reads it."""
     import gpu_children
 
-    from arrow_ipc_bridge.memory import cuda
+    from arrow_ipc_bridge import cuda
 
     if cuda.device_count() < 2:
         pytest.skip("needs two GPUs (run on nvidia-h200-x2)")

@@ -922,14 +922,14 @@ def test_publisher_refuses_pool_fds_it_did_not_name_and_serves_on(publisher: aib
     """POOL_FD for an identity that names no pool of the publisher's process (a guess, another
     producer's nonce) is answered with RegionError and the session goes on; a malformed identity is
     a protocol error that closes the connection. No descriptor is left behind either way."""
-    from arrow_ipc_bridge.memory import cuda_regions
+    from arrow_ipc_bridge.cuda import placer
 
     assert "pool_fd" in protocol.FEATURES
     publisher.publish("t", sample_table(10))
     base_fds = fd_count()
     with aib.connect(publisher.path, timeout=5.0) as session:
         assert "pool_fd" in session.publisher_info["features"]  # type: ignore[operator]
-        ours = cuda_regions._NONCE + (1234).to_bytes(8, "little")  # our nonce, no such pool
+        ours = placer._NONCE + (1234).to_bytes(8, "little")  # our nonce, no such pool
         for identity in (b"\x00" * 24, ours):
             with pytest.raises(aib.RegionError, match=r"publisher: .*pool"):
                 session._fetch_pool_fd(identity)
@@ -994,10 +994,10 @@ def test_pool_region_without_its_fd_needs_a_known_pool_or_a_source() -> None:
     process has imported or a way to ask for the fd; without either it is a RegionError, and a
     failing source leaves nothing cached. An index past the fds that came is refused too. None of
     this reaches the driver, so it runs without a GPU."""
-    from arrow_ipc_bridge.memory import cuda_regions
+    from arrow_ipc_bridge.cuda import opener as cuda_opener
     from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, Region
 
-    opener = cuda_regions.CudaOpener()
+    opener = cuda_opener.CudaOpener()
     handle = bytes(range(88))
     region = Region(REGION_CUDA_POOL, 4096, fd_index=-1, handle=handle)
     with pytest.raises(aib.RegionError, match="without its pool's fd"):
@@ -1052,7 +1052,7 @@ def test_imported_pools_beyond_the_bound_are_dropped_once_idle(monkeypatch: pyte
     pointer imported are destroyed when another is imported; a pool whose pointers are in use
     stays. A pool evicted under a message being imported is looked up again, and after three
     such evictions the import fails with RegionError."""
-    from arrow_ipc_bridge.memory import cuda, cuda_regions
+    from arrow_ipc_bridge.cuda import opener as cuda_opener
     from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, Region
 
     made: list[_FakeImportedPool] = []
@@ -1061,8 +1061,8 @@ def test_imported_pools_beyond_the_bound_are_dropped_once_idle(monkeypatch: pyte
         made.append(_FakeImportedPool())
         return made[-1]
 
-    monkeypatch.setattr(cuda, "import_pool", fake_import_pool)
-    opener = cuda_regions.CudaOpener(max_pools=2)
+    monkeypatch.setattr(cuda_opener, "import_pool", fake_import_pool)
+    opener = cuda_opener.CudaOpener(max_pools=2)
 
     def region(pool: int, pointer: int) -> Region:
         handle = bytes([pool]) * 24 + bytes([pointer]) * 64
@@ -1098,12 +1098,13 @@ def test_kept_slab_imports_outlive_their_leases_in_a_bounded_lru(monkeypatch: py
     over the same slab imports nothing (pool_kept_hits). Unflagged pool pointers of the same
     message are still freed with it. Beyond max_kept the least recently used slab leaves the LRU
     and its import is freed once no message uses it; close() lets the rest go."""
-    from arrow_ipc_bridge.memory import cuda, cuda_regions
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge.cuda import opener as cuda_opener
     from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, REGION_FLAG_KEPT, Region
 
     pool = _FakeImportedPool()
-    monkeypatch.setattr(cuda, "import_pool", lambda fd, device: pool)
-    opener = cuda_regions.CudaOpener(max_kept=2)
+    monkeypatch.setattr(cuda_opener, "import_pool", lambda fd, device: pool)
+    opener = cuda_opener.CudaOpener(max_kept=2)
 
     def region(pointer: int, kept: bool = True) -> Region:
         return Region(
@@ -1119,7 +1120,7 @@ def test_kept_slab_imports_outlive_their_leases_in_a_bounded_lru(monkeypatch: py
         _reaper.drain()
 
     tables_before = lib.aib_regions_count()
-    stats = cuda_regions.cuda_stats()
+    stats = cuda.cuda_stats()
     bases, owner = opener.open_pool_regions([region(1), region(1), region(2, kept=False)], [0], 0)
     slab_1 = bases[0]
     assert bases[1] == slab_1
@@ -1130,7 +1131,7 @@ def test_kept_slab_imports_outlive_their_leases_in_a_bounded_lru(monkeypatch: py
     bases, owner = opener.open_pool_regions([region(1)], [0], 0)
     assert bases == [slab_1]
     assert len(pool.imported) == 1
-    after = cuda_regions.cuda_stats()
+    after = cuda.cuda_stats()
     assert after["pool_kept_hits"] - stats["pool_kept_hits"] == 1
     assert after["pool_pointer_imports"] - stats["pool_pointer_imports"] == 2
     held = owner  # a message still using slab 1
@@ -1153,7 +1154,8 @@ def test_legacy_regions_of_a_message_open_together(monkeypatch: pytest.MonkeyPat
     """A message's legacy regions open under one owner: each handle once (a repeat is a cache
     hit), in order; the LRU still bounds what stays open, and a handle it pushes out closes only
     when the last message using it lets go. A handle that is not 64 bytes opens nothing."""
-    from arrow_ipc_bridge.memory import cuda, cuda_regions
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge.cuda import opener as cuda_opener
     from arrow_ipc_bridge.metadata import REGION_CUDA_LEGACY, Region
 
     opened: list[bytes] = []
@@ -1163,9 +1165,9 @@ def test_legacy_regions_of_a_message_open_together(monkeypatch: pytest.MonkeyPat
         opened.append(handle)
         return 0x1000 * len(opened)
 
-    monkeypatch.setattr(cuda, "ipc_open_mem_handle", fake_open)
-    monkeypatch.setattr(cuda, "ipc_close_mem_handle", lambda ptr, device=None: closed.append(ptr))
-    opener = cuda_regions.CudaOpener(max_legacy=2)
+    monkeypatch.setattr(cuda_opener, "ipc_open_mem_handle", fake_open)
+    monkeypatch.setattr(cuda_opener, "ipc_close_mem_handle", lambda ptr, device=None: closed.append(ptr))
+    opener = cuda_opener.CudaOpener(max_legacy=2)
     a, b, c = (bytes([i]) * 64 for i in (1, 2, 3))
 
     def message(*handles: bytes) -> tuple[list[int], Any]:
@@ -1175,11 +1177,11 @@ def test_legacy_regions_of_a_message_open_together(monkeypatch: pytest.MonkeyPat
         lib.aib_owner_unref(owner)
         _reaper.drain()
 
-    before = cuda_regions.cuda_stats()
+    before = cuda.cuda_stats()
     bases, first = message(a, b, a)
     assert bases == [0x1000, 0x2000, 0x1000]
     assert opened == [a, b]
-    after = cuda_regions.cuda_stats()
+    after = cuda.cuda_stats()
     assert after["legacy_opens"] - before["legacy_opens"] == 2
     assert after["legacy_hits"] - before["legacy_hits"] == 1
     bases, second = message(c)  # pushes b (least recently used) out of the LRU
@@ -1474,13 +1476,13 @@ def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.
     released: list[int] = []
     keys = _put_handles_recording_release(uuid, 3, sync, 0x77, handles, stride=0x10000, released=released)
     try:
-        from arrow_ipc_bridge.memory import cuda_regions
+        from arrow_ipc_bridge import cuda
 
-        before = cuda_regions.cuda_stats()
+        before = cuda.cuda_stats()
         with aib.connect(publisher.path, timeout=5.0) as session:
             imported = session.get("new")
             assert (session.new_message_gets, session.remembered_gets) == (1, 0)
-            after = cuda_regions.cuda_stats()
+            after = cuda.cuda_stats()
             assert after["c_imports"] - before["c_imports"] == 1
             assert after["c_legacy_hits"] - before["c_legacy_hits"] == 3
             assert imported.device_id == 3
@@ -1600,7 +1602,7 @@ def _stand_in_event_query(answer: list[int]) -> Iterator[tuple[list[int], Any]]:
     """Make the C core ask a stand-in for ``cuEventQuery``: it answers ``answer[0]`` and records the
     events it was asked about (yields them and the stand-in); the driver's own query (or none) is
     put back after."""
-    from arrow_ipc_bridge.memory import cuda
+    from arrow_ipc_bridge.cuda import _driver
 
     asked: list[int] = []
 
@@ -1613,8 +1615,8 @@ def _stand_in_event_query(answer: list[int]) -> Iterator[tuple[list[int], Any]]:
     try:
         yield asked, query
     finally:
-        real = cuda._DRIVER.lib
-        restore = int(cuda._DRIVER.ffi.cast("uintptr_t", real.cuEventQuery)) if real is not None else 0
+        real = _driver._DRIVER.lib
+        restore = int(_driver._DRIVER.ffi.cast("uintptr_t", real.cuEventQuery)) if real is not None else 0
         lib.aib_cuda_set_event_query(restore)
 
 
@@ -1624,8 +1626,8 @@ def test_imported_structs_carry_the_sync_event_only_while_it_is_pending(publishe
     it only unless the answer is 'complete' (CUDA_SUCCESS). Not ready (600) and errors keep it; so
     does a process without a query function. Array capsules (the C path and the Python builder) and
     every batch of a device stream; cuda_stats() counts both outcomes."""
+    from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge.capsules import DEVICE_CUDA, capture, new_capsule
-    from arrow_ipc_bridge.memory import cuda_regions
 
     batch = pa.record_batch({"x": pa.array([1.0, 2.0], pa.float32())})
     table = pa.Table.from_batches([batch, batch])
@@ -1652,7 +1654,7 @@ def test_imported_structs_carry_the_sync_event_only_while_it_is_pending(publishe
         ):
             with session.get("one") as imported:
                 assert imported.device_type == DEVICE_CUDA
-                before = cuda_regions.cuda_stats()
+                before = cuda.cuda_stats()
                 assert events_handed_out(imported) == [0, 0]  # complete: nothing to wait for
                 assert asked == [0x99, 0x99]
                 answer[0] = 600  # CUDA_ERROR_NOT_READY: the event travels, pointing at the CUevent
@@ -1660,7 +1662,7 @@ def test_imported_structs_carry_the_sync_event_only_while_it_is_pending(publishe
                 assert all(p != 0 and ffi.cast("uint64_t *", p)[0] == 0x99 for p in pending)
                 answer[0] = 201  # an error (no context here, say): kept too
                 assert all(p != 0 for p in events_handed_out(imported))
-                after = cuda_regions.cuda_stats()
+                after = cuda.cuda_stats()
                 assert after["sync_events_complete"] - before["sync_events_complete"] == 2
                 assert after["sync_events_pending"] - before["sync_events_pending"] == 4
                 lib.aib_cuda_set_event_query(0)  # no driver loaded: handed out as it is, not asked

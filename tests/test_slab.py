@@ -1,4 +1,4 @@
-"""The slab allocator's bookkeeping (memory/slab.py), without a GPU: its range allocator against a
+"""The slab allocator's bookkeeping (cuda/slab.py), without a GPU: its range allocator against a
 model, and the allocator over a stand-in pool (no driver calls are made for carving or freeing)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge.memory import slab
-from arrow_ipc_bridge.memory.slab import ALIGNMENT, SlabAllocator, SlabRanges, kept_slab
+from arrow_ipc_bridge.cuda import slab
+from arrow_ipc_bridge.cuda.slab import ALIGNMENT, SlabAllocator, SlabRanges, kept_slab
 
 
 @settings(max_examples=200, deadline=None)
@@ -137,7 +137,7 @@ def test_finalizer_frees_queue_until_the_next_call() -> None:
 
 def test_cupy_allocator_refuses_a_pool_with_slabs() -> None:
     """A slab allocator makes its own pool: asking for both is a clear error (before CuPy loads)."""
-    from arrow_ipc_bridge.memory import cuda
+    from arrow_ipc_bridge import cuda
 
     with pytest.raises(ValueError, match="pool and slab_size"):
         cuda.cupy_allocator(0, pool=_StandInPool(), slab_size=2 << 20)  # type: ignore[arg-type]

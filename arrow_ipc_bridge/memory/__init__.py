@@ -1,1 +1,4 @@
-"""Memory regions the bridge exports and maps: host shared memory (``host``) and device memory."""
+"""Host memory the bridge exports and maps: shared memory (``host``) and its mappings (``host_map``).
+
+CUDA memory is :mod:`arrow_ipc_bridge.cuda`.
+"""

@@ -23,19 +23,21 @@ import collections
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
+from arrow_ipc_bridge.cuda._driver import (
+    _stream_value,
+)
+from arrow_ipc_bridge.cuda.pools import IpcMemoryPool
 from arrow_ipc_bridge.errors import RegionError
-from arrow_ipc_bridge.memory import cuda
 
 __all__ = [
     "ALIGNMENT",
     "DEFAULT_SLAB_SIZE",
-    "CupySlabAllocator",
     "SlabAllocator",
     "SlabRanges",
     "kept_slab",
 ]
+
 
 ALIGNMENT = 512  # what CuPy's pool aligns to; enough for any Arrow buffer (64-byte recommendation)
 DEFAULT_SLAB_SIZE = 256 << 20
@@ -119,12 +121,12 @@ class _Slab:
     base: int
     size: int
     stream: int
-    pool: cuda.IpcMemoryPool  # held here too: a pool is never destroyed under its slabs
+    pool: IpcMemoryPool  # held here too: a pool is never destroyed under its slabs
     ranges: SlabRanges
-    export_data: bytes | None = None  # cuMemPoolExportPointer of base, made once (cuda_regions)
+    export_data: bytes | None = None  # cuMemPoolExportPointer of base, made once (placer.py)
 
 
-# Every slab of the process, by base address: cuda_regions asks whether an allocation is a kept slab
+# Every slab of the process, by base address: the placer asks whether an allocation is a kept slab
 # (and for its export data, made once so consumers see the same handle every time). Slabs are never
 # removed: that is the promise consumers rely on.
 _slabs: dict[int, _Slab] = {}
@@ -151,13 +153,13 @@ class SlabAllocator:
     """
 
     def __init__(
-        self, device: int = 0, *, slab_size: int = DEFAULT_SLAB_SIZE, pool: cuda.IpcMemoryPool | None = None
+        self, device: int = 0, *, slab_size: int = DEFAULT_SLAB_SIZE, pool: IpcMemoryPool | None = None
     ) -> None:
         if not isinstance(slab_size, int) or isinstance(slab_size, bool) or slab_size <= 0:
             raise ValueError(f"slab_size must be a positive number of bytes, not {slab_size!r}")
         self.device = device
         self.slab_size = _align(slab_size, _SLAB_GRANULE)
-        self.pool = pool if pool is not None else cuda.IpcMemoryPool(device)
+        self.pool = pool if pool is not None else IpcMemoryPool(device)
         self._lock = threading.Lock()
         self._by_stream: dict[int, list[_Slab]] = {}
         self._live: dict[int, _Slab] = {}  # address handed out -> its slab
@@ -171,7 +173,7 @@ class SlabAllocator:
         (0: the legacy default stream). Carved from a slab of that stream; a new slab is allocated
         (stream-ordered, ``cuMemAllocFromPoolAsync``) when none has room."""
         size = _align(max(int(nbytes), 1), ALIGNMENT)
-        stream_value = cuda._stream_value(stream)
+        stream_value = _stream_value(stream)
         with self._lock:
             self._apply_freed_later()
             slabs = self._by_stream.setdefault(stream_value, [])
@@ -231,42 +233,3 @@ class SlabAllocator:
                 "reserved_bytes": sum(slab.size for slab in slabs),
                 "used_bytes": sum(slab.ranges.used_bytes for slab in slabs),
             }
-
-
-class _SlabAllocationOwner:
-    """Keeps one CuPy allocation; gives its space back to the slab when CuPy drops the memory."""
-
-    __slots__ = ("address", "allocator")
-
-    def __init__(self, allocator: SlabAllocator, address: int) -> None:
-        self.allocator = allocator
-        self.address = address
-
-    def __del__(self) -> None:
-        # Queued, not applied: the collector may run this inside the allocator's own locked section.
-        self.allocator.free_later(self.address)
-
-
-class CupySlabAllocator:
-    """A CuPy allocator (``cupy.cuda.set_allocator``) over a :class:`SlabAllocator`: new CuPy arrays
-    are carved from kept slabs, so a consumer that imported a slab once imports nothing for them."""
-
-    def __init__(self, device: int = 0, *, slab_size: int = DEFAULT_SLAB_SIZE) -> None:
-        import cupy  # optional and heavy: only this allocator needs it
-
-        self._cupy: Any = cupy
-        self.device = device
-        self.slabs = SlabAllocator(device, slab_size=slab_size)
-
-    @property
-    def pool(self) -> cuda.IpcMemoryPool:
-        return self.slabs.pool
-
-    def __call__(self, nbytes: int) -> Any:
-        cupy = self._cupy
-        size, stream = cuda.cupy_allocation_request(cupy, self.device, nbytes)
-        address = self.slabs.allocate(size, stream)
-        memory = cupy.cuda.UnownedMemory(
-            address, size, _SlabAllocationOwner(self.slabs, address), self.device
-        )
-        return cupy.cuda.MemoryPointer(memory, 0)

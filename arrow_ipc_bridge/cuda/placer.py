@@ -1,0 +1,362 @@
+"""The producer's side of CUDA regions: each allocation behind a message's buffers becomes a region.
+
+By allocation kind:
+
+- IPC-enabled memory pool -> ``REGION_CUDA_POOL``: the pool's fd travels with the message, the
+  handle is ``nonce(16) | pool handle(8) | cuMemPoolExportPointer data(64)``;
+- legacy ``cudaMalloc`` memory -> ``REGION_CUDA_LEGACY``: the 64-byte ``cuIpcGetMemHandle`` handle,
+  cached per allocation (buffer id);
+- VMM memory exportable as a POSIX fd -> ``REGION_CUDA_VMM``: the fd travels with the message, the
+  handle is ``nonce(16) | buffer id(8)``;
+- anything else (managed memory, a pool without IPC): ``CopyRequiredError``, or with ``copy`` allowing
+  it, one device-to-device copy into the bridge's own IPC pool, counted.
+
+The nonce is random per producer process, so consumer caches keyed on it never confuse two producers.
+This module also serves the pool fds a consumer asks for (:func:`pool_fd_for`) and keeps the producer's
+event pools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from arrow_ipc_bridge.cuda import _state
+from arrow_ipc_bridge.cuda._declarations import CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+from arrow_ipc_bridge.cuda.devices import synchronize
+from arrow_ipc_bridge.cuda.events import EventPool
+from arrow_ipc_bridge.cuda.legacy_ipc import LegacyHandleCache
+from arrow_ipc_bridge.cuda.pointers import (
+    PointerInfo,
+    describe_buffers,
+    memcpy_dtod,
+    pointer_info,
+    read_device,
+)
+from arrow_ipc_bridge.cuda.pools import (
+    IpcMemoryPool,
+    own_pool,
+    pool_is_ipc_capable,
+)
+from arrow_ipc_bridge.cuda.slab import kept_slab
+from arrow_ipc_bridge.cuda.vmm import vmm_export_fd
+from arrow_ipc_bridge.errors import CopyRequiredError, CudaError, RegionError
+from arrow_ipc_bridge.metadata import (
+    REGION_CUDA_LEGACY,
+    REGION_CUDA_POOL,
+    REGION_CUDA_VMM,
+    REGION_FLAG_KEPT,
+    SLOT_FIRST_REGION,
+    SLOT_UNPLACED,
+    Described,
+    Region,
+)
+
+__all__ = [
+    "CudaPlacement",
+    "CudaPlacer",
+    "bridge_pool",
+    "event_pool",
+    "pool_fd_for",
+    "remember_local_event",
+]
+
+_log = logging.getLogger("arrow_ipc_bridge")
+_NONCE = os.urandom(16)
+_bridge_pools: dict[int, IpcMemoryPool] = {}
+_legacy_handles = LegacyHandleCache()
+# The IPC pools this process named in a message (serial -> pool, weakly): the only ones whose fd
+# it hands to a session that asks (POOL_FD), and only while the pool object is alive.
+_named_pools: weakref.WeakValueDictionary[int, IpcMemoryPool] = weakref.WeakValueDictionary()
+
+
+def remember_local_event(handle: bytes, event: int) -> None:
+    """Record an event this process exported, so a same-process consumer uses it directly (CUDA
+    refuses to open an IPC event handle in the process that made it)."""
+    with _state.lock:
+        _state.local_events[handle] = event
+        _state.local_events.move_to_end(handle)
+        while len(_state.local_events) > _state.LOCAL_MAX:
+            _state.local_events.popitem(last=False)
+
+
+def _remember_local(handle: bytes, base: int) -> None:
+    with _state.lock:
+        _state.local_exports[handle] = base
+        _state.local_exports.move_to_end(handle)
+        while len(_state.local_exports) > _state.LOCAL_MAX:
+            _state.local_exports.popitem(last=False)
+
+
+def bridge_pool(device: int) -> IpcMemoryPool:
+    """The bridge's own IPC-enabled memory pool on ``device`` (copies and ``to_device`` use it)."""
+    with _state.lock:
+        pool = _bridge_pools.get(device)
+        if pool is None:
+            pool = _bridge_pools[device] = IpcMemoryPool(device)
+        return pool
+
+
+@dataclass
+class CudaPlacement:
+    """What a producer must keep until the consumers are done: fds to send, copies it made."""
+
+    regions: list[Region]
+    fds: list[int]
+    copied_bytes: int = 0
+    buffers: int = 0
+    copies: list[tuple[IpcMemoryPool, int]] = field(default_factory=list)
+    pool_fd_indexes: dict[int, int] = field(default_factory=dict)  # pool serial -> its fd's index
+
+    def close(self) -> None:
+        """Close the fds and free the policy copies (idempotent)."""
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+        for pool, ptr in self.copies:
+            pool.free(ptr)
+        self.copies = []
+
+
+class CudaPlacer:
+    """Places the unplaced buffers of a description in CUDA regions (producer side)."""
+
+    def __init__(self, device: int, *, copy: str = "if_needed", pool_fds: bool = True) -> None:
+        self.device = device
+        self.copy = copy
+        self.pool_fds = pool_fds  # attach each pool's fd, or leave it to be asked for (fd_index -1)
+
+    def resolve_pending_lengths(self, described: Described) -> None:
+        """Read from the device the lengths the describe walk could not read (string data sizes)."""
+        for slot, address, width in described.pending_reads():
+            raw = read_device(address, width, device=self.device)
+            described.set_length(slot, int.from_bytes(raw, "little", signed=True))
+
+    def place(self, described: Described) -> CudaPlacement:
+        slots = described.slots()
+        wanted = sorted(
+            (i for i in range(0, len(slots), 4) if slots[i + 2] == SLOT_UNPLACED), key=lambda i: slots[i]
+        )
+        placement = CudaPlacement(regions=[], fds=[], buffers=len(wanted))
+        addresses = [slots[i] for i in wanted]
+        lengths = [slots[i + 1] for i in wanted]
+        try:
+            infos = _allocations_of(addresses, lengths)
+            allocations: dict[int, PointerInfo] = {}  # buffer id -> its info (one per allocation)
+            for info, address in zip(infos, addresses, strict=True):
+                if info is None or info.memory_type == "host":
+                    raise RegionError(f"buffer at {address:#x} is not CUDA device memory")
+                allocations.setdefault(info.buffer_id, info)
+            # buffer id -> can be shared as it is
+            shareable = {
+                bid: not info.is_managed and self._shareable(info) for bid, info in allocations.items()
+            }
+            exports = self._export_pool_allocations(
+                [info for buffer_id, info in allocations.items() if shareable[buffer_id]]
+            )
+            by_allocation: dict[int, int] = {}  # buffer id -> region index
+            for i, address, length, info in zip(wanted, addresses, lengths, infos, strict=True):
+                assert info is not None
+                if not shareable[info.buffer_id]:
+                    if self.copy == "never":
+                        raise CopyRequiredError(
+                            f"a {length}-byte buffer at {address:#x} lives in {info.memory_type} memory that "
+                            "cannot be shared through CUDA IPC; pass copy='if_needed' to copy it (counted)"
+                        )
+                    region, offset = self._copy_region(placement, address, length)
+                    slots[i + 2] = SLOT_FIRST_REGION + region
+                    slots[i + 3] = offset
+                    continue
+                region_index = by_allocation.get(info.buffer_id)
+                if region_index is None:
+                    region_index = len(placement.regions)
+                    placement.regions.append(self._region_for(info, placement, exports))
+                    by_allocation[info.buffer_id] = region_index
+                slots[i + 2] = SLOT_FIRST_REGION + region_index
+                slots[i + 3] = address - info.base
+        except BaseException:
+            placement.close()
+            raise
+        return placement
+
+    @staticmethod
+    def _shareable(info: PointerInfo) -> bool:
+        if info.mempool:
+            return pool_is_ipc_capable(info.mempool)
+        return info.legacy_ipc_capable or bool(
+            info.allowed_handle_types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        )
+
+    def _export_pool_allocations(self, infos: list[PointerInfo]) -> dict[int, bytes]:
+        """The export data of every pool allocation among ``infos`` (buffer id -> 64 bytes): one
+        batch per pool. A kept slab's is made once and reused, so consumers see one handle for it
+        and find their import of it again."""
+        by_pool: dict[int, dict[int, int]] = {}  # pool handle -> {buffer id: base}
+        exports: dict[int, bytes] = {}
+        slabs: dict[int, Any] = {}
+        for info in infos:
+            if not info.mempool:
+                continue
+            slab = kept_slab(info.base)
+            if slab is not None and slab.export_data is not None:
+                exports[info.buffer_id] = slab.export_data
+                continue
+            if slab is not None:
+                slabs[info.buffer_id] = slab
+            by_pool.setdefault(info.mempool, {})[info.buffer_id] = info.base
+        for handle, allocations in by_pool.items():
+            datas = _export_pool_pointers(_own_pool(handle), list(allocations.values()), self.device)
+            exports.update(zip(allocations, datas, strict=True))
+        for buffer_id, slab in slabs.items():
+            slab.export_data = exports[buffer_id]  # the same bytes whichever thread wins
+        return exports
+
+    def _region_for(self, info: PointerInfo, placement: CudaPlacement, exports: dict[int, bytes]) -> Region:
+        if info.mempool:
+            pool = _own_pool(info.mempool)
+            fd_index = self._pool_fd_index(pool, placement)
+            handle = _pool_identity(pool) + exports[info.buffer_id]
+            _remember_local(handle, info.base)
+            # A slab is never freed while this process lives: consumers may keep it imported.
+            flags = REGION_FLAG_KEPT if kept_slab(info.base) is not None else 0
+            return Region(
+                REGION_CUDA_POOL,
+                size=info.size,
+                identity=info.buffer_id,
+                fd_index=fd_index,
+                handle=handle,
+                flags=flags,
+            )
+        if info.legacy_ipc_capable:
+            handle = _legacy_handles.get(info.base, info.buffer_id)
+            _remember_local(handle, info.base)
+            return Region(REGION_CUDA_LEGACY, size=info.size, identity=info.buffer_id, handle=handle)
+        fd_index = len(placement.fds)
+        placement.fds.append(vmm_export_fd(info.base, device=self.device))
+        handle = _NONCE + info.buffer_id.to_bytes(8, "little")
+        _remember_local(handle, info.base)
+        return Region(
+            REGION_CUDA_VMM, size=info.size, identity=info.buffer_id, fd_index=fd_index, handle=handle
+        )
+
+    def _copy_region(self, placement: CudaPlacement, address: int, length: int) -> tuple[int, int]:
+        pool = bridge_pool(self.device)
+        target = pool.allocate(length)
+        placement.copies.append((pool, target))
+        memcpy_dtod(target, address, length, device=self.device)
+        placement.copied_bytes += length
+        with _state.lock:
+            _state.counters["copied_bytes"] += length
+            _state.counters["copies"] += 1
+        _log.info(
+            "arrow_ipc_bridge: copied %d device bytes at %#x into the bridge pool (copy policy)",
+            length,
+            address,
+        )
+        info = pointer_info(target)
+        assert info is not None
+        fd_index = self._pool_fd_index(pool, placement)
+        handle = _pool_identity(pool) + pool.export_pointer(info.base)
+        _remember_local(handle, info.base)
+        placement.regions.append(
+            Region(
+                REGION_CUDA_POOL, size=info.size, identity=info.buffer_id, fd_index=fd_index, handle=handle
+            )
+        )
+        return len(placement.regions) - 1, target - info.base
+
+    def _pool_fd_index(self, pool: IpcMemoryPool, placement: CudaPlacement) -> int:
+        """The fd index a region of ``pool`` names: its fd, attached once per message, or -1 when
+        fds are left out (the consumer asks for the pool's fd once, see :func:`pool_fd_for`)."""
+        with _state.lock:
+            _named_pools[pool.serial] = pool
+        if not self.pool_fds:
+            return -1
+        fd_index = placement.pool_fd_indexes.get(pool.serial)
+        if fd_index is None:
+            fd_index = placement.pool_fd_indexes[pool.serial] = len(placement.fds)
+            placement.fds.append(pool.export_pool_fd())
+        return fd_index
+
+
+def _pool_identity(pool: IpcMemoryPool) -> bytes:
+    """What names ``pool`` to consumers: our nonce (random per process) and the pool's serial
+    (never reused in this process), so a consumer's cached import can never be another pool's."""
+    return _NONCE + pool.serial.to_bytes(8, "little")
+
+
+def pool_fd_for(identity: bytes) -> int:
+    """A new fd of the IPC pool that ``identity`` (a pool region's first 24 handle bytes) names,
+    for a session that asked (POOL_FD); the caller sends and closes it.
+
+    Raises :class:`RegionError` unless the identity names a pool this process named in a message
+    and that is still alive: the fd maps the pool's memory, so it goes to no one for anything else.
+    """
+    if len(identity) != 24 or identity[:16] != _NONCE:
+        raise RegionError("the pool identity does not name a pool of this process", field="handle")
+    serial = int.from_bytes(identity[16:], "little")
+    with _state.lock:
+        pool = _named_pools.get(serial)
+    if pool is None or pool.closed:
+        raise RegionError("no live IPC pool of this process has that identity", field="handle")
+    fd = pool.export_pool_fd()
+    with _state.lock:
+        _state.counters["pool_fds_served"] += 1
+    return fd
+
+
+def _allocations_of(addresses: list[int], lengths: list[int]) -> list[PointerInfo | None]:
+    """The allocation behind each buffer (sorted by address). Consecutive buffers often share an
+    allocation (CuPy's pool carves arrays out of big blocks), so one attribute query serves many;
+    the queries run in one C loop, or one by one where the driver refuses the batch's attribute set."""
+    described = describe_buffers(addresses, lengths)
+    if described is not None:
+        infos, allocation_of = described
+        return [infos[k] for k in allocation_of]
+    out: list[PointerInfo | None] = []
+    current: PointerInfo | None = None
+    for address, length in zip(addresses, lengths, strict=True):
+        if current is None or not (
+            current.base <= address and address + length <= current.base + current.size
+        ):
+            current = pointer_info(address)
+        out.append(current)
+    return out
+
+
+def _export_pool_pointers(pool: IpcMemoryPool, bases: list[int], device: int) -> list[bytes]:
+    try:
+        return pool.export_pointers(bases)
+    except CudaError:
+        # A stream-ordered allocation whose allocating work has not run yet cannot be exported;
+        # once the device has caught up it can.
+        _log.debug("arrow_ipc_bridge: pool pointers not exportable yet; synchronizing device %d", device)
+        synchronize(device)
+        return pool.export_pointers(bases)
+
+
+def _own_pool(handle: int) -> IpcMemoryPool:
+    pool = own_pool(handle)
+    if pool is None:
+        raise RegionError(
+            "the buffer comes from an IPC-capable memory pool this process did not create through "
+            "arrow_ipc_bridge.cuda.IpcMemoryPool; its pool fd cannot be exported here"
+        )
+    return pool
+
+
+_event_pools: dict[int, EventPool] = {}
+
+
+def event_pool(device: int) -> EventPool:
+    """The producer's pool of interprocess events on ``device`` (creating one costs ~225 µs)."""
+    with _state.lock:
+        pool = _event_pools.get(device)
+        if pool is None:
+            pool = _event_pools[device] = EventPool(device)
+        return pool
