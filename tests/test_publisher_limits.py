@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
 
 import pyarrow as pa
 import pytest
@@ -300,7 +301,7 @@ def test_many_leases_on_one_connection_released_in_varied_orders(sock_dir: str) 
 # -- allowed_uids with another uid --------------------------------------------------------------------
 
 
-def _child_get(path: str, uid: int, out: multiprocessing.connection.Connection) -> None:  # type: ignore[name-defined]
+def _child_get(path: str, uid: int, out: Connection) -> None:
     """Spawned child: become ``uid`` and get ``t``; report the row count or the error's class name."""
     try:
         os.setgroups([])

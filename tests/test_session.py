@@ -1702,6 +1702,13 @@ def test_ping_to_a_dead_publisher_raises_peer_closed(sock_dir: str) -> None:
         session.close()
 
 
+def raw_hello(raw: transport.Connection) -> None:
+    """The handshake a raw client must make before any request."""
+    raw.send(protocol.HELLO, protocol.encode_hello())
+    with raw.recv(timeout=5.0) as welcome:
+        assert welcome.kind == protocol.WELCOME
+
+
 def test_raw_client_edge_cases_that_are_allowed(publisher: aib.Publisher) -> None:
     """Releasing an unknown lease id, another connection's lease id, or one lease twice, is harmless (no
     reply, no miscount); a GET of an unknown name answers NotPublishedError and the connection stays
@@ -1710,6 +1717,7 @@ def test_raw_client_edge_cases_that_are_allowed(publisher: aib.Publisher) -> Non
     publisher.publish("t", sample_table(100))
     base_fds = fd_count()
     with transport.connect(publisher.path, timeout=5.0) as raw:
+        raw_hello(raw)
         raw.send(protocol.RELEASE, protocol.encode_lease(12345))
         raw.send(protocol.GET, b"t")
         with raw.recv(timeout=5.0) as item:
@@ -1722,6 +1730,7 @@ def test_raw_client_edge_cases_that_are_allowed(publisher: aib.Publisher) -> Non
         assert publisher.active_leases == 2
         # lease ids belong to their connection: another client cannot release ours
         with transport.connect(publisher.path, timeout=5.0) as other:
+            raw_hello(other)
             for foreign in (lease_id, lease_id2):
                 other.send(protocol.RELEASE, protocol.encode_lease(foreign))
             other.send(protocol.LIST, b"")
