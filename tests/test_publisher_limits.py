@@ -206,7 +206,8 @@ def test_client_that_does_not_read_is_refused_and_others_are_served(
     """A client that sends GETs without reading the ITEMs gets UnreadAnswersError once its unread
     answers carry max_unread_fds descriptors (no more descriptors go in flight to it); a session
     next to it is served throughout."""
-    with aib.Publisher(os.path.join(sock_dir, "p.sock"), max_unread_fds=256, copy="never") as pub:
+    pub = aib.Publisher(os.path.join(sock_dir, "p.sock"), max_unread_fds=256, copy="never", park_after=0.2)
+    with pub:
         pub.publish("wide", many_fds_batch)
         with transport.connect(pub.path) as greedy, aib.connect(pub.path) as session:
             hello(greedy)
@@ -214,7 +215,10 @@ def test_client_that_does_not_read_is_refused_and_others_are_served(
                 greedy.send(protocol.GET, b"wide")
             with session.get("wide") as imported:
                 assert pa.record_batch(imported).num_columns == 32
-            assert wait_until(lambda: pub.active_leases == 8)  # 8 x 32 = 256 descriptors unread
+            # Parked once every GET was handled; only then does the client read (reading earlier
+            # would let the publisher see the answers read and serve more).
+            assert wait_until(lambda: pub.serving_sessions == 0)
+            assert pub.active_leases == 8  # 8 x 32 = 256 descriptors unread
             answers = []
             for _ in range(12):
                 with greedy.recv(timeout=10.0) as frame:
@@ -229,12 +233,14 @@ def test_client_that_does_not_read_is_refused_and_others_are_served(
 
 
 def test_unread_answers_error_is_what_the_client_reads(sock_dir: str, many_fds_batch: pa.RecordBatch) -> None:
-    with aib.Publisher(os.path.join(sock_dir, "p.sock"), max_unread_fds=253, copy="never") as pub:
+    pub = aib.Publisher(os.path.join(sock_dir, "p.sock"), max_unread_fds=253, copy="never", park_after=0.2)
+    with pub:
         pub.publish("wide", many_fds_batch)
         with transport.connect(pub.path) as greedy:
             hello(greedy)
             for _ in range(9):
                 greedy.send(protocol.GET, b"wide")
+            assert wait_until(lambda: pub.serving_sessions == 0)  # every GET handled
             for _ in range(7):  # 7 x 32 = 224; the 8th would make 256 > 253
                 with greedy.recv(timeout=10.0) as frame:
                     assert frame.kind == protocol.ITEM
