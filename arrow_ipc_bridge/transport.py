@@ -323,7 +323,10 @@ class Connection:
         self._recv_poll: select.poll | None = None
         # Receive state, kept between calls so that a timeout never loses part of a frame: the next recv()
         # carries on where the timed-out one stopped. A buffer larger than any valid frame is pointless.
-        self._rbuf = bytearray(min(_RECV_BUFFER, HEADER_SIZE + self._max_payload))
+        # Allocated by the first recv(): a server's connections hand their receiving side to the C
+        # channel at once, and 64 KiB of zeroed memory each would be most of what an idle one costs.
+        self._rbuf_size = min(_RECV_BUFFER, HEADER_SIZE + self._max_payload)
+        self._rbuf = bytearray()
         self._rview = memoryview(self._rbuf)
         self._rstart = 0  # first byte not yet handed out
         self._rend = 0  # end of the bytes received
@@ -568,6 +571,9 @@ class Connection:
                 raise self._closed_error()
             if self._handed_over:
                 raise BridgeError("this connection's receiving side was handed over to a C channel")
+            if not self._rbuf:
+                self._rbuf = bytearray(self._rbuf_size)
+                self._rview = memoryview(self._rbuf)
             try:
                 return self._recv_frame(deadline, timeout)
             except BridgeTimeoutError:
@@ -1107,6 +1113,9 @@ class Server:
         self._conns: dict[Connection, _Slot] = {}
         self._to_park: list[Connection] = []  # handed back by handlers; registered by the accept thread
         self._parked: set[Connection] = set()  # registered in the selector (accept thread only)
+        # Parked connections that have not completed their handshake -> its deadline (accept thread
+        # only): what the selector's timeout is computed from, without a look at every parked one.
+        self._handshaking: dict[Connection, float] = {}
         self._rejected = 0
         self._over_limit = 0
         self._timed_out = 0
@@ -1466,6 +1475,11 @@ class Server:
             self._finish(conn)
             return
         self._parked.add(conn)
+        with self._lock:
+            slot = self._conns.get(conn)
+            deadline = None if slot is None else slot.deadline
+        if deadline is not None:
+            self._handshaking[conn] = deadline
 
     def _park_handed_back(self) -> None:
         with self._lock:
@@ -1477,6 +1491,7 @@ class Server:
         """Give a connection a thread that runs the handler (accept thread only)."""
         if conn in self._parked:
             self._parked.discard(conn)
+            self._handshaking.pop(conn, None)
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._selector.unregister(conn.fileno())
         with self._lock:
@@ -1498,30 +1513,18 @@ class Server:
 
     def _next_timeout(self) -> float | None:
         """Seconds until the first parked connection's handshake deadline (None: no deadline)."""
-        if not self._parked or self._handshake_timeout is None:
+        if not self._handshaking:
             return None
-        with self._lock:
-            deadlines = [
-                slot.deadline
-                for conn in self._parked
-                if (slot := self._conns.get(conn)) is not None and slot.deadline is not None
-            ]
-        return max(min(deadlines) - time.monotonic(), 0.0) if deadlines else None
+        return max(min(self._handshaking.values()) - time.monotonic(), 0.0)
 
     def _expire_handshakes(self) -> None:
-        if not self._parked or self._handshake_timeout is None:
+        if not self._handshaking:
             return
         now = time.monotonic()
-        with self._lock:
-            late = [
-                conn
-                for conn in self._parked
-                if (slot := self._conns.get(conn)) is not None
-                and slot.deadline is not None
-                and slot.deadline <= now
-            ]
+        late = [conn for conn, deadline in self._handshaking.items() if deadline <= now]
         for conn in late:
             self._parked.discard(conn)
+            del self._handshaking[conn]
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._selector.unregister(conn.fileno())
             with self._lock:
