@@ -11,6 +11,7 @@ import contextlib
 import multiprocessing
 import os
 import random
+import resource
 import shutil
 import tempfile
 import threading
@@ -25,6 +26,7 @@ import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import protocol, transport
 from arrow_ipc_bridge.errors import (
     ConnectionLimitError,
+    DescriptorsInFlightError,
     HandshakeTimeoutError,
     LeaseLimitError,
     PeerClosedError,
@@ -361,3 +363,74 @@ def test_uid_not_allowed_gets_peer_rejected_error(sock_dir: str) -> None:
 def test_socket_is_owner_only_without_other_uids(sock_dir: str) -> None:
     with aib.Publisher(os.path.join(sock_dir, "p.sock"), allowed_uids=[os.getuid()]) as pub:
         assert os.stat(pub.path).st_mode & 0o777 == 0o600
+
+
+def _child_fds_in_flight(directory: str, out: Connection) -> None:
+    """Spawned child, as uid 65534 (no capability lifts the kernel's limit on descriptors in flight)
+    with RLIMIT_NOFILE 200: eight clients each GET a 32-descriptor batch and do not read; the
+    kernel refuses the descriptors past 200 in flight (ETOOMANYREFS). Reports what each client and
+    a session next to them saw."""
+    try:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        buffers = [allocate_shared(800, name=f"aib-col{i}") for i in range(32)]
+        columns = [pa.Array.from_buffers(pa.int64(), 100, [None, b.as_pyarrow()]) for b in buffers]
+        batch = pa.record_batch(columns, names=[f"c{i}" for i in range(32)])
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (200, hard))
+        with aib.Publisher(os.path.join(directory, "p.sock"), copy="never", park_after=0.2) as pub:
+            pub.publish("wide", batch)
+            clients = [transport.connect(pub.path) for _ in range(8)]
+            for client in clients:
+                hello(client)
+                client.send(protocol.GET, b"wide")
+            assert wait_until(lambda: pub.serving_sessions == 0)  # every GET handled
+            with aib.connect(pub.path) as session:
+                try:
+                    session.get("wide").release()
+                    first = "ok"
+                except Exception as exc:
+                    first = type(exc).__name__
+                kinds = []
+                for client in clients:
+                    with client.recv(timeout=10.0) as frame:
+                        kinds.append(frame.kind)
+                    client.close()
+                with session.get("wide") as imported:  # read: nothing in flight any more
+                    then = pa.record_batch(imported).num_columns
+            out.send(("done", first, kinds, then))
+    except Exception as exc:  # reported to the parent, which asserts on it
+        out.send(("error", type(exc).__name__, str(exc)))
+
+
+@needs_root
+def test_descriptors_refused_by_the_kernel_fail_only_that_answer(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Past RLIMIT_NOFILE descriptors in flight the kernel fails sendmsg (ETOOMANYREFS): the answer
+    then is ERROR DescriptorsInFlightError, nothing is leased, and every connection goes on (the
+    session's next get, once the others read, succeeds)."""
+    directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-")
+    os.chown(directory, NOBODY, NOBODY)
+    try:
+        parent, child = SPAWN.Pipe()
+        proc = SPAWN.Process(target=_child_fds_in_flight, args=(directory, child))
+        proc.start()
+        try:
+            assert parent.poll(120), "the child did not answer"
+            result = parent.recv()
+        finally:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert result[0] == "done", result
+    _, first, kinds, then = result
+    if protocol.ERROR not in kinds and first == "ok":
+        pytest.skip("this kernel passed 256 descriptors in flight past RLIMIT_NOFILE 200 (no ETOOMANYREFS)")
+    assert first == DescriptorsInFlightError.__name__
+    assert kinds.count(protocol.ITEM) >= 6, kinds
+    assert protocol.ERROR in kinds, kinds
+    assert then == 32
