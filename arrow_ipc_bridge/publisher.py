@@ -71,7 +71,7 @@ class _Served:
 
 
 class Publisher:
-    """Serve Arrow objects by name over a Unix socket, on a background thread.
+    """Serve Arrow objects by name over a Unix socket, on background threads.
 
     Parameters
     ----------

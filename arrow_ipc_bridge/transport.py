@@ -1501,7 +1501,7 @@ class Server:
             thread = threading.Thread(
                 target=self._run,
                 args=(conn,),
-                name=f"{self.name}-conn{self._accepted}-pid{conn.peer_pid}",
+                name=f"{self.name}-fd{conn.fileno()}-pid{conn.peer_pid}",
                 daemon=True,
             )
             slot.thread = thread

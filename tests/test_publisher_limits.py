@@ -434,3 +434,26 @@ def test_descriptors_refused_by_the_kernel_fail_only_that_answer(
     assert kinds.count(protocol.ITEM) >= 6, kinds
     assert protocol.ERROR in kinds, kinds
     assert then == 32
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        ConnectionLimitError,
+        LeaseLimitError,
+        UnreadAnswersError,
+        DescriptorsInFlightError,
+        HandshakeTimeoutError,
+        PeerRejectedError,
+    ],
+)
+def test_limit_errors_cross_the_wire_and_pickle(cls: type[aib.BridgeError]) -> None:
+    """Each error the publisher reports arrives as its own class (an ERROR frame), and pickles."""
+    import pickle
+
+    with pytest.raises(cls, match="over it") as caught:
+        protocol.raise_error(protocol.encode_error(cls("over it", limit=3)))
+    assert isinstance(caught.value, aib.TransportError)
+    again = pickle.loads(pickle.dumps(cls("over it", limit=3)))
+    assert type(again) is cls
+    assert again.limit == 3  # type: ignore[attr-defined]

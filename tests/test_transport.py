@@ -1413,3 +1413,77 @@ def test_channel_many_frames_with_descriptors_and_varied_sizes() -> None:
         size = rng.choice([0, 5, 100, 3000, 20_000, 40_000, 70_000])
         frames.append((3 + i % 5, rng.randbytes(size), rng.choice([0, 0, 1, 3])))
     _frames_through_channel(frames)
+
+
+# -- the server's parking lot, limits and farewell ----------------------------------------------------------
+
+
+def test_server_parks_connections_and_calls_on_close_once(sock_path: str) -> None:
+    """With park=True a handler that returns PARK gives its thread back; the connection gets a thread
+    again when it sends, and on_close runs once when it ends, for parked ones too at close()."""
+    calls: list[int] = []
+    closed: list[Connection] = []
+
+    def handler(conn: Connection) -> object:
+        conn.send(1, conn.recv().payload)  # one frame per activation, then park
+        calls.append(1)
+        return transport_module.PARK
+
+    srv = Server(sock_path, handler, park=True, on_close=closed.append)
+    try:
+        with connect(sock_path) as first, connect(sock_path) as second:
+            assert wait_until(lambda: srv.active_connections() == 2)
+            assert srv.serving_connections() == 0  # nothing said yet: no thread
+            for i in range(3):
+                first.send(1, b"x%d" % i)
+                assert first.recv(timeout=5).payload == b"x%d" % i
+            assert wait_until(lambda: srv.serving_connections() == 0)
+            assert len(calls) == 3
+            second.send(1, b"y")
+            assert second.recv(timeout=5).payload == b"y"
+        assert wait_until(lambda: len(closed) == 2)  # each ended while parked or being woken
+        with connect(sock_path):
+            assert wait_until(lambda: srv.active_connections() == 1)
+    finally:
+        srv.close()
+    assert len(closed) == 3
+    assert len(set(map(id, closed))) == 3
+
+
+def test_server_limits_and_farewell(sock_path: str) -> None:
+    """Over max_connections, and past handshake_timeout while parked, the farewell is called with
+    the error and the connection is closed; a handler's established() lifts the deadline."""
+    farewells: list[str] = []
+
+    def farewell(conn: Connection, error: BridgeError) -> None:
+        farewells.append(type(error).__name__)
+        conn.send(9, error.message.encode(), timeout=0)
+
+    def handler(conn: Connection) -> object:
+        frame = conn.recv()
+        srv.established(conn)
+        conn.send(1, frame.payload)
+        return transport_module.PARK
+
+    srv = Server(sock_path, handler, park=True, max_connections=2, handshake_timeout=0.3, farewell=farewell)
+    try:
+        with connect(sock_path) as greeted, connect(sock_path) as silent:
+            greeted.send(1, b"hi")
+            assert greeted.recv(timeout=5).payload == b"hi"
+            with connect(sock_path) as third:
+                frame = third.recv(timeout=5)
+                assert frame.kind == 9
+                assert b"max_connections" in frame.payload
+            frame = silent.recv(timeout=5)
+            assert frame.kind == 9
+            assert b"handshake" in frame.payload
+            with pytest.raises(PeerClosedError):
+                silent.recv(timeout=5)
+            time.sleep(0.5)  # past the deadline: the greeted one stays
+            greeted.send(1, b"still")
+            assert greeted.recv(timeout=5).payload == b"still"
+        assert sorted(farewells) == ["ConnectionLimitError", "HandshakeTimeoutError"]
+        assert srv.refused_over_limit == 1
+        assert srv.handshake_timeouts == 1
+    finally:
+        srv.close()
