@@ -16,6 +16,7 @@ and gets a thread again when it sends. New connections wait there for their HELL
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -263,24 +264,17 @@ class Publisher:
                 rc = lib.aib_serve(state.served, wait_ms, raw_frame, err)
                 if rc == lib.AIB_E_PEER_CLOSED:
                     return None
-                if rc == lib.AIB_SERVE_IDLE:
-                    if state.welcomed:
-                        return transport.PARK  # leases stay in the table meanwhile
-                    timed_out = self._server.handshake_error()
-                    _log.warning("arrow_ipc_bridge: closing session pid %s: %s", conn.peer_pid, timed_out)
-                    frame = None
-                elif rc in _LIMITS:
-                    timed_out = None
-                    frame = frame_from(raw_frame)
-                elif rc != lib.AIB_SERVE_FRAME:
+                if rc == lib.AIB_SERVE_IDLE and state.welcomed:
+                    return transport.PARK  # leases stay in the table meanwhile
+                if rc not in _HANDLED_HERE:
                     raise channel.failed(rc, err, "serving a session", holding="both")
-                else:
-                    timed_out = None
-                    frame = frame_from(raw_frame)
-            if timed_out is not None:
-                _farewell(conn, timed_out)
+                frame = None if rc == lib.AIB_SERVE_IDLE else frame_from(raw_frame)
+            if frame is None:  # silent until the handshake's deadline
+                timed_out = self._server.handshake_error()
+                _log.warning("arrow_ipc_bridge: closing session pid %s: %s", conn.peer_pid, timed_out)
+                with contextlib.suppress(BridgeError):  # the client may be gone or not reading
+                    _farewell(conn, timed_out)
                 return None
-            assert frame is not None
             try:
                 if rc in _LIMITS:
                     raise self._limit_error(rc, frame.payload)
@@ -401,7 +395,10 @@ class Publisher:
         self.close()
 
 
+# The C loop's returns for a GET it refused at a limit (the frame is the GET), and all it returns
+# that are not errors.
 _LIMITS = frozenset({lib.AIB_SERVE_LEASE_LIMIT, lib.AIB_SERVE_UNREAD_LIMIT, lib.AIB_SERVE_FDS_BUSY})
+_HANDLED_HERE = _LIMITS | {lib.AIB_SERVE_IDLE, lib.AIB_SERVE_FRAME}
 
 
 def _farewell(conn: transport.Connection, error: BridgeError) -> None:
