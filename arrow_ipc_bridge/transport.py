@@ -1112,7 +1112,9 @@ class Server:
         self._stop = threading.Event()
         self._conns: dict[Connection, _Slot] = {}
         self._to_park: list[Connection] = []  # handed back by handlers; registered by the accept thread
-        self._parked: set[Connection] = set()  # registered in the selector (accept thread only)
+        # Registered in the selector, with the descriptor they were registered under (accept thread
+        # only): unregistering by that number works even if the connection was closed meanwhile.
+        self._parked: dict[Connection, int] = {}
         # Parked connections that have not completed their handshake -> its deadline (accept thread
         # only): what the selector's timeout is computed from, without a look at every parked one.
         self._handshaking: dict[Connection, float] = {}
@@ -1469,17 +1471,26 @@ class Server:
 
     def _park_now(self, conn: Connection) -> None:
         """Watch a connection without a thread (accept thread only)."""
+        fd = conn.fileno()
         try:
-            self._selector.register(conn.fileno(), selectors.EVENT_READ, conn)
-        except (ValueError, OSError):  # closed meanwhile
+            self._selector.register(fd, selectors.EVENT_READ, conn)
+        except (KeyError, ValueError, OSError):  # closed meanwhile
             self._finish(conn)
             return
-        self._parked.add(conn)
+        self._parked[conn] = fd
         with self._lock:
             slot = self._conns.get(conn)
             deadline = None if slot is None else slot.deadline
         if deadline is not None:
             self._handshaking[conn] = deadline
+
+    def _unwatch(self, conn: Connection) -> None:
+        """Take a connection out of the parking lot, if it is there (accept thread only)."""
+        fd = self._parked.pop(conn, None)
+        self._handshaking.pop(conn, None)
+        if fd is not None:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._selector.unregister(fd)
 
     def _park_handed_back(self) -> None:
         with self._lock:
@@ -1489,11 +1500,7 @@ class Server:
 
     def _unpark(self, conn: Connection) -> None:
         """Give a connection a thread that runs the handler (accept thread only)."""
-        if conn in self._parked:
-            self._parked.discard(conn)
-            self._handshaking.pop(conn, None)
-            with contextlib.suppress(KeyError, ValueError, OSError):
-                self._selector.unregister(conn.fileno())
+        self._unwatch(conn)
         with self._lock:
             slot = self._conns.get(conn)
             if slot is None or self._closing:
@@ -1523,10 +1530,7 @@ class Server:
         now = time.monotonic()
         late = [conn for conn, deadline in self._handshaking.items() if deadline <= now]
         for conn in late:
-            self._parked.discard(conn)
-            del self._handshaking[conn]
-            with contextlib.suppress(KeyError, ValueError, OSError):
-                self._selector.unregister(conn.fileno())
+            self._unwatch(conn)
             with self._lock:
                 self._timed_out += 1
             logger.warning(
