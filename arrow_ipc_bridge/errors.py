@@ -27,6 +27,12 @@ __all__ = [
     "BridgeTimeoutError",
     "NotPublishedError",
     "ForeignProcessError",
+    "PublisherLimitError",
+    "ConnectionLimitError",
+    "LeaseLimitError",
+    "UnreadAnswersError",
+    "DescriptorsInFlightError",
+    "HandshakeTimeoutError",
 ]
 
 
@@ -111,6 +117,39 @@ class PeerRejectedError(TransportError, PermissionError):
 
 class ProtocolError(TransportError):
     """The peer sent a frame that breaks the protocol (bad magic, size over a limit, unexpected type)."""
+
+
+class PublisherLimitError(TransportError):
+    """The publisher refused a request or a connection because this client is over one of its
+    limits (``Publisher(max_connections=, max_leases_per_connection=, max_unread_fds=)``,
+    ``docs/protocol.md``). Other clients are served as before; the subclass says which limit."""
+
+
+class ConnectionLimitError(PublisherLimitError):
+    """The publisher serves ``max_connections`` connections already and closed this one. Close
+    sessions that are not needed, or retry later."""
+
+
+class LeaseLimitError(PublisherLimitError):
+    """This connection holds ``max_leases_per_connection`` leases: the GET was refused (nothing was
+    leased) and the session goes on. Release imported objects, then get again."""
+
+
+class UnreadAnswersError(PublisherLimitError):
+    """The GET was refused because this connection has not read answers carrying
+    ``max_unread_fds`` descriptors (a client that sends requests without reading the replies);
+    the connection goes on. A :class:`~arrow_ipc_bridge.Session` never gets it."""
+
+
+class DescriptorsInFlightError(PublisherLimitError):
+    """The kernel refused to pass the answer's descriptors (``ETOOMANYREFS``: the publisher's user
+    has too many descriptors in flight to peers that did not read them). Nothing was leased and the
+    session goes on; retry the get."""
+
+
+class HandshakeTimeoutError(TransportError, TimeoutError):
+    """The client did not complete HELLO/WELCOME within the publisher's ``handshake_timeout``; the
+    publisher closed the connection."""
 
 
 class BridgeTimeoutError(BridgeError, TimeoutError):

@@ -13,10 +13,17 @@ from typing import Any
 
 from arrow_ipc_bridge.errors import (
     BridgeError,
+    ConnectionLimitError,
     CopyRequiredError,
+    DescriptorsInFlightError,
+    HandshakeTimeoutError,
+    LeaseLimitError,
     NotPublishedError,
+    PeerRejectedError,
     ProtocolError,
+    PublisherLimitError,
     RegionError,
+    UnreadAnswersError,
     WireFormatError,
 )
 
@@ -85,6 +92,13 @@ _ERROR_TYPES: dict[str, type[BridgeError]] = {
     "CopyRequiredError": CopyRequiredError,
     "RegionError": RegionError,
     "WireFormatError": WireFormatError,
+    "PeerRejectedError": PeerRejectedError,
+    "PublisherLimitError": PublisherLimitError,
+    "ConnectionLimitError": ConnectionLimitError,
+    "LeaseLimitError": LeaseLimitError,
+    "UnreadAnswersError": UnreadAnswersError,
+    "DescriptorsInFlightError": DescriptorsInFlightError,
+    "HandshakeTimeoutError": HandshakeTimeoutError,
     "BridgeError": BridgeError,
 }
 

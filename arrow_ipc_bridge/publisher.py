@@ -3,28 +3,39 @@
 Each published name holds an :class:`~arrow_ipc_bridge.exporter.Exported` (captured data, its region
 fds and the encoded message, made once at publish time, so a ``get`` costs one frame). The names,
 messages and leases live in the C core (``cffi_build/serve.c``), whose serve loop answers GET and
-RELEASE (and PING) frames without the GIL; this module handles the handshake, LIST and errors. An entry, and
-with it the producer's buffers, lives until it is unpublished *and* every lease on it ended; then
-its keeper owner dies and the reaper closes the export record. A session that disconnects or dies
-gives back all its leases at once (its connection's lease table is freed when the socket closes).
+RELEASE (and PING) frames without the GIL; this module handles the handshake, LIST, errors and the
+limits. An entry, and with it the producer's buffers, lives until it is unpublished *and* every
+lease on it ended; then its keeper owner dies and the reaper closes the export record. A session
+that disconnects or dies gives back all its leases at once (its connection's lease table is freed
+when the socket closes).
+
+A connection holds a thread only while it is active: one idle for ``park_after`` seconds is handed
+back, its leases intact, to the server's parking lot (one thread watching every parked connection),
+and gets a thread again when it sends. New connections wait there for their HELLO.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+import time
 from types import TracebackType
 from typing import Any
 
 from arrow_ipc_bridge import _process, _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
-from arrow_ipc_bridge.channel import Channel, frame_from
+from arrow_ipc_bridge.channel import Channel, frame_from, millis
 from arrow_ipc_bridge.errors import (
     BridgeError,
+    DescriptorsInFlightError,
+    LeaseLimitError,
     NotPublishedError,
     ProtocolError,
+    PublisherLimitError,
     RegionError,
+    UnreadAnswersError,
 )
 from arrow_ipc_bridge.exporter import CopyPolicy, ExportStats, export
 
@@ -32,18 +43,69 @@ __all__ = ["Publisher"]
 
 _log = logging.getLogger("arrow_ipc_bridge")
 
+MAX_CONNECTIONS = 512
+"""Default ``max_connections``: connections a publisher serves at once."""
+HANDSHAKE_TIMEOUT = 10.0
+"""Default ``handshake_timeout``, seconds from accept to HELLO answered."""
+MAX_LEASES_PER_CONNECTION = 4096
+"""Default ``max_leases_per_connection``."""
+MAX_UNREAD_FDS = 256
+"""Default ``max_unread_fds``: descriptors in answers one connection has not read (at least one
+frame's worth, 253, so a client that reads is never refused)."""
+PARK_AFTER = 5.0
+"""Default ``park_after``, seconds of silence before a connection's thread is given back."""
+SEND_TIMEOUT = 10.0
+"""Seconds an answer may wait for room in a client's socket: a client that does not read its answers
+for that long is disconnected (its thread is not held forever)."""
+
+
+class _Served:
+    """What the publisher keeps for one connection between its serving threads: the C channel and
+    the C lease table (freed when the connection closes)."""
+
+    __slots__ = ("channel", "served", "welcomed")
+
+    def __init__(self, channel: Channel, served: Any) -> None:
+        self.channel = channel
+        self.served = served
+        self.welcomed = False
+
 
 class Publisher:
-    """Serve Arrow objects by name over a Unix socket, on a background thread.
+    """Serve Arrow objects by name over a Unix socket, on background threads.
 
     Parameters
     ----------
     path
-        Socket file to create (mode 0600). A stale one is replaced; a live publisher's is refused.
+        Socket file to create. A stale one is replaced; a live publisher's is refused. Its mode is
+        0600, or 0666 when ``allowed_uids`` names uids other than this process's: every connection's
+        ``SO_PEERCRED`` uid is then the gate, and a peer not allowed gets ERROR
+        :class:`~arrow_ipc_bridge.errors.PeerRejectedError` before it is disconnected. The
+        directory must be searchable by those uids.
     allowed_uids
         Extra uids allowed to connect (this process's uid always is).
     copy
         Default copy policy for :meth:`publish` (see :func:`~arrow_ipc_bridge.export`).
+    max_connections
+        Connections served at once (512); one more gets ERROR
+        :class:`~arrow_ipc_bridge.errors.ConnectionLimitError` and is closed.
+    handshake_timeout
+        Seconds a new connection has to say HELLO (10); later it gets ERROR
+        :class:`~arrow_ipc_bridge.errors.HandshakeTimeoutError` and is closed. Any other frame
+        before HELLO is a :class:`~arrow_ipc_bridge.errors.ProtocolError` and closes it.
+    max_leases_per_connection
+        Leases one connection may hold (4096); a GET past it gets ERROR
+        :class:`~arrow_ipc_bridge.errors.LeaseLimitError` and the session goes on.
+    max_unread_fds
+        Descriptors in answers one connection has not read yet (256, at least 253): a client that
+        sends GETs without reading the ITEMs gets ERROR
+        :class:`~arrow_ipc_bridge.errors.UnreadAnswersError` instead of more descriptors (the
+        kernel limits descriptors in flight per user; an unread client would otherwise make the
+        answers to every other client fail). All connections together may have half of
+        ``RLIMIT_NOFILE`` unread; a client that read everything is always answered.
+    park_after
+        Seconds a connection may stay silent before its thread is given back (5); it keeps its
+        leases and gets a thread again when it sends.
 
     Examples
     --------
@@ -57,7 +119,24 @@ class Publisher:
         *,
         allowed_uids: list[int] | None = None,
         copy: CopyPolicy = "if_needed",
+        max_connections: int = MAX_CONNECTIONS,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        max_leases_per_connection: int = MAX_LEASES_PER_CONNECTION,
+        max_unread_fds: int = MAX_UNREAD_FDS,
+        park_after: float = PARK_AFTER,
     ) -> None:
+        for what, value, least in (
+            ("max_leases_per_connection", max_leases_per_connection, 1),
+            ("max_unread_fds", max_unread_fds, transport.MAX_FDS),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{what} must be an int >= {least}, not {value!r}")
+        if not park_after > 0:  # also refuses NaN
+            raise ValueError(f"park_after must be > 0 seconds, not {park_after!r}")
+        self._max_leases = max_leases_per_connection
+        self._max_unread_fds = max_unread_fds
+        self._park_after_ms = millis(park_after)
+        self._served: dict[transport.Connection, _Served] = {}
         self._pid = _process.pid  # a forked child inherits this object; it serves nothing there
         self._lock = threading.Lock()
         self._names: set[str] = set()
@@ -67,7 +146,17 @@ class Publisher:
         self._table = ffi.gc(table, lib.aib_pubtable_unref)
         self._copy: CopyPolicy = copy
         self.publisher_id = os.urandom(16).hex()
-        self._server = transport.Server(path, self._serve, allowed_uids=allowed_uids, name="aib-publisher")
+        self._server = transport.Server(
+            path,
+            self._serve,
+            allowed_uids=allowed_uids,
+            name="aib-publisher",
+            max_connections=max_connections,
+            handshake_timeout=handshake_timeout,
+            park=True,
+            farewell=_farewell,
+            on_close=self._forget_connection,
+        )
         self.path = self._server.path
 
     # ---------- publishing --------------------------------------------------------------------------
@@ -128,7 +217,13 @@ class Publisher:
 
     @property
     def active_sessions(self) -> int:
+        """Connections open now, served or parked."""
         return self._server.active_connections()
+
+    @property
+    def serving_sessions(self) -> int:
+        """Connections holding a thread now (the others are parked and cost none)."""
+        return self._server.serving_connections()
 
     def _check_open(self) -> None:
         self._check_process()
@@ -140,48 +235,105 @@ class Publisher:
             raise _process.foreign("publisher", self._pid, "publish from a Publisher made here")
 
     # ---------- serving one session -----------------------------------------------------------------
-    def _serve(self, conn: transport.Connection) -> None:
-        channel = Channel(conn)
-        served = lib.aib_server_conn_new(self._table, channel.raw)
-        if served == ffi.NULL:
-            raise MemoryError("allocating a connection's lease table")
+    def _serve(self, conn: transport.Connection) -> object:
+        """Serve ``conn`` until it goes silent (then return ``transport.PARK``: the server calls this
+        again, on a new thread, when it sends) or ends."""
+        state = self._served.get(conn)
+        if state is None:
+            channel = Channel(conn)
+            served = lib.aib_server_conn_new(self._table, channel.raw)
+            if served == ffi.NULL:
+                raise MemoryError("allocating a connection's lease table")
+            lib.aib_server_conn_configure(
+                served, self._max_leases, self._max_unread_fds, millis(SEND_TIMEOUT)
+            )
+            state = self._served[conn] = _Served(channel, served)
+        channel = state.channel
         raw_frame = ffi.new("aib_frame *")
         err = new_error()
         recv_lock, send_lock = channel.locked()
-        try:
-            while True:
-                # GET for published names and RELEASE are answered in C; the rest comes back here.
-                with recv_lock, send_lock:
-                    conn.check_open()
-                    rc = lib.aib_serve(served, raw_frame, err)
-                    if rc == lib.AIB_E_PEER_CLOSED:
-                        return
-                    if rc != lib.AIB_SERVE_FRAME:
-                        raise channel.failed(rc, err, "serving a session", holding="both")
-                    frame = frame_from(raw_frame)
-                try:
-                    self._answer(channel, frame)
-                except (NotPublishedError, RegionError) as exc:  # the session may go on
-                    channel.send(protocol.ERROR, protocol.encode_error(exc))
-                except ProtocolError as exc:
-                    _log.warning("arrow_ipc_bridge: closing session pid %s: %s", conn.peer_pid, exc)
-                    channel.send(protocol.ERROR, protocol.encode_error(exc))
-                    return
-        finally:
-            lib.aib_server_conn_free(served)  # gives this session's leases back
-            _reaper.drain()
+        while True:
+            if state.welcomed:
+                wait_ms = self._park_after_ms
+            else:  # the handshake's deadline, set by the server at accept
+                deadline = self._server.handshake_deadline(conn)
+                wait_ms = -1 if deadline is None else millis(max(deadline - time.monotonic(), 0.0))
+            # GET for published names, RELEASE and PING are answered in C; the rest comes back here.
+            with recv_lock, send_lock:
+                conn.check_open()
+                rc = lib.aib_serve(state.served, wait_ms, raw_frame, err)
+                if rc == lib.AIB_E_PEER_CLOSED:
+                    return None
+                if rc == lib.AIB_SERVE_IDLE and state.welcomed:
+                    return transport.PARK  # leases stay in the table meanwhile
+                if rc not in _HANDLED_HERE:
+                    raise channel.failed(rc, err, "serving a session", holding="both")
+                frame = None if rc == lib.AIB_SERVE_IDLE else frame_from(raw_frame)
+            if frame is None:  # silent until the handshake's deadline
+                timed_out = self._server.handshake_error()
+                _log.warning("arrow_ipc_bridge: closing session pid %s: %s", conn.peer_pid, timed_out)
+                with contextlib.suppress(BridgeError):  # the client may be gone or not reading
+                    _farewell(conn, timed_out)
+                return None
+            try:
+                if rc in _LIMITS:
+                    raise self._limit_error(rc, frame.payload)
+                self._answer(state, frame)
+                if frame.kind == protocol.HELLO:
+                    self._server.established(conn)
+            except (NotPublishedError, RegionError, PublisherLimitError) as exc:  # the session may go on
+                channel.send(protocol.ERROR, protocol.encode_error(exc), timeout=SEND_TIMEOUT)
+            except ProtocolError as exc:
+                _log.warning("arrow_ipc_bridge: closing session pid %s: %s", conn.peer_pid, exc)
+                channel.send(protocol.ERROR, protocol.encode_error(exc), timeout=SEND_TIMEOUT)
+                return None
 
-    def _answer(self, channel: Channel, frame: transport.Frame) -> None:
+    def _limit_error(self, rc: int, raw_name: bytes) -> PublisherLimitError:
+        """The error for a GET the C loop refused at a limit (nothing was leased or sent)."""
+        name = raw_name.decode("utf-8", "replace")
+        if rc == lib.AIB_SERVE_LEASE_LIMIT:
+            return LeaseLimitError(
+                f"GET {name!r} refused: this connection holds {self._max_leases} leases "
+                "(the publisher's max_leases_per_connection); release some and get again",
+                limit=self._max_leases,
+            )
+        if rc == lib.AIB_SERVE_UNREAD_LIMIT:
+            return UnreadAnswersError(
+                f"GET {name!r} refused: this connection has not read answers carrying descriptors "
+                f"(the publisher's max_unread_fds is {self._max_unread_fds}); read the answers first",
+                limit=self._max_unread_fds,
+            )
+        return DescriptorsInFlightError(
+            f"GET {name!r} failed: the kernel refused to pass its descriptors (ETOOMANYREFS: too "
+            "many in flight to peers that do not read); nothing was leased, retry"
+        )
+
+    def _forget_connection(self, conn: transport.Connection) -> None:
+        """The server closed ``conn`` for good: give its leases back (the server's on_close)."""
+        state = self._served.pop(conn, None)
+        if state is None:
+            return
+        lib.aib_server_conn_free(state.served)  # gives this session's leases back
+        _reaper.drain()
+
+    def _answer(self, state: _Served, frame: transport.Frame) -> None:
         """The frames the C loop leaves to Python: handshake, LIST, POOL_FD, unknown names, bad frames."""
+        channel = state.channel
         if frame.kind == protocol.HELLO:
+            if state.welcomed:
+                raise ProtocolError("a second HELLO")
             version = protocol.decode_hello(frame.payload)
             if version != protocol.PROTOCOL_VERSION:
                 raise ProtocolError(
                     f"session speaks protocol {version}, this publisher {protocol.PROTOCOL_VERSION}"
                 )
-            channel.send(protocol.WELCOME, protocol.encode_json(self._welcome()))
+            channel.send(protocol.WELCOME, protocol.encode_json(self._welcome()), timeout=SEND_TIMEOUT)
+            state.welcomed = True
+            lib.aib_server_conn_welcome(state.served)  # from now on the C loop answers requests
+        elif not state.welcomed:
+            raise ProtocolError(f"frame kind {frame.kind} before HELLO (say HELLO first)")
         elif frame.kind == protocol.LIST:
-            channel.send(protocol.NAMES, protocol.encode_json(self.names()))
+            channel.send(protocol.NAMES, protocol.encode_json(self.names()), timeout=SEND_TIMEOUT)
         elif frame.kind == protocol.POOL_FD:
             self._send_pool_fd(channel, protocol.decode_pool_identity(frame.payload))
         elif frame.kind == protocol.GET:
@@ -203,7 +355,7 @@ class Publisher:
 
         fd = cuda_regions.pool_fd_for(identity)  # RegionError for anything else
         try:
-            channel.send(protocol.POOL, identity, [fd])
+            channel.send(protocol.POOL, identity, [fd], timeout=SEND_TIMEOUT)
         finally:
             os.close(fd)
 
@@ -226,7 +378,7 @@ class Publisher:
 
         In a child of ``fork`` this only drops the child's copies of the descriptors: the socket
         file, the sessions and the published data stay the parent's."""
-        self._server.close(timeout)
+        self._server.close(timeout)  # every connection's on_close gave its leases back
         if self._pid != _process.pid:
             return
         with self._lock:
@@ -241,3 +393,15 @@ class Publisher:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+# The C loop's returns for a GET it refused at a limit (the frame is the GET), and all it returns
+# that are not errors.
+_LIMITS = frozenset({lib.AIB_SERVE_LEASE_LIMIT, lib.AIB_SERVE_UNREAD_LIMIT, lib.AIB_SERVE_FDS_BUSY})
+_HANDLED_HERE = _LIMITS | {lib.AIB_SERVE_IDLE, lib.AIB_SERVE_FRAME}
+
+
+def _farewell(conn: transport.Connection, error: BridgeError) -> None:
+    """Tell a client the server refuses or drops why, as an ERROR frame (the server's farewell). A
+    fresh socket's buffer is empty, so this never waits; a client gone already is ignored."""
+    conn.send(protocol.ERROR, protocol.encode_error(error), timeout=0)

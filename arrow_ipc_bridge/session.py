@@ -530,7 +530,10 @@ class Session:
         self._conn = conn
         self._timeout = timeout
         self._timeout_ms = millis(timeout)
-        conn.send(protocol.HELLO, protocol.encode_hello(), timeout=timeout)
+        # A publisher that refused us (uid, connection limit) closed at once: its ERROR frame may be
+        # waiting to be read even when the HELLO could not go out.
+        with contextlib.suppress(PeerClosedError):
+            conn.send(protocol.HELLO, protocol.encode_hello(), timeout=timeout)
         frame = conn.recv(timeout=timeout)
         frame.close_fds()
         if frame.kind == protocol.ERROR:

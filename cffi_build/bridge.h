@@ -388,6 +388,12 @@ int aib_channel_send(aib_channel *ch, uint32_t kind, const uint8_t *part_a, size
                      const uint8_t *part_b, size_t len_b, const int *fds, uint32_t n_fds,
                      int64_t timeout_ms, aib_error *err);
 int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_error *err);
+/* Like recv, for a server waiting for requests: AIB_E_TIMEOUT when idle_ms pass before the first
+ * byte of a frame (nothing consumed: call again later); a frame begun must be complete within
+ * idle_ms of its first byte, else AIB_E_PROTOCOL. */
+int aib_channel_recv_idle(aib_channel *ch, int64_t idle_ms, aib_frame *out, aib_error *err);
+/* Bytes (kernel accounting) sent on the socket that the peer has not read; 0 when it read all. */
+int64_t aib_channel_peer_unread(const aib_channel *ch);
 /* send then receive the answer, both within timeout_ms */
 int aib_channel_request(aib_channel *ch, uint32_t kind, const uint8_t *payload, size_t length,
                         int64_t timeout_ms, aib_frame *out, aib_error *err);
@@ -402,16 +408,32 @@ int aib_pubtable_put(aib_pubtable *t, const uint8_t *name, size_t name_len, cons
                      size_t message_len, const int *fds, uint32_t n_fds, aib_owner *keeper, aib_error *err);
 int aib_pubtable_remove(aib_pubtable *t, const uint8_t *name, size_t name_len);
 int64_t aib_pubtable_leases(const aib_pubtable *t);
-/* One session's connection: its leases (given back by free) and the serve loop. aib_serve answers
- * GET for published names (ITEM + lease) and RELEASE until another frame arrives, which it returns
- * with AIB_SERVE_FRAME for Python to handle (the frame's fds are then the caller's); any other
- * return is an error code (AIB_E_PEER_CLOSED when the session went away). */
+/* Descriptors sent in answers that peers may not have read yet, all connections together. */
+int64_t aib_pubtable_fds_unread(const aib_pubtable *t);
+/* One session's connection: its leases (given back by free) and the serve loop. Until
+ * aib_server_conn_welcome, aib_serve returns every frame (HELLO first, answered by Python). Then it
+ * answers GET for published names (ITEM + lease), RELEASE and PING until another frame arrives,
+ * which it returns with AIB_SERVE_FRAME for Python to handle (the frame's fds are then the
+ * caller's). AIB_SERVE_IDLE: idle_ms passed with no frame begun (nothing consumed). The limit
+ * returns leave the GET in out for Python to refuse with ERROR; nothing was sent. Any other return
+ * is an error code (AIB_E_PEER_CLOSED when the session went away). */
 #define AIB_SERVE_FRAME 100
+#define AIB_SERVE_IDLE 101
+#define AIB_SERVE_LEASE_LIMIT 102  /* the connection holds max_leases leases */
+#define AIB_SERVE_UNREAD_LIMIT 103 /* the peer has not read answers with max_unread_fds descriptors */
+#define AIB_SERVE_FDS_BUSY 104     /* sendmsg refused the descriptors (ETOOMANYREFS); lease given back */
 typedef struct aib_server_conn aib_server_conn;
 aib_server_conn *aib_server_conn_new(aib_pubtable *t, aib_channel *ch);
+/* Limits (< 0: none): leases this connection may hold; descriptors in answers its peer has not read
+ * (a peer that read everything is always answered; all connections together may have half of
+ * RLIMIT_NOFILE unread); how long an answer may wait for room in the socket (then AIB_E_TIMEOUT,
+ * or AIB_E_PROTOCOL when part of it went out: close the connection). */
+void aib_server_conn_configure(aib_server_conn *c, int64_t max_leases, int64_t max_unread_fds,
+                               int64_t send_timeout_ms);
+void aib_server_conn_welcome(aib_server_conn *c);
 void aib_server_conn_free(aib_server_conn *c);
 int64_t aib_server_conn_leases(const aib_server_conn *c);
-int aib_serve(aib_server_conn *c, aib_frame *out, aib_error *err);
+int aib_serve(aib_server_conn *c, int64_t idle_ms, aib_frame *out, aib_error *err);
 /* ---------- the session's steady state (import_cache.c) ------------------------------------------
  * Messages a session remembered (their regions stay open), keyed by their bytes: put takes a
  * reference on template_owner, which carries the validated decode (aib_owner_share_decoded) and

@@ -17,6 +17,8 @@
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/uio.h>
@@ -72,6 +74,14 @@ void aib_channel_free(aib_channel *ch) {
 }
 
 size_t aib_channel_buffered(const aib_channel *ch) { return ch->end - ch->start; }
+
+int64_t aib_channel_peer_unread(const aib_channel *ch) {
+  int n = 0;
+  /* SIOCOUTQ on a Unix stream socket: what was sent and the peer has not read yet (in the kernel's
+   * accounting units, 0 exactly when the peer read everything). */
+  if (ioctl(ch->fd, SIOCOUTQ, &n) != 0) return -1;
+  return n;
+}
 
 /* ---------- deadlines ---------------------------------------------------------------------------- */
 static int64_t now_ms(void) {
@@ -279,6 +289,12 @@ static int frame_fd_check(aib_channel *ch, aib_frame *out, int taken, uint32_t a
   return aib_fail(err, AIB_E_PROTOCOL, "fds", "", "frame announced %u descriptors and %d arrived", announced, taken);
 }
 
+/* A timeout inside a frame that the idle receive had started: the stream cannot be resumed. */
+static int mid_frame(int rc, int64_t timeout_ms, aib_error *err) {
+  if (rc != AIB_E_TIMEOUT) return rc;
+  return aib_fail(err, AIB_E_PROTOCOL, "", "", "a frame was not completed within %lld ms", (long long)timeout_ms);
+}
+
 /* Moves the unread bytes to the start of the buffer. Descriptor tags hold buffer positions, so they
  * move with the bytes. */
 static void compact(aib_channel *ch) {
@@ -291,7 +307,10 @@ static void compact(aib_channel *ch) {
   ch->start = 0;
 }
 
-int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_error *err) {
+/* Receives one frame. `idle` set: a timeout before the first byte of the frame is AIB_E_TIMEOUT
+ * with nothing consumed (the channel is as before: the caller may wait elsewhere and call again);
+ * once a byte came, the frame must be complete within timeout_ms of it, or AIB_E_PROTOCOL. */
+static int recv_frame(aib_channel *ch, int64_t timeout_ms, int idle, aib_frame *out, aib_error *err) {
   out->kind = 0;
   out->length = 0;
   out->payload = NULL;
@@ -305,9 +324,16 @@ int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_er
     ch->start = ch->end = 0;
   }
   while (ch->end - ch->start < HEADER_SIZE) {
+    int started = ch->end > ch->start || ch->n_pending > 0;
     compact(ch);
     ssize_t got = read_some(ch, ch->buf + ch->end, BUFFER_SIZE - ch->end, deadline, 0, ch->end, err, &rc);
-    if (got < 0) return rc;
+    if (got < 0) {
+      if (idle && started && rc == AIB_E_TIMEOUT)
+        return aib_fail(err, AIB_E_PROTOCOL, "", "", "a frame was not completed within %lld ms",
+                        (long long)timeout_ms);
+      return rc;
+    }
+    if (idle && !started && got > 0 && timeout_ms >= 0) deadline = now_ms() + timeout_ms;
     if (got == 0) {
       if (ch->end == ch->start && ch->n_pending == 0)
         return aib_fail(err, AIB_E_PEER_CLOSED, "", "", "the peer closed the connection");
@@ -339,7 +365,7 @@ int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_er
     }
     while (ch->end - ch->start < need) {
       ssize_t got = read_some(ch, ch->buf + ch->end, BUFFER_SIZE - ch->end, deadline, 0, ch->end, err, &rc);
-      if (got < 0) return rc;
+      if (got < 0) return idle ? mid_frame(rc, timeout_ms, err) : rc;
       if (got == 0) return aib_fail(err, AIB_E_PROTOCOL, "", "", "the peer closed the connection in the middle of a frame");
       ch->end += (size_t)got;
     }
@@ -360,7 +386,7 @@ int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_er
     ssize_t got = read_some(ch, big + have, (size_t)length - have, deadline, 1, 0, err, &rc);
     if (got < 0) {
       free(big);
-      return rc;
+      return idle ? mid_frame(rc, timeout_ms, err) : rc;
     }
     if (got == 0) {
       free(big);
@@ -372,6 +398,14 @@ int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_er
   out->payload = big;
   int taken = take_fds(ch, frame_start, header_end, 1, out);
   return frame_fd_check(ch, out, taken, n_fds, err);
+}
+
+int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_error *err) {
+  return recv_frame(ch, timeout_ms, 0, out, err);
+}
+
+int aib_channel_recv_idle(aib_channel *ch, int64_t idle_ms, aib_frame *out, aib_error *err) {
+  return recv_frame(ch, idle_ms, 1, out, err);
 }
 
 int aib_channel_request(aib_channel *ch, uint32_t kind, const uint8_t *payload, size_t length,

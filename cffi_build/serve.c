@@ -8,8 +8,10 @@
  * not handle (HELLO, LIST, a GET for an unknown name, anything malformed) go back to Python, which
  * owns the protocol's rare paths and its error reporting. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -40,6 +42,9 @@ struct aib_pubtable {
   entry **buckets;
   size_t n_buckets, count;
   atomic_llong leases;
+  /* Descriptors sent in answers that their peers may not have read yet, all connections together
+   * (each connection's count is refreshed when it next sends descriptors; see fds_unread). */
+  atomic_llong fds_unread;
 };
 
 static void entry_unref(entry *e) {
@@ -191,6 +196,15 @@ struct aib_server_conn {
   uint64_t *keys; /* 0 = empty */
   entry **values;
   size_t cap, count;
+  int welcomed;         /* until Python says hello was answered, every frame goes back to it */
+  int64_t max_leases;   /* < 0: no limit */
+  int64_t max_unread_fds;
+  int64_t send_timeout_ms; /* a peer that does not read an answer for this long is dropped */
+  /* Descriptors in the ITEMs sent since the peer last had nothing unread (SIOCOUTQ 0). The kernel
+   * counts descriptors in flight (sent, not yet received) per sending user and fails sendmsg with
+   * ETOOMANYREFS past RLIMIT_NOFILE: a peer that sends GETs and never reads would otherwise make
+   * every other connection's answers fail. */
+  int64_t fds_unread;
 };
 
 aib_server_conn *aib_server_conn_new(aib_pubtable *t, aib_channel *ch) {
@@ -209,8 +223,20 @@ aib_server_conn *aib_server_conn_new(aib_pubtable *t, aib_channel *ch) {
   c->table = t;
   c->ch = ch;
   c->next_lease = 1;
+  c->max_leases = -1;
+  c->max_unread_fds = -1;
+  c->send_timeout_ms = -1;
   return c;
 }
+
+void aib_server_conn_configure(aib_server_conn *c, int64_t max_leases, int64_t max_unread_fds,
+                               int64_t send_timeout_ms) {
+  c->max_leases = max_leases;
+  c->max_unread_fds = max_unread_fds;
+  c->send_timeout_ms = send_timeout_ms;
+}
+
+void aib_server_conn_welcome(aib_server_conn *c) { c->welcomed = 1; }
 
 static size_t lease_index(uint64_t key, size_t cap) { return (size_t)((key * 0x9E3779B97F4A7C15ull) >> 20) & (cap - 1); }
 
@@ -275,6 +301,7 @@ int64_t aib_server_conn_leases(const aib_server_conn *c) { return (int64_t)c->co
 
 void aib_server_conn_free(aib_server_conn *c) {
   if (c == NULL) return;
+  atomic_fetch_sub(&c->table->fds_unread, c->fds_unread);
   for (size_t i = 0; i < c->cap; i++) {
     if (c->keys[i] == 0) continue;
     atomic_fetch_sub(&c->table->leases, 1);
@@ -286,29 +313,66 @@ void aib_server_conn_free(aib_server_conn *c) {
   free(c);
 }
 
-int aib_serve(aib_server_conn *c, aib_frame *out, aib_error *err) {
+int64_t aib_pubtable_fds_unread(const aib_pubtable *t) { return atomic_load(&((aib_pubtable *)t)->fds_unread); }
+
+/* Half the descriptor limit: what the kernel lets this user have in flight (RLIMIT_NOFILE), with
+ * room left for the answers of peers that do read. */
+static int64_t fds_unread_budget(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return INT64_MAX;
+  return (int64_t)(rl.rlim_cur / 2);
+}
+
+/* Whether an ITEM with n descriptors may go out now. A peer that read everything sent to it is
+ * always answered (its count starts again at 0); a peer with answers unread is refused once its own
+ * unread descriptors, or all connections' together, would pass their limits. One ioctl per ITEM
+ * after an ITEM with descriptors; nothing when the count is 0. */
+static int may_send_fds(aib_server_conn *c, uint32_t n) {
+  if (n == 0 || c->fds_unread == 0) return 1;
+  if (aib_channel_peer_unread(c->ch) == 0) {
+    atomic_fetch_sub(&c->table->fds_unread, c->fds_unread);
+    c->fds_unread = 0;
+    return 1;
+  }
+  if (c->max_unread_fds >= 0 && c->fds_unread + n > c->max_unread_fds) return 0;
+  return atomic_load(&c->table->fds_unread) + n <= fds_unread_budget();
+}
+
+static void give_back(aib_server_conn *c, uint64_t lease) {
+  entry *e = lease_remove(c, lease);
+  if (e != NULL) { /* releasing twice is harmless */
+    atomic_fetch_sub(&c->table->leases, 1);
+    entry_unref(e);
+  }
+}
+
+int aib_serve(aib_server_conn *c, int64_t idle_ms, aib_frame *out, aib_error *err) {
   for (;;) {
-    int rc = aib_channel_recv(c->ch, -1, out, err);
+    int rc = aib_channel_recv_idle(c->ch, idle_ms, out, err);
+    if (rc == AIB_E_TIMEOUT) return AIB_SERVE_IDLE; /* nothing of a frame consumed */
     if (rc) return rc;
     /* Sessions never send descriptors: close any that came, on every frame. */
     for (uint32_t i = 0; i < out->n_fds; i++) close(out->fds[i]);
     out->n_fds = 0;
+    if (!c->welcomed) return AIB_SERVE_FRAME; /* HELLO first: Python answers or refuses */
     if (out->kind == FRAME_RELEASE && out->length == 8) {
-      entry *e = lease_remove(c, aib_load_u64le(out->payload));
-      if (e != NULL) { /* releasing twice is harmless */
-        atomic_fetch_sub(&c->table->leases, 1);
-        entry_unref(e);
-      }
+      give_back(c, aib_load_u64le(out->payload));
       continue;
     }
     if (out->kind == FRAME_PING && out->length <= MAX_PING) {
-      rc = aib_channel_send(c->ch, FRAME_PONG, out->payload, (size_t)out->length, NULL, 0, NULL, 0, -1, err);
+      rc = aib_channel_send(c->ch, FRAME_PONG, out->payload, (size_t)out->length, NULL, 0, NULL, 0,
+                            c->send_timeout_ms, err);
       if (rc) return rc;
       continue;
     }
     if (out->kind != FRAME_GET) return AIB_SERVE_FRAME;
+    if (c->max_leases >= 0 && (int64_t)c->count >= c->max_leases) return AIB_SERVE_LEASE_LIMIT;
     entry *e = take(c->table, out->payload, (size_t)out->length);
     if (e == NULL) return AIB_SERVE_FRAME; /* Python answers NotPublished (or a bad name) */
+    if (!may_send_fds(c, e->n_fds)) {
+      entry_unref(e);
+      return AIB_SERVE_UNREAD_LIMIT;
+    }
     uint64_t lease = c->next_lease++;
     if (lease_insert(c, lease, e) != AIB_OK) {
       entry_unref(e);
@@ -317,8 +381,16 @@ int aib_serve(aib_server_conn *c, aib_frame *out, aib_error *err) {
     atomic_fetch_add(&c->table->leases, 1);
     uint8_t lease_bytes[8];
     aib_store_u64le(lease_bytes, lease);
-    rc = aib_channel_send(c->ch, FRAME_ITEM, lease_bytes, 8, e->message, e->message_len, e->fds, e->n_fds,
-                          -1, err);
+    uint32_t n_fds = e->n_fds;
+    rc = aib_channel_send(c->ch, FRAME_ITEM, lease_bytes, 8, e->message, e->message_len, e->fds, n_fds,
+                          c->send_timeout_ms, err);
+    if (rc == AIB_E_OS && err != NULL && err->errno_value == ETOOMANYREFS) {
+      /* sendmsg sent nothing: this answer only fails, and the connection goes on */
+      give_back(c, lease);
+      return AIB_SERVE_FDS_BUSY;
+    }
     if (rc) return rc; /* the lease stays in the table; aib_server_conn_free gives it back */
+    c->fds_unread += n_fds;
+    atomic_fetch_add(&c->table->fds_unread, n_fds);
   }
 }

@@ -1704,6 +1704,13 @@ def test_ping_to_a_dead_publisher_raises_peer_closed(sock_dir: str) -> None:
         session.close()
 
 
+def raw_hello(raw: transport.Connection) -> None:
+    """The handshake a raw client must make before any request."""
+    raw.send(protocol.HELLO, protocol.encode_hello())
+    with raw.recv(timeout=5.0) as welcome:
+        assert welcome.kind == protocol.WELCOME
+
+
 def test_raw_client_edge_cases_that_are_allowed(publisher: aib.Publisher) -> None:
     """Releasing an unknown lease id, another connection's lease id, or one lease twice, is harmless (no
     reply, no miscount); a GET of an unknown name answers NotPublishedError and the connection stays
@@ -1712,6 +1719,7 @@ def test_raw_client_edge_cases_that_are_allowed(publisher: aib.Publisher) -> Non
     publisher.publish("t", sample_table(100))
     base_fds = fd_count()
     with transport.connect(publisher.path, timeout=5.0) as raw:
+        raw_hello(raw)
         raw.send(protocol.RELEASE, protocol.encode_lease(12345))
         raw.send(protocol.GET, b"t")
         with raw.recv(timeout=5.0) as item:
@@ -1724,6 +1732,7 @@ def test_raw_client_edge_cases_that_are_allowed(publisher: aib.Publisher) -> Non
         assert publisher.active_leases == 2
         # lease ids belong to their connection: another client cannot release ours
         with transport.connect(publisher.path, timeout=5.0) as other:
+            raw_hello(other)
             for foreign in (lease_id, lease_id2):
                 other.send(protocol.RELEASE, protocol.encode_lease(foreign))
             other.send(protocol.LIST, b"")
@@ -2223,9 +2232,13 @@ except PermissionError:
     sys.exit(0)
 try:
     sock.sendall(hello)
-    print("served" if sock.recv(16) else "dropped")
 except (BrokenPipeError, ConnectionResetError):
-    print("dropped")
+    pass  # refused already: what the publisher said before closing can still be read
+try:
+    header = sock.recv(16)
+except ConnectionResetError:
+    header = b""
+print("dropped" if not header else "rejected" if header[6:8] == struct.pack("<H", 8) else "served")
 """
 SYSTEM_PYTHON = "/usr/bin/python3"
 
@@ -2235,7 +2248,7 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 def test_other_users_cannot_connect(publisher: aib.Publisher, sock_dir: str) -> None:
     """Another user (``nobody``) cannot connect at all, the socket file being 0600 (the directory is opened
     up for this test, so only the file's mode stops it); with the file opened up too, the publisher still
-    drops the connection because that uid is not allowed (SO_PEERCRED)."""
+    refuses the connection because that uid is not allowed (SO_PEERCRED): an ERROR frame, then closed."""
     os.chmod(sock_dir, 0o755)
 
     def as_nobody() -> str:
@@ -2257,7 +2270,7 @@ def test_other_users_cannot_connect(publisher: aib.Publisher, sock_dir: str) -> 
     assert stat.S_IMODE(os.stat(publisher.path).st_mode) == 0o600
     assert as_nobody() == "denied"
     os.chmod(publisher.path, 0o666)
-    assert as_nobody() == "dropped"
+    assert as_nobody() == "rejected"
     assert wait_for(lambda: publisher.active_sessions == 0, 2.0)
 
 

@@ -1350,3 +1350,140 @@ def test_benchmark_round_trip(capsys: pytest.CaptureFixture[str]) -> None:
         print()
         for mode, (p50, p99) in results.items():
             print(f"    64-byte round trip, {mode:17s}: p50 {p50:6.1f} us   p99 {p99:6.1f} us")
+
+
+# -- the C channel (channel.c) over a socketpair -----------------------------------------------------------
+
+
+def _frames_through_channel(frames: list[tuple[int, bytes, int]]) -> None:
+    """Send ``frames`` (kind, payload, number of memfds) from a Python connection, all before the
+    receiver reads, and receive them through a C Channel: every frame comes out whole, with exactly
+    its own descriptors (checked by inode), and nothing leaks."""
+    from arrow_ipc_bridge.channel import Channel
+
+    sent_inodes: list[list[int]] = []
+    with no_fd_leak():
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * 1024 * 1024)
+        sender, receiver = Connection(a), Connection(b)
+        channel = Channel(receiver)
+
+        def send_all() -> None:
+            for kind, payload, n_fds in frames:
+                fds = [os.memfd_create(f"f{len(sent_inodes)}-{i}", os.MFD_CLOEXEC) for i in range(n_fds)]
+                sent_inodes.append([os.fstat(fd).st_ino for fd in fds])
+                try:
+                    sender.send(kind, payload, fds)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+
+        thread, errors = run_thread(send_all)
+        thread.join(30)  # everything is in the socket before the first receive: reads then straddle frames
+        assert not errors
+        for index, (kind, payload, _n_fds) in enumerate(frames):
+            frame = channel.recv(timeout=10)
+            with frame:
+                assert (frame.kind, len(frame.payload)) == (kind, len(payload)), index
+                assert frame.payload == payload, index
+                assert [os.fstat(fd).st_ino for fd in frame.fds] == sent_inodes[index], index
+        sender.close()
+        receiver.close()
+        del channel
+        gc.collect()
+
+
+def test_channel_compaction_moves_pending_descriptors_with_their_bytes() -> None:
+    """A large frame without descriptors, then a frame with descriptors that only partly fits in the
+    64 KiB receive buffer: its descriptors arrive with the partial read and stay pending while the
+    buffer is compacted to fit the frame; they must still be that frame's."""
+    frames = []
+    for i in range(6):
+        frames.append((1, bytes([i]) * 50_000, 0))
+        frames.append((2, bytes([100 + i]) * 20_000, 2))
+    _frames_through_channel(frames)
+
+
+def test_channel_many_frames_with_descriptors_and_varied_sizes() -> None:
+    """Many frames of varied sizes (some over the buffer), a third with descriptors: compactions
+    happen with descriptors pending at every offset; each frame keeps its own."""
+    rng = random.Random(7)
+    frames = []
+    for i in range(300):
+        size = rng.choice([0, 5, 100, 3000, 20_000, 40_000, 70_000])
+        frames.append((3 + i % 5, rng.randbytes(size), rng.choice([0, 0, 1, 3])))
+    _frames_through_channel(frames)
+
+
+# -- the server's parking lot, limits and farewell ----------------------------------------------------------
+
+
+def test_server_parks_connections_and_calls_on_close_once(sock_path: str) -> None:
+    """With park=True a handler that returns PARK gives its thread back; the connection gets a thread
+    again when it sends, and on_close runs once when it ends, for parked ones too at close()."""
+    calls: list[int] = []
+    closed: list[Connection] = []
+
+    def handler(conn: Connection) -> object:
+        conn.send(1, conn.recv().payload)  # one frame per activation, then park
+        calls.append(1)
+        return transport_module.PARK
+
+    srv = Server(sock_path, handler, park=True, on_close=closed.append)
+    try:
+        with connect(sock_path) as first, connect(sock_path) as second:
+            assert wait_until(lambda: srv.active_connections() == 2)
+            assert srv.serving_connections() == 0  # nothing said yet: no thread
+            for i in range(3):
+                first.send(1, b"x%d" % i)
+                assert first.recv(timeout=5).payload == b"x%d" % i
+            assert wait_until(lambda: srv.serving_connections() == 0)
+            assert len(calls) == 3
+            second.send(1, b"y")
+            assert second.recv(timeout=5).payload == b"y"
+        assert wait_until(lambda: len(closed) == 2)  # each ended while parked or being woken
+        with connect(sock_path):
+            assert wait_until(lambda: srv.active_connections() == 1)
+    finally:
+        srv.close()
+    assert len(closed) == 3
+    assert len(set(map(id, closed))) == 3
+
+
+def test_server_limits_and_farewell(sock_path: str) -> None:
+    """Over max_connections, and past handshake_timeout while parked, the farewell is called with
+    the error and the connection is closed; a handler's established() lifts the deadline."""
+    farewells: list[str] = []
+
+    def farewell(conn: Connection, error: BridgeError) -> None:
+        farewells.append(type(error).__name__)
+        conn.send(9, error.message.encode(), timeout=0)
+
+    def handler(conn: Connection) -> object:
+        frame = conn.recv()
+        srv.established(conn)
+        conn.send(1, frame.payload)
+        return transport_module.PARK
+
+    srv = Server(sock_path, handler, park=True, max_connections=2, handshake_timeout=0.3, farewell=farewell)
+    try:
+        with connect(sock_path) as greeted, connect(sock_path) as silent:
+            greeted.send(1, b"hi")
+            assert greeted.recv(timeout=5).payload == b"hi"
+            with connect(sock_path) as third:
+                frame = third.recv(timeout=5)
+                assert frame.kind == 9
+                assert b"max_connections" in frame.payload
+            frame = silent.recv(timeout=5)
+            assert frame.kind == 9
+            assert b"handshake" in frame.payload
+            with pytest.raises(PeerClosedError):
+                silent.recv(timeout=5)
+            time.sleep(0.5)  # past the deadline: the greeted one stays
+            greeted.send(1, b"still")
+            assert greeted.recv(timeout=5).payload == b"still"
+        assert sorted(farewells) == ["ConnectionLimitError", "HandshakeTimeoutError"]
+        assert srv.refused_over_limit == 1
+        assert srv.handshake_timeouts == 1
+    finally:
+        srv.close()

@@ -1,0 +1,460 @@
+"""The publisher's limits: one client cannot block the others (docs/protocol.md, Limits).
+
+HELLO first, the handshake timeout, the connection limit, leases and unread answers per connection,
+parked idle connections (no thread each), ``allowed_uids`` with another uid (a child that switches
+to uid 65534), and the lease table of one connection holding many leases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import random
+import resource
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+
+import pyarrow as pa
+import pytest
+
+import arrow_ipc_bridge as aib
+from arrow_ipc_bridge import protocol, transport
+from arrow_ipc_bridge.errors import (
+    ConnectionLimitError,
+    DescriptorsInFlightError,
+    HandshakeTimeoutError,
+    LeaseLimitError,
+    PeerClosedError,
+    PeerRejectedError,
+    ProtocolError,
+    UnreadAnswersError,
+)
+from arrow_ipc_bridge.memory.host import SharedHostBuffer, allocate_shared
+
+SPAWN = multiprocessing.get_context("spawn")
+NOBODY = 65534
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[str]:
+    """A short directory for socket files, searchable by every uid (0o711) for the uid tests."""
+    directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-")
+    os.chmod(directory, 0o711)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def small_batch() -> pa.RecordBatch:
+    return pa.record_batch({"x": pa.array(range(100), pa.int64())})
+
+
+def hello(raw: transport.Connection) -> None:
+    raw.send(protocol.HELLO, protocol.encode_hello())
+    with raw.recv(timeout=5.0) as welcome:
+        assert welcome.kind == protocol.WELCOME
+
+
+def expect_error(raw: transport.Connection, cls: type[Exception]) -> None:
+    with raw.recv(timeout=10.0) as frame:
+        assert frame.kind == protocol.ERROR, frame
+        with pytest.raises(cls):
+            protocol.raise_error(frame.payload)
+
+
+def expect_closed(raw: transport.Connection) -> None:
+    with pytest.raises(PeerClosedError):
+        raw.recv(timeout=10.0)
+
+
+# -- the handshake --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", [protocol.GET, protocol.LIST, protocol.PING, protocol.RELEASE])
+def test_requests_before_hello_are_refused(sock_dir: str, kind: int) -> None:
+    """GET, LIST, PING or RELEASE before HELLO: ERROR ProtocolError and the connection is closed;
+    nothing is leased."""
+    with aib.Publisher(os.path.join(sock_dir, "p.sock")) as pub:
+        pub.publish("t", small_batch())
+        payload = {protocol.GET: b"t", protocol.RELEASE: protocol.encode_lease(1)}.get(kind, b"")
+        with transport.connect(pub.path) as raw:
+            raw.send(kind, payload)
+            expect_error(raw, ProtocolError)
+            expect_closed(raw)
+        assert pub.active_leases == 0
+        with aib.connect(pub.path) as session, session.get("t"):
+            assert pub.active_leases == 1
+
+
+def test_silent_connection_is_closed_at_the_handshake_timeout(sock_dir: str) -> None:
+    """A connection that says nothing, or half a frame, is closed with ERROR HandshakeTimeoutError
+    once handshake_timeout passed; sessions are served meanwhile."""
+    with aib.Publisher(os.path.join(sock_dir, "p.sock"), handshake_timeout=0.5) as pub:
+        pub.publish("t", small_batch())
+        with transport.connect(pub.path) as silent, transport.connect(pub.path) as half:
+            half._sock.send(b"AIBT\x01\x00")  # a header begun, never finished: holds a thread a while
+            with aib.connect(pub.path) as session, session.get("t"):
+                pass
+            expect_error(silent, HandshakeTimeoutError)
+            expect_closed(silent)
+            expect_closed(half)
+        assert wait_until(lambda: pub.active_sessions == 0)
+        assert pub._server.handshake_timeouts >= 1
+
+
+def test_second_hello_is_a_protocol_error(sock_dir: str) -> None:
+    with aib.Publisher(os.path.join(sock_dir, "p.sock")) as pub, transport.connect(pub.path) as raw:
+        hello(raw)
+        raw.send(protocol.HELLO, protocol.encode_hello())
+        expect_error(raw, ProtocolError)
+        expect_closed(raw)
+
+
+# -- connections --------------------------------------------------------------------------------------
+
+
+def test_connection_over_the_limit_gets_connection_limit_error(sock_dir: str) -> None:
+    """max_connections sessions are served; one more raises ConnectionLimitError from connect, and
+    one closing makes room again."""
+    with aib.Publisher(os.path.join(sock_dir, "p.sock"), max_connections=2) as pub:
+        pub.publish("t", small_batch())
+        first, second = aib.connect(pub.path), aib.connect(pub.path)
+        try:
+            with pytest.raises(ConnectionLimitError, match="max_connections"):
+                aib.connect(pub.path)
+            with second.get("t"):
+                pass
+        finally:
+            second.close()
+        assert wait_until(lambda: pub.active_sessions == 1)
+        with aib.connect(pub.path) as again, again.get("t"):
+            pass
+        with first.get("t"):
+            pass
+        first.close()
+        assert pub._server.refused_over_limit == 1
+
+
+def test_idle_connections_are_parked_without_a_thread(sock_dir: str) -> None:
+    """Connections that say nothing, and sessions silent for park_after, hold no thread; a parked
+    session keeps its leases and is served again when it sends."""
+    n_idle = 200
+    with aib.Publisher(os.path.join(sock_dir, "p.sock"), park_after=0.2) as pub:
+        pub.publish("t", small_batch())
+        threads_before = threading.active_count()
+        with contextlib.ExitStack() as stack:
+            for _ in range(n_idle):
+                stack.enter_context(transport.connect(pub.path))
+            session = stack.enter_context(aib.connect(pub.path))
+            held = stack.enter_context(session.get("t"))
+            assert wait_until(lambda: pub.active_sessions == n_idle + 1)
+            assert wait_until(lambda: pub.serving_sessions == 0)
+            assert threading.active_count() <= threads_before + 2
+            assert pub.active_leases == 1  # parked with its lease
+            with session.get("t") as again:  # wakes it
+                assert pa.record_batch(again).equals(pa.record_batch(held))
+                assert pub.active_leases == 2
+        assert wait_until(lambda: pub.active_sessions == 0)
+        assert pub.active_leases == 0
+
+
+# -- leases and unread answers per connection ---------------------------------------------------------
+
+
+def test_lease_limit_refuses_the_get_and_the_session_goes_on(sock_dir: str) -> None:
+    with aib.Publisher(os.path.join(sock_dir, "p.sock"), max_leases_per_connection=3) as pub:
+        pub.publish("t", small_batch())
+        with aib.connect(pub.path) as session, aib.connect(pub.path) as other:
+            held = [session.get("t") for _ in range(3)]
+            with pytest.raises(LeaseLimitError, match="max_leases_per_connection"):
+                session.get("t")
+            assert pub.active_leases == 3
+            with other.get("t"):  # another connection has leases of its own
+                pass
+            held.pop().release()
+            assert wait_until(lambda: pub.active_leases == 2)
+            held.append(session.get("t"))
+            for imported in held:
+                imported.release()
+        assert wait_until(lambda: pub.active_leases == 0)
+
+
+@pytest.fixture
+def many_fds_batch() -> Iterator[pa.RecordBatch]:
+    """A batch of 32 columns, each in a shared buffer of its own: 32 descriptors per ITEM."""
+    buffers: list[SharedHostBuffer] = [allocate_shared(800, name=f"aib-col{i}") for i in range(32)]
+    columns = [pa.Array.from_buffers(pa.int64(), 100, [None, b.as_pyarrow()]) for b in buffers]
+    yield pa.record_batch(columns, names=[f"c{i}" for i in range(32)])
+    for b in buffers:
+        b.close()
+
+
+def test_client_that_does_not_read_is_refused_and_others_are_served(
+    sock_dir: str, many_fds_batch: pa.RecordBatch
+) -> None:
+    """A client that sends GETs without reading the ITEMs gets UnreadAnswersError once its unread
+    answers carry max_unread_fds descriptors (no more descriptors go in flight to it); a session
+    next to it is served throughout."""
+    pub = aib.Publisher(os.path.join(sock_dir, "p.sock"), max_unread_fds=256, copy="never", park_after=0.2)
+    with pub:
+        pub.publish("wide", many_fds_batch)
+        with transport.connect(pub.path) as greedy, aib.connect(pub.path) as session:
+            hello(greedy)
+            for _ in range(12):
+                greedy.send(protocol.GET, b"wide")
+            with session.get("wide") as imported:
+                assert pa.record_batch(imported).num_columns == 32
+            # Parked once every GET was handled; only then does the client read (reading earlier
+            # would let the publisher see the answers read and serve more).
+            assert wait_until(lambda: pub.serving_sessions == 0)
+            assert pub.active_leases == 8  # 8 x 32 = 256 descriptors unread
+            answers = []
+            for _ in range(12):
+                with greedy.recv(timeout=10.0) as frame:
+                    answers.append(frame.kind)
+                    assert len(frame.fds) == (32 if frame.kind == protocol.ITEM else 0)
+            assert answers == [protocol.ITEM] * 8 + [protocol.ERROR] * 4
+            greedy.send(protocol.GET, b"wide")  # read everything: served again
+            with greedy.recv(timeout=10.0) as frame:
+                assert frame.kind == protocol.ITEM
+        assert wait_until(lambda: pub.active_leases == 0)
+        # both connections' counts are given back when they close
+        assert wait_until(lambda: int(aib._ffi.lib.aib_pubtable_fds_unread(pub._table)) == 0)
+
+
+def test_unread_answers_error_is_what_the_client_reads(sock_dir: str, many_fds_batch: pa.RecordBatch) -> None:
+    pub = aib.Publisher(os.path.join(sock_dir, "p.sock"), max_unread_fds=253, copy="never", park_after=0.2)
+    with pub:
+        pub.publish("wide", many_fds_batch)
+        with transport.connect(pub.path) as greedy:
+            hello(greedy)
+            for _ in range(9):
+                greedy.send(protocol.GET, b"wide")
+            assert wait_until(lambda: pub.serving_sessions == 0)  # every GET handled
+            for _ in range(7):  # 7 x 32 = 224; the 8th would make 256 > 253
+                with greedy.recv(timeout=10.0) as frame:
+                    assert frame.kind == protocol.ITEM
+            expect_error(greedy, UnreadAnswersError)
+
+
+# -- one connection holding many leases (the C lease table) -------------------------------------------
+
+
+def test_many_leases_on_one_connection_released_in_varied_orders(sock_dir: str) -> None:
+    """One connection takes 4,096 leases (the table grows to 8,192 slots at load 1/2, where lease ids'
+    hashes collide: with fewer, consecutive ids spread without a collision and deletion never shifts)
+    and gives them back in shuffled, reversed and interleaved orders, with re-gets between; after
+    every step the publisher's count is exactly what is held, and releasing twice changes nothing."""
+    rng = random.Random(1234)
+    with aib.Publisher(os.path.join(sock_dir, "p.sock"), max_leases_per_connection=5000) as pub:
+        pub.publish("t", small_batch())
+        with transport.connect(pub.path) as raw:
+            hello(raw)
+
+            def take(n: int) -> list[int]:
+                ids = []
+                for _ in range(n):
+                    raw.send(protocol.GET, b"t")
+                    with raw.recv(timeout=5.0) as item:
+                        assert item.kind == protocol.ITEM
+                        ids.append(protocol.decode_item(item.payload)[0])
+                return ids
+
+            def give_back(ids: list[int]) -> None:
+                for lease in ids:
+                    raw.send(protocol.RELEASE, protocol.encode_lease(lease))
+                raw.send(protocol.PING, b"sync")  # answered after every RELEASE before it
+                with raw.recv(timeout=5.0) as pong:
+                    assert pong.kind == protocol.PONG
+
+            held = take(4096)
+            assert len(set(held)) == 4096
+            assert pub.active_leases == 4096
+            rng.shuffle(held)
+            orders = [held[:1000], list(reversed(held[1000:1800])), held[1800:3000:2], held[1801:3000:2]]
+            rest = held[3000:]
+            expected = 4096
+            for chunk in orders:
+                for i in range(0, len(chunk), 50):
+                    part = chunk[i : i + 50]
+                    give_back(part)
+                    expected -= len(part)
+                    assert pub.active_leases == expected
+                give_back(chunk[:10])  # twice: harmless
+                assert pub.active_leases == expected
+                more = take(50)
+                rest += more
+                expected += 50
+                assert pub.active_leases == expected
+            rng.shuffle(rest)
+            for i in range(0, len(rest), 5):
+                give_back(rest[i : i + 5])
+                expected -= len(rest[i : i + 5])
+                assert pub.active_leases == expected
+        assert expected == 0
+        assert wait_until(lambda: pub.active_leases == 0)
+
+
+# -- allowed_uids with another uid --------------------------------------------------------------------
+
+
+def _child_get(path: str, uid: int, out: Connection) -> None:
+    """Spawned child: become ``uid`` and get ``t``; report the row count or the error's class name."""
+    try:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        with aib.connect(path, timeout=5.0) as session, session.get("t") as imported:
+            out.send(("ok", pa.record_batch(imported).num_rows))
+    except Exception as exc:  # reported to the parent, which asserts on it
+        out.send(("error", type(exc).__name__, str(exc)))
+
+
+def _run_as(path: str, uid: int) -> tuple[object, ...]:
+    parent, child = SPAWN.Pipe()
+    proc = SPAWN.Process(target=_child_get, args=(path, uid, child))
+    proc.start()
+    try:
+        assert parent.poll(60), "the child did not answer"
+        result: tuple[object, ...] = parent.recv()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return result
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching a child to another uid needs root")
+
+
+@needs_root
+def test_allowed_uid_connects_through_the_socket_mode(sock_dir: str) -> None:
+    """A uid in allowed_uids connects (the socket file is 0666 then) and gets data."""
+    with aib.Publisher(os.path.join(sock_dir, "p.sock"), allowed_uids=[NOBODY]) as pub:
+        assert os.stat(pub.path).st_mode & 0o777 == 0o666
+        pub.publish("t", small_batch())
+        assert _run_as(pub.path, NOBODY) == ("ok", 100)
+
+
+@needs_root
+def test_uid_not_allowed_gets_peer_rejected_error(sock_dir: str) -> None:
+    """A uid the publisher does not allow reaches the socket (0666 for another allowed uid) and is
+    refused with ERROR PeerRejectedError, which connect raises."""
+    with aib.Publisher(os.path.join(sock_dir, "p.sock"), allowed_uids=[NOBODY - 1]) as pub:
+        pub.publish("t", small_batch())
+        result = _run_as(pub.path, NOBODY)
+        assert result[:2] == ("error", PeerRejectedError.__name__), result
+        assert "not allowed" in str(result[2])
+        assert pub._server.rejected_connections == 1
+
+
+def test_socket_is_owner_only_without_other_uids(sock_dir: str) -> None:
+    with aib.Publisher(os.path.join(sock_dir, "p.sock"), allowed_uids=[os.getuid()]) as pub:
+        assert os.stat(pub.path).st_mode & 0o777 == 0o600
+
+
+def _child_fds_in_flight(directory: str, out: Connection) -> None:
+    """Spawned child, as uid 65534 (no capability lifts the kernel's limit on descriptors in flight)
+    with RLIMIT_NOFILE 200: eight clients each GET a 32-descriptor batch and do not read; the
+    kernel refuses the descriptors past 200 in flight (ETOOMANYREFS). Reports what each client and
+    a session next to them saw."""
+    try:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        buffers = [allocate_shared(800, name=f"aib-col{i}") for i in range(32)]
+        columns = [pa.Array.from_buffers(pa.int64(), 100, [None, b.as_pyarrow()]) for b in buffers]
+        batch = pa.record_batch(columns, names=[f"c{i}" for i in range(32)])
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (200, hard))
+        with aib.Publisher(os.path.join(directory, "p.sock"), copy="never", park_after=0.2) as pub:
+            pub.publish("wide", batch)
+            clients = [transport.connect(pub.path) for _ in range(8)]
+            for client in clients:
+                hello(client)
+                client.send(protocol.GET, b"wide")
+            assert wait_until(lambda: pub.serving_sessions == 0)  # every GET handled
+            with aib.connect(pub.path) as session:
+                try:
+                    session.get("wide").release()
+                    first = "ok"
+                except Exception as exc:
+                    first = type(exc).__name__
+                kinds = []
+                for client in clients:
+                    with client.recv(timeout=10.0) as frame:
+                        kinds.append(frame.kind)
+                    client.close()
+                with session.get("wide") as imported:  # read: nothing in flight any more
+                    then = pa.record_batch(imported).num_columns
+            out.send(("done", first, kinds, then))
+    except Exception as exc:  # reported to the parent, which asserts on it
+        out.send(("error", type(exc).__name__, str(exc)))
+
+
+@needs_root
+def test_descriptors_refused_by_the_kernel_fail_only_that_answer(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Past RLIMIT_NOFILE descriptors in flight the kernel fails sendmsg (ETOOMANYREFS): the answer
+    then is ERROR DescriptorsInFlightError, nothing is leased, and every connection goes on (the
+    session's next get, once the others read, succeeds)."""
+    directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-")
+    os.chown(directory, NOBODY, NOBODY)
+    try:
+        parent, child = SPAWN.Pipe()
+        proc = SPAWN.Process(target=_child_fds_in_flight, args=(directory, child))
+        proc.start()
+        try:
+            assert parent.poll(120), "the child did not answer"
+            result = parent.recv()
+        finally:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert result[0] == "done", result
+    _, first, kinds, then = result
+    if protocol.ERROR not in kinds and first == "ok":
+        pytest.skip("this kernel passed 256 descriptors in flight past RLIMIT_NOFILE 200 (no ETOOMANYREFS)")
+    assert first == DescriptorsInFlightError.__name__
+    assert kinds.count(protocol.ITEM) >= 6, kinds
+    assert protocol.ERROR in kinds, kinds
+    assert then == 32
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        ConnectionLimitError,
+        LeaseLimitError,
+        UnreadAnswersError,
+        DescriptorsInFlightError,
+        HandshakeTimeoutError,
+        PeerRejectedError,
+    ],
+)
+def test_limit_errors_cross_the_wire_and_pickle(cls: type[aib.BridgeError]) -> None:
+    """Each error the publisher reports arrives as its own class (an ERROR frame), and pickles."""
+    import pickle
+
+    with pytest.raises(cls, match="over it") as caught:
+        protocol.raise_error(protocol.encode_error(cls("over it", limit=3)))
+    assert isinstance(caught.value, aib.TransportError)
+    again = pickle.loads(pickle.dumps(cls("over it", limit=3)))
+    assert type(again) is cls
+    assert again.limit == 3  # type: ignore[attr-defined]
