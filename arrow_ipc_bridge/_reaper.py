@@ -135,9 +135,12 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _run() -> None:
-    fd = lib.aib_reaper_fd()
+    # poll, not select: select refuses descriptors >= FD_SETSIZE (1024), and a process holding many
+    # descriptors when the reaper starts gets a reaper fd above that.
+    poller = select.poll()
+    poller.register(lib.aib_reaper_fd(), select.POLLIN)
     while True:
-        select.select([fd], [], [])
+        poller.poll()
         drain()
 
 
