@@ -125,7 +125,8 @@ static void read_offsets(const struct ArrowSchema *s, const struct ArrowArray *a
   }
   if (a->n_children == 0) {  /* binary: the data bytes */
     if (first < 0) violation("negative offset", f, first, 0);
-    touch((const uint8_t *)a->buffers[2] + first, previous - first, f);
+    /* no data bytes: the data buffer may be NULL (a zero-size buffer), so no pointer arithmetic */
+    if (previous > first) touch((const uint8_t *)a->buffers[2] + first, previous - first, f);
   } else {
     read_child_range(s->children[0], a->children[0], first, previous, f);
   }
