@@ -60,7 +60,9 @@ def check_content(decoded: Decoded, region_bases: Any, level: str, read: ReadFun
         return
     err = new_error()
     if read is None:
-        rc = lib.aib_check_content(decoded.raw, region_bases, len(region_bases), code, ffi.NULL, ffi.NULL, err)
+        rc = lib.aib_check_content(
+            decoded.raw, region_bases, len(region_bases), code, ffi.NULL, ffi.NULL, err
+        )
     else:
         failures: list[BaseException] = []
 
@@ -76,7 +78,9 @@ def check_content(decoded: Decoded, region_bases: Any, level: str, read: ReadFun
                 return -1
 
         callback = ffi.callback("aib_read_fn", bridge)
-        rc = lib.aib_check_content(decoded.raw, region_bases, len(region_bases), code, callback, ffi.NULL, err)
+        rc = lib.aib_check_content(
+            decoded.raw, region_bases, len(region_bases), code, callback, ffi.NULL, err
+        )
         if failures:
             raise failures[0]
     if rc:

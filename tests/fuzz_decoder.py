@@ -18,6 +18,7 @@ the region bytes): the path a consumer takes, with the same oracle.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import mmap
@@ -127,14 +128,10 @@ def read_everything(obj: Any, is_stream: bool) -> None:
     except Exception:
         return
     for array in arrays:
-        try:
+        with contextlib.suppress(Exception):
             array.validate(full=True)
-        except Exception:
-            pass
-        try:
+        with contextlib.suppress(Exception):
             array.to_pylist()
-        except Exception:
-            pass
 
 
 def _import_structs(decoded: Decoded, bases: Any, batch: int) -> Any:

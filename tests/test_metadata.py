@@ -260,7 +260,10 @@ def test_fixed_size_list_child_shorter_than_parent() -> None:
     """A +w:N parent of offset + length L addresses N * L child values."""
     schema = wc.Node("+w:2", children=[wc.Node("i", "item")])
     parent = wc.ArrayNode(3, 0, 0, [(0, 0, 0)])
-    assert _decode(wc.message(schema, [[parent, wc.ArrayNode(6, 0, 0, [(0, 0, 0), (2, 0, 24)])]])).batch_count == 1
+    assert (
+        _decode(wc.message(schema, [[parent, wc.ArrayNode(6, 0, 0, [(0, 0, 0), (2, 0, 24)])]])).batch_count
+        == 1
+    )
     with pytest.raises(WireFormatError, match="child length 5 is shorter than the 6"):
         _decode(wc.message(schema, [[parent, wc.ArrayNode(5, 0, 0, [(0, 0, 0), (2, 0, 20)])]]))
     sliced = wc.ArrayNode(2, 0, 1, [(0, 0, 0)])  # offset 1 + length 2: 6 values again
@@ -282,11 +285,17 @@ def test_dense_union_type_ids_are_not_an_optional_bitmap() -> None:
     """A union has no validity bitmap: its buffer 0 (type ids) is required even without nulls."""
     schema = wc.Node("+ud:0", children=[wc.Node("i", "a")])
     child = wc.ArrayNode(1, 0, 0, [(0, 0, 0), (2, 64, 4)])
-    assert _decode(wc.message(schema, [[wc.ArrayNode(1, 0, 0, [(2, 0, 1), (2, 8, 4)]), child]])).batch_count == 1
+    assert (
+        _decode(wc.message(schema, [[wc.ArrayNode(1, 0, 0, [(2, 0, 1), (2, 8, 4)]), child]])).batch_count == 1
+    )
     with pytest.raises(WireFormatError, match="buffer 0 is absent"):
         _decode(wc.message(schema, [[wc.ArrayNode(1, 0, 0, [(0, 0, 0), (2, 8, 4)]), child]]))
     with pytest.raises(WireFormatError, match="buffer 0 is absent"):
-        _decode(wc.message(wc.Node("+us:0", children=[wc.Node("i", "a")]), [[wc.ArrayNode(1, 0, 0, [(0, 0, 0)]), child]]))
+        _decode(
+            wc.message(
+                wc.Node("+us:0", children=[wc.Node("i", "a")]), [[wc.ArrayNode(1, 0, 0, [(0, 0, 0)]), child]]
+            )
+        )
 
 
 def test_non_bytes_message() -> None:

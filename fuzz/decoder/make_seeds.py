@@ -21,14 +21,18 @@ def samples() -> dict[str, pa.RecordBatch]:
     return {
         "strings": pa.record_batch({"s": strings, "x": pa.array([1, 2, 3, 4, 5], pa.int64())}),
         "sliced": pa.record_batch({"s": strings}).slice(1, 3),
-        "large": pa.record_batch({"s": strings.cast(pa.large_string()), "b": strings.cast(pa.large_binary())}),
+        "large": pa.record_batch(
+            {"s": strings.cast(pa.large_string()), "b": strings.cast(pa.large_binary())}
+        ),
         "views": pa.record_batch({"v": strings.cast(pa.string_view()), "b": strings.cast(pa.binary_view())}),
         "lists": pa.record_batch(
             {
                 "l": pa.array([[1, 2], None, [], [3], [4, 5, 6]], pa.list_(pa.int32())),
                 "L": pa.array([[1], [2, 3], None, [], [4]], pa.large_list(pa.int16())),
                 "w": pa.array([[1, 2], [3, 4], None, [5, 6], [7, 8]], pa.list_(pa.int8(), 2)),
-                "m": pa.array([[(1, "a")], [], None, [(2, "b"), (3, "c")], []], pa.map_(pa.int32(), pa.string())),
+                "m": pa.array(
+                    [[(1, "a")], [], None, [(2, "b"), (3, "c")], []], pa.map_(pa.int32(), pa.string())
+                ),
             }
         ),
         "list_views": pa.record_batch(
@@ -38,7 +42,10 @@ def samples() -> dict[str, pa.RecordBatch]:
             }
         ),
         "dictionary": pa.record_batch(
-            {"d": pa.array(["x", None, "y", "x", "z"]).dictionary_encode(), "e": pa.array([1, 2, 1, 1, 3], pa.int8()).dictionary_encode()}
+            {
+                "d": pa.array(["x", None, "y", "x", "z"]).dictionary_encode(),
+                "e": pa.array([1, 2, 1, 1, 3], pa.int8()).dictionary_encode(),
+            }
         ),
         "unions": pa.record_batch(
             {
@@ -54,10 +61,24 @@ def samples() -> dict[str, pa.RecordBatch]:
             }
         ),
         "run_ends": pa.record_batch(
-            {"r": pa.RunEndEncodedArray.from_arrays(pa.array([2, 3, 5], pa.int32()), pa.array(["a", "b", None]))}
+            {
+                "r": pa.RunEndEncodedArray.from_arrays(
+                    pa.array([2, 3, 5], pa.int32()), pa.array(["a", "b", None])
+                )
+            }
         ),
         "nested": pa.record_batch(
-            {"n": pa.array([{"a": [1, 2], "b": "x"}, None, {"a": [], "b": None}, {"a": None, "b": "yy"}, {"a": [3], "b": "z"}])}
+            {
+                "n": pa.array(
+                    [
+                        {"a": [1, 2], "b": "x"},
+                        None,
+                        {"a": [], "b": None},
+                        {"a": None, "b": "yy"},
+                        {"a": [3], "b": "z"},
+                    ]
+                )
+            }
         ),
     }
 
