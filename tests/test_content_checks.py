@@ -482,3 +482,29 @@ def test_cuda_bounds_check_reads_the_device(cuda_device: int) -> None:
             decoded.close()
     finally:
         cuda.mem_free(pointer)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", ["full", "bounds"])
+def test_cuda_imports_are_checked_on_request(cuda_device: int, level: str) -> None:
+    """Real device data of every checked kind passes an explicit check through device reads."""
+    strings = pa.array(["a", None, "ccc", "a much longer string than twelve"] * 8)
+    batch = pa.record_batch(
+        {
+            "s": strings,
+            "v": strings.cast(pa.string_view()),
+            "l": pa.array([[1, 2], None, [], [3]] * 8, pa.list_(pa.int32())),
+            "d": pa.array(["x", None, "y", "x"] * 8).dictionary_encode(),
+        }
+    )
+    exported = aib.export(aib.to_device(batch))
+    try:
+        with (
+            aib.Session(check=level) as session,
+            session.import_message(exported.message, exported.fds) as imported,
+        ):
+            back = aib.to_host(imported)
+            assert isinstance(back, pa.RecordBatch)
+            assert back.equals(batch)
+    finally:
+        exported.close()
