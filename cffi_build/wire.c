@@ -1114,7 +1114,9 @@ static void fill_array_node(const aib_decoded *d, const anode *base, int32_t idx
       const aib_buffer_slot *b = &m->slots[a->first_buffer + i];
       if (b->region == AIB_REGION_NULL)
         buffers[i] = NULL;
-      else if (b->region == AIB_REGION_EMPTY)
+      else if (b->region == AIB_REGION_EMPTY || b->length == 0)
+        /* A buffer of no bytes: readers may still load the first offset of an empty array, so it
+         * points at zeros of ours rather than at whatever follows it in a region. */
         buffers[i] = empty_buffer;
       else
         buffers[i] = (const void *)(uintptr_t)(bases[b->region - AIB_REGION_FIRST] + b->offset);

@@ -183,6 +183,30 @@ def test_binary_negative_first_offset_and_sliced_offsets() -> None:
         assert _import(session, wc.Node("u"), [node], heap).to_pylist() == ["a", "b"]
 
 
+@pytest.mark.parametrize("fmt", ["u", "Z", "+l"])
+def test_empty_slice_needs_its_offset_in_the_offsets_buffer(fmt: str) -> None:
+    """An empty array at offset 49 is still read at offsets[49] (pyarrow's validation does): its
+    offsets buffer must reach that far. Found by the mutation fuzz over the libFuzzer corpus."""
+    width = 8 if fmt in "UZ" else 4
+    children = [wc.Node("i", "item")] if fmt == "+l" else []
+    child_nodes = [wc.ArrayNode(0, 0, 0, [wc.NULL_BUFFER, wc.NULL_BUFFER])] if fmt == "+l" else []
+    data = [] if fmt == "+l" else [(2, 0, 0)]
+    short = wc.ArrayNode(0, 0, 49, [wc.NULL_BUFFER, (2, 0, 8), *data])
+    with pytest.raises(WireFormatError, match=f"need {50 * width}"):
+        Decoded(wc.message(wc.Node(fmt, children=children), [[short, *child_nodes]]), 1)
+    sliced = pa.array(["a", "bb"] * 50, pa.large_binary() if fmt == "Z" else None)
+    if fmt == "+l":
+        sliced = pa.array([[1]] * 100, pa.list_(pa.int32()))
+    exported = aib.export(sliced.slice(49, 0))
+    try:
+        with aib.Session() as session, session.import_message(exported.message, exported.fds) as imported:
+            got = pa.array(imported)
+            got.validate(full=True)
+            assert len(got) == 0
+    finally:
+        exported.close()
+
+
 @pytest.mark.parametrize("fmt", ["+l", "+L", "+m"])
 def test_list_offsets_past_the_child(fmt: str) -> None:
     heap = wc.Heap()

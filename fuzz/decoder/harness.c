@@ -116,7 +116,11 @@ static void read_child_range(const struct ArrowSchema *s, const struct ArrowArra
 
 static void read_offsets(const struct ArrowSchema *s, const struct ArrowArray *a, int width) {
   const char *f = s->format;
-  if (a->length == 0) return;
+  if (a->length == 0) {
+    /* readers (pyarrow's validation) still load offsets[offset] of an empty slice */
+    if (a->buffers[1] != NULL) (void)get(a->buffers[1], a->offset, width, 1, f);
+    return;
+  }
   int64_t first = get(a->buffers[1], a->offset, width, 1, f), previous = first;
   for (int64_t i = 1; i <= a->length; i++) {
     int64_t v = get(a->buffers[1], a->offset + i, width, 1, f);
