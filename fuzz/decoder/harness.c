@@ -41,6 +41,31 @@ typedef struct span {
 static span regions[AIB_MAX_REGIONS];
 static size_t n_regions;
 static volatile uint64_t sink;
+/* Where the core points zero-length buffers (64 zero bytes of its own, not in any region): found
+ * once by rebuilding a message whose int64 column of length 0 has an empty data buffer. */
+static span zeros;
+
+static void find_zeros(void) {
+  static const uint8_t probe[] = {'A', 'I', 'B', 'M', 1, 0, 1, 0, 19, 0, 0, 0, 0, 0, 0, 0,
+                                  1, 0, 0, 0,               /* CPU, no identity, no sync, no regions */
+                                  1, 'l', 0, 0, 2, 0, 0,    /* schema: "l", no name, nullable */
+                                  1, 0, 1, 0, 2, 0, 1,      /* one batch: length 0, NULL, EMPTY */
+                                  0};                       /* no extensions */
+  aib_decoded *d = NULL;
+  aib_error err;
+  struct ArrowArray array = {0};
+  aib_owner *owner = aib_owner_new(0);
+  if (aib_decode(probe, sizeof(probe), 0, 0, &d, &err) != AIB_OK ||
+      aib_rebuild_array(d, 0, NULL, 0, owner, &array, &err) != AIB_OK) {
+    fprintf(stderr, "harness: the probe message failed: %s\n", err.message);
+    abort();
+  }
+  zeros.start = array.buffers[1];
+  zeros.size = 64;
+  array.release(&array);
+  aib_owner_unref(owner);
+  aib_decoded_free(d);
+}
 
 static void violation(const char *what, const char *format, long long a, long long b) {
   fprintf(stderr, "ORACLE: %s (format '%s', %lld, %lld)\n", what, format, a, b);
@@ -51,6 +76,7 @@ static void violation(const char *what, const char *format, long long a, long lo
 static void touch(const void *p, int64_t n, const char *format) {
   if (n <= 0) return;
   const uint8_t *q = p;
+  if (q >= zeros.start && (uint64_t)n <= zeros.size - (uint64_t)(q - zeros.start)) return;
   for (size_t i = 0; i < n_regions; i++) {
     const uint8_t *s = regions[i].start;
     if (q >= s && (uint64_t)(q - s) <= regions[i].size && (uint64_t)n <= regions[i].size - (uint64_t)(q - s)) {
@@ -240,7 +266,10 @@ static void read_array(const struct ArrowSchema *s, const struct ArrowArray *a) 
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-  if (n_inputs++ == 0 && getenv("FUZZ_STATS") != NULL) atexit(print_stats);
+  if (n_inputs++ == 0) {
+    find_zeros();
+    if (getenv("FUZZ_STATS") != NULL) atexit(print_stats);
+  }
   if (size < 2) return 0;
   size_t message_length = (size_t)data[0] | ((size_t)data[1] << 8);
   if (message_length > size - 2) return 0;
