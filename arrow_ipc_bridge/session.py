@@ -402,7 +402,8 @@ class Session:
             _hold(opened.owner, decoded, template if remember else None)
             bases[i] = opened.base
         base_array = ffi.new("uint64_t[]", bases or [0])
-        check_content(decoded, base_array, self._cuda_check, cuda_reader(ordinal))
+        if self._cuda_check != "none":  # reads device memory: only when asked for
+            check_content(decoded, base_array, self._cuda_check, cuda_reader(ordinal))
         event = cuda_regions.open_event(device.sync, ordinal) if device.sync else 0
         if remember:
             self._remember(
