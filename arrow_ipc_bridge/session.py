@@ -25,6 +25,7 @@ from arrow_ipc_bridge import _linger, _process, _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.channel import Channel, millis
+from arrow_ipc_bridge.content_check import check_content, check_level, cuda_reader
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -101,6 +102,14 @@ class Session:
         this got in a cycle miss every time and take the Python import path (~200 µs for 16 GPU
         columns on the H200 instead of ~35 µs): size it to the names a loop re-gets. 0 remembers
         nothing.
+    check
+        How far the contents of an import's buffers are checked before it is handed out
+        (``docs/wire-format.md``, "Content checks"): ``"full"`` (every offset, view, dictionary
+        index, union type id and offset, run end a reader follows), ``"bounds"`` (O(1) per array:
+        enough for ``pyarrow``'s ``validate(full=True)`` to be safe and catch the rest) or
+        ``"none"`` (structure only: for a producer this consumer trusts). ``None`` (the default)
+        is ``"full"`` for host data and ``"none"`` for CUDA data, whose check costs device-to-host
+        reads. A failing check raises :class:`~arrow_ipc_bridge.errors.WireFormatError`.
 
     Examples
     --------
@@ -114,8 +123,15 @@ class Session:
     """
 
     def __init__(
-        self, *, mapping_cache_size: int = 256, pool_linger: float = 1.0, remembered_messages: int = 64
+        self,
+        *,
+        mapping_cache_size: int = 256,
+        pool_linger: float = 1.0,
+        remembered_messages: int = 64,
+        check: str | None = None,
     ) -> None:
+        self._host_check = "full" if check is None else check_level(check)
+        self._cuda_check = "none" if check is None else self._host_check
         if not pool_linger >= 0:  # also refuses NaN
             raise ValueError(f"pool_linger must be a number of seconds >= 0, not {pool_linger!r}")
         if (
@@ -173,7 +189,7 @@ class Session:
         Raises :class:`WireFormatError` for a malformed message and :class:`RegionError` when a
         region cannot be mapped; nothing is leaked either way.
         """
-        return self._import(message, fds, name=name, token=0)
+        return self._import(message, _checked_fds(fds), name=name, token=0)
 
     def _import(self, message: bytes, fds: Sequence[int], *, name: str | None, token: int) -> Imported:
         self._check_open()
@@ -222,6 +238,9 @@ class Session:
         try:
             if device.device_type == DEVICE_CPU:
                 bases = self._map_host_regions(decoded, fds, template)
+                # After mapping, before anything is handed out; a re-get of these bytes with these
+                # files (remembered below) is not checked again (wire-format.md says why).
+                check_content(decoded, ffi.new("uint64_t[]", bases or [0]), self._host_check)
                 imported = imported_from(decoded, bases, device_type=DEVICE_CPU, device_id=-1, name=name)
                 if files is not None:
                     # The template holds the mappings: a re-get with the same bytes and files is
@@ -383,8 +402,10 @@ class Session:
             opened = opener.open(region, fd_list, ordinal)
             _hold(opened.owner, decoded, template if remember else None)
             bases[i] = opened.base
-        event = cuda_regions.open_event(device.sync, ordinal) if device.sync else 0
         base_array = ffi.new("uint64_t[]", bases or [0])
+        if self._cuda_check != "none":  # reads device memory: only when asked for
+            check_content(decoded, base_array, self._cuda_check, cuda_reader(ordinal))
+        event = cuda_regions.open_event(device.sync, ordinal) if device.sync else 0
         if remember:
             self._remember(
                 template,
@@ -712,6 +733,12 @@ class Session:
         device_id = ffi.new("int64_t *")
         n = lib.aib_owner_view_bases(owner, found, device_id)
         bases = ffi.new("uint64_t[]", ffi.unpack(found[0], n) if n else [0])
+        if self._cuda_check != "none":
+            try:
+                check_content(decoded, bases, self._cuda_check, cuda_reader(int(device_id[0])))
+            except BaseException:
+                decoded.close()  # ends the lease
+                raise
         imported_type = ImportedStream if decoded.is_stream else ImportedArray
         imported: Imported = imported_type.adopt(
             decoded,
@@ -838,6 +865,17 @@ def _needs_lease(regions: list[Region]) -> bool:
     return any(r.kind == REGION_CUDA_POOL and not r.flags & REGION_FLAG_KEPT for r in regions)
 
 
+def _checked_fds(fds: Sequence[int]) -> Sequence[int]:
+    """``fds`` when each is a descriptor number: ``TypeError`` for anything but an int,
+    :class:`RegionError` for a number no descriptor can have."""
+    for fd in fds:
+        if isinstance(fd, bool) or not isinstance(fd, int):
+            raise TypeError(f"file descriptors must be ints, not {type(fd).__name__}")
+        if not 0 <= fd < 2**31:
+            raise RegionError(f"{fd} is not a file descriptor number")
+    return fds
+
+
 def _file_identities(fds: Sequence[int]) -> tuple[tuple[int, int], ...] | None:
     """(st_dev, st_ino) of each descriptor; None when one cannot be examined (then nothing matches,
     and the import reports the descriptor)."""
@@ -862,6 +900,7 @@ def connect(
     timeout: float = 5.0,
     pool_linger: float = 1.0,
     remembered_messages: int = 64,
+    check: str | None = None,
 ) -> Session:
     """Connect a new :class:`Session` to the publisher at ``path``.
 
@@ -876,13 +915,16 @@ def connect(
         last get.
     remembered_messages
         See :class:`Session`: how many messages (one per name) re-gets find remembered.
+    check
+        See :class:`Session`: how far buffer contents are checked (default: ``"full"`` for host
+        data, ``"none"`` for CUDA data).
 
     Examples
     --------
     >>> with aib.connect("/tmp/demo.sock") as session:  # doctest: +SKIP
     ...     table = pa.table(session.get("trades"))
     """
-    session = Session(pool_linger=pool_linger, remembered_messages=remembered_messages)
+    session = Session(pool_linger=pool_linger, remembered_messages=remembered_messages, check=check)
     conn = transport.connect(path, timeout=timeout)
     try:
         session._attach(conn, timeout)

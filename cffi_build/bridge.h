@@ -367,6 +367,22 @@ int aib_device_stream_from_decoded(aib_owner *owner, const uint64_t *region_base
 int aib_stream_from_decoded(aib_owner *owner, const uint64_t *region_bases, size_t n_bases,
                             struct ArrowArrayStream *out, aib_error *err);
 
+/* ---------- content checks (content_check.c) ----------------------------------------------------
+ * aib_decode proves every buffer lies inside its region; this proves that the values a reader
+ * follows from one buffer into another (offsets, views, dictionary indices, union type ids and
+ * offsets, run ends) stay inside what they index. Run after the regions are mapped (region_bases
+ * as for aib_rebuild_array), before the import is handed out. docs/wire-format.md, "Content
+ * checks", says what each level guarantees. read == NULL: the bases are host addresses read
+ * directly; otherwise read(ctx, address, dst, n) copies n bytes at address to dst and returns 0
+ * (device memory). A failure is AIB_E_WIRE with the node path, the buffer (field "buffers[i]")
+ * and the bad value; AIB_E_STATE for an unmapped region, AIB_E_OS when read fails. */
+#define AIB_CHECK_NONE 0
+#define AIB_CHECK_BOUNDS 1
+#define AIB_CHECK_FULL 2
+typedef int (*aib_read_fn)(void *ctx, uint64_t address, void *dst, uint64_t n);
+int aib_check_content(const aib_decoded *d, const uint64_t *region_bases, size_t n_bases, int level,
+                      aib_read_fn read, void *ctx, aib_error *err);
+
 /* ---------- frames over a socket (channel.c) and the publisher's serve loop (serve.c) ------------
  * The framing is transport.py's, byte for byte. A channel borrows a connected Unix stream socket's
  * fd; callers serialise receives and sends (the Python Connection's locks) and never use the

@@ -19,6 +19,7 @@ C_SOURCES = [
     "owner.c",
     "layout.c",
     "wire.c",
+    "content_check.c",
     "channel.c",
     "serve.c",
     "import_cache.c",

@@ -228,12 +228,14 @@ int aib_layout_min_sizes(const aib_layout *layout, int64_t length, int64_t offse
     case AIB_KIND_LIST:
     case AIB_KIND_MAP:
       sizes[0] = validity;
-      sizes[1] = length ? (end + 1) * 4 : 0;
+      /* offset + length + 1 offsets: a reader reads offsets[offset] even of an empty slice. Only an
+       * empty array at offset 0 may have none (the C Data Interface lets its offsets be NULL). */
+      sizes[1] = length || offset ? (end + 1) * 4 : 0;
       break;
     case AIB_KIND_LARGE_BINARY:
     case AIB_KIND_LARGE_LIST:
       sizes[0] = validity;
-      sizes[1] = length ? (end + 1) * 8 : 0;
+      sizes[1] = length || offset ? (end + 1) * 8 : 0;
       break;
     case AIB_KIND_VIEW:
       sizes[0] = validity;

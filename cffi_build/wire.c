@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "wire_model.h"
 
 #define WIRE_MAGIC "AIBM"
 #define WIRE_MAJOR 1
@@ -26,53 +26,6 @@
 
 
 uint32_t aib_wire_version(void) { return ((uint32_t)WIRE_MAJOR << 16) | WIRE_MINOR; }
-
-/* ---------- the model --------------------------------------------------------------------------- */
-typedef struct snode {
-  uint32_t format_off, format_len; /* arena offsets: the arena may move while it grows */
-  uint32_t name_off, name_len;
-  uint32_t md_off, md_len; /* Arrow C metadata blob; md_len == 0: no metadata */
-  int has_name;
-  int64_t flags;
-  int32_t n_children, first_child; /* children indexes live in child_list[first_child ...] */
-  int32_t dictionary;              /* node index, -1 when none */
-  int32_t parent, position;        /* for error paths; position -1 = dictionary of parent */
-  aib_layout layout;
-} snode;
-
-typedef struct anode {
-  int64_t length, null_count, offset;
-  uint32_t first_buffer, n_buffers;
-} anode;
-
-typedef struct model {
-  char *arena;
-  size_t arena_len, arena_cap;
-  snode *nodes;
-  size_t n_nodes, nodes_cap;
-  int32_t *child_list;
-  size_t n_child_list, child_cap;
-  anode *anodes;
-  size_t n_anodes, anodes_cap;
-  aib_buffer_slot *slots;
-  size_t n_slots, slots_cap;
-  aib_pending_read *pending;
-  size_t n_pending, pending_cap;
-  int64_t n_batches;
-  int has_schema;
-} model;
-
-struct aib_described {
-  model m;
-};
-
-struct aib_decoded {
-  model m;
-  uint32_t kind, minor;
-  aib_device_info device;
-  aib_region *regions;
-  size_t n_regions;
-};
 
 static int grow(void **p, size_t *cap, size_t need, size_t elem) {
   if (need <= *cap) return 1;
@@ -112,7 +65,7 @@ static int arena_put(model *m, const void *data, size_t n, uint32_t *off_out) {
   return 1;
 }
 
-static void node_path(const model *m, int32_t node, int64_t batch, char *out, size_t cap) {
+void aib_node_path(const model *m, int32_t node, int64_t batch, char *out, size_t cap) {
   int32_t chain[AIB_MAX_DEPTH + 2];
   int n = 0;
   for (int32_t k = node; k >= 0 && (size_t)k < m->n_nodes && n < AIB_MAX_DEPTH + 2; k = m->nodes[k].parent)
@@ -150,7 +103,7 @@ static int fail_at(aib_error *err, int code, const model *m, int32_t node, int64
   va_end(ap);
   char path[sizeof(err->path)];
   path[0] = '\0';
-  if (node >= 0) node_path(m, node, batch, path, sizeof(path));
+  if (node >= 0) aib_node_path(m, node, batch, path, sizeof(path));
   return aib_fail(err, code, field, path, "%s", message);
 }
 
@@ -223,7 +176,7 @@ static int describe_schema_node(model *m, const struct ArrowSchema *s, int32_t p
   size_t flen = strlen(s->format);
   int rc = aib_layout_parse(s->format, flen, &n->layout, err);
   if (rc != AIB_OK) {
-    if (err != NULL) node_path(m, idx, -1, err->path, sizeof(err->path));
+    if (err != NULL) aib_node_path(m, idx, -1, err->path, sizeof(err->path));
     return rc;
   }
   if (s->n_children < 0 || s->n_children > AIB_MAX_SCHEMA_NODES)
@@ -674,7 +627,7 @@ static int decode_schema_node(reader *r, model *m, int32_t parent, int32_t posit
   m->nodes[node].format_len = (uint32_t)n;
   int rc = aib_layout_parse((const char *)p, n, &m->nodes[node].layout, err);
   if (rc != AIB_OK) {
-    if (err != NULL) node_path(m, node, -1, err->path, sizeof(err->path));
+    if (err != NULL) aib_node_path(m, node, -1, err->path, sizeof(err->path));
     return rc;
   }
   uint64_t name_tag;
@@ -727,7 +680,7 @@ static int check_buffers(const aib_decoded *d, const model *m, int32_t node, int
   if (sizes == NULL) return aib_fail(err, AIB_E_NOMEM, "", "", "out of memory");
   int rc = aib_layout_min_sizes(L, a->length, a->offset, a->n_buffers, sizes, err);
   if (rc != AIB_OK) {
-    if (err != NULL) node_path(m, node, batch, err->path, sizeof(err->path));
+    if (err != NULL) aib_node_path(m, node, batch, err->path, sizeof(err->path));
     if (sizes != small) free(sizes);
     return rc;
   }
@@ -1161,7 +1114,9 @@ static void fill_array_node(const aib_decoded *d, const anode *base, int32_t idx
       const aib_buffer_slot *b = &m->slots[a->first_buffer + i];
       if (b->region == AIB_REGION_NULL)
         buffers[i] = NULL;
-      else if (b->region == AIB_REGION_EMPTY)
+      else if (b->region == AIB_REGION_EMPTY || b->length == 0)
+        /* A buffer of no bytes: readers may still load the first offset of an empty array, so it
+         * points at zeros of ours rather than at whatever follows it in a region. */
         buffers[i] = empty_buffer;
       else
         buffers[i] = (const void *)(uintptr_t)(bases[b->region - AIB_REGION_FIRST] + b->offset);

@@ -1,27 +1,80 @@
-"""Mutation fuzzer for the message decoder, run in a subprocess so a crash fails the calling test.
+"""Mutation fuzzer for the message decoder and the content checks, run in a subprocess so a crash
+fails the calling test.
 
     python tests/fuzz_decoder.py ITERATIONS SEED
+    python tests/fuzz_decoder.py --corpus DIRECTORY
 
-Seeds are the golden messages plus crafted ones; each iteration truncates, flips bits, splices,
-overwrites with random bytes or inserts huge varints. The only exception allowed out of the decoder
-is WireFormatError. Messages that still decode are rebuilt over a zeroed buffer (never read) and
-released, so the rebuild path sees the same inputs.
+Seeds are the golden messages and the libFuzzer corpus (``fuzz/decoder/corpus``: a 2-byte message
+length, the message, then its regions' bytes); each iteration truncates, flips bits, splices,
+overwrites with random bytes or inserts huge varints, and fills the regions with zeros, small
+numbers or random bytes. The only exception allowed out of the decoder and the content check is
+WireFormatError. The oracle: every message that passes the full content check is imported into
+pyarrow and read in full (validation, then every value), over regions that end at a guard page, so a
+read past a region's end kills this process.
+
+``--corpus`` replays each corpus input through ``Session.import_message`` instead (memfds holding
+the region bytes): the path a consumer takes, with the same oracle.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import fcntl
+import mmap
+import os
 import random
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
-from arrow_ipc_bridge._ffi import ffi
-from arrow_ipc_bridge.errors import WireFormatError
+import pyarrow as pa
+
+from arrow_ipc_bridge import Session
+from arrow_ipc_bridge._ffi import ffi, lib
+from arrow_ipc_bridge.content_check import check_content
+from arrow_ipc_bridge.errors import BridgeError, WireFormatError
 from arrow_ipc_bridge.metadata import Decoded
 
 GOLDEN = Path(__file__).parent / "golden"
-_BACKING = bytearray(1 << 16)
-_BASE = int(ffi.cast("uintptr_t", ffi.from_buffer(_BACKING)))
+CORPUS = Path(__file__).parent.parent / "fuzz" / "decoder" / "corpus"
+_BACKING_BYTES = 1 << 16
+_PAGE = mmap.PAGESIZE
+MAX_FDS = int(lib.AIB_MAX_FDS)
+
+
+class GuardedBacking:
+    """``_BACKING_BYTES`` of memory followed by an inaccessible page: a region placed to end at the
+    guard makes any read past its end a segmentation fault."""
+
+    def __init__(self) -> None:
+        self._map = mmap.mmap(-1, _BACKING_BYTES + _PAGE)
+        self._view = (ctypes.c_char * (_BACKING_BYTES + _PAGE)).from_buffer(self._map)
+        self.start = ctypes.addressof(self._view)
+        self.guard = self.start + _BACKING_BYTES
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mprotect(ctypes.c_void_p(self.guard), ctypes.c_size_t(_PAGE), 0) != 0:
+            raise OSError(ctypes.get_errno(), "mprotect of the guard page failed")
+
+    def place(self, sizes: list[int], contents: bytes) -> list[int]:
+        """Region bases, each region ending at the guard page and holding the next bytes of
+        ``contents`` (zero-padded). Regions overlap here; the larger ones are written first, so
+        each small region holds its own bytes."""
+        ctypes.memset(self.start, 0, _BACKING_BYTES)
+        pieces = []
+        for size in sizes:
+            pieces.append(contents[:size].ljust(size, b"\0"))
+            contents = contents[size:]
+        for size, piece in sorted(zip(sizes, pieces, strict=True), key=lambda item: -item[0]):
+            ctypes.memmove(self.guard - size, piece, size)
+        return [self.guard - size for size in sizes]
+
+
+def split_input(data: bytes) -> tuple[bytes, bytes]:
+    """A libFuzzer corpus input -> (message, region bytes)."""
+    n = int.from_bytes(data[:2], "little")
+    return data[2 : 2 + n], data[2 + n :]
 
 
 def mutate(rng: random.Random, data: bytes) -> bytes:
@@ -51,40 +104,153 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
     return bytes(buf)
 
 
-def exercise(message: bytes) -> None:
+def region_bytes(rng: random.Random, seed_bytes: bytes) -> bytes:
+    """Contents for the regions: the seed's own (mutated), zeros, small numbers or noise."""
+    choice = rng.randrange(4)
+    if choice == 0:
+        return mutate(rng, seed_bytes) if seed_bytes else b""
+    if choice == 1:
+        return b""
+    if choice == 2:
+        return bytes(rng.randrange(4) for _ in range(len(seed_bytes) or 256))
+    return rng.randbytes(len(seed_bytes) or 256)
+
+
+def read_everything(obj: Any, is_stream: bool) -> None:
+    """The oracle's reader: pyarrow imports the data and reads every value. Python exceptions are
+    fine (invalid UTF-8, types pyarrow does not take); only a crash fails."""
     try:
-        decoded = Decoded(message, n_fds=1)
-    except WireFormatError:
+        if is_stream:
+            table = pa.RecordBatchReader.from_stream(obj).read_all()
+            arrays = [table.column(i) for i in range(table.num_columns)]
+        else:
+            arrays = [pa.array(obj)]
+    except Exception:
         return
-    regions = decoded.regions()
-    if all(r.size <= len(_BACKING) for r in regions):
-        bases = ffi.new("uint64_t[]", [_BASE] * max(len(regions), 1))
+    for array in arrays:
+        with contextlib.suppress(Exception):
+            array.validate(full=True)
+        with contextlib.suppress(Exception):
+            array.to_pylist()
+
+
+def _import_structs(decoded: Decoded, bases: Any, batch: int) -> Any:
+    schema = ffi.new("struct ArrowSchema *")
+    array = ffi.new("struct ArrowArray *")
+    decoded.rebuild_schema(schema)
+    decoded.rebuild_array(batch, bases, array)
+    try:
+        return pa.Array._import_from_c(int(ffi.cast("uintptr_t", array)), int(ffi.cast("uintptr_t", schema)))
+    except Exception:
+        if array.release != ffi.NULL:
+            array.release(array)
+        if schema.release != ffi.NULL:
+            schema.release(schema)
+        return None
+
+
+def exercise(message: bytes, contents: bytes, backing: GuardedBacking) -> str:
+    """How far the message got: "refused", "large", "checked out" or "read"."""
+    try:
+        decoded = Decoded(message, n_fds=MAX_FDS)
+    except WireFormatError:
+        return "refused"
+    try:
+        regions = decoded.regions()
+        if not all(r.size <= _BACKING_BYTES for r in regions):
+            return "large"
+        bases = ffi.new("uint64_t[]", backing.place([r.size for r in regions], contents) or [0])
+        try:
+            check_content(decoded, bases, "bounds")
+            bounds_ok = True
+        except WireFormatError:
+            bounds_ok = False
+        try:
+            check_content(decoded, bases, "full")
+        except WireFormatError:
+            return "checked out"
+        if not bounds_ok:
+            raise AssertionError("the bounds check refused what the full check accepted")
         for batch in range(decoded.batch_count):
-            out = ffi.new("struct ArrowArray *")
-            decoded.rebuild_array(batch, bases, out)
-            out.release(out)
-        schema = ffi.new("struct ArrowSchema *")
-        decoded.rebuild_schema(schema)
-        schema.release(schema)
-    decoded.close()
+            array = _import_structs(decoded, bases, batch)
+            if array is not None:
+                read_everything(array, is_stream=False)
+        return "read"
+    finally:
+        decoded.close()
 
 
 def main(iterations: int, seed: int) -> int:
     rng = random.Random(seed)
-    seeds = [p.read_bytes() for p in sorted(GOLDEN.glob("*.bin"))]
+    seeds = [(p.read_bytes(), b"") for p in sorted(GOLDEN.glob("*.bin"))]
+    seeds += [split_input(p.read_bytes()) for p in sorted(CORPUS.glob("*"))]
+    backing = GuardedBacking()
+    outcomes: dict[str, int] = {}
     for i in range(iterations):
-        message = mutate(rng, rng.choice(seeds))
+        seed_message, seed_bytes = rng.choice(seeds)
+        message = mutate(rng, seed_message) if rng.random() < 0.9 else seed_message
+        contents = region_bytes(rng, seed_bytes)
         try:
-            exercise(message)
+            outcome = exercise(message, contents, backing)
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
         except Exception:
             print(f"iteration {i}: unexpected exception for message {message.hex()}", file=sys.stderr)
             traceback.print_exc()
             return 1
         if rng.random() < 0.01:
-            exercise(rng.randbytes(rng.randint(0, 200)))
-    print(f"fuzzed {iterations} messages, seed {seed}")
+            exercise(rng.randbytes(rng.randint(0, 200)), b"", backing)
+    print(f"fuzzed {iterations} messages, seed {seed}: {outcomes}")
+    return 0
+
+
+def replay(directory: Path) -> int:
+    """Every corpus input through Session.import_message (bounded: region bytes up to 1 MiB)."""
+    accepted = refused = 0
+    with Session(mapping_cache_size=0) as session:
+        for path in sorted(directory.glob("*")):
+            message, contents = split_input(path.read_bytes())
+            fds: list[int] = []
+            try:
+                try:
+                    regions = Decoded(message, MAX_FDS).regions()
+                except WireFormatError:
+                    regions = []
+                if sum(r.size for r in regions) > 1 << 20:
+                    continue
+                by_index: dict[int, bytes] = {}
+                for region in regions:
+                    by_index.setdefault(region.fd_index, b"\0" * region.file_offset + contents[: region.size])
+                    contents = contents[region.size :]
+                for index in range(max(by_index, default=-1) + 1):
+                    fd = os.memfd_create("corpus", os.MFD_ALLOW_SEALING)
+                    fds.append(fd)
+                    data = by_index.get(index, b"")
+                    size = max((r.file_offset + r.size for r in regions if r.fd_index == index), default=0)
+                    if size:
+                        os.write(fd, data.ljust(size, b"\0"))
+                    # sealed like the producer's copies, so regions flagged sealed are importable
+                    seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+                try:
+                    imported = session.import_message(message, fds)
+                except BridgeError:
+                    refused += 1
+                    continue
+                with imported:
+                    read_everything(imported, is_stream=type(imported).__name__ == "ImportedStream")
+                accepted += 1
+            except Exception:
+                print(f"{path.name}: unexpected exception", file=sys.stderr)
+                traceback.print_exc()
+                return 1
+            finally:
+                for fd in fds:
+                    os.close(fd)
+    print(f"replayed {accepted + refused} corpus inputs: {accepted} accepted and read, {refused} refused")
     return 0
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--corpus":
+        sys.exit(replay(Path(sys.argv[2])))
     sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))

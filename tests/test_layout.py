@@ -157,5 +157,5 @@ def test_sliced_sizes_cover_the_offset() -> None:
     buffer base, not at the offset)."""
     assert min_buffer_sizes("i", length=2, offset=3) == [1, 20]
     assert min_buffer_sizes("u", length=2, offset=3) == [1, 24, 0]
-    assert min_buffer_sizes("u", length=0, offset=3) == [1, 0, 0]
+    assert min_buffer_sizes("u", length=0, offset=3) == [1, 16, 0]  # offsets[3] is still read
     assert min_buffer_sizes("+ud:0", length=2, offset=1) == [3, 12]

@@ -236,6 +236,68 @@ def test_struct_child_shorter_than_parent() -> None:
         _decode(wc.message(schema, [batch]))
 
 
+def test_only_the_validity_bitmap_may_be_absent_without_nulls() -> None:
+    """With null_count 0 a validity bitmap may be NULL; a data buffer may not (a consumer's
+    column_view would read whatever address NULL + offset is)."""
+    field = wc.Node("l", "x")
+    assert _decode(wc.message(field, [[wc.ArrayNode(2, 0, 0, [(0, 0, 0), (2, 0, 16)])]])).batch_count == 1
+    with pytest.raises(WireFormatError, match="buffer 1 is absent"):
+        _decode(wc.message(field, [[wc.ArrayNode(2, 0, 0, [(0, 0, 0), (0, 0, 0)])]]))
+    with pytest.raises(WireFormatError, match="buffer 1 is absent"):
+        _decode(wc.message(wc.Node("u"), [[wc.ArrayNode(2, 0, 0, [(0, 0, 0), (0, 0, 0), (1, 0, 0)])]]))
+
+
+@pytest.mark.parametrize("null_count", [3, 1000])
+def test_null_count_above_length_is_refused(null_count: int) -> None:
+    field = wc.Node("l", "x")
+    bitmap_and_data = [(2, 0, 1), (2, 64, 16)]
+    assert _decode(wc.message(field, [[wc.ArrayNode(2, 2, 0, bitmap_and_data)]])).batch_count == 1
+    with pytest.raises(WireFormatError, match="null count above the length"):
+        _decode(wc.message(field, [[wc.ArrayNode(2, null_count, 0, bitmap_and_data)]]))
+
+
+def test_fixed_size_list_child_shorter_than_parent() -> None:
+    """A +w:N parent of offset + length L addresses N * L child values."""
+    schema = wc.Node("+w:2", children=[wc.Node("i", "item")])
+    parent = wc.ArrayNode(3, 0, 0, [(0, 0, 0)])
+    assert (
+        _decode(wc.message(schema, [[parent, wc.ArrayNode(6, 0, 0, [(0, 0, 0), (2, 0, 24)])]])).batch_count
+        == 1
+    )
+    with pytest.raises(WireFormatError, match="child length 5 is shorter than the 6"):
+        _decode(wc.message(schema, [[parent, wc.ArrayNode(5, 0, 0, [(0, 0, 0), (2, 0, 20)])]]))
+    sliced = wc.ArrayNode(2, 0, 1, [(0, 0, 0)])  # offset 1 + length 2: 6 values again
+    with pytest.raises(WireFormatError, match="shorter than the 6"):
+        _decode(wc.message(schema, [[sliced, wc.ArrayNode(5, 0, 0, [(0, 0, 0), (2, 0, 20)])]]))
+
+
+def test_sparse_union_child_shorter_than_parent() -> None:
+    schema = wc.Node("+us:0,1", children=[wc.Node("i", "a"), wc.Node("i", "b")])
+    parent = wc.ArrayNode(3, 0, 0, [(2, 0, 3)])
+    full = wc.ArrayNode(3, 0, 0, [(0, 0, 0), (2, 64, 12)])
+    short = wc.ArrayNode(2, 0, 0, [(0, 0, 0), (2, 64, 8)])
+    assert _decode(wc.message(schema, [[parent, full, full]])).batch_count == 1
+    with pytest.raises(WireFormatError, match="child length 2 is shorter than the 3"):
+        _decode(wc.message(schema, [[parent, full, short]]))
+
+
+def test_dense_union_type_ids_are_not_an_optional_bitmap() -> None:
+    """A union has no validity bitmap: its buffer 0 (type ids) is required even without nulls."""
+    schema = wc.Node("+ud:0", children=[wc.Node("i", "a")])
+    child = wc.ArrayNode(1, 0, 0, [(0, 0, 0), (2, 64, 4)])
+    assert (
+        _decode(wc.message(schema, [[wc.ArrayNode(1, 0, 0, [(2, 0, 1), (2, 8, 4)]), child]])).batch_count == 1
+    )
+    with pytest.raises(WireFormatError, match="buffer 0 is absent"):
+        _decode(wc.message(schema, [[wc.ArrayNode(1, 0, 0, [(0, 0, 0), (2, 8, 4)]), child]]))
+    with pytest.raises(WireFormatError, match="buffer 0 is absent"):
+        _decode(
+            wc.message(
+                wc.Node("+us:0", children=[wc.Node("i", "a")]), [[wc.ArrayNode(1, 0, 0, [(0, 0, 0)]), child]]
+            )
+        )
+
+
 def test_non_bytes_message() -> None:
     """Anything but bytes-like is refused as a WireFormatError."""
     with pytest.raises(WireFormatError):
@@ -254,7 +316,9 @@ def test_error_pickles() -> None:
 
 # ---------- fuzzing in a subprocess (a crash fails the test instead of killing pytest) -------------
 def test_decoder_fuzz_in_subprocess() -> None:
-    """Thousands of mutated messages: only WireFormatError, never a crash or another exception."""
+    """Thousands of mutated messages (golden and libFuzzer-corpus seeds, mutated region contents):
+    only WireFormatError, never a crash or another exception; every message that passes the full
+    content check is read in full by pyarrow over regions ending at a guard page."""
     iterations = os.environ.get("AIB_FUZZ_ITERATIONS", "30000")
     result = subprocess.run(
         [sys.executable, str(TESTS / "fuzz_decoder.py"), iterations, "12345"],

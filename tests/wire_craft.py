@@ -125,3 +125,36 @@ def message(
 def int64_column(length: int = 4, region_offset: int = 0) -> tuple[Node, ArrayNode]:
     """A non-null int64 column of ``length`` values in region 0."""
     return Node("l", "x"), ArrayNode(length, 0, 0, [(0, 0, 0), (2, region_offset, 8 * length)])
+
+
+def memfd_region(data: bytes, size: int | None = None) -> tuple[int, Region]:
+    """A sealed-free memfd holding ``data`` (padded to ``size``) and the host region naming it as fd 0.
+
+    The caller closes the fd. Buffers are placed by the test: the region is the test's own memory,
+    so crafted buffer contents (hostile offsets, views, indices) are exactly what the test wrote.
+    """
+    import os
+
+    size = len(data) if size is None else size
+    fd = os.memfd_create("wire-craft")
+    os.write(fd, data.ljust(size, b"\0"))
+    return fd, Region(size=max(size, 1))
+
+
+class Heap:
+    """Bytes laid out as a region: ``put`` appends a buffer (64-byte aligned) and returns its
+    ``(region code, offset, length)`` reference for an :class:`ArrayNode`."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def put(self, raw: bytes, region: int = 0) -> tuple[int, int, int]:
+        offset = (len(self.data) + 63) // 64 * 64
+        self.data += b"\0" * (offset - len(self.data)) + raw
+        return (2 + region, offset, len(raw))
+
+    def ints(self, values: list[int], fmt: str) -> tuple[int, int, int]:
+        return self.put(struct.pack(f"<{len(values)}{fmt}", *values))
+
+
+NULL_BUFFER = (0, 0, 0)
