@@ -89,9 +89,9 @@ def check_content(decoded: Decoded, region_bases: Any, level: str, read: ReadFun
 
 def cuda_reader(device: int) -> ReadFunction:
     """A read function over CUDA device memory of ``device`` (synchronous device-to-host copies)."""
-    from arrow_ipc_bridge.memory import cuda
+    from arrow_ipc_bridge.cuda.pointers import read_device
 
     def read(address: int, n: int) -> bytes:
-        return cuda.read_device(address, n, device=device)
+        return read_device(address, n, device=device)
 
     return read

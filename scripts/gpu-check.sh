@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The whole GPU check. On a machine with an NVIDIA GPU and the CUDA driver, run:
 #
-#   bash scripts/gpu-check.sh [quick|full]
+#   bash scripts/gpu-check.sh [quick|full|sanitize]
 #
+# quick and full differ in the benchmark's length; sanitize runs the GPU tests alone under
+# compute-sanitizer's memcheck (much slower) and fails on any error it reports.
 # It installs the Python packages the checks need that the machine lacks (from an optional local
 # wheel folder `.whl/` when one is present, for a machine without network access; otherwise from the
 # package index) into a private folder, builds the C core in place, runs the GPU tests, a host smoke
@@ -21,9 +23,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-quick}
 case "$mode" in
-  quick | full) ;;
+  quick | full | sanitize) ;;
   *)
-    echo "usage: bash scripts/gpu-check.sh [quick|full]" >&2
+    echo "usage: bash scripts/gpu-check.sh [quick|full|sanitize]" >&2
     exit 2
     ;;
 esac
@@ -114,7 +116,16 @@ main() {
   echo "== GPU tests"
   local xml="$OUT/gpu-tests.xml" rc
   rm -f "$xml"
-  timeout 1800 "$PYTHON" -m pytest -p no:cacheprovider -q -m gpu -rs tests/test_gpu.py tests/test_cuda_driver.py \
+  # Every test module with a GPU-marked test, so a new one cannot be left out.
+  local gpu_files
+  mapfile -t gpu_files < <(grep -l "mark.gpu" tests/test_*.py)
+  local runner=()
+  if [ "$mode" = sanitize ]; then
+    # memcheck over every process the tests start (producers and consumers are separate processes);
+    # any error it reports makes the run fail through its exit code.
+    runner=(compute-sanitizer --tool memcheck --target-processes all --error-exitcode 86 --print-limit 50)
+  fi
+  timeout 1800 "${runner[@]}" "$PYTHON" -m pytest -p no:cacheprovider -q -m gpu -rs "${gpu_files[@]}" \
     --junitxml="$xml"
   rc=$?
   local ran nfail nerr nskip
@@ -127,6 +138,10 @@ main() {
   fi
   if [ "$ran" -eq 0 ]; then
     fail "no GPU test ran ($nskip skipped; pytest exit $rc): this check needs a GPU"
+  fi
+
+  if [ "$mode" = sanitize ]; then
+    return # the sanitizer run checks the GPU tests only
   fi
 
   echo "== host suites (smoke)"

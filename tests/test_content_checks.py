@@ -505,15 +505,17 @@ def test_fuzz_corpus_replays_through_the_python_import() -> None:
 @pytest.mark.gpu
 def test_cuda_bounds_check_reads_the_device(cuda_device: int) -> None:
     """A device copy of hostile offsets is rejected at "bounds" through device-to-host reads."""
+    from cuda_helpers import write_device
+
     from arrow_ipc_bridge.content_check import cuda_reader
-    from arrow_ipc_bridge.memory import cuda
+    from arrow_ipc_bridge.cuda.pointers import mem_alloc, mem_free
 
     heap = wc.Heap()
     node = _string_column(heap, [0, 1, 2, 5], b"abcd")
     data = bytes(heap.data)
-    pointer = cuda.mem_alloc(len(data), cuda_device)
+    pointer = mem_alloc(len(data), cuda_device)
     try:
-        cuda.write_device(pointer, data, device=cuda_device)
+        write_device(pointer, data, device=cuda_device)
         message = wc.message(wc.Node("u"), [[node]], [wc.Region(size=len(data))])
         decoded = Decoded(message, 1)
         try:
@@ -523,7 +525,7 @@ def test_cuda_bounds_check_reads_the_device(cuda_device: int) -> None:
         finally:
             decoded.close()
     finally:
-        cuda.mem_free(pointer)
+        mem_free(pointer)
 
 
 @pytest.mark.gpu
