@@ -119,14 +119,20 @@ main() {
   # Every test module with a GPU-marked test, so a new one cannot be left out.
   local gpu_files
   mapfile -t gpu_files < <(grep -l "mark.gpu" tests/test_*.py)
-  local runner=()
+  local runner=() deselect=()
   if [ "$mode" = sanitize ]; then
     # memcheck over every process the tests start (producers and consumers are separate processes);
-    # any error it reports makes the run fail through its exit code.
-    runner=(compute-sanitizer --tool memcheck --target-processes all --error-exitcode 86 --print-limit 50)
+    # any memory error it reports makes the run fail through its exit code. Driver calls that return
+    # an error are not reported: several tests provoke them on purpose (opening a handle in the
+    # process that made it, importing from a pool that is gone, a pool without IPC).
+    runner=(compute-sanitizer --tool memcheck --target-processes all --report-api-errors no
+      --error-exitcode 86 --print-limit 50)
+    # memcheck serialises kernel launches, so a test that needs a kernel still running when the
+    # message is sent cannot hold there.
+    deselect=(-k "not test_consumer_sees_final_data_of_a_running_kernel")
   fi
   timeout 1800 "${runner[@]}" "$PYTHON" -m pytest -p no:cacheprovider -q -m gpu -rs "${gpu_files[@]}" \
-    --junitxml="$xml"
+    "${deselect[@]}" --junitxml="$xml"
   rc=$?
   local ran nfail nerr nskip
   read -r ran nfail nerr nskip < <(junit_counts "$xml")

@@ -1,6 +1,6 @@
 """The GPU path across processes: CUDA regions, sync events, device-aware import (marker: gpu).
 
-Run on the lent GPU machine by scripts/gpu-check.sh; every test here skips with the reason
+Run by scripts/gpu-check.sh on a machine with an NVIDIA GPU; every test here skips with the reason
 elsewhere. Child processes are spawned (never forked after CUDA init), joined with timeouts, and
 their exit codes asserted.
 """
@@ -728,7 +728,7 @@ def test_gpu_is_named_by_uuid_not_ordinal(cuda_device: int) -> None:
     from arrow_ipc_bridge import cuda
 
     if cuda.device_count() < 2:
-        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
+        pytest.skip("needs two GPUs")
     path = _socket_path()
     parent, child = _CTX.Pipe()
     producer = _CTX.Process(target=gpu_children.swapped_gpu_producer, args=(path, child))
