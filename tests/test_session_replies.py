@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -262,6 +263,27 @@ def test_bad_pong_raises(scripted: Callable[..., ScriptedPublisher], reply: Repl
 
 
 # --- GET --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "reply",
+    [
+        pytest.param((protocol.NAMES, protocol.encode_item(3, b"x" * 40), [a_file]), id="names"),
+        pytest.param((protocol.PONG, b""), id="pong"),
+    ],
+)
+def test_get_answered_with_another_kind_raises(
+    scripted: Callable[..., ScriptedPublisher], reply: tuple[int, bytes] | tuple[int, bytes, list[Any]]
+) -> None:
+    """A GET answered with a frame that is not ITEM (even one whose payload would pass for an ITEM's)
+    is a ProtocolError; its descriptors are closed and no lease is assumed."""
+    if len(reply) == 3:
+        reply = (reply[0], reply[1], [make() for make in reply[2]])
+    publisher = scripted(replies=[reply])
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        with pytest.raises(aib.ProtocolError, match=f"expected ITEM, got frame kind {reply[0]}"):
+            session.get("t")
+        assert publisher.releases.empty()
+
+
 def test_item_shorter_than_its_lease_id_raises(scripted: Callable[..., ScriptedPublisher]) -> None:
     """An ITEM without its 8-byte lease id is a ProtocolError; its descriptor is closed."""
     publisher = scripted(replies=[(protocol.ITEM, b"\x01\x02\x03", [a_file()])])
