@@ -185,8 +185,10 @@ def classify(rc: int | None) -> str:
 
 
 def last_line(output: str) -> str:
+    """The test that caught the mutant (pytest's short summary, -ra) if any, else the last line."""
     lines = [line for line in output.strip().splitlines() if line.strip()]
-    return lines[-1][:160] if lines else ""
+    caught = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    return (caught or lines or [""])[-1][:200]
 
 
 def run_mutant(tree: Path, mutant: Mutant, pristine_core: bytes, timeout: float) -> Result:
