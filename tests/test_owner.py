@@ -11,6 +11,7 @@ that every counter of the core (owners, nodes) and pyarrow's allocation come bac
 from __future__ import annotations
 
 import gc
+import os
 from typing import Any
 
 import pyarrow as pa
@@ -163,3 +164,37 @@ def test_child_moved_out_of_copied_schema_releases_in_any_order(
     assert child.release == ffi.NULL
     del capsule, schema, child
     assert _counters() == baseline
+
+
+def _mapped_inodes() -> set[int]:
+    """The inodes of every file mapping of this process (/proc/self/maps, fifth field)."""
+    with open("/proc/self/maps") as maps:
+        return {int(fields[4]) for fields in (line.split() for line in maps) if len(fields) >= 5}
+
+
+@pytest.mark.parametrize("cache_size", [0, 4], ids=["no-mapping-cache", "mapping-cache"])
+def test_mapping_owner_unmaps_its_file_when_the_last_reference_goes(cache_size: int) -> None:
+    """An imported host region is mapped by a mapping owner; when the import, every struct built from
+    it and the session's mapping cache let go, the file is no longer mapped in this process (the
+    owner's munmap ran), and the live-mapping counter is back to its baseline."""
+    import arrow_ipc_bridge as aib
+
+    mappings_before = int(lib.aib_live_mappings())
+    table = pa.table({"v": pa.array(range(50_000), pa.int64())})
+    with aib.export(table, copy="always") as exported:  # one sealed memfd: a file of its own
+        inodes = {os.fstat(fd).st_ino for fd in exported.fds}
+        assert not inodes & _mapped_inodes()  # the producer wrote it without mapping it
+        with aib.Session(mapping_cache_size=cache_size, remembered_messages=0) as session:
+            imported = session.import_message(exported.message, exported.fds)
+            consumed = pa.table(imported)
+            assert inodes <= _mapped_inodes()
+            imported.release()
+            assert consumed.equals(table)  # pyarrow's structs keep the mapping
+            assert inodes <= _mapped_inodes()
+            del consumed
+            gc.collect()
+            if cache_size == 0:
+                assert not inodes & _mapped_inodes()
+        gc.collect()
+        assert not inodes & _mapped_inodes()
+    assert int(lib.aib_live_mappings()) == mappings_before
