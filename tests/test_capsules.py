@@ -127,6 +127,24 @@ def test_failed_capture_leaves_the_callers_array_capsule_usable(
     _assert_back_to(baseline)
 
 
+def test_capture_with_a_released_schema_leaves_the_callers_array_capsule_usable(
+    baseline: tuple[int, int, int],
+) -> None:
+    """A pair whose schema capsule was already consumed but whose array capsule is live fails with
+    ReleasedError before the array is moved: the caller can still capture the array capsule."""
+    consumed_schema, consumed_array = pa.array([1, 2]).__arrow_c_array__()
+    capture((consumed_schema, consumed_array)).close()
+    original = pa.array([7, 8, None])
+    schema, array = original.__arrow_c_array__()
+    with pytest.raises(ReleasedError, match="schema capsule was already consumed"):
+        capture((consumed_schema, array))
+    _assert_capsules_untouched(schema, array)
+    captured = export_captured(capture((schema, array)))
+    assert pa.array(captured).equals(original)
+    del captured, schema, array, original, consumed_schema, consumed_array
+    _assert_back_to(baseline)
+
+
 def test_destructor_tolerates_used_prefix(baseline: tuple[int, int, int]) -> None:
     """A consumer may rename a capsule to used_<name>; our destructor still releases the struct."""
     exported = export_captured(capture(pa.array([1, 2, 3])))
