@@ -93,9 +93,10 @@ def test_child_moved_out_of_shared_array_releases_in_any_order(
         assert owners > baseline[0]
         assert nodes == baseline[1] + 1 + int(child.n_children)
         assert allocated > baseline[2]
-        moved = pa.Array._import_from_c(int(ffi.cast("uintptr_t", _copy_for_pyarrow(child))), expected.type)
+        shared = _copy_for_pyarrow(child)  # kept referenced until pyarrow has moved it out
+        moved = pa.Array._import_from_c(int(ffi.cast("uintptr_t", shared)), expected.type)
         assert moved.equals(expected)
-        del moved
+        del moved, shared
     _release(second, on_thread=on_thread)
     del capsule, array, child, expected
     assert _counters() == baseline
