@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     mutants = load_mutants(args.list)
+    order = {m.name: i for i, m in enumerate(mutants)}  # the list's order, for the table
     if args.only:
         unknown = set(args.only) - {m.name for m in mutants}
         if unknown:
@@ -315,8 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(scratch, ignore_errors=True)
 
-    order = {m.name: i for i, m in enumerate(load_mutants(args.list))}
-    results.sort(key=lambda r: order.get(r.name, 0))
+    results.sort(key=lambda r: order[r.name])
     print_table(results)
     caught, judged, percent = score(results)
     counts = {
