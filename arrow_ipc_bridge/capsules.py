@@ -363,9 +363,13 @@ def _is_capsule(obj: object) -> bool:
 
 
 def _capture_pair(schema_capsule: object, array_capsule: object, *, host: bool) -> CapturedData:
-    # Check both capsules before moving anything, so a bad pair leaves the producer's structs alone.
-    capsule_struct(schema_capsule, "schema")
+    # Check both capsules before moving anything, so a bad pair leaves the producer's structs alone:
+    # their names, and that the schema still holds data (a released one found after the array was
+    # moved would release the caller's array with the failed capture).
+    schema_source = capsule_struct(schema_capsule, "schema")
     capsule_struct(array_capsule, "array" if host else "device_array")
+    if schema_source.release == ffi.NULL:
+        raise ReleasedError("the schema capsule was already consumed or released")
     array = _move_device_array(array_capsule, host=host)
     try:
         schema = _move_schema(schema_capsule)

@@ -82,8 +82,11 @@ def test_our_capsule_consumed_by_pyarrow_then_captured_fails() -> None:
 def test_wrong_capsule_names_and_non_producers_raise_capsule_error(baseline: tuple[int, int, int]) -> None:
     """Swapped capsules or objects without the protocol raise CapsuleError and move nothing."""
     schema, array = pa.array([1, 2]).__arrow_c_array__()
-    with pytest.raises(CapsuleError, match="arrow_schema"):
+    with pytest.raises(
+        CapsuleError, match="expected a PyCapsule named 'arrow_schema', got a capsule named 'arrow_array'"
+    ):
         capture((array, schema))
+    _assert_capsules_untouched(schema, array)
     # nothing was moved: the right order still works
     capture((schema, array)).close()
     with pytest.raises(CapsuleError, match="PyCapsule interface"):
@@ -91,6 +94,54 @@ def test_wrong_capsule_names_and_non_producers_raise_capsule_error(baseline: tup
     with pytest.raises(CapsuleError):
         capsule_struct(b"not a capsule", "schema")
     del schema, array
+    _assert_back_to(baseline)
+
+
+def _assert_capsules_untouched(schema: object, array: object) -> None:
+    """Both producer structs still hold their data (release set): nothing was moved out or released."""
+    assert capsule_struct(schema, "schema").release != ffi.NULL
+    assert capsule_struct(array, "array").release != ffi.NULL
+
+
+@pytest.mark.parametrize(
+    "bad_schema",
+    [b"not a capsule", "array-capsule-twice", "stream-capsule"],
+    ids=["bytes", "array-capsule", "stream-capsule"],
+)
+def test_failed_capture_leaves_the_callers_array_capsule_usable(
+    baseline: tuple[int, int, int], bad_schema: object
+) -> None:
+    """A pair whose array capsule is valid but whose schema capsule is not fails with CapsuleError
+    *before* anything is moved: the caller's array capsule still holds its struct, and capturing it
+    with the right schema afterwards gives the original values."""
+    original = pa.array([10, None, 30])
+    schema, array = original.__arrow_c_array__()
+    stream = pa.table({"a": [1]}).__arrow_c_stream__()
+    wrong = {"array-capsule-twice": array, "stream-capsule": stream}.get(str(bad_schema), bad_schema)
+    with pytest.raises(CapsuleError, match="expected a PyCapsule named 'arrow_schema'"):
+        capture((wrong, array))
+    _assert_capsules_untouched(schema, array)
+    captured = export_captured(capture((schema, array)))
+    assert pa.array(captured).equals(original)
+    del captured, schema, array, stream, wrong, original
+    _assert_back_to(baseline)
+
+
+def test_capture_with_a_released_schema_leaves_the_callers_array_capsule_usable(
+    baseline: tuple[int, int, int],
+) -> None:
+    """A pair whose schema capsule was already consumed but whose array capsule is live fails with
+    ReleasedError before the array is moved: the caller can still capture the array capsule."""
+    consumed_schema, consumed_array = pa.array([1, 2]).__arrow_c_array__()
+    capture((consumed_schema, consumed_array)).close()
+    original = pa.array([7, 8, None])
+    schema, array = original.__arrow_c_array__()
+    with pytest.raises(ReleasedError, match="schema capsule was already consumed"):
+        capture((consumed_schema, array))
+    _assert_capsules_untouched(schema, array)
+    captured = export_captured(capture((schema, array)))
+    assert pa.array(captured).equals(original)
+    del captured, schema, array, original, consumed_schema, consumed_array
     _assert_back_to(baseline)
 
 
@@ -141,6 +192,10 @@ def test_requested_schema_calling_conventions() -> None:
     exported.__arrow_c_device_array__(None, future_option=None)
     with pytest.raises(NotImplementedError, match="future_option"):
         exported.__arrow_c_device_array__(None, future_option=1)
+    # The device protocol's own keyword: a consumer's stream to synchronise on is not supported, and
+    # ignoring it would hand out data the consumer's stream may read before it is ready.
+    with pytest.raises(NotImplementedError, match="'stream'"):
+        exported.__arrow_c_device_array__(None, stream=7)
     other = pa.schema([("only", pa.int8())]).__arrow_c_schema__()
     with pytest.raises(BridgeError, match="incompatible"):
         exported.__arrow_c_array__(other)
