@@ -221,7 +221,7 @@ def resource_counts() -> dict[str, int]:
     }
 
 
-def settled(read: Any, baseline: dict[str, int], timeout: float = 10.0) -> dict[str, int]:
+def settled(read: Any, baseline: Any, timeout: float = 10.0) -> Any:
     """Poll ``read()`` until it equals ``baseline`` or ``timeout`` passes; the last reading.
 
     Leases end and connection threads exit asynchronously (the publisher's handler sees the socket
@@ -233,3 +233,19 @@ def settled(read: Any, baseline: dict[str, int], timeout: float = 10.0) -> dict[
         if now == baseline or time.monotonic() > deadline:
             return now
         time.sleep(0.005)
+
+
+def quiet_counts(publisher: Any, timeout: float = 10.0) -> dict[str, int]:
+    """:func:`resource_counts` once ``publisher`` serves no connection and its handler threads ended.
+
+    A handler thread outlives its session by a moment; a baseline taken in that moment would count it.
+    """
+    import threading
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = publisher.active_sessions or any("-conn" in t.name for t in threading.enumerate())
+        if not busy:
+            break
+        time.sleep(0.005)
+    return resource_counts()

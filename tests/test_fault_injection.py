@@ -31,6 +31,7 @@ from fault_children import (
     CONSUMER_PHASES,
     consumer_phase_main,
     producer_main,
+    quiet_counts,
     resource_counts,
     settled,
     table_for,
@@ -62,8 +63,9 @@ def _kill_and_reap(process: Any) -> None:
     assert process.exitcode == -signal.SIGKILL, f"child exit code {process.exitcode}, expected SIGKILL"
 
 
-def _publisher_state(publisher: aib.Publisher) -> dict[str, int]:
-    return {**resource_counts(), "leases": publisher.active_leases, "sessions": publisher.active_sessions}
+def _publisher_state(publisher: aib.Publisher, *, quiet: bool = False) -> dict[str, int]:
+    counts = quiet_counts(publisher) if quiet else resource_counts()
+    return {**counts, "leases": publisher.active_leases, "sessions": publisher.active_sessions}
 
 
 def _run_consumer_kills(publisher: aib.Publisher, phases: list[str], batch: int = 10) -> dict[str, int]:
@@ -80,7 +82,7 @@ def _run_consumer_kills(publisher: aib.Publisher, phases: list[str], batch: int 
         try:
             for (process, conn), phase in zip(children, phases[start : start + batch], strict=True):
                 _expect(conn, "ready")
-                baseline = _publisher_state(publisher)
+                baseline = _publisher_state(publisher, quiet=True)
                 assert baseline["leases"] == 0
                 assert baseline["sessions"] == 0
                 conn.send(("go", phase))
