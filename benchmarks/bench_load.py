@@ -11,8 +11,9 @@ every value with the expected table, release. They start together once all are c
 Reported: total gets, wall time from the start signal to the last consumer done, throughput (gets
 per second over all consumers), per-get latency (p50, p99, max, from "get called" to "import
 returned", measured in the consumers), wrong reads (must be 0), and the publisher's RSS and open fd
-count before the load (after a warm-up round of 20 cycles per consumer) and after it (every session gone, every lease
-ended): the publisher's memory and descriptors must stay flat however many cycles ran.
+count before the load (after a warm-up round of 20 cycles per consumer) and after it (every session
+gone, every lease ended): the publisher's memory and descriptors must stay flat however many cycles
+ran.
 
 ``tests/test_load.py`` runs the same function in a small profile and asserts correctness and
 flatness, not speed.
