@@ -235,17 +235,16 @@ def settled(read: Any, baseline: Any, timeout: float = 10.0) -> Any:
         time.sleep(0.005)
 
 
-def quiet_counts(publisher: Any, timeout: float = 10.0) -> dict[str, int]:
-    """:func:`resource_counts` once ``publisher`` serves no connection and its handler threads ended.
-
-    A handler thread outlives its session by a moment; a baseline taken in that moment would count it.
-    """
+def quiet_counts(publisher: Any, sessions: int = 0, timeout: float = 10.0) -> dict[str, int]:
+    """:func:`resource_counts` once ``publisher`` serves ``sessions`` connections and the handler
+    threads of the others ended (a handler outlives its session by a moment; a baseline taken in
+    that moment would count it)."""
     import threading
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        busy = publisher.active_sessions or any("-conn" in t.name for t in threading.enumerate())
-        if not busy:
+        handlers = sum("-conn" in thread.name for thread in threading.enumerate())
+        if publisher.active_sessions == sessions and handlers == sessions:
             break
         time.sleep(0.005)
     return resource_counts()
