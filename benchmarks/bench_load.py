@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Load benchmark: many consumer processes doing get/read/release cycles against one publisher.
 
-    python benchmarks/bench_load.py [--consumers 64] [--cycles 1000] [--rows 10000] [--json out.json]
+    python benchmarks/bench_load.py [--consumers 64] [--cycles 1000] [--rows 10000] [--rounds 1]
+                                    [--json out.json]
 
 The publisher runs in this process with ``--names`` tables published (heap data, copied once into
 sealed memfds at publish time). ``--consumers`` processes (spawn start method) each connect one
@@ -151,8 +152,13 @@ def _round(path: str, names: list[str], rows: int, consumers: int, cycles: int) 
     return {"latencies": latencies, "wrong": wrong, "wall": wall}
 
 
-def run_load(consumers: int, cycles: int, rows: int = 10_000, names: int = 4) -> dict[str, Any]:
-    """Run the load and return the figures (see the module docstring). Raises on a consumer failure."""
+def run_load(
+    consumers: int, cycles: int, rows: int = 10_000, names: int = 4, rounds: int = 1
+) -> dict[str, Any]:
+    """Run the load and return the figures (see the module docstring). Raises on a consumer failure.
+
+    With ``rounds`` > 1 the measured round runs that many times (fresh consumers each time) and the
+    publisher's RSS and fds are reported after each: a leak per get grows them round after round."""
     name_list = [f"table{k}" for k in range(names)]
     with tempfile.TemporaryDirectory() as tmp, aib.Publisher(os.path.join(tmp, "load.sock")) as publisher:
         for k, name in enumerate(name_list):
@@ -163,15 +169,23 @@ def run_load(consumers: int, cycles: int, rows: int = 10_000, names: int = 4) ->
         _round(publisher.path, name_list, rows, consumers, min(cycles, 20))
         _wait_idle(publisher)
         rss_before, fds_before = _rss_bytes(), _fd_count()
-        result = _round(publisher.path, name_list, rows, consumers, cycles)
-        _wait_idle(publisher)
-        rss_after, fds_after = _rss_bytes(), _fd_count()
+        rss_after: list[int] = []
+        fds_after: list[int] = []
+        result: dict[str, Any] = {"latencies": [], "wrong": [], "wall": 0.0}
+        for _ in range(rounds):
+            one = _round(publisher.path, name_list, rows, consumers, cycles)
+            for key in result:
+                result[key] += one[key]
+            _wait_idle(publisher)
+            rss_after.append(_rss_bytes())
+            fds_after.append(_fd_count())
     latencies = sorted(result["latencies"])
     gets = len(latencies)
     quantiles = statistics.quantiles(latencies, n=100) if gets > 1 else latencies * 99
     return {
         "consumers": consumers,
         "cycles_per_consumer": cycles,
+        "rounds": rounds,
         "rows": rows,
         "names": names,
         "gets": gets,
@@ -183,9 +197,11 @@ def run_load(consumers: int, cycles: int, rows: int = 10_000, names: int = 4) ->
         "get_p99_us": quantiles[98] / 1000,
         "get_max_us": latencies[-1] / 1000,
         "publisher_rss_before_mib": rss_before / 2**20,
-        "publisher_rss_after_mib": rss_after / 2**20,
+        "publisher_rss_after_mib": rss_after[-1] / 2**20,
+        "publisher_rss_after_each_round_mib": [round(rss / 2**20, 2) for rss in rss_after],
         "publisher_fds_before": fds_before,
-        "publisher_fds_after": fds_after,
+        "publisher_fds_after": fds_after[-1],
+        "publisher_fds_after_each_round": fds_after,
         "machine": _machine(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
@@ -197,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=1000)
     parser.add_argument("--rows", type=int, default=10_000)
     parser.add_argument("--names", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=1, help="measured rounds (RSS and fds after each)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
-    figures = run_load(args.consumers, args.cycles, args.rows, args.names)
+    figures = run_load(args.consumers, args.cycles, args.rows, args.names, args.rounds)
     for key, value in figures.items():
         print(f"{key:28} {value:.2f}" if isinstance(value, float) else f"{key:28} {value}")
     if args.json:
