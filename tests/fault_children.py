@@ -36,6 +36,7 @@ CONSUMER_PHASES = (
     "mid_get",  # GET sent, the ITEM (with its fds) not read
     "holding_lease",  # an imported object held (one lease)
     "holding_capsule",  # the import released, a pyarrow table built from it still held
+    "holding_raw_capsule",  # the import released, an ArrowArrayStream PyCapsule nobody consumed held
     "mid_release",  # ITEM read by hand, half a RELEASE frame written
     "remembered",  # a re-got message remembered by the session, its leases released
     "many_leases",  # dozens of leases over several names held at once
@@ -155,6 +156,12 @@ def consumer_phase_main(conn: Any, path: str, names: list[str]) -> None:
             table = pa.table(imported)  # structs built from the import; they hold it alive
             imported.release()
             keep += [session, table]
+        elif phase == "holding_raw_capsule":
+            session = aib.connect(path, timeout=10.0)
+            imported = session.get(name)
+            capsule = imported.__arrow_c_stream__()  # its destructor would release the structs
+            imported.release()
+            keep += [session, capsule]
         elif phase == "mid_release":
             sock = raw_handshake(path)
             sock.sendall(frame(protocol.GET, name.encode()))

@@ -46,6 +46,8 @@ CONSUMER_TRIALS = int(os.environ.get("AIB_FAULT_TRIALS", "1000" if LONG else str
 PRODUCER_TRIALS, CONSUMERS_PER_PRODUCER = (20, 60) if LONG else (2, 8)
 NAMES = ["alpha", "beta", "gamma"]
 ROWS = 2_000
+# Phases at which the child holds at least one lease when it is killed.
+LEASING_PHASES = {"holding_lease", "holding_capsule", "holding_raw_capsule", "mid_release", "mid_get"}
 STEP_TIMEOUT = 60.0  # seconds for a child to start or reach its phase (2 loaded cores)
 
 
@@ -88,7 +90,7 @@ def _run_consumer_kills(publisher: aib.Publisher, phases: list[str], batch: int 
                 conn.send(("go", phase))
                 reply = conn.recv() if conn.poll(STEP_TIMEOUT) else ("timeout",)
                 assert reply == ("reached", phase), f"phase {phase}: child answered {reply!r}"
-                if phase in ("holding_lease", "holding_capsule", "mid_release", "mid_get"):
+                if phase in LEASING_PHASES:
                     assert publisher.active_leases >= 1, f"phase {phase}: no lease taken"
                 if phase == "many_leases":
                     assert publisher.active_leases == 48

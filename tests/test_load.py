@@ -3,9 +3,9 @@
 The guarantee: under sustained load from many processes every get reads exactly the published data,
 and the publisher's memory and descriptors stay flat (leases, connections and their threads are given
 back as fast as they are taken). The load itself is ``benchmarks/bench_load.py``'s ``run_load``: this
-test runs it in a small profile (two rounds of 8 consumers x 50 cycles) and asserts correctness and flatness, not
-speed. ``AIB_LONG=1`` runs the long profile (two rounds of 64 consumers x 1,000 cycles); the benchmark prints the
-figures (throughput, p50/p99 per get, publisher RSS and fds before/after).
+test runs it in a small profile (two rounds of 8 consumers x 50 cycles) and asserts correctness and
+flatness, not speed. ``AIB_LONG=1`` runs the long profile (two rounds of 64 consumers x 1,000
+cycles); the benchmark prints the figures (throughput, p50/p99 per get, publisher RSS and fds).
 """
 
 from __future__ import annotations
