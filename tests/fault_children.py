@@ -243,15 +243,27 @@ def settled(read: Any, baseline: Any, timeout: float = 10.0) -> Any:
 
 
 def quiet_counts(publisher: Any, sessions: int = 0, timeout: float = 10.0) -> dict[str, int]:
-    """:func:`resource_counts` once ``publisher`` serves ``sessions`` connections and the handler
-    threads of the others ended (a handler outlives its session by a moment; a baseline taken in
-    that moment would count it)."""
+    """:func:`resource_counts` once ``publisher`` serves ``sessions`` connections, holds no lease and
+    the counts stopped moving.
+
+    What a connection leaves ends a moment after it: its handler thread exits, and the export of an
+    entry unpublished under a lease is closed by the reaper once that lease ended. A baseline taken
+    in that moment would count them. Garbage earlier tests left (pipes of multiprocessing objects
+    in reference cycles) is collected first, so that a collection during the test does not lower
+    the counts under the baseline.
+    """
+    import gc
     import threading
 
+    gc.collect()
     deadline = time.monotonic() + timeout
+    last: dict[str, int] | None = None
     while time.monotonic() < deadline:
         handlers = sum("-conn" in thread.name for thread in threading.enumerate())
-        if publisher.active_sessions == sessions and handlers == sessions:
-            break
-        time.sleep(0.005)
+        idle = publisher.active_sessions == sessions and handlers == sessions and not publisher.active_leases
+        now = resource_counts()
+        if idle and now == last:
+            return now
+        last = now if idle else None
+        time.sleep(0.02)
     return resource_counts()

@@ -133,6 +133,22 @@ def test_consumer_sigkill_at_every_phase_leaks_nothing_in_the_publisher(publishe
     print(f"consumer SIGKILL trials: {CONSUMER_TRIALS} ({per_phase})")
 
 
+def _stop(pid: int, timeout: float = 30.0) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped: kill() only queues the signal,
+    and a serve thread that runs meanwhile would still answer the next request."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        if all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop within {timeout} s")
+
+
 def _get_in_thread(session: aib.Session, name: str) -> tuple[threading.Thread, list[BaseException]]:
     failures: list[BaseException] = []
 
@@ -175,7 +191,7 @@ def test_producer_sigkill_leaves_consumers_reading_and_failing_cleanly(tmp_path:
                     imported = session.get(NAMES[k])
                 held.append((k, imported, table))
             idle, blocked = sessions[-2], sessions[-1]
-            os.kill(process.pid, signal.SIGSTOP)  # the get below then waits for an answer
+            _stop(process.pid)  # the get below then waits for an answer
             thread, failures = _get_in_thread(blocked, NAMES[0])
             time.sleep(0.2)
             _kill_and_reap(process)
