@@ -98,15 +98,12 @@ def _run_consumer_kills(publisher: aib.Publisher, phases: list[str], batch: int 
                 after = settled(lambda: _publisher_state(publisher), baseline)
                 assert after == baseline, f"after a kill at phase {phase}: {after} != baseline {baseline}"
                 per_phase[phase] += 1
-                conn.close()
-                process.close()
         finally:
-            for process, conn in children:
-                if process._closed:  # type: ignore[attr-defined]
-                    continue
+            for process, conn in children:  # killed and reaped already, or left by a failure
                 if process.is_alive():
                     process.kill()
                 process.join(timeout=30)
+                process.close()
                 conn.close()
     return per_phase
 
