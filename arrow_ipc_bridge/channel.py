@@ -82,6 +82,18 @@ class Channel:
         self._frame = ffi.new("aib_frame *")
         self._result = ffi.new("aib_get_result *")
         self._err = new_error()
+        self._freed = False
+
+    def free(self) -> None:
+        """Free the C channel now, closing the descriptors of frames not yet taken (idempotent).
+
+        Only once no thread uses the channel any more (a server's ``on_close``). Without this the C
+        channel lived until the garbage collector found this object, and anything that kept it
+        reachable (a log record holding an exception whose traceback holds the serving frame) kept a
+        peer's descriptors open in this process."""
+        if not self._freed:
+            self._freed = True
+            ffi.release(self.raw)
 
     def send(
         self, kind: int, payload: bytes = b"", fds: Sequence[int] = (), *, timeout: float | None = None

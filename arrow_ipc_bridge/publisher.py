@@ -271,7 +271,7 @@ class Publisher:
                 frame = None if rc == lib.AIB_SERVE_IDLE else frame_from(raw_frame)
             if frame is None:  # silent until the handshake's deadline
                 timed_out = self._server.handshake_error()
-                _log.warning("arrow_ipc_bridge: closing session pid %s: %s", conn.peer_pid, timed_out)
+                _log.warning("arrow_ipc_bridge: closing session pid %s: %s", conn.peer_pid, str(timed_out))
                 with contextlib.suppress(BridgeError):  # the client may be gone or not reading
                     _farewell(conn, timed_out)
                 return None
@@ -284,7 +284,7 @@ class Publisher:
             except (NotPublishedError, RegionError, PublisherLimitError) as exc:  # the session may go on
                 channel.send(protocol.ERROR, protocol.encode_error(exc), timeout=SEND_TIMEOUT)
             except ProtocolError as exc:
-                _log.warning("arrow_ipc_bridge: closing session pid %s: %s", conn.peer_pid, exc)
+                _log.warning("arrow_ipc_bridge: closing session pid %s: %s", conn.peer_pid, str(exc))
                 channel.send(protocol.ERROR, protocol.encode_error(exc), timeout=SEND_TIMEOUT)
                 return None
 
@@ -314,6 +314,7 @@ class Publisher:
         if state is None:
             return
         lib.aib_server_conn_free(state.served)  # gives this session's leases back
+        state.channel.free()  # the lease table pointed at it; no thread uses it any more
         _reaper.drain()
 
     def _answer(self, state: _Served, frame: transport.Frame) -> None:

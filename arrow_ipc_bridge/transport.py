@@ -1556,12 +1556,14 @@ class Server:
         except PeerClosedError as exc:
             logger.debug("%r: connection from pid %d ended: %s", self, conn.peer_pid, exc)
         except (BridgeError, OSError) as exc:
+            # The text, not the exception: a handler that keeps log records would keep the exception's
+            # traceback, and with it the serving frames and whatever they hold (a peer's descriptors).
             logger.warning(
                 "%r: handler for pid %d failed, closing that connection: %s: %s",
                 self,
                 conn.peer_pid,
                 exc.__class__.__name__,
-                exc,
+                str(exc),
             )
         except Exception:
             logger.exception("%r: handler for pid %d raised, closing that connection", self, conn.peer_pid)
