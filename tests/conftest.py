@@ -1,5 +1,8 @@
 """Shared test configuration: hypothesis profiles and capability fixtures.
 
+Also the fixtures of the publisher/session tests (``no_leaks``, ``publisher``, ``producer`` ...; their
+parts are in ``helpers.session_rig``).
+
 Profiles: ``ci`` (default, bounded so the suite fits CI on 2 cores) and ``long`` for local runs
 (``HYPOTHESIS_PROFILE=long pytest``). GPU tests carry the ``gpu`` marker and take the
 ``cuda_device`` fixture, which skips with the reason when there is no usable CUDA GPU.
@@ -13,11 +16,23 @@ by git) replays local failures first.
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing.resource_tracker
 import os
 import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, settings
+
+import arrow_ipc_bridge as aib
+
+if TYPE_CHECKING:
+    from helpers.session_rig import ProducerRig
 
 settings.register_profile(
     "ci",
@@ -78,3 +93,98 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# --- the publisher/session tests' fixtures ------------------------------------------------------------------
+# The files that test publishers and sessions (test_round_trips.py, test_leases.py, ...) mark every test with
+# ``pytest.mark.usefixtures("no_leaks")``; ``warm`` is module-scoped, so each of those files records its own
+# baseline. The helpers are imported inside the fixtures: ``helpers.session_rig`` reads the hypothesis profile
+# when it is imported, which must be after the profile above is loaded.
+
+
+@pytest.fixture(scope="module")
+def warm() -> dict[str, int]:
+    """Open once what the library and multiprocessing keep open for the life of the process (the reaper's
+    pipe and thread, the linger thread, /proc/self/maps and pagemap, the resource tracker's pipe), then
+    record the baseline."""
+    from helpers.session_rig import FakeLingering, sample_table, snapshot, write_shm_ipc_file
+
+    from arrow_ipc_bridge import _linger
+
+    multiprocessing.resource_tracker.ensure_running()
+    _linger.watch(FakeLingering([]))  # starts the thread (it is collected right away)
+    directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-")
+    shm = write_shm_ipc_file(sample_table(100))
+    try:
+        mapped = pa.ipc.open_file(pa.memory_map(shm)).read_all()
+        with aib.Publisher(os.path.join(directory, "w.sock")) as pub:
+            pub.publish("heap", sample_table(100))
+            pub.publish("mapped", mapped)
+            with aib.connect(pub.path, timeout=10.0) as session:
+                for name in ("heap", "mapped"):
+                    with session.get(name) as imported:
+                        assert pa.table(imported).num_rows == 100
+        del mapped
+    finally:
+        os.unlink(shm)
+        shutil.rmtree(directory, ignore_errors=True)
+    return snapshot()
+
+
+@pytest.fixture
+def no_leaks(warm: dict[str, int]) -> Iterator[None]:
+    """After each test (and all its other fixtures' teardown): nothing of it is left behind."""
+    from helpers.session_rig import assert_back_to, snapshot
+
+    before = snapshot()
+    yield
+    assert_back_to(before)
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[str]:
+    """A short directory for socket files (AF_UNIX paths are limited to about 107 bytes)."""
+    directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-")
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def publisher(sock_dir: str) -> Iterator[aib.Publisher]:
+    """A publisher in this process on a socket in ``sock_dir``; it must end with no lease held."""
+    pub = aib.Publisher(os.path.join(sock_dir, "pub.sock"))
+    yield pub
+    pub.close()
+    assert pub.active_leases == 0
+
+
+@pytest.fixture
+def producer(sock_dir: str) -> Iterator[ProducerRig]:
+    """A producer child (spawn) with its own Publisher, connected to a Publisher in this process."""
+    from helpers.session_rig import ProducerChild, ProducerRig
+
+    upstream = aib.Publisher(os.path.join(sock_dir, "up.sock"))
+    path = os.path.join(sock_dir, "child.sock")
+    child = ProducerChild(path, upstream.path)
+    session = None
+    try:
+        session = aib.connect(path, timeout=10.0)
+        yield ProducerRig(child, upstream, path, session)
+    finally:
+        if session is not None:
+            session.close()
+        child.stop()
+        upstream.close()
+        assert upstream.active_leases == 0
+
+
+@pytest.fixture
+def shm_file() -> Iterator[tuple[str, pa.Table]]:
+    """A two-batch sample table written as an Arrow IPC file in /dev/shm (memory-mappable): (path, table)."""
+    from helpers.session_rig import sample_table, write_shm_ipc_file
+
+    table = sample_table(4000, batches=2)
+    path = write_shm_ipc_file(table)
+    yield path, table
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

@@ -9,7 +9,7 @@ from typing import Any
 import nanoarrow as na
 import pyarrow as pa
 import pytest
-from arrow_strategies import (
+from helpers.arrow_strategies import (
     ALL_KINDS,
     LEAF_KINDS,
     NESTED_KINDS,

@@ -10,7 +10,7 @@ import nanoarrow.device
 import polars as pl
 import pyarrow as pa
 import pytest
-from arrow_strategies import arrow_arrays, assert_arrays_equal, record_batches, tables
+from helpers.arrow_strategies import arrow_arrays, assert_arrays_equal, record_batches, tables
 from hypothesis import given
 
 from arrow_ipc_bridge._ffi import ffi, lib

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-import wire_craft as wc
-from arrow_strategies import arrow_arrays, assert_arrays_equal
+from helpers import wire_craft as wc
+from helpers.arrow_strategies import arrow_arrays, assert_arrays_equal
 from hypothesis import given
 
 import arrow_ipc_bridge as aib
@@ -489,7 +489,7 @@ def test_fuzz_corpus_replays_through_the_python_import() -> None:
     result = subprocess.run(
         [
             sys.executable,
-            str(TESTS / "fuzz_decoder.py"),
+            str(TESTS / "helpers" / "fuzz_decoder.py"),
             "--corpus",
             str(TESTS.parent / "fuzz" / "decoder" / "corpus"),
         ],
@@ -505,7 +505,7 @@ def test_fuzz_corpus_replays_through_the_python_import() -> None:
 @pytest.mark.gpu
 def test_cuda_bounds_check_reads_the_device(cuda_device: int) -> None:
     """A device copy of hostile offsets is rejected at "bounds" through device-to-host reads."""
-    from cuda_helpers import write_device
+    from helpers.cuda_helpers import write_device
 
     from arrow_ipc_bridge.content_check import cuda_reader
     from arrow_ipc_bridge.cuda.pointers import mem_alloc, mem_free

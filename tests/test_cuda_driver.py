@@ -32,8 +32,8 @@ from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
-import cuda_helpers
 import pytest
+from helpers import cuda_helpers
 
 from arrow_ipc_bridge import cuda
 from arrow_ipc_bridge.cuda import _declarations, _driver, devices, pools
@@ -281,7 +281,7 @@ def test_cdef_enums_carry_the_same_values() -> None:
 
 def test_every_called_driver_function_is_declared() -> None:
     """Each ``lib.cuX`` the package calls is declared in the cdef -- ABI mode would only fail at call time.
-    Every declared one is called, by the package or by the tests' helpers (``cuda_helpers.py``)."""
+    Every declared one is called, by the package or by the tests' helpers (``helpers/cuda_helpers.py``)."""
     modules = [*sorted(Path(cuda.__file__).parent.glob("*.py")), Path(cuda_helpers.__file__)]
     source = "\n".join(module.read_text() for module in modules)
     called = set(re.findall(r"\blib\.(cu\w+)", source))

@@ -16,10 +16,10 @@ import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-import cuda_helpers
 import pyarrow as pa
 import pytest
-from arrow_strategies import TYPE_KINDS, arrow_arrays, assert_arrays_equal
+from helpers import cuda_helpers
+from helpers.arrow_strategies import TYPE_KINDS, arrow_arrays, assert_arrays_equal
 from hypothesis import HealthCheck, given, settings
 
 import arrow_ipc_bridge as aib
@@ -62,7 +62,7 @@ def publisher(cuda_device: int) -> Iterator[aib.Publisher]:
 @pytest.fixture
 def consumer(publisher: aib.Publisher) -> Iterator[Any]:
     """A consumer process serving get + to_host requests for names the test publishes."""
-    import gpu_children
+    from helpers import gpu_children
 
     parent, child = _CTX.Pipe()
     process = _CTX.Process(target=gpu_children.consumer_loop, args=(str(publisher.path), child))
@@ -83,7 +83,7 @@ def consumer(publisher: aib.Publisher) -> Iterator[Any]:
 
 def _start_cupy_producer(rows: int) -> tuple[str, Any, Any]:
     """A producer process publishing CuPy columns ("cupy") and a pool-backed batch ("pool"), ready."""
-    import gpu_children
+    from helpers import gpu_children
 
     path = _socket_path()
     parent, child = _CTX.Pipe()
@@ -163,7 +163,7 @@ class _LingerConsumer:
     """A consumer process (gpu_children.consumer_loop) with its own pool_linger."""
 
     def __init__(self, path: str, pool_linger: float) -> None:
-        import gpu_children
+        from helpers import gpu_children
 
         self.parent, child = _CTX.Pipe()
         self.process = _CTX.Process(target=gpu_children.consumer_loop, args=(path, child, pool_linger))
@@ -429,7 +429,7 @@ def test_consumer_sees_final_data_of_a_running_kernel(publisher: aib.Publisher, 
     """The producer's kernel is still running when the message is sent; a cuDF-style consumer waits
     on sync_event on its own stream and reads the final values, never the stale ones. Once that
     kernel is done, a re-get's struct carries no event (nothing to wait for), same values."""
-    import gpu_children
+    from helpers import gpu_children
 
     spin = cupy.RawKernel(
         r"""
@@ -490,7 +490,7 @@ def test_producer_exit_leaves_consumer_data_valid(cuda_device: int, cupy: Any) -
 
 def test_killed_consumer_gives_its_leases_back(cuda_device: int, cupy: Any) -> None:
     """A consumer holding a device lease is SIGKILLed: the producer's lease count returns to 0."""
-    import gpu_children
+    from helpers import gpu_children
 
     path, parent, producer = _start_cupy_producer(100)
     holder_parent, holder_child = _CTX.Pipe()
@@ -723,7 +723,7 @@ def test_evicted_legacy_handle_stays_open_for_its_arrays(cuda_device: int, cupy:
 def test_gpu_is_named_by_uuid_not_ordinal(cuda_device: int) -> None:
     """A producer that numbers the GPUs differently (CUDA_VISIBLE_DEVICES swapped) publishes from its
     device 0; the consumer maps the UUID to its own ordinal (1), opens the data there, and reads it."""
-    import gpu_children
+    from helpers import gpu_children
 
     from arrow_ipc_bridge import cuda
 

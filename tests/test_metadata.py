@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-import wire_craft as wc
-from arrow_strategies import arrow_arrays, assert_arrays_equal, record_batches, tables
-from golden_cases import GOLDEN_CASES, GOLDEN_DIR, placed_message
+from helpers import wire_craft as wc
+from helpers.arrow_strategies import arrow_arrays, assert_arrays_equal, record_batches, tables
+from helpers.golden_cases import GOLDEN_CASES, GOLDEN_DIR, placed_message
 from hypothesis import given
 
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
@@ -83,7 +83,7 @@ def test_message_is_compact() -> None:
 @pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
 def test_golden_messages_are_stable(name: str) -> None:
     """Encoding the golden data gives the checked-in bytes: a format change is deliberate
-    (regenerate with tests/golden_cases.py, bump the wire version, update docs/wire-format.md)."""
+    (regenerate with tests/helpers/golden_cases.py, bump the wire version, update docs/wire-format.md)."""
     golden = (GOLDEN_DIR / f"{name}.bin").read_bytes()
     assert golden[4:6] == bytes(WIRE_VERSION), "golden files were written by another wire version"
     assert placed_message(GOLDEN_CASES[name]()) == golden
@@ -321,7 +321,7 @@ def test_decoder_fuzz_in_subprocess() -> None:
     content check is read in full by pyarrow over regions ending at a guard page."""
     iterations = os.environ.get("AIB_FUZZ_ITERATIONS", "30000")
     result = subprocess.run(
-        [sys.executable, str(TESTS / "fuzz_decoder.py"), iterations, "12345"],
+        [sys.executable, str(TESTS / "helpers" / "fuzz_decoder.py"), iterations, "12345"],
         capture_output=True,
         text=True,
         timeout=600,

@@ -1,8 +1,8 @@
 """Mutation fuzzer for the message decoder and the content checks, run in a subprocess so a crash
 fails the calling test.
 
-    python tests/fuzz_decoder.py ITERATIONS SEED
-    python tests/fuzz_decoder.py --corpus DIRECTORY
+    python tests/helpers/fuzz_decoder.py ITERATIONS SEED
+    python tests/helpers/fuzz_decoder.py --corpus DIRECTORY
 
 Seeds are the golden messages and the libFuzzer corpus (``fuzz/decoder/corpus``: a 2-byte message
 length, the message, then its regions' bytes); each iteration truncates, flips bits, splices,
@@ -37,8 +37,8 @@ from arrow_ipc_bridge.content_check import check_content
 from arrow_ipc_bridge.errors import BridgeError, WireFormatError
 from arrow_ipc_bridge.metadata import Decoded
 
-GOLDEN = Path(__file__).parent / "golden"
-CORPUS = Path(__file__).parent.parent / "fuzz" / "decoder" / "corpus"
+GOLDEN = Path(__file__).parent.parent / "golden"
+CORPUS = Path(__file__).parent.parent.parent / "fuzz" / "decoder" / "corpus"
 _BACKING_BYTES = 1 << 16
 _PAGE = mmap.PAGESIZE
 MAX_FDS = int(lib.AIB_MAX_FDS)

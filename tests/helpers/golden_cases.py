@@ -1,6 +1,6 @@
 """Deterministic messages checked into tests/golden/: a change to the wire format shows up as a diff.
 
-``python tests/golden_cases.py`` rewrites the files. Do that only together with a wire-version bump
+``python tests/helpers/golden_cases.py`` rewrites the files. Do that only together with a wire-version bump
 and a docs/wire-format.md change (test_metadata checks the version in the files).
 """
 
@@ -22,7 +22,7 @@ from arrow_ipc_bridge.metadata import (
     Region,
 )
 
-GOLDEN_DIR = Path(__file__).parent / "golden"
+GOLDEN_DIR = Path(__file__).parent.parent / "golden"
 
 
 def placed_message(obj: object) -> bytes:

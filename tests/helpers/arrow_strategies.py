@@ -1,6 +1,6 @@
 """Hypothesis strategies that generate arbitrary Apache Arrow data with pyarrow.
 
-Import from tests as ``from arrow_strategies import ...`` (pytest puts ``tests/`` on ``sys.path``).
+Import from tests as ``from helpers.arrow_strategies import ...`` (pytest puts ``tests/`` on ``sys.path``).
 
 Public API
 ----------

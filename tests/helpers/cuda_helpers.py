@@ -1,8 +1,8 @@
 """CUDA driver helpers only the tests use: the current context, device memory info, writing device memory.
 
 They call the driver layer's own checked entry points (``arrow_ipc_bridge.cuda._driver``), so a failure
-reads as it would in the library. Import as ``import cuda_helpers`` (pytest puts ``tests/`` on
-``sys.path``).
+reads as it would in the library. Import as ``from helpers import cuda_helpers`` (pytest puts ``tests/``
+on ``sys.path``).
 """
 
 from __future__ import annotations

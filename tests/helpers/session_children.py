@@ -1,9 +1,9 @@
-"""Child-process entry points for ``tests/test_session.py``.
+"""Child-process entry points for the publisher/session tests (``tests/test_*.py`` using ``session_rig``).
 
 They live in an importable module so that ``multiprocessing``'s "spawn" start method (and plain
-``subprocess`` runs with ``tests/`` on ``PYTHONPATH``) can find them. Each child talks to the test
-process over a simple channel (a ``multiprocessing`` pipe, a socketpair or stdout) and exits 0 when
-it was asked to stop cleanly.
+``subprocess`` runs with ``tests/`` on ``PYTHONPATH``) can find them as ``helpers.session_children``.
+Each child talks to the test process over a simple channel (a ``multiprocessing`` pipe, a socketpair
+or stdout) and exits 0 when it was asked to stop cleanly.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def from_ipc(kind: str, data: bytes) -> pa.Array | pa.RecordBatch | pa.Table:
 def _import_test_types() -> None:
     # The tests' extension type must be registered here too, so that IPC data carrying it is rebuilt
     # as that type (tests/ is on sys.path: spawn copies the parent's, subprocess gets PYTHONPATH).
-    import arrow_strategies  # noqa: F401
+    from helpers import arrow_strategies  # noqa: F401
 
 
 # --- a long-lived producer, driven over a multiprocessing pipe ----------------------------------------------

@@ -1,0 +1,176 @@
+"""The steady state in the C core: re-gets of an unchanged publication are imported from the
+remembered message (by bytes and files), ``forget`` drops them, the number remembered is bounded,
+and churn across threads or a descriptor on remembered bytes takes the checked path.
+
+Every test runs under the ``no_leaks`` fixture (tests/conftest.py): open descriptors, the C core's
+live owners, struct nodes and mappings, the reaper's pending callbacks and this process's threads
+return to what they were before the test.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pyarrow as pa
+import pytest
+from helpers.session_rig import JOIN_S, FakePublisher, fd_count, null_batch, wait_for
+
+import arrow_ipc_bridge as aib
+from arrow_ipc_bridge import protocol
+from arrow_ipc_bridge._ffi import lib
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+def test_remembered_message_is_imported_by_the_c_core(publisher: aib.Publisher) -> None:
+    """The second and later gets of an unchanged publication are imported by aib_session_get (counted in
+    ``remembered_gets``): same data, a lease per get, each given back on release."""
+    expected = null_batch(16, 1000)
+    publisher.publish("t", expected)
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        for i in range(50):
+            with session.get("t") as imported:
+                assert publisher.active_leases == 1
+                assert session.remembered_gets == i
+                schema, array = imported.__arrow_c_device_array__()
+                got = pa.RecordBatch._import_from_c_device_capsule(schema, array)
+                assert got.equals(expected)
+                del got, schema, array
+            assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_forget_drops_remembered_messages(publisher: aib.Publisher) -> None:
+    """forget(name) drops the message last got as name, forget() all of them: the next get is
+    imported by Python again (and remembered again). A closed session refuses; a bad pool_linger
+    is refused up front."""
+    publisher.publish("a", null_batch(2, 10))
+    publisher.publish("b", null_batch(3, 10))
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        for name in ("a", "b", "a", "b"):
+            session.get(name).release()
+        assert session.remembered_gets == 2
+        assert session.forget("a") == 1
+        assert session.forget("a") == 0  # nothing remembered under that name any more
+        assert session.forget("nobody") == 0
+        session.get("b").release()
+        assert session.remembered_gets == 3
+        session.get("a").release()  # decoded again
+        assert session.remembered_gets == 3
+        session.get("a").release()
+        assert session.remembered_gets == 4
+        assert session.forget() == 2
+        session.get("b").release()
+        assert session.remembered_gets == 4
+    with pytest.raises(aib.BridgeError, match="closed"):
+        session.forget()
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="pool_linger"):
+            aib.Session(pool_linger=bad)
+
+
+def test_remembered_messages_bounds_the_steady_state(publisher: aib.Publisher) -> None:
+    """remembered_messages is how many names' messages re-gets find remembered: three names got in
+    a cycle all hit with room for three, all miss with room for two (least recently used out
+    first), and nothing is remembered with 0. Anything but an int >= 0 is refused up front."""
+    for rows, name in enumerate(("a", "b", "c"), start=10):
+        publisher.publish(name, null_batch(2, rows))  # three different messages
+    for room, hits in ((3, 3), (2, 0), (0, 0)):
+        with aib.connect(publisher.path, timeout=5.0, remembered_messages=room) as session:
+            for name in ("a", "b", "c", "a", "b", "c"):
+                session.get(name).release()
+            assert session.remembered_gets == hits, room
+            assert len(session._resolved) == min(room, 3)
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="remembered_messages"):
+            aib.Session(remembered_messages=bad)  # type: ignore[arg-type]
+
+
+def test_host_messages_are_remembered_by_bytes_and_files(publisher: aib.Publisher) -> None:
+    """A host table's re-gets are imported by the C core (the descriptors that come with the answer are
+    the files the remembered message mapped: closed, nothing leaks). The same bytes with other files
+    (another table of the same shape) take the Python path and read their own data, and the name's old
+    message is dropped."""
+    a = pa.record_batch({"x": pa.array([1, 2, 3]), "s": pa.array(["a", None, "c"])})
+    b = pa.record_batch({"x": pa.array([4, 5, 6]), "s": pa.array(["d", None, "f"])})
+    assert aib.export(a).message == aib.export(b).message  # same shape, same bytes: only the files differ
+    publisher.publish("t", a)
+    base_fds = fd_count()
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        for _ in range(50):
+            with session.get("t") as imported:
+                assert pa.record_batch(imported).equals(a)
+        assert session.remembered_gets == 49
+        assert wait_for(lambda: fd_count() <= base_fds + 2, 2.0)  # the session's socket and template file
+        publisher.publish("t", b)
+        with session.get("t") as imported:
+            assert pa.record_batch(imported).equals(b)
+        assert session.remembered_gets == 49
+        assert len(session._resolved) == 1  # a's message went when the name got b
+        with session.get("t") as imported:
+            assert pa.record_batch(imported).equals(b)
+        assert session.remembered_gets == 50
+        # import_message checks the files the same way
+        exported_a, exported_b = aib.export(a), aib.export(b)
+        try:
+            for exported, expected in ((exported_a, a), (exported_b, b), (exported_a, a)):
+                with session.import_message(exported.message, exported.fds) as imported:
+                    assert pa.record_batch(imported).equals(expected)
+        finally:
+            exported_a.close()
+            exported_b.close()
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_remembered_messages_churn_across_threads(publisher: aib.Publisher) -> None:
+    """More distinct messages than the session remembers, fetched by four threads of one session: every
+    get returns the right data, the C mirror never holds more than the limit, and nothing leaks."""
+    batches = {f"n{k}": null_batch(3, 10 + k) for k in range(5)}
+    for name, batch in batches.items():
+        publisher.publish(name, batch)
+    with aib.connect(publisher.path, timeout=10.0) as session:
+        session._resolved_max = 2
+        errors: list[BaseException] = []
+
+        def worker(seed: int) -> None:
+            try:
+                for i in range(60):
+                    name = f"n{(seed + i * (seed + 1)) % 5}"
+                    with session.get(name) as imported:
+                        assert pa.record_batch(imported).equals(batches[name])
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(JOIN_S)
+        assert errors == []
+        assert lib.aib_import_cache_count(session._import_cache) <= 2
+        assert session.remembered_gets > 0
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_remembered_bytes_with_a_descriptor_take_the_checked_path(sock_dir: str) -> None:
+    """A publisher that sends a remembered message again but with a descriptor attached: the C core does
+    not import it (only descriptor-free answers are), the Python path does and closes the descriptor."""
+    message = aib.export(null_batch(2, 5)).message
+    r, w = os.pipe()
+    try:
+        replies: list[tuple[int, bytes, list[int]] | None] = [
+            (protocol.ITEM, protocol.encode_item(1, message), []),
+            (protocol.ITEM, protocol.encode_item(2, message), []),
+            (protocol.ITEM, protocol.encode_item(3, message), [r]),
+        ]
+        fake = FakePublisher(os.path.join(sock_dir, "f.sock"), replies=replies)
+        with fake, aib.connect(fake.path, timeout=5.0) as session:
+            for lease in (1, 2, 3):
+                with session.get("x") as imported:
+                    assert pa.record_batch(imported).num_rows == 5
+                assert fake.releases.get(timeout=5.0) == lease
+            assert session.remembered_gets == 1
+    finally:
+        os.close(r)
+        os.close(w)
