@@ -34,7 +34,7 @@ from arrow_ipc_bridge.errors import (
     RegionError,
 )
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
-from arrow_ipc_bridge.memory.host_map import HostMappingCache
+from arrow_ipc_bridge.host.mappings import HostMappingCache
 from arrow_ipc_bridge.metadata import (
     REGION_CUDA_LEGACY,
     REGION_CUDA_POOL,
