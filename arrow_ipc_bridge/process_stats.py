@@ -8,13 +8,13 @@ so calling it in a process that never used CUDA keeps CUDA untouched.
 
 from __future__ import annotations
 
-import os
-import threading
+import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from arrow_ipc_bridge.host.counters import HostStats, host_stats
 
-__all__ = ["BridgeStats", "HostStats", "CudaStats", "SessionStats", "stats"]
+__all__ = ["BridgeStats", "HostStats", "CudaStats", "SessionStats", "stats", "import_counters"]
 
 
 @dataclass(frozen=True)
@@ -56,23 +56,24 @@ class BridgeStats:
     session: SessionStats
 
 
-_session_lock = threading.Lock()
-_session_counts: dict[str, int] = dict.fromkeys(SessionStats.__dataclass_fields__, 0)
+class _ImportCounters(NamedTuple):
+    """One counter per import path of :class:`SessionStats` (the same names, in the same order)."""
+
+    remembered_gets: itertools.count[int]
+    new_message_gets: itertools.count[int]
+    python_imports: itertools.count[int]
+    python_remembered_imports: itertools.count[int]
 
 
-def _after_fork_in_child() -> None:
-    # A parent thread may have held the lock at the fork; the child's copy would stay locked.
-    global _session_lock
-    _session_lock = threading.Lock()
+# The session counts with ``next(import_counters.PATH)``: one C call, atomic under the GIL and several times
+# cheaper than taking a lock, which matters on the remembered-get path (the steady state, some tens of us per
+# get). A fork child inherits the counts, as it inherits the host and CUDA ones.
+import_counters = _ImportCounters(*(itertools.count() for _ in SessionStats.__dataclass_fields__))
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def count_import(path: str) -> None:
-    """Count one import that a session made by ``path`` (a :class:`SessionStats` field)."""
-    with _session_lock:
-        _session_counts[path] += 1
+def _read(counter: itertools.count[int]) -> int:
+    # repr ("count(N)") is the one way to read an itertools.count without advancing it.
+    return int(repr(counter)[len("count(") : -1])
 
 
 def _cuda_section() -> CudaStats:
@@ -91,6 +92,5 @@ def stats() -> BridgeStats:
     pool imports, sync events; ``session``: imports by path (C core with a remembered message, C core with
     a new one, Python). docs/api.md lists every field. Reading the counters never loads the CUDA driver.
     """
-    with _session_lock:
-        session = SessionStats(**_session_counts)
+    session = SessionStats(*(_read(counter) for counter in import_counters))
     return BridgeStats(host=host_stats(), cuda=_cuda_section(), session=session)

@@ -14,6 +14,7 @@ import pytest
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge.cuda import cuda_stats
+from arrow_ipc_bridge.process_stats import import_counters
 
 
 def delta(before: object, after: object) -> dict[str, int]:
@@ -52,6 +53,11 @@ def test_record_is_frozen_typed_and_counts_only_ints() -> None:
             value = getattr(section, field.name)
             assert type(value) is int, (field.name, value)
             assert value >= 0, (field.name, value)
+
+
+def test_session_section_reads_every_import_counter() -> None:
+    """The counters the session advances and the section's fields are the same, in the same order."""
+    assert import_counters._fields == tuple(f.name for f in dataclasses.fields(aib.SessionStats))
 
 
 def test_cuda_section_has_every_cuda_counter() -> None:
