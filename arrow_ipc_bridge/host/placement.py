@@ -64,6 +64,7 @@ __all__ = [
 ]
 
 COPY_POLICIES: Final = ("never", "if_needed", "always")
+# A zero-copy region is announced sealed when its file carries these (the consumer checks the same bits).
 _CONTENT_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 _ADDRESS_LIMIT: Final = 1 << 64
 
