@@ -12,6 +12,9 @@ Consumer::
 
 Bring your own channel: ``aib.export(obj)`` gives ``.message`` and ``.fds``;
 ``aib.Session().import_message(message, fds)`` imports them.
+
+Every process-wide counter (bytes copied, regions mapped, imports by path, CUDA handle opens, ...):
+``aib.stats()``.
 """
 
 from arrow_ipc_bridge._version import __version__
@@ -41,7 +44,9 @@ from arrow_ipc_bridge.errors import (
     WireFormatError,
 )
 from arrow_ipc_bridge.exporter import Exported, ExportStats, export
+from arrow_ipc_bridge.host import SharedHostBuffer, allocate_shared
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream
+from arrow_ipc_bridge.process_stats import BridgeStats, CudaStats, HostStats, SessionStats, stats
 from arrow_ipc_bridge.publisher import Publisher
 from arrow_ipc_bridge.session import Session, connect
 
@@ -52,6 +57,8 @@ __all__ = [
     "export",
     "Exported",
     "ExportStats",
+    "allocate_shared",
+    "SharedHostBuffer",
     # consumer
     "connect",
     "Session",
@@ -63,6 +70,12 @@ __all__ = [
     "from_cuda_array",
     "from_cuda_arrays",
     "column_view",
+    # counters
+    "stats",
+    "BridgeStats",
+    "HostStats",
+    "CudaStats",
+    "SessionStats",
     # errors
     "BridgeError",
     "BridgeTimeoutError",

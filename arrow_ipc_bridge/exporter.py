@@ -14,7 +14,7 @@ from typing import Literal
 
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA, CapturedData, capture
 from arrow_ipc_bridge.errors import BridgeError
-from arrow_ipc_bridge.memory.host import HostExport, export_host_buffers
+from arrow_ipc_bridge.host.placement import HostExport, export_host_buffers
 from arrow_ipc_bridge.metadata import (
     REGION_FLAG_SEALED,
     REGION_FLAG_ZERO_COPY,
@@ -200,7 +200,7 @@ def export(
     copy
         ``"never"``: raise :class:`~arrow_ipc_bridge.errors.CopyRequiredError` unless every buffer
         already lives in shareable memory; ``"if_needed"`` (default): copy what must be copied into
-        one sealed memfd (counted in ``Exported.stats`` and ``memory.host.host_stats()``);
+        one sealed memfd (counted in ``Exported.stats`` and ``aib.stats().host``);
         ``"always"``: copy everything.
     pool_fds
         Attach the fd of each IPC-enabled memory pool the data lives in (default), so that a

@@ -33,8 +33,8 @@ from arrow_ipc_bridge.errors import (
     ProtocolError,
     RegionError,
 )
+from arrow_ipc_bridge.host.mappings import HostMappingCache
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
-from arrow_ipc_bridge.memory.host_map import HostMappingCache
 from arrow_ipc_bridge.metadata import (
     REGION_CUDA_LEGACY,
     REGION_CUDA_POOL,
@@ -45,6 +45,7 @@ from arrow_ipc_bridge.metadata import (
     DeviceInfo,
     Region,
 )
+from arrow_ipc_bridge.process_stats import import_counters
 
 __all__ = ["Session", "connect"]
 
@@ -268,6 +269,7 @@ class Session:
         if name is not None and not template_kept:
             self._forget_replaced(name, message)
         self._imported.add(imported)
+        next(import_counters.python_imports)
         return imported
 
     def _forget_replaced(self, name: str, message: bytes) -> None:
@@ -323,6 +325,7 @@ class Session:
             decoded.close()
             raise
         self._imported.add(imported)
+        next(import_counters.python_remembered_imports)
         return imported
 
     def _map_host_regions(self, decoded: Decoded, fds: Sequence[int], template: Decoded) -> list[int]:
@@ -688,6 +691,7 @@ class Session:
             return self._adopt_new(imported_now, frame, name)
         if fast is not None:
             self.remembered_gets += 1
+            next(import_counters.remembered_gets)
             decoded, hit, address, sync_slot = fast
             imported: Imported = hit.imported_type.adopt(
                 decoded,
@@ -750,6 +754,7 @@ class Session:
             owner_address=address,
         )
         self.new_message_gets += 1
+        next(import_counters.new_message_gets)
         self._imported.add(imported)
         self._forget_replaced(name, message)
         if self._resolved_max and self._got_again(name, message):

@@ -213,7 +213,7 @@ def producer_main(conn: Any, path: str, names: list[str], rows: int) -> None:
 def resource_counts() -> dict[str, int]:
     """Open fds, threads (Python's and the kernel's) and mappings of bridge memfds in this process.
 
-    The bridge's copied regions are memfds named ``aib-*`` (``memory/host.py``); a mapping of one that
+    The bridge's copied regions are memfds named ``aib-*`` (``host/sealed_copy.py``); a mapping of one that
     outlives every lease on it is a leak, as is a descriptor or a thread.
     """
     import threading

@@ -24,8 +24,7 @@ import pytest
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import protocol, transport
 from arrow_ipc_bridge.errors import RegionError
-from arrow_ipc_bridge.memory import host
-from arrow_ipc_bridge.memory.host import SharedHostBuffer, allocate_shared, export_host_buffers
+from arrow_ipc_bridge.host import SharedHostBuffer, allocate_shared, export_host_buffers, shared_alloc
 
 PAGE = mmap.PAGESIZE
 UNPRIVILEGED_UID = 65534  # "nobody" on most distributions; only its lack of privilege matters
@@ -276,14 +275,14 @@ def test_kernel_without_future_write_seal_is_refused(monkeypatch: pytest.MonkeyP
     """Where the kernel refuses the seal (EINVAL, as before Linux 5.1), allocate_shared raises RegionError
     naming the copy policy as the way out, and leaks no fd, mapping or registry entry."""
     # A seal bit no kernel knows makes this kernel answer EINVAL exactly as an old one answers the write seal.
-    monkeypatch.setattr(host, "_SHARED_SEALS", host._SHARED_SEALS | 0x4000)
+    monkeypatch.setattr(shared_alloc, "_SHARED_SEALS", shared_alloc._SHARED_SEALS | 0x4000)
     gc.collect()
     fds_before = len(os.listdir("/proc/self/fd"))
-    registered_before = len(host._registry)
+    registered_before = len(shared_alloc._registry)
     with pytest.raises(RegionError, match="F_SEAL_FUTURE_WRITE") as info:
         allocate_shared(PAGE, name="aib-test-unsealable")
     assert "copy='if_needed'" in str(info.value)
     with open("/proc/self/maps") as maps:
         assert "aib-test-unsealable" not in maps.read()
     assert len(os.listdir("/proc/self/fd")) == fds_before
-    assert len(host._registry) == registered_before
+    assert len(shared_alloc._registry) == registered_before

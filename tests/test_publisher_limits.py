@@ -34,7 +34,7 @@ from arrow_ipc_bridge.errors import (
     ProtocolError,
     UnreadAnswersError,
 )
-from arrow_ipc_bridge.memory.host import SharedHostBuffer, allocate_shared
+from arrow_ipc_bridge.host import SharedHostBuffer, allocate_shared
 
 SPAWN = multiprocessing.get_context("spawn")
 NOBODY = 65534

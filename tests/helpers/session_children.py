@@ -238,15 +238,15 @@ def concurrent_miss_main(ipc_path: str) -> None:
     be left. Prints ``ok``; any failure exits non-zero."""
     import threading
 
-    from arrow_ipc_bridge.memory import host_map
+    from arrow_ipc_bridge.host import mappings
 
-    real_map = host_map.map_host_region
+    real_map = mappings.map_host_region
 
     def slow_map(fd: int, region: Any) -> Any:
         time.sleep(0.2)  # both threads are past the cache lookup before either inserts
         return real_map(fd, region)
 
-    host_map.map_host_region = slow_map  # type: ignore[assignment]
+    mappings.map_host_region = slow_map  # type: ignore[assignment]
 
     table = pa.ipc.open_file(pa.memory_map(ipc_path)).read_all()
     with aib.export(table, copy="never") as exported:

@@ -1,4 +1,4 @@
-"""Consumer side of host regions: map a received file descriptor read-only, once, safely.
+"""The consumer's host regions: map a received file descriptor read-only, once, safely; cache the mappings.
 
 The mapping is owned by a C owner record (``aib_owner_new_mapping``): it is unmapped when the last
 array built on it is released, from whatever thread releases it. Before mapping we check the file is
@@ -20,6 +20,7 @@ from typing import Any
 
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.errors import RegionError
+from arrow_ipc_bridge.host.counters import _count
 from arrow_ipc_bridge.metadata import REGION_FLAG_SEALED, Region
 
 __all__ = ["MappedRegion", "map_host_region", "HostMappingCache"]
@@ -81,6 +82,7 @@ def map_host_region(fd: int, region: Region) -> MappedRegion:
     owner = lib.aib_owner_new_mapping(0, fd, region.file_offset, region.size, address, error)
     if owner == ffi.NULL:
         raise RegionError(f"mmap of a {region.size}-byte region failed: {os.strerror(error[0])}")
+    _count(regions_mapped=1, bytes_mapped=region.size)
     key = (st.st_dev, st.st_ino, region.file_offset, region.size)
     return MappedRegion(int(ffi.cast("uintptr_t", address[0])), owner, key)
 
@@ -112,6 +114,7 @@ class HostMappingCache:
                     self._entries.move_to_end(key)
                     lib.aib_owner_ref(hit.owner)
                     self.hits += 1
+                    _count(mapping_cache_hits=1)
                     return hit
         mapped = map_host_region(fd, region)  # outside the lock: mmap of a large file is not instant
         if cacheable:

@@ -1,4 +1,5 @@
-"""Tests of the producer side of host-memory regions (arrow_ipc_bridge.memory.host)."""
+"""Tests of the producer side of host-memory regions (arrow_ipc_bridge.host: placement, proc_maps, reopen,
+sealed_copy, shared_alloc)."""
 
 from __future__ import annotations
 
@@ -20,15 +21,20 @@ import pyarrow as pa
 import pytest
 
 from arrow_ipc_bridge.errors import CopyRequiredError, RegionError, ReleasedError
-from arrow_ipc_bridge.memory import host
-from arrow_ipc_bridge.memory.host import (
+from arrow_ipc_bridge.host import (
+    F_SEAL_FUTURE_WRITE,
     FULL_SEALS,
     HostExport,
     HostRegion,
+    Placement,
     allocate_shared,
     export_host_buffers,
     find_shared_mapping,
     host_stats,
+    proc_maps,
+    reopen,
+    sealed_copy,
+    shared_alloc,
 )
 
 PAGE = mmap.PAGESIZE
@@ -77,8 +83,8 @@ def memory_at(address: int, nbytes: int) -> bytes:
 def fd_count() -> int:
     """Open fds of this process, settled: garbage collected, and the module's two long-lived /proc fds
     (maps for PROCMAP_QUERY, pagemap) already open, so only fds an export leaks make a difference."""
-    host._maps_file.fd()
-    host._pagemap_file.fd()
+    proc_maps._maps_file.fd()
+    proc_maps._pagemap_file.fd()
     gc.collect()
     return len(os.listdir("/proc/self/fd"))
 
@@ -346,10 +352,10 @@ def test_allocate_shared_array_exports_zero_copy_without_reading_proc() -> None:
                 == fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
             )
             assert not region.sealed  # the owner may still write: not write-sealed...
-            assert region.seals & host.F_SEAL_FUTURE_WRITE  # ...but only through its own mapping
+            assert region.seals & F_SEAL_FUTURE_WRITE  # ...but only through its own mapping
             assert fcntl.fcntl(region.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
             assert region.fd != shared.fd
-            assert export.placements[1] == host.Placement(0, 800)
+            assert export.placements[1] == Placement(0, 800)
             assert placed_bytes(export, 0, n * 8) == arr.buffers()[1].to_pybytes()[: n * 8]
         after = host_stats()
         assert after.maps_queries == before.maps_queries
@@ -366,12 +372,12 @@ def test_buffers_in_separate_mappings_get_separate_regions() -> None:
         pairs = [(b.address, 5), (heap.address, heap.size), (a.address + 2 * PAGE + 5, 5), (a.address + 7, 1)]
         with export_host_buffers(pairs) as export:
             assert [r.zero_copy for r in export.regions] == [True, True, False]
-            assert export.placements[0] == host.Placement(0, 0)
+            assert export.placements[0] == Placement(0, 0)
             # Region 1 starts at the page holding its lowest buffer (a + 7 -> a's first page).
             assert export.regions[1].file_offset == 0
-            assert export.placements[2] == host.Placement(1, 2 * PAGE + 5)
-            assert export.placements[3] == host.Placement(1, 7)
-            assert export.placements[1] == host.Placement(2, 0)
+            assert export.placements[2] == Placement(1, 2 * PAGE + 5)
+            assert export.placements[3] == Placement(1, 7)
+            assert export.placements[1] == Placement(2, 0)
             assert export.copied_bytes == heap.size
             assert placed_bytes(export, 2, 5) == b"AAAAA"
             assert placed_bytes(export, 0, 5) == b"BBBBB"
@@ -379,7 +385,7 @@ def test_buffers_in_separate_mappings_get_separate_regions() -> None:
         with export_host_buffers([(a.address + 2 * PAGE + 5, 5)]) as export:
             # Only the last page is needed: the region starts at a page-aligned file offset inside the file.
             assert export.regions[0].file_offset == 2 * PAGE
-            assert export.placements[0] == host.Placement(0, 5)
+            assert export.placements[0] == Placement(0, 5)
             assert placed_bytes(export, 0, 5) == b"AAAAA"
 
 
@@ -503,7 +509,7 @@ def test_private_copy_on_write_pages_are_not_shared(shm_ipc_file: str) -> None:
 
 def test_memfd_mapping_via_fd_table_when_map_files_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the capability to open map_files, a mapped memfd is reopened through this process's open fd."""
-    monkeypatch.setattr(host, "_map_files_open_ok", False)
+    monkeypatch.setattr(reopen, "_map_files_open_ok", False)
     data = os.urandom(3 * PAGE)
     with mapped_memfd("aib-test-memfd", data) as (address, fd):
         before = host_stats()
@@ -519,7 +525,7 @@ def test_memfd_mapping_via_fd_table_when_map_files_refused(monkeypatch: pytest.M
 
 def test_memfd_mapping_without_fd_is_copied_when_map_files_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """A memfd mapped after its fd was closed cannot be reopened without map_files: copied, or refused."""
-    monkeypatch.setattr(host, "_map_files_open_ok", False)
+    monkeypatch.setattr(reopen, "_map_files_open_ok", False)
     data = os.urandom(PAGE)
     with mapped_memfd("aib-test-orphan", data, keep_fd=False) as (address, _):
         with export_host_buffers([(address, PAGE)]) as export:
@@ -548,8 +554,8 @@ def test_memfd_mapping_without_fd_uses_map_files_when_permitted() -> None:
 @pytest.fixture
 def text_maps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Force the parsed-text lookup, as on a kernel without PROCMAP_QUERY, with an empty cache."""
-    monkeypatch.setattr(host, "_procmap_query_ok", False)
-    monkeypatch.setattr(host, "_maps_text", host._MapsText())
+    monkeypatch.setattr(proc_maps, "_procmap_query_ok", False)
+    monkeypatch.setattr(proc_maps, "_maps_text", proc_maps._MapsText())
 
 
 @pytest.mark.usefixtures("text_maps")
@@ -579,7 +585,7 @@ def test_text_maps_parsed_once_then_cached(shm_ipc_file: str) -> None:
 @pytest.mark.usefixtures("text_maps")
 def test_text_maps_stale_cache_never_exports_the_replaced_file(monkeypatch: pytest.MonkeyPatch) -> None:
     """A cached mapping replaced at its address by a same-named memfd is detected: the new bytes go out."""
-    monkeypatch.setattr(host, "_map_files_open_ok", False)  # the hard case: only the fd table can reopen
+    monkeypatch.setattr(reopen, "_map_files_open_ok", False)  # the hard case: only the fd table can reopen
     old_data, new_data = b"O" * (2 * PAGE), b"N" * (2 * PAGE)
     with mapped_memfd("aib-same-name", old_data) as (address, old_fd):
         with export_host_buffers([(address, 100)], copy="never") as export:
@@ -667,7 +673,7 @@ def test_empty_and_null_buffers_get_no_placement() -> None:
     heap = pa.py_buffer(b"payload")
     with export_host_buffers([(0, 0), (heap.address, 0), (heap.address, heap.size)]) as export:
         assert export.placements[:2] == [None, None]
-        assert export.placements[2] == host.Placement(0, 0)
+        assert export.placements[2] == Placement(0, 0)
     for policy in ("never", "if_needed", "always"):
         with export_host_buffers([(0, 0), (12345, 0)], copy=policy) as export:
             assert export.regions == []
@@ -781,7 +787,7 @@ def test_shared_buffer_outlives_close_while_pyarrow_uses_it() -> None:
         assert placed_bytes(export, 0, 5) == b"alive"
     del data
     gc.collect()
-    assert host._registry_lookup(address, 1) is None  # unregistered, unmapped and its fd closed
+    assert shared_alloc._registry_lookup(address, 1) is None  # unregistered, unmapped and its fd closed
     assert find_shared_mapping(address, 5) is None
 
 
@@ -815,8 +821,8 @@ class _ShortWritingLibc:
 
 def test_short_pwritev_is_resumed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A short pwritev (the kernel caps one call at 0x7ffff000 bytes) is finished buffer by buffer."""
-    fake = _ShortWritingLibc(host._libc)
-    monkeypatch.setattr(host, "_libc", fake)
+    fake = _ShortWritingLibc(sealed_copy._libc)
+    monkeypatch.setattr(sealed_copy, "_libc", fake)
     bufs = [pa.py_buffer(bytes([i]) * (100 + i)) for i in range(5)]
     with export_host_buffers([(b.address, b.size) for b in bufs], copy="always") as export:
         for i, b in enumerate(bufs):

@@ -1,0 +1,223 @@
+"""``allocate_shared``: bridge-owned memfd memory that exports zero-copy, its registry and its write seal.
+
+The registry (start address -> memfd) lets the producer's placement recognise this memory without reading
+/proc; the seals (shrink, grow, future write) make the owner's one writable mapping the only way to write it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import errno
+import fcntl
+import mmap
+import operator
+import os
+import threading
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final
+
+from arrow_ipc_bridge.errors import RegionError, ReleasedError
+from arrow_ipc_bridge.host._system import _MAP_FAILED, _PAGE, _align_up, _ffi, _libc
+from arrow_ipc_bridge.host.counters import _count
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["SharedHostBuffer", "allocate_shared", "F_SEAL_FUTURE_WRITE"]
+
+# F_SEAL_FUTURE_WRITE (Linux 5.1; <linux/fcntl.h> 0x0010, missing from the fcntl module before Python 3.12):
+# write(), fallocate hole punching and *new* writable shared mappings fail with EPERM for every fd of the
+# file, while mappings that already exist stay writable.
+F_SEAL_FUTURE_WRITE: Final = int(getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010))
+# allocate_shared() memory: the size is fixed (a consumer's mapping can never SIGBUS from a truncation) and
+# the owner's one writable mapping, made before the seal, is the only way to write it. Any holder of an fd
+# can reopen a memfd read-write through /proc/PID/fd (its inode is mode 0777, whatever the uid), so without
+# the write seal every consumer could change the data under the producer and the other consumers.
+# F_SEAL_SEAL is left off so a later "freeze" can add F_SEAL_WRITE once the owner's mapping is gone.
+_SHARED_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
+
+
+@dataclass(frozen=True)
+class _Registered:
+    start: int
+    end: int
+    fd: int
+    dev: int
+    inode: int
+
+
+# RLock: the ffi.gc destructor that unregisters a buffer may run from garbage collection in a thread that is
+# inside a registry lookup; a plain Lock would deadlock there.
+_registry_lock = threading.RLock()
+_registry_starts: list[int] = []
+_registry: dict[int, _Registered] = {}
+
+
+def _after_fork_in_child() -> None:
+    # A parent thread may have held the lock at the fork; the child's copy would stay locked. (The
+    # registered buffers stay: the child inherited their mappings.) Other modules take the lock as
+    # ``shared_alloc._registry_lock``, never a copy of the name, so they see the replacement.
+    global _registry_lock
+    _registry_lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _registry_lookup(address: int, nbytes: int) -> _Registered | None:
+    with _registry_lock:
+        k = bisect.bisect_right(_registry_starts, address) - 1
+        if k < 0:
+            return None
+        entry = _registry.get(_registry_starts[k])
+    if entry is None or address + nbytes > entry.end:
+        return None
+    return entry
+
+
+def _release_shared(start: int, length: int, fd: int, _cdata: Any) -> None:
+    """ffi.gc destructor of a SharedHostBuffer's memory: unregister, unmap, close. Must never raise."""
+    with _registry_lock:
+        if _registry.pop(start, None) is not None:
+            del _registry_starts[bisect.bisect_left(_registry_starts, start)]
+    _libc.munmap(_ffi.cast("void *", start), length)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+class SharedHostBuffer:
+    """A bridge-owned memfd mapping (``MAP_SHARED``, writable by its owner) whose contents export zero-copy.
+
+    Fill it through :meth:`view` or wrap it with :meth:`as_pyarrow` and build arrays on it. The memory stays
+    mapped while any view or pyarrow buffer made from it is alive: :meth:`close` only drops this owner's
+    reference, so closing can never leave an array pointing at unmapped memory.
+
+    The memfd is sealed against shrink and grow, so a consumer's mapping can never SIGBUS, and with
+    ``F_SEAL_FUTURE_WRITE``: the mapping made at allocation (behind :meth:`view` and :meth:`as_pyarrow`) is
+    the only way to write it. ``write()`` on :attr:`fd`, new writable mappings and hole punching fail with
+    ``EPERM`` for every process, this one included, so no consumer can change the data (a consumer can
+    reopen the memfd read-write through /proc, memfd inodes being mode 0777, but cannot write through it).
+    The owner's writes stay visible to consumers: the memory is shared, not frozen.
+    """
+
+    def __init__(self, keeper: Any, address: int, size: int, fd: int) -> None:
+        self._keeper: Any = keeper  # the ffi.gc cdata whose collection unmaps the memory
+        self._address = address
+        self._size = size
+        self._fd = fd
+
+    def _live(self) -> Any:
+        if self._keeper is None:
+            raise ReleasedError("the SharedHostBuffer is closed")
+        return self._keeper
+
+    @property
+    def address(self) -> int:
+        self._live()
+        return self._address
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def fd(self) -> int:
+        """The memfd (borrowed: do not close it; exports reopen it read-only)."""
+        self._live()
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._keeper is None
+
+    def view(self) -> memoryview:
+        """A writable memoryview of the memory; it keeps the mapping alive."""
+        return memoryview(_ffi.buffer(self._live(), self._size))
+
+    def as_pyarrow(self) -> pa.Buffer:
+        """The memory as a ``pyarrow.Buffer`` (zero-copy); it keeps the mapping alive."""
+        import pyarrow as pa  # lazy: exporting works without importing pyarrow
+
+        return pa.foreign_buffer(self._address, self._size, base=self._live())
+
+    def close(self) -> None:
+        """Drop the owner's reference; idempotent. Unmapped once no view or pyarrow buffer uses it."""
+        self._keeper = None
+
+    def __enter__(self) -> SharedHostBuffer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"at {self._address:#x}, fd {self._fd}"
+        return f"<SharedHostBuffer {self._size} bytes {state}>"
+
+
+def allocate_shared(nbytes: int, *, name: str = "aib") -> SharedHostBuffer:
+    """Allocate ``nbytes`` of zero-filled shared memory that :func:`export_host_buffers` shares zero-copy.
+
+    ``name`` labels the memfd (it shows as ``/memfd:NAME`` in /proc/PID/maps of both processes).
+
+    Write the memory through the result's :meth:`~SharedHostBuffer.view` or
+    :meth:`~SharedHostBuffer.as_pyarrow`; nothing else can write it, consumers included (see
+    :class:`SharedHostBuffer`).
+
+    A zero-copy export hands consumers an fd on the *whole* allocation, not only the buffers published: a
+    consumer can read every byte of it, including bytes never published (stale data, other arrays built
+    in the same allocation). Give data that must not reach a consumer an allocation of its own, or export
+    with ``copy="always"``, which sends a sealed copy of the published bytes alone.
+
+    Raises :class:`RegionError` for a size that is not positive, a bad name, or a kernel without
+    ``F_SEAL_FUTURE_WRITE`` (before Linux 5.1): memory that consumers could write is never handed out.
+    """
+    nbytes = operator.index(nbytes)
+    if nbytes <= 0:
+        raise RegionError(f"allocate_shared needs a positive size, got {nbytes}", nbytes=nbytes)
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except (OSError, ValueError) as exc:  # EINVAL: name over 249 bytes; ValueError: embedded NUL
+        raise RegionError(f"memfd_create({name!r}) failed: {exc}", field="name") from exc
+    length = _align_up(nbytes, _PAGE)
+    pointer = _MAP_FAILED
+    try:
+        os.ftruncate(fd, nbytes)
+        st = os.fstat(fd)
+        pointer = _libc.mmap(_ffi.NULL, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if pointer == _MAP_FAILED:
+            code = _ffi.errno
+            raise RegionError(f"mmap of {nbytes} shared bytes failed: {os.strerror(code)}", nbytes=nbytes)
+        _seal_shared(fd)  # after the mmap: from now on no new writable mapping can be made
+    except BaseException:
+        if pointer != _MAP_FAILED:
+            _libc.munmap(pointer, length)
+        os.close(fd)
+        raise
+    address = int(_ffi.cast("uintptr_t", pointer))
+    entry = _Registered(address, address + nbytes, fd, st.st_dev, st.st_ino)
+    with _registry_lock:
+        _registry[address] = entry
+        bisect.insort(_registry_starts, address)
+    keeper = _ffi.gc(_ffi.cast("char *", pointer), lambda cdata: _release_shared(address, length, fd, cdata))
+    _count(shared_allocations=1)
+    return SharedHostBuffer(keeper, address, nbytes, fd)
+
+
+def _seal_shared(fd: int) -> None:
+    """Add _SHARED_SEALS; RegionError (no fallback) on a kernel without F_SEAL_FUTURE_WRITE (before 5.1)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SHARED_SEALS)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise RegionError(f"sealing the shared memfd failed: {exc}") from exc
+        raise RegionError(
+            f"this kernel ({os.uname().release}) does not support F_SEAL_FUTURE_WRITE (Linux 5.1+): "
+            "allocate_shared memory could not be protected against writes by its consumers, so it is "
+            "refused; build the data in ordinary memory and export it with copy='if_needed' or 'always' "
+            "(a sealed, counted copy)"
+        ) from exc

@@ -1,0 +1,96 @@
+"""Every process-wide counter of the bridge in one typed, frozen record: :func:`stats` (``aib.stats()``).
+
+The counters live where they are kept -- :mod:`arrow_ipc_bridge.host.counters` (host placement and mappings),
+:mod:`arrow_ipc_bridge.cuda._state` and the C core (CUDA) -- except the session's import paths, which no
+single session owns and so are counted here. :func:`stats` only reads them: it never loads the CUDA driver,
+so calling it in a process that never used CUDA keeps CUDA untouched.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from arrow_ipc_bridge.host.counters import HostStats, host_stats
+
+__all__ = ["BridgeStats", "HostStats", "CudaStats", "SessionStats", "stats", "import_counters"]
+
+
+@dataclass(frozen=True)
+class CudaStats:
+    """This process's CUDA counters since import (producer and consumer sides both count)."""
+
+    copied_bytes: int = 0  # device bytes copied into the bridge's IPC pool by copy policy
+    copies: int = 0  # device-to-device copies made by copy policy
+    legacy_opens: int = 0  # cuIpcOpenMemHandle calls (legacy CUDA IPC handles opened)
+    legacy_hits: int = 0  # legacy handles found open already (no driver call)
+    pool_imports: int = 0  # IPC memory pools imported (cuMemPoolImportFromShareableHandle)
+    pool_pointer_imports: int = 0  # pointers imported from IPC pools
+    pool_kept_hits: int = 0  # pool allocations found imported already (a kept slab)
+    pool_fd_requests: int = 0  # pool fds asked of a producer (consumer side)
+    pool_fds_served: int = 0  # pool fds sent to consumers that asked (producer side)
+    same_process: int = 0  # regions and events resolved in the process that exported them
+    c_imports: int = 0  # new messages the C core imported over handles already open here
+    c_legacy_hits: int = 0  # open handles (legacy or kept pool slabs) those C imports used
+    sync_events_pending: int = 0  # imported structs handed out with the producer's event still pending
+    sync_events_complete: int = 0  # imported structs whose event had completed (sync_event NULL)
+
+
+@dataclass(frozen=True)
+class SessionStats:
+    """How this process's sessions imported what they received, by path, since import."""
+
+    remembered_gets: int = 0  # gets of a remembered message, imported by the C core (the steady state)
+    new_message_gets: int = 0  # gets of a message not remembered, imported by the C core all the same
+    python_imports: int = 0  # imports decoded and mapped (or opened) in Python: first sight of a message
+    python_remembered_imports: int = 0  # imports in Python that reused a remembered decode and mapping
+
+
+@dataclass(frozen=True)
+class BridgeStats:
+    """A snapshot of every process-wide counter of the bridge, one section per part (see :func:`stats`)."""
+
+    host: HostStats
+    cuda: CudaStats
+    session: SessionStats
+
+
+class _ImportCounters(NamedTuple):
+    """One counter per import path of :class:`SessionStats` (the same names, in the same order)."""
+
+    remembered_gets: itertools.count[int]
+    new_message_gets: itertools.count[int]
+    python_imports: itertools.count[int]
+    python_remembered_imports: itertools.count[int]
+
+
+# The session counts with ``next(import_counters.PATH)``: one C call, atomic under the GIL and several times
+# cheaper than taking a lock, which matters on the remembered-get path (the steady state, some tens of us per
+# get). A fork child inherits the counts, as it inherits the host and CUDA ones.
+import_counters = _ImportCounters(*(itertools.count() for _ in SessionStats.__dataclass_fields__))
+
+
+def _read(counter: itertools.count[int]) -> int:
+    # repr ("count(N)") is the one way to read an itertools.count without advancing it.
+    return int(repr(counter)[len("count(") : -1])
+
+
+def _cuda_section() -> CudaStats:
+    # Imported here, not at module level: ``import arrow_ipc_bridge`` does not import the CUDA modules.
+    # Importing them loads no driver, and cuda_stats() reads Python and C-core counters only.
+    from arrow_ipc_bridge.cuda._state import cuda_stats
+
+    return CudaStats(**cuda_stats())
+
+
+def stats() -> BridgeStats:
+    """Every process-wide counter of the bridge since import, as one frozen record.
+
+    ``host``: host-memory placement (bytes copied, zero-copy regions, /proc lookups, shared allocations)
+    and mappings of received regions; ``cuda``: device copies by policy, IPC handle opens and cache hits,
+    pool imports, sync events; ``session``: imports by path (C core with a remembered message, C core with
+    a new one, Python). docs/api.md lists every field. Reading the counters never loads the CUDA driver.
+    """
+    session = SessionStats(*(_read(counter) for counter in import_counters))
+    return BridgeStats(host=host_stats(), cuda=_cuda_section(), session=session)
