@@ -9,14 +9,13 @@
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import pyarrow as pa
 
 from arrow_ipc_bridge import _reaper
-from arrow_ipc_bridge._ffi import ffi, lib
+from arrow_ipc_bridge._ffi import dlpack_capsule, ffi, lib
 from arrow_ipc_bridge.capsules import (
     DEVICE_CPU,
     DEVICE_CUDA,
@@ -24,6 +23,7 @@ from arrow_ipc_bridge.capsules import (
     capsule_struct,
     capture,
     export_captured,
+    owner_address,
 )
 from arrow_ipc_bridge.errors import BridgeError, RegionError
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
@@ -292,9 +292,6 @@ def _to_pyarrow(source: ImportedArray | ImportedStream) -> pa.Array | pa.RecordB
 
 _DLPACK_CODES = {"i": 0, "u": 1, "f": 2}  # kDLInt, kDLUInt, kDLFloat
 _DLPACK_CPU, _DLPACK_CUDA = 1, 2
-_api = ctypes.pythonapi
-_api.PyCapsule_New.restype = ctypes.py_object
-_api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
 
 
 class ColumnView:
@@ -350,8 +347,8 @@ class ColumnView:
 
             cuda.stream_wait_event(stream, self._event, device=self._device_id)
         typestr = self._typestr
-        tensor = lib.aib_dlpack_new(
-            self._owner,
+        return dlpack_capsule(
+            owner_address(self._owner),
             self._pointer,
             self.__dlpack_device__()[0],
             self.__dlpack_device__()[1],
@@ -359,15 +356,6 @@ class ColumnView:
             int(typestr[2:]) * 8,
             self._length,
         )
-        if tensor == ffi.NULL:
-            raise MemoryError("allocating a DLPack tensor")
-        address = int(ffi.cast("uintptr_t", tensor))
-        name = int(ffi.cast("uintptr_t", lib.aib_dlpack_capsule_name()))
-        try:
-            return _api.PyCapsule_New(address, name, lib.aib_dlpack_capsule_destructor())
-        except BaseException:
-            tensor.deleter(tensor)
-            raise
 
 
 def column_view(imported: ImportedArray, column: int | str = 0, *, stream: int | None = None) -> ColumnView:

@@ -125,21 +125,22 @@ int aib_array_move_to_device(struct ArrowArray *src, struct ArrowDeviceArray *ds
 #define AIB_CAPSULE_STREAM 3
 #define AIB_CAPSULE_DEVICE_STREAM 4
 const char *aib_capsule_name(int kind);          /* static storage, e.g. "arrow_device_array" */
-uintptr_t aib_capsule_destructor(int kind);      /* address of the PyCapsule destructor for kind */
 
-/* The address of PyObject *make_function(int which, PyObject *bound_to) (py_capsules.c), to be
- * called through ctypes with the GIL held: a builtin function object.
- *   AIB_PY_DEVICE_ARRAY_CAPSULES  f(message, owner address) -> (schema, device array) capsules of
- *                                 the owner's batch 0, or None when the owner cannot build them;
- *                                 raises bound_to (an exception class) when message (the Decoded
- *                                 holding the owner) is closed
- *   AIB_PY_ARRAY_CAPSULES         f(message, owner address) -> (schema, array) capsules, likewise
- *   AIB_PY_CAPSULE_ADDRESS        f(capsule) -> the struct's address when the capsule is of kind
- *                                 bound_to (an int, AIB_CAPSULE_*), else 0 */
-#define AIB_PY_DEVICE_ARRAY_CAPSULES 0
-#define AIB_PY_ARRAY_CAPSULES 1
-#define AIB_PY_CAPSULE_ADDRESS 2
-uintptr_t aib_py_function_maker(void);
+/* Every capsule is made, read and destroyed in py_capsules.c, through builtin function objects that
+ * take and return Python objects (cffi cannot). aib_py_install, called once with the name of an
+ * imported module (arrow_ipc_bridge._ffi), sets them on it as attributes:
+ *   new_struct_capsule(kind)     -> (capsule owning a zeroed struct of kind AIB_CAPSULE_*, its address)
+ *   capsule_address[kind](obj)   -> the struct's address when obj is a capsule of kind, else 0
+ *   capsule_name(obj)            -> the name a capsule carries (bytes), None for anything else
+ *   device_array_capsules(message, owner address)
+ *                                -> (schema, device array) capsules of the owner's batch 0, or None
+ *                                   when the owner cannot build them; ReleasedError when message
+ *                                   (the Decoded holding the owner) is closed
+ *   array_capsules(message, owner address) -> (schema, array) capsules, likewise
+ *   dlpack_capsule(owner address, data, device type, device id, code, bits, length)
+ *                                -> a "dltensor" capsule over a 1-D tensor holding a reference on owner
+ * Returns 0, or -1 after reporting the Python error as unraisable (out of memory, no such module). */
+int aib_py_install(const char *module_name);
 
 /* Deep copy of a schema tree into dst (dst gets its own release). */
 int aib_schema_copy(const struct ArrowSchema *src, struct ArrowSchema *dst, aib_error *err);
@@ -183,12 +184,6 @@ typedef struct DLManagedTensor {
   void (*deleter)(struct DLManagedTensor *self);
 } DLManagedTensor;
 
-DLManagedTensor *aib_dlpack_new(aib_owner *owner, uint64_t data, int32_t device_type, int32_t device_id,
-                                uint8_t code, uint8_t bits, int64_t length);
-/* Destructor for a "dltensor" PyCapsule: runs the deleter unless a consumer took the tensor
- * (renamed the capsule "used_dltensor"). */
-uintptr_t aib_dlpack_capsule_destructor(void);
-const char *aib_dlpack_capsule_name(void);
 
 /* ---------- layout rules ----------------------------------------------------------------------- */
 #define AIB_KIND_NULL 1

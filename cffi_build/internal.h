@@ -47,6 +47,11 @@ static inline uint64_t aib_load_u64le(const uint8_t *p) {
 /* FNV-1a over bytes (8 at a time), for the core's hash tables (import_cache.c, serve.c). */
 uint64_t aib_hash_bytes(const uint8_t *p, size_t n);
 
+/* A 1-D DLPack managed tensor over data that holds a reference on owner; its deleter drops it.
+ * NULL when out of memory. py_capsules.c wraps it in a "dltensor" capsule. */
+DLManagedTensor *aib_dlpack_new(aib_owner *owner, uint64_t data, int32_t device_type, int32_t device_id,
+                                uint8_t code, uint8_t bits, int64_t length);
+
 /* Sets the reaper token of an owner nobody else references yet. */
 void aib_owner_set_token(aib_owner *owner, uint64_t token);
 

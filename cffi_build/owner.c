@@ -1,5 +1,5 @@
 /* Ownership in the C core: owners (reference-counted lifetime records), the reaper queue that tells
- * Python an owner died, struct allocation and moves, PyCapsule destructors, and the struct trees
+ * Python an owner died, struct allocation and moves, and the struct trees
  * the core hands out (shared arrays, copied schemas, served streams).
  *
  * Rules (docs/c-core.md):
@@ -12,8 +12,6 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
-#include <Python.h>
-
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -407,44 +405,6 @@ int aib_array_move_to_device(struct ArrowArray *src, struct ArrowDeviceArray *ds
   dst->device_type = ARROW_DEVICE_CPU;
   dst->device_id = -1;
   return AIB_OK;
-}
-
-/* ---------- PyCapsule destructors --------------------------------------------------------------
- * They run with the GIL held (CPython calls them from capsule deallocation). The capsule may have
- * been renamed "used_<name>" by a consumer that moved the struct out; we look the pointer up under
- * whatever name it carries now and release only a struct that still holds data. */
-static void *capsule_pointer(PyObject *capsule) {
-  const char *name = PyCapsule_GetName(capsule);
-  void *p = PyCapsule_GetPointer(capsule, name);
-  if (p == NULL) PyErr_Clear();
-  return p;
-}
-static void destroy_schema_capsule(PyObject *c) { aib_schema_free(capsule_pointer(c)); }
-static void destroy_array_capsule(PyObject *c) { aib_array_free(capsule_pointer(c)); }
-static void destroy_device_array_capsule(PyObject *c) { aib_device_array_free(capsule_pointer(c)); }
-static void destroy_stream_capsule(PyObject *c) { aib_stream_free(capsule_pointer(c)); }
-static void destroy_device_stream_capsule(PyObject *c) { aib_device_stream_free(capsule_pointer(c)); }
-
-const char *aib_capsule_name(int kind) {
-  switch (kind) {
-    case AIB_CAPSULE_SCHEMA: return "arrow_schema";
-    case AIB_CAPSULE_ARRAY: return "arrow_array";
-    case AIB_CAPSULE_DEVICE_ARRAY: return "arrow_device_array";
-    case AIB_CAPSULE_STREAM: return "arrow_array_stream";
-    case AIB_CAPSULE_DEVICE_STREAM: return "arrow_device_array_stream";
-    default: return NULL;
-  }
-}
-
-uintptr_t aib_capsule_destructor(int kind) {
-  switch (kind) {
-    case AIB_CAPSULE_SCHEMA: return (uintptr_t)&destroy_schema_capsule;
-    case AIB_CAPSULE_ARRAY: return (uintptr_t)&destroy_array_capsule;
-    case AIB_CAPSULE_DEVICE_ARRAY: return (uintptr_t)&destroy_device_array_capsule;
-    case AIB_CAPSULE_STREAM: return (uintptr_t)&destroy_stream_capsule;
-    case AIB_CAPSULE_DEVICE_STREAM: return (uintptr_t)&destroy_device_stream_capsule;
-    default: return 0;
-  }
 }
 
 /* ---------- schema copies ----------------------------------------------------------------------- */
@@ -876,13 +836,3 @@ DLManagedTensor *aib_dlpack_new(aib_owner *owner, uint64_t data, int32_t device_
   b->tensor.deleter = dlpack_delete;
   return &b->tensor;
 }
-
-static void destroy_dlpack_capsule(PyObject *capsule) {
-  /* A consumer that took the tensor renamed the capsule "used_dltensor" and owns it now. */
-  if (!PyCapsule_IsValid(capsule, "dltensor")) return;
-  DLManagedTensor *t = PyCapsule_GetPointer(capsule, "dltensor");
-  if (t != NULL && t->deleter != NULL) t->deleter(t);
-}
-
-uintptr_t aib_dlpack_capsule_destructor(void) { return (uintptr_t)&destroy_dlpack_capsule; }
-const char *aib_dlpack_capsule_name(void) { return "dltensor"; }
