@@ -17,8 +17,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from arrow_ipc_bridge._deferred_close import DeferredClose
 from arrow_ipc_bridge import _ffi
+from arrow_ipc_bridge._deferred_close import DeferredClose
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.errors import BridgeError, CapsuleError, ReleasedError
 

@@ -52,6 +52,9 @@ uint64_t aib_hash_bytes(const uint8_t *p, size_t n);
 DLManagedTensor *aib_dlpack_new(aib_owner *owner, uint64_t data, int32_t device_type, int32_t device_id,
                                 uint8_t code, uint8_t bits, int64_t length);
 
+/* The driver's cuEventQuery as set by aib_cuda_set_driver (cuda_batch.c), or 0. */
+uintptr_t aib_cuda_event_query(void);
+
 /* Sets the reaper token of an owner nobody else references yet. */
 void aib_owner_set_token(aib_owner *owner, uint64_t token);
 

@@ -327,7 +327,6 @@ def test_buffer_description_asks_once_per_allocation() -> None:
         n_infos = ffi.new("size_t *")
         attributes = ffi.new("int[]", n_attributes)
         rc = lib.aib_cuda_describe_buffers(
-            int(ffi.cast("uintptr_t", get_attributes)),
             attributes,
             n_attributes,
             3,
@@ -342,6 +341,20 @@ def test_buffer_description_asks_once_per_allocation() -> None:
         bases = [int(infos[k * n_attributes + 3]) for k in range(int(n_infos[0]))]
         return rc, bases, [int(allocation_of[i]) for i in range(n)] if rc == 0 else []
 
+    real = _driver._DRIVER.lib
+    lib.aib_cuda_set_driver(ffi.new("aib_cuda_driver *"))  # no driver: the loop refuses to run
+    assert describe([(0x1000, 16)])[0] == 3  # CUDA_ERROR_NOT_INITIALIZED
+    lib.aib_cuda_set_driver(
+        ffi.new("aib_cuda_driver *", {"pointer_get_attributes": int(ffi.cast("uintptr_t", get_attributes))})
+    )
+    try:
+        _describe_with_stand_in(describe, asked)
+    finally:  # the driver's own functions (or none) back
+        restore = _driver.core_driver_table(real, _driver._DRIVER.ffi) if real is not None else None
+        lib.aib_cuda_set_driver(restore if restore is not None else ffi.new("aib_cuda_driver *"))
+
+
+def _describe_with_stand_in(describe: Any, asked: list[int]) -> None:
     buffers = [(0x1000, 16), (0x1100, 16), (0x1FF0, 16), (0x3000, 0x80), (0x3080, 0x80)]
     assert describe(buffers) == (0, [0x1000, 0x3000], [0, 0, 0, 1, 1])
     assert asked == [0x1000, 0x3000]
