@@ -188,6 +188,7 @@ def core_driver_table(lib: Any, ffi: Any) -> Any:
 
     The one way driver functions reach C: their addresses, handed over once with ``aib_cuda_set_driver``.
     """
+
     def address(function: Any) -> int:
         return int(ffi.cast("uintptr_t", function))
 

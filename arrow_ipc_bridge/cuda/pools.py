@@ -342,7 +342,7 @@ class ImportedPool(_DriverResource):
                 _handle_bytes(data, "export_data")  # names the bad one
         blob = b"".join(export_datas)
         n = len(export_datas)
-        _, ffi = _api()
+        lib, ffi = _api()
         out = _core_ffi.new("uint64_t[]", max(n, 1))
         done = _core_ffi.new("size_t *")
         # The loop runs in the C core (cffi_build/cuda_batch.c): per pointer only the driver's call.
