@@ -15,7 +15,7 @@ Bring your own channel: ``aib.export(obj)`` gives ``.message`` and ``.fds``;
 """
 
 from arrow_ipc_bridge._version import __version__
-from arrow_ipc_bridge.device import column_view, from_cuda_array, from_cuda_arrays, to_device, to_host
+from arrow_ipc_bridge.device import column_view, from_cuda_array, from_cuda_arrays, to_device
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -41,7 +41,7 @@ from arrow_ipc_bridge.errors import (
     WireFormatError,
 )
 from arrow_ipc_bridge.exporter import Exported, ExportStats, export
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream
+from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, to_host
 from arrow_ipc_bridge.publisher import Publisher
 from arrow_ipc_bridge.session import Session, connect
 

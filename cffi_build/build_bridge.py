@@ -16,7 +16,9 @@ from cffi import FFI
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 C_SOURCES = [
+    "base.c",
     "owner.c",
+    "struct_trees.c",
     "layout.c",
     "wire.c",
     "content_check.c",

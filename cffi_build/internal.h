@@ -55,6 +55,13 @@ DLManagedTensor *aib_dlpack_new(aib_owner *owner, uint64_t data, int32_t device_
 /* The driver's cuEventQuery as set by aib_cuda_set_driver (cuda_batch.c), or 0. */
 uintptr_t aib_cuda_event_query(void);
 
+/* The owner takes decoded over and frees it with release when it dies (AIB_E_STATE when it holds
+ * one already). wire.c's aib_owner_attach_decoded passes the decoder's release, so that owner.c,
+ * below the decoder, never calls into it. */
+int aib_owner_hold_decoded(aib_owner *owner, aib_decoded *decoded, void (*release)(aib_decoded *));
+/* A capture owner's producer schema and device arrays (n returned); *schema NULL for other owners. */
+int64_t aib_owner_capture(aib_owner *owner, const struct ArrowSchema **schema, struct ArrowDeviceArray ***arrays);
+
 /* Sets the reaper token of an owner nobody else references yet. */
 void aib_owner_set_token(aib_owner *owner, uint64_t token);
 

@@ -812,6 +812,10 @@ void aib_decoded_release_internal(aib_decoded *d) {
   free(d->regions);
   free(d);
 }
+
+int aib_owner_attach_decoded(aib_owner *owner, aib_decoded *decoded) {
+  return aib_owner_hold_decoded(owner, decoded, aib_decoded_release_internal);
+}
 void aib_decoded_free(aib_decoded *d) { aib_decoded_release_internal(d); }
 
 int aib_decode(const uint8_t *message, size_t length, uint32_t n_fds, uint32_t options, aib_decoded **out,
