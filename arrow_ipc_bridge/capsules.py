@@ -15,18 +15,22 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast, runtime_checkable
 
 from arrow_ipc_bridge import _ffi
 from arrow_ipc_bridge._deferred_close import DeferredClose
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.errors import BridgeError, CapsuleError, ReleasedError
 
+if TYPE_CHECKING:
+    from typing_extensions import CapsuleType
+
 __all__ = [
     "ArrowArrayExportable",
     "ArrowDeviceArrayExportable",
     "ArrowStreamExportable",
     "ArrowDeviceStreamExportable",
+    "ArrowInput",
     "ArrowExporter",
     "ArrowArrayExporter",
     "CapturedData",
@@ -69,6 +73,15 @@ class ArrowDeviceStreamExportable(Protocol):
     def __arrow_c_device_stream__(
         self, requested_schema: object | None = None, **kwargs: object
     ) -> object: ...
+
+
+ArrowInput: TypeAlias = (
+    "ArrowDeviceArrayExportable | ArrowArrayExportable | ArrowDeviceStreamExportable | ArrowStreamExportable"
+    " | tuple[CapsuleType, CapsuleType] | CapsuleType"
+)
+"""What :func:`capture` (and so ``export``, ``Publisher.publish``, ``to_device``) accepts: any
+producer of the Arrow PyCapsule interface (tried in the order listed), a ``(schema, array)`` or
+``(schema, device array)`` capsule pair, or a stream capsule."""
 
 
 # ---------- capsules of the core -------------------------------------------------------------------
@@ -264,7 +277,7 @@ def _stream_call(stream: Any, rc: int, what: str) -> None:
         raise BridgeError(f"the producer's stream {what} failed with errno {rc}: {detail}")
 
 
-def capture(obj: object, *, requested_schema: object | None = None) -> CapturedData:
+def capture(obj: ArrowInput, *, requested_schema: object | None = None) -> CapturedData:
     """Move the Arrow data of ``obj`` into a :class:`CapturedData` without copying buffers.
 
     Parameters
@@ -283,17 +296,21 @@ def capture(obj: object, *, requested_schema: object | None = None) -> CapturedD
     >>> captured = capture(pa.array([1, 2, 3]))
     >>> captured.close()
     """
+    # hasattr, not isinstance on the runtime-checkable protocols: a protocol check costs microseconds.
     if hasattr(obj, "__arrow_c_device_array__"):
-        schema_capsule, array_capsule = obj.__arrow_c_device_array__(requested_schema)
+        device_producer = cast(ArrowDeviceArrayExportable, obj)
+        schema_capsule, array_capsule = device_producer.__arrow_c_device_array__(requested_schema)
         return _capture_pair(schema_capsule, array_capsule, host=False)
     if hasattr(obj, "__arrow_c_array__"):
-        schema_capsule, array_capsule = obj.__arrow_c_array__(requested_schema)
+        schema_capsule, array_capsule = cast(ArrowArrayExportable, obj).__arrow_c_array__(requested_schema)
         return _capture_pair(schema_capsule, array_capsule, host=True)
     if hasattr(obj, "__arrow_c_device_stream__"):
-        schema, arrays = _drain_stream(obj.__arrow_c_device_stream__(requested_schema), device=True)
+        stream = cast(ArrowDeviceStreamExportable, obj).__arrow_c_device_stream__(requested_schema)
+        schema, arrays = _drain_stream(stream, device=True)
         return CapturedData(schema, arrays, is_stream=True)
     if hasattr(obj, "__arrow_c_stream__"):
-        schema, arrays = _drain_stream(obj.__arrow_c_stream__(requested_schema), device=False)
+        stream = cast(ArrowStreamExportable, obj).__arrow_c_stream__(requested_schema)
+        schema, arrays = _drain_stream(stream, device=False)
         return CapturedData(schema, arrays, is_stream=True)
     if isinstance(obj, tuple) and len(obj) == 2:
         host = _is_capsule(obj[1]) and _CAPSULE_ADDRESS["array"](obj[1]) != 0

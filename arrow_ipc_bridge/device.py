@@ -22,6 +22,7 @@ from arrow_ipc_bridge._ffi import dlpack_capsule, ffi, lib
 from arrow_ipc_bridge.capsules import (
     DEVICE_CPU,
     DEVICE_CUDA,
+    ArrowInput,
     CapturedArray,
     capsule_struct,
     capture,
@@ -62,7 +63,7 @@ _FORMAT_TYPESTRS = {fmt: typestr for fmt, typestr, _ in _NUMERIC_TYPES}  # "f" -
 
 
 def to_device(
-    obj: object, device: int = 0, *, allocation: Literal["pool", "legacy"] = "pool"
+    obj: ArrowInput, device: int = 0, *, allocation: Literal["pool", "legacy"] = "pool"
 ) -> ImportedArray | ImportedStream:
     """Upload host Arrow data to GPU ``device``; returns an object exporting ``__arrow_c_device_array__``.
 

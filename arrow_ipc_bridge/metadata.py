@@ -180,10 +180,6 @@ class Described:
         if rc:
             raise_for(rc, err, "setting a buffer length")
 
-    def place_all(self, region_index: int, base: int = 0) -> None:
-        """Place every unplaced buffer in one region at ``address - base``."""
-        lib.aib_described_place_all(self._d, region_index, base)
-
     def encode(self, device: DeviceInfo, regions: Sequence[Region], n_fds: int = 0) -> bytes:
         """The wire message (see docs/wire-format.md)."""
         kind = MESSAGE_STREAM if self.is_stream else MESSAGE_ARRAY

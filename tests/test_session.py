@@ -52,6 +52,7 @@ import session_children as children
 from arrow_strategies import arrow_arrays, assert_arrays_equal, record_batches, tables
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
+from wire_craft import encode_item
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import _reaper, protocol, transport
@@ -1884,9 +1885,9 @@ def test_corrupted_item_messages_raise_wire_format_error(sock_dir: str) -> None:
     ]
     replies: list[tuple[int, bytes, list[int]] | None] = []
     for lease_id, (_, _, body, item_fds, with_lease) in enumerate(cases, start=100):
-        payload = protocol.encode_item(lease_id, body) if with_lease else b"\x01\x02\x03"
+        payload = encode_item(lease_id, body) if with_lease else b"\x01\x02\x03"
         replies.append((protocol.ITEM, payload, item_fds))
-    replies.append((protocol.ITEM, protocol.encode_item(7, message), fds))  # finally a good one
+    replies.append((protocol.ITEM, encode_item(7, message), fds))  # finally a good one
     try:
         with FakePublisher(os.path.join(sock_dir, "fake.sock"), replies=replies) as fake:
             base_fds = fd_count()
@@ -1940,7 +1941,7 @@ def test_item_with_extra_fds_closes_them(sock_dir: str) -> None:
     exported = aib.export(sample_table(300))
     junk = [os.memfd_create(f"junk{i}", os.MFD_CLOEXEC) for i in range(100)]
     try:
-        item = (protocol.ITEM, protocol.encode_item(5, exported.message), [*exported.fds, *junk])
+        item = (protocol.ITEM, encode_item(5, exported.message), [*exported.fds, *junk])
         with (
             FakePublisher(os.path.join(sock_dir, "fake.sock"), replies=[item]) as fake,
             aib.connect(fake.path, timeout=5.0) as session,
@@ -2948,9 +2949,9 @@ def test_remembered_bytes_with_a_descriptor_take_the_checked_path(sock_dir: str)
     r, w = os.pipe()
     try:
         replies: list[tuple[int, bytes, list[int]] | None] = [
-            (protocol.ITEM, protocol.encode_item(1, message), []),
-            (protocol.ITEM, protocol.encode_item(2, message), []),
-            (protocol.ITEM, protocol.encode_item(3, message), [r]),
+            (protocol.ITEM, encode_item(1, message), []),
+            (protocol.ITEM, encode_item(2, message), []),
+            (protocol.ITEM, encode_item(3, message), [r]),
         ]
         fake = FakePublisher(os.path.join(sock_dir, "f.sock"), replies=replies)
         with fake, aib.connect(fake.path, timeout=5.0) as session:
@@ -2971,7 +2972,7 @@ def test_lease_ids_the_token_cannot_carry_take_the_python_path(sock_dir: str) ->
     message = aib.export(null_batch(2, 5)).message
     big = (1 << _reaper.FAMILY_VALUE_BITS) + 7
     leases = [1, 2, big, 0, (1 << 64) - 1, 3]
-    replies: list[Any] = [(protocol.ITEM, protocol.encode_item(lease, message), []) for lease in leases]
+    replies: list[Any] = [(protocol.ITEM, encode_item(lease, message), []) for lease in leases]
     fake = FakePublisher(os.path.join(sock_dir, "f.sock"), replies=replies)
     with fake, aib.connect(fake.path, timeout=5.0) as session:
         for lease in leases:
