@@ -366,6 +366,58 @@ def _describe_with_stand_in(describe: Any, asked: list[int]) -> None:
     assert describe([]) == (0, [], [])
 
 
+def test_forked_child_forgets_the_driver_table() -> None:
+    """The C core's driver functions do not survive fork: a child forked after they were handed over
+    finds none (its loops answer CUDA_ERROR_NOT_INITIALIZED, sync events are not queried), while
+    the parent keeps them. No driver needed: a stand-in takes cuPointerGetAttributes' place."""
+    from arrow_ipc_bridge._ffi import ffi, lib
+
+    @ffi.callback("int(unsigned int, int *, void **, uint64_t)")
+    def get_attributes(n: int, attributes: Any, data: Any, address: int) -> int:
+        ffi.cast("uint64_t *", data[4])[0] = 1 << 20  # the allocation's size: 1 MiB
+        return 0
+
+    def describe() -> int:
+        out = ffi.new("uint64_t[]", 9)
+        return int(
+            lib.aib_cuda_describe_buffers(
+                ffi.new("int[]", 9),
+                9,
+                3,
+                4,
+                ffi.new("uint64_t[]", [0x1000]),
+                ffi.new("uint64_t[]", [16]),
+                1,
+                out,
+                ffi.new("uint32_t[]", 1),
+                ffi.new("size_t *"),
+            )
+        )
+
+    real = _driver._DRIVER.lib
+    lib.aib_cuda_set_driver(
+        ffi.new("aib_cuda_driver *", {"pointer_get_attributes": int(ffi.cast("uintptr_t", get_attributes))})
+    )
+    try:
+        assert describe() == 0
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe
+            try:
+                os.write(write, describe().to_bytes(4, "little", signed=True))
+            finally:
+                os._exit(0)
+        os.close(write)
+        answer = os.read(read, 4)
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert int.from_bytes(answer, "little", signed=True) == 3  # CUDA_ERROR_NOT_INITIALIZED
+        assert describe() == 0  # the parent keeps its table
+    finally:
+        restore = _driver.core_driver_table(real, _driver._DRIVER.ffi) if real is not None else None
+        lib.aib_cuda_set_driver(restore if restore is not None else ffi.new("aib_cuda_driver *"))
+
+
 def test_missing_library_raises_clear_cuda_error() -> None:
     """A missing driver library raises ``CudaError("CUDA driver <lib> not found: ...")``, each time."""
     driver = _driver._Driver("libcuda-does-not-exist.so.1")
