@@ -53,11 +53,15 @@ HOST_READABLE_DEVICES = frozenset({DEVICE_CPU, int(lib.ARROW_DEVICE_CUDA_HOST)})
 
 @runtime_checkable
 class ArrowArrayExportable(Protocol):
+    """A producer of a host array or record batch (``__arrow_c_array__``: schema and array capsules)."""
+
     def __arrow_c_array__(self, requested_schema: object | None = None) -> tuple[object, object]: ...
 
 
 @runtime_checkable
 class ArrowDeviceArrayExportable(Protocol):
+    """A producer of an array on any device (``__arrow_c_device_array__``: schema and device array)."""
+
     def __arrow_c_device_array__(
         self, requested_schema: object | None = None, **kwargs: object
     ) -> tuple[object, object]: ...
@@ -65,11 +69,15 @@ class ArrowDeviceArrayExportable(Protocol):
 
 @runtime_checkable
 class ArrowStreamExportable(Protocol):
+    """A producer of a host stream of batches (``__arrow_c_stream__``: a stream capsule)."""
+
     def __arrow_c_stream__(self, requested_schema: object | None = None) -> object: ...
 
 
 @runtime_checkable
 class ArrowDeviceStreamExportable(Protocol):
+    """A producer of a stream of batches on any device (``__arrow_c_device_stream__``)."""
+
     def __arrow_c_device_stream__(
         self, requested_schema: object | None = None, **kwargs: object
     ) -> object: ...
