@@ -1,6 +1,6 @@
 """The metadata tree: describe captured data, encode it, decode and validate a message, rebuild structs.
 
-The walks and the codec are in the C core (``cffi_build/wire.c``) because they run on every hand-off
+The walks and the codec are in the C core (``cffi_build/wire_*.c``) because they run on every hand-off
 and must cost microseconds; this module is their typed Python face. ``docs/wire-format.md`` is the
 specification of the bytes.
 

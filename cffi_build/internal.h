@@ -29,7 +29,7 @@ typedef struct aib_view {
   uint64_t storage[];
 } aib_view;
 const aib_view *aib_owner_view(aib_owner *owner);
-/* Integers on the wire are little-endian whatever the host's byte order (wire.c, channel.c, serve.c,
+/* Integers on the wire are little-endian whatever the host's byte order (wire_*.c, channel.c, serve.c,
  * import_cache.c). */
 static inline void aib_store_u32le(uint8_t *p, uint32_t v) {
   for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
@@ -56,7 +56,7 @@ DLManagedTensor *aib_dlpack_new(aib_owner *owner, uint64_t data, int32_t device_
 uintptr_t aib_cuda_event_query(void);
 
 /* The owner takes decoded over and frees it with release when it dies (AIB_E_STATE when it holds
- * one already). wire.c's aib_owner_attach_decoded passes the decoder's release, so that owner.c,
+ * one already). wire_decode.c's aib_owner_attach_decoded passes the decoder's release, so that owner.c,
  * below the decoder, never calls into it. */
 int aib_owner_hold_decoded(aib_owner *owner, aib_decoded *decoded, void (*release)(aib_decoded *));
 /* A capture owner's producer schema and device arrays (n returned); *schema NULL for other owners. */

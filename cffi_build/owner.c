@@ -140,7 +140,7 @@ struct aib_owner {
   struct ArrowSchema *schema; /* capture owners */
   struct ArrowDeviceArray **arrays;
   int64_t n_arrays;
-  aib_decoded *decoded; /* owned: freed with release_decoded (the decoder's, wire.c) */
+  aib_decoded *decoded; /* owned: freed with release_decoded (the decoder's, wire_decode.c) */
   void (*release_decoded)(aib_decoded *);
   aib_decoded *shared_decoded; /* borrowed from a dependency (aib_owner_share_decoded) */
   void *host_buffer; /* host-buffer owners */

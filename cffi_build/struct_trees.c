@@ -36,7 +36,7 @@ static void release_schema_node(struct ArrowSchema *s) {
 }
 
 /* Node constructors of the schema copy and the array share (a rebuild makes a whole tree in one
- * allocation instead: wire.c). Allocates the node block and fills the strings; children and
+ * allocation instead: wire_rebuild.c). Allocates the node block and fills the strings; children and
  * dictionary are left zeroed for the caller to fill. metadata may be NULL. Returns AIB_E_NOMEM. */
 static int schema_node_init(struct ArrowSchema *dst, const char *format, size_t format_len, const char *name,
                             size_t name_len, int has_name, const char *metadata, size_t metadata_len,

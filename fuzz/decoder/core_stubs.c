@@ -1,4 +1,4 @@
-/* What wire.c needs from owner.c, without Python: the harness links the decoder, the layout rules,
+/* What the wire_*.c files need from owner.c, without Python: the harness links the decoder, the layout rules,
  * the content checks and base.c alone. Owners here only count references (the harness checks that every
  * rebuilt tree gives its references back). */
 #include <stdlib.h>
