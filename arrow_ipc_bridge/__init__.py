@@ -18,7 +18,7 @@ Every process-wide counter (bytes copied, regions mapped, imports by path, CUDA 
 """
 
 from arrow_ipc_bridge._version import __version__
-from arrow_ipc_bridge.device import column_view, from_cuda_array, from_cuda_arrays, to_device, to_host
+from arrow_ipc_bridge.device import column_view, from_cuda_array, from_cuda_arrays, to_device
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -45,7 +45,7 @@ from arrow_ipc_bridge.errors import (
 )
 from arrow_ipc_bridge.exporter import Exported, ExportStats, export
 from arrow_ipc_bridge.host import SharedHostBuffer, allocate_shared
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream
+from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, to_host
 from arrow_ipc_bridge.process_stats import BridgeStats, CudaStats, HostStats, SessionStats, stats
 from arrow_ipc_bridge.publisher import Publisher
 from arrow_ipc_bridge.session import Session, connect

@@ -3,10 +3,16 @@
 Everything else does ``from arrow_ipc_bridge._ffi import ffi, lib``. At import we check that the core
 was compiled from this package version: a stale in-place build fails loudly here instead of
 misbehaving later. ``raise_for`` turns the core's error codes into the package's exceptions.
+
+This is also the one way Python objects cross into the core. cffi passes C values only, so what takes
+or returns Python objects (every PyCapsule: made, read, destroyed) is C in ``cffi_build/py_capsules.c``
+that the core installs here at import as builtin functions (``aib_py_install``); ``capsules.py`` and
+``device.py`` call them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from arrow_ipc_bridge._version import __version__
@@ -35,7 +41,29 @@ if _core_version != __version__:  # pragma: no cover - only with a stale build
 
 WIRE_VERSION = (lib.aib_wire_version() >> 16, lib.aib_wire_version() & 0xFFFF)
 
-__all__ = ["ffi", "lib", "new_error", "raise_for", "WIRE_VERSION"]
+# Installed by the core just below (py_capsules.c says what each does; bridge.h lists them).
+new_struct_capsule: Callable[[int], tuple[object, int]]
+capsule_address: tuple[Callable[[object], int], ...]  # indexed by lib.AIB_CAPSULE_*
+capsule_name: Callable[[object], bytes | None]
+device_array_capsules: Callable[[object, int], tuple[object, object] | None]
+array_capsules: Callable[[object, int], tuple[object, object] | None]
+dlpack_capsule: Callable[[int, int, int, int, int, int, int], object]
+if lib.aib_py_install(__name__.encode()) != 0:  # pragma: no cover - only out of memory
+    raise BuildMismatchError("the C core could not install its Python functions (the error is printed above)")
+
+__all__ = [
+    "ffi",
+    "lib",
+    "new_error",
+    "raise_for",
+    "WIRE_VERSION",
+    "new_struct_capsule",
+    "capsule_address",
+    "capsule_name",
+    "device_array_capsules",
+    "array_capsules",
+    "dlpack_capsule",
+]
 
 
 def new_error() -> Any:

@@ -6,28 +6,31 @@ record keeps the producer's buffers alive until every struct handed out from it 
 (captured data here, imported data in ``session.py``): each protocol call builds fresh structs that
 share the same memory, so one object can feed pyarrow, then polars, then nanoarrow.
 
-cffi cannot pass ``PyObject*``, so the handful of capsule calls go through ``ctypes.pythonapi``; the
-destructors and the capsule names are C functions and static strings of the core. The hot ones
-(imported data's protocol calls, reading a capsule's struct) are builtin functions the core makes
-(``cffi_build/py_capsules.c``), which make or read the capsules themselves.
+Every capsule is made, read and destroyed by the core (``cffi_build/py_capsules.c``), through the
+builtin functions it installs on ``arrow_ipc_bridge._ffi``; this module names the kinds and turns
+addresses into typed cdata.
 """
 
 from __future__ import annotations
 
-import ctypes
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast, runtime_checkable
 
+from arrow_ipc_bridge import _ffi
 from arrow_ipc_bridge._deferred_close import DeferredClose
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.errors import BridgeError, CapsuleError, ReleasedError
+
+if TYPE_CHECKING:
+    from typing_extensions import CapsuleType
 
 __all__ = [
     "ArrowArrayExportable",
     "ArrowDeviceArrayExportable",
     "ArrowStreamExportable",
     "ArrowDeviceStreamExportable",
+    "ArrowInput",
     "ArrowExporter",
     "ArrowArrayExporter",
     "CapturedData",
@@ -50,11 +53,15 @@ HOST_READABLE_DEVICES = frozenset({DEVICE_CPU, int(lib.ARROW_DEVICE_CUDA_HOST)})
 
 @runtime_checkable
 class ArrowArrayExportable(Protocol):
+    """A producer of a host array or record batch (``__arrow_c_array__``: schema and array capsules)."""
+
     def __arrow_c_array__(self, requested_schema: object | None = None) -> tuple[object, object]: ...
 
 
 @runtime_checkable
 class ArrowDeviceArrayExportable(Protocol):
+    """A producer of an array on any device (``__arrow_c_device_array__``: schema and device array)."""
+
     def __arrow_c_device_array__(
         self, requested_schema: object | None = None, **kwargs: object
     ) -> tuple[object, object]: ...
@@ -62,63 +69,49 @@ class ArrowDeviceArrayExportable(Protocol):
 
 @runtime_checkable
 class ArrowStreamExportable(Protocol):
+    """A producer of a host stream of batches (``__arrow_c_stream__``: a stream capsule)."""
+
     def __arrow_c_stream__(self, requested_schema: object | None = None) -> object: ...
 
 
 @runtime_checkable
 class ArrowDeviceStreamExportable(Protocol):
+    """A producer of a stream of batches on any device (``__arrow_c_device_stream__``)."""
+
     def __arrow_c_device_stream__(
         self, requested_schema: object | None = None, **kwargs: object
     ) -> object: ...
 
 
-# ---------- raw capsule calls ------------------------------------------------------------------------
-_api = ctypes.pythonapi
-_api.PyCapsule_New.restype = ctypes.py_object
-_api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-_api.PyCapsule_GetName.restype = ctypes.c_char_p
-_api.PyCapsule_GetName.argtypes = [ctypes.py_object]
-_api.PyCapsule_IsValid.restype = ctypes.c_int
-_api.PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+ArrowInput: TypeAlias = (
+    "ArrowDeviceArrayExportable | ArrowArrayExportable | ArrowDeviceStreamExportable | ArrowStreamExportable"
+    " | tuple[CapsuleType, CapsuleType] | CapsuleType"
+)
+"""What :func:`capture` (and so ``export``, ``Publisher.publish``, ``to_device``) accepts: any
+producer of the Arrow PyCapsule interface (tried in the order listed), a ``(schema, array)`` or
+``(schema, device array)`` capsule pair, or a stream capsule."""
 
+
+# ---------- capsules of the core -------------------------------------------------------------------
 _KINDS = {
-    "schema": (lib.AIB_CAPSULE_SCHEMA, "struct ArrowSchema *", lib.aib_schema_alloc),
-    "array": (lib.AIB_CAPSULE_ARRAY, "struct ArrowArray *", lib.aib_array_alloc),
-    "device_array": (lib.AIB_CAPSULE_DEVICE_ARRAY, "struct ArrowDeviceArray *", lib.aib_device_array_alloc),
-    "stream": (lib.AIB_CAPSULE_STREAM, "struct ArrowArrayStream *", lib.aib_stream_alloc),
-    "device_stream": (
-        lib.AIB_CAPSULE_DEVICE_STREAM,
-        "struct ArrowDeviceArrayStream *",
-        lib.aib_device_stream_alloc,
-    ),
+    "schema": (int(lib.AIB_CAPSULE_SCHEMA), "struct ArrowSchema *"),
+    "array": (int(lib.AIB_CAPSULE_ARRAY), "struct ArrowArray *"),
+    "device_array": (int(lib.AIB_CAPSULE_DEVICE_ARRAY), "struct ArrowDeviceArray *"),
+    "stream": (int(lib.AIB_CAPSULE_STREAM), "struct ArrowArrayStream *"),
+    "device_stream": (int(lib.AIB_CAPSULE_DEVICE_STREAM), "struct ArrowDeviceArrayStream *"),
 }
-_NAMES = {kind: ffi.string(lib.aib_capsule_name(code)) for kind, (code, _, _) in _KINDS.items()}
-_NAME_ADDRESSES = {
-    kind: int(ffi.cast("uintptr_t", lib.aib_capsule_name(code))) for kind, (code, _, _) in _KINDS.items()
-}
-_DESTRUCTORS = {kind: int(lib.aib_capsule_destructor(code)) for kind, (code, _, _) in _KINDS.items()}
+_NAMES = {kind: ffi.string(lib.aib_capsule_name(code)) for kind, (code, _) in _KINDS.items()}
+_CAPSULE_ADDRESS = {kind: _ffi.capsule_address[code] for kind, (code, _) in _KINDS.items()}
 
-# The core's own capsule functions (py_capsules.c): builtin function objects the core makes once,
-# through ctypes with the GIL held; each call after that costs what a builtin call costs.
-_make_function = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_int, ctypes.py_object)(
-    lib.aib_py_function_maker()
-)
-device_array_capsules: Callable[[object, int], tuple[object, object] | None] = _make_function(
-    lib.AIB_PY_DEVICE_ARRAY_CAPSULES, ReleasedError
-)
+device_array_capsules = _ffi.device_array_capsules
 """``device_array_capsules(message, owner_address)``: the (schema, device array) capsule pair of batch
 0 of ``message`` (a :class:`~arrow_ipc_bridge.metadata.Decoded`), built in one C call from its owner's
 view (``aib_owner_set_view``); ``None`` when the owner cannot build it (no view): the caller's
 regular path then does the work and reports errors. Raises :class:`ReleasedError` when ``message``
 is closed — checked in the same call that uses the owner, which holds the GIL throughout, so
 another thread's release cannot come in between."""
-array_capsules: Callable[[object, int], tuple[object, object] | None] = _make_function(
-    lib.AIB_PY_ARRAY_CAPSULES, ReleasedError
-)
+array_capsules = _ffi.array_capsules
 """``array_capsules(message, owner_address)``: the same with a host ``ArrowArray``."""
-_CAPSULE_ADDRESS = {
-    kind: _make_function(lib.AIB_PY_CAPSULE_ADDRESS, int(code)) for kind, (code, _, _) in _KINDS.items()
-}
 
 
 def owner_address(owner: Any) -> int:
@@ -132,27 +125,9 @@ def new_capsule(kind: str) -> tuple[object, Any]:
     The capsule is built before anything is moved into the struct, so an error on the way never
     leaks: the destructor frees the struct and releases it only if it holds data.
     """
-    _, ctype, alloc = _KINDS[kind]
-    pointer = alloc()
-    if pointer == ffi.NULL:
-        raise MemoryError(f"allocating an {ctype}")
-    address = int(ffi.cast("uintptr_t", pointer))
-    try:
-        capsule = _api.PyCapsule_New(address, _NAME_ADDRESSES[kind], _DESTRUCTORS[kind])
-    except BaseException:
-        _free_struct(kind, pointer)
-        raise
-    return capsule, pointer
-
-
-def _free_struct(kind: str, pointer: Any) -> None:
-    {
-        "schema": lib.aib_schema_free,
-        "array": lib.aib_array_free,
-        "device_array": lib.aib_device_array_free,
-        "stream": lib.aib_stream_free,
-        "device_stream": lib.aib_device_stream_free,
-    }[kind](pointer)
+    code, ctype = _KINDS[kind]
+    capsule, address = _ffi.new_struct_capsule(code)
+    return capsule, ffi.cast(ctype, address)
 
 
 def capsule_struct(capsule: object, kind: str) -> Any:
@@ -170,11 +145,8 @@ def capsule_struct(capsule: object, kind: str) -> Any:
 def _capsule_name(obj: object) -> str:
     if type(obj).__name__ != "PyCapsule":
         return f"a {type(obj).__name__}"
-    try:
-        raw = _api.PyCapsule_GetName(obj)
-    except Exception:
-        return "a capsule"
-    return f"a capsule named {raw.decode() if raw else None!r}"
+    raw = _ffi.capsule_name(obj)
+    return f"a capsule named {raw.decode('utf-8', 'replace') if raw is not None else None!r}"
 
 
 # ---------- capture ----------------------------------------------------------------------------------
@@ -313,7 +285,7 @@ def _stream_call(stream: Any, rc: int, what: str) -> None:
         raise BridgeError(f"the producer's stream {what} failed with errno {rc}: {detail}")
 
 
-def capture(obj: object, *, requested_schema: object | None = None) -> CapturedData:
+def capture(obj: ArrowInput, *, requested_schema: object | None = None) -> CapturedData:
     """Move the Arrow data of ``obj`` into a :class:`CapturedData` without copying buffers.
 
     Parameters
@@ -332,24 +304,28 @@ def capture(obj: object, *, requested_schema: object | None = None) -> CapturedD
     >>> captured = capture(pa.array([1, 2, 3]))
     >>> captured.close()
     """
+    # hasattr, not isinstance on the runtime-checkable protocols: a protocol check costs microseconds.
     if hasattr(obj, "__arrow_c_device_array__"):
-        schema_capsule, array_capsule = obj.__arrow_c_device_array__(requested_schema)
+        device_producer = cast(ArrowDeviceArrayExportable, obj)
+        schema_capsule, array_capsule = device_producer.__arrow_c_device_array__(requested_schema)
         return _capture_pair(schema_capsule, array_capsule, host=False)
     if hasattr(obj, "__arrow_c_array__"):
-        schema_capsule, array_capsule = obj.__arrow_c_array__(requested_schema)
+        schema_capsule, array_capsule = cast(ArrowArrayExportable, obj).__arrow_c_array__(requested_schema)
         return _capture_pair(schema_capsule, array_capsule, host=True)
     if hasattr(obj, "__arrow_c_device_stream__"):
-        schema, arrays = _drain_stream(obj.__arrow_c_device_stream__(requested_schema), device=True)
+        stream = cast(ArrowDeviceStreamExportable, obj).__arrow_c_device_stream__(requested_schema)
+        schema, arrays = _drain_stream(stream, device=True)
         return CapturedData(schema, arrays, is_stream=True)
     if hasattr(obj, "__arrow_c_stream__"):
-        schema, arrays = _drain_stream(obj.__arrow_c_stream__(requested_schema), device=False)
+        stream = cast(ArrowStreamExportable, obj).__arrow_c_stream__(requested_schema)
+        schema, arrays = _drain_stream(stream, device=False)
         return CapturedData(schema, arrays, is_stream=True)
     if isinstance(obj, tuple) and len(obj) == 2:
-        host = _api.PyCapsule_IsValid(obj[1], _NAMES["array"]) if _is_capsule(obj[1]) else False
-        return _capture_pair(obj[0], obj[1], host=bool(host))
+        host = _is_capsule(obj[1]) and _CAPSULE_ADDRESS["array"](obj[1]) != 0
+        return _capture_pair(obj[0], obj[1], host=host)
     if _is_capsule(obj):
         for kind, device in (("device_stream", True), ("stream", False)):
-            if _api.PyCapsule_IsValid(obj, _NAMES[kind]):
+            if _CAPSULE_ADDRESS[kind](obj) != 0:
                 schema, arrays = _drain_stream(obj, device=device)
                 return CapturedData(schema, arrays, is_stream=True)
     raise CapsuleError(

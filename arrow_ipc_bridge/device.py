@@ -4,26 +4,30 @@
   returns is shared with other processes at pool-import cost;
 - :func:`from_cuda_array` / :func:`from_cuda_arrays` wrap CuPy / PyTorch / Numba arrays
   (``__cuda_array_interface__``) or DLPack producers as Arrow columns without copying;
-- :func:`to_host` copies imported device data into host memory as pyarrow objects.
+- :func:`column_view` shows one numeric column of imported data to array libraries (DLPack,
+  ``__cuda_array_interface__``) without copying.
+
+Copying imported data back to the host is :func:`arrow_ipc_bridge.imported.to_host`.
 """
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import pyarrow as pa
 
 from arrow_ipc_bridge import _reaper
-from arrow_ipc_bridge._ffi import ffi, lib
+from arrow_ipc_bridge._ffi import dlpack_capsule, ffi, lib
 from arrow_ipc_bridge.capsules import (
     DEVICE_CPU,
     DEVICE_CUDA,
+    ArrowInput,
     CapturedArray,
     capsule_struct,
     capture,
     export_captured,
+    owner_address,
 )
 from arrow_ipc_bridge.errors import BridgeError, RegionError
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
@@ -36,7 +40,7 @@ from arrow_ipc_bridge.metadata import (
     process_region,
 )
 
-__all__ = ["to_device", "from_cuda_array", "from_cuda_arrays", "to_host", "column_view", "ColumnView"]
+__all__ = ["to_device", "from_cuda_array", "from_cuda_arrays", "column_view", "ColumnView"]
 
 _ALIGN = 256  # cudaMalloc's alignment; columns placed at this alignment suit every consumer
 # The numeric types a plain array (``__cuda_array_interface__``, DLPack) can show:
@@ -59,7 +63,7 @@ _FORMAT_TYPESTRS = {fmt: typestr for fmt, typestr, _ in _NUMERIC_TYPES}  # "f" -
 
 
 def to_device(
-    obj: object, device: int = 0, *, allocation: Literal["pool", "legacy"] = "pool"
+    obj: ArrowInput, device: int = 0, *, allocation: Literal["pool", "legacy"] = "pool"
 ) -> ImportedArray | ImportedStream:
     """Upload host Arrow data to GPU ``device``; returns an object exporting ``__arrow_c_device_array__``.
 
@@ -219,82 +223,8 @@ def from_cuda_arrays(columns: Mapping[str, Any]) -> CapturedArray:
     return _as_device(export_captured(capture(batch)), devices.pop() if devices else 0, streams)  # type: ignore[arg-type]
 
 
-def to_host(imported: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBatch | pa.Table:
-    """Copy imported data into host memory as pyarrow: a ``Table`` for streams, a ``RecordBatch`` for
-    struct-typed roots (record batches), an ``Array`` otherwise. Host data is not copied."""
-    if imported.device_type == DEVICE_CPU:
-        return _to_pyarrow(imported)
-    if imported.device_type != DEVICE_CUDA:
-        raise BridgeError(f"cannot copy data from device type {imported.device_type}")
-    # Borrowed for the copy: a release() on another thread meanwhile takes effect after it.
-    decoded = imported._borrow()
-    try:
-        copy_decoded, host_bases = _copy_to_host(imported, decoded)
-    finally:
-        decoded.unborrow()
-    copy = imported_from(copy_decoded, host_bases, device_type=DEVICE_CPU, device_id=-1, name=imported.name)
-    try:
-        return _to_pyarrow(copy)
-    finally:
-        copy.release()
-
-
-def _copy_to_host(imported: ImportedArray | ImportedStream, decoded: Any) -> tuple[Any, list[int]]:
-    """The device regions ``decoded`` uses, copied to one host buffer: a new decode of the message
-    whose owner holds that buffer, and the regions' bases in it (the caller has ``decoded``
-    borrowed)."""
-    from arrow_ipc_bridge import cuda
-
-    sync = imported._sync_event()
-    if sync != ffi.NULL:
-        cuda.event_synchronize(cuda.event_value(sync))
-    bases = imported._bases
-    spans: dict[int, tuple[int, int]] = {}
-    for code, offset, length in decoded.buffer_refs():
-        if code >= SLOT_FIRST_REGION and length:
-            lo, hi = spans.get(code - SLOT_FIRST_REGION, (offset, offset + length))
-            spans[code - SLOT_FIRST_REGION] = (min(lo, offset), max(hi, offset + length))
-    total = sum((hi - lo + 63) // 64 * 64 for lo, hi in spans.values())
-    address = ffi.new("void **")
-    owner = lib.aib_owner_new_host_buffer(0, max(total, 64), address)
-    if owner == ffi.NULL:
-        raise MemoryError(f"allocating {total} bytes of host memory")
-    try:
-        host = int(ffi.cast("uintptr_t", address[0]))
-        host_bases = [0] * len(decoded.regions())
-        cursor = 0
-        for region, (lo, hi) in spans.items():
-            cuda.memcpy_dtoh(host + cursor, int(bases[region]) + lo, hi - lo, device=imported.device_id)
-            # modulo 2**64: the C rebuild adds the buffer offset back with unsigned wrap-around
-            # (offsets of same-process regions are device addresses, larger than `host`)
-            host_bases[region] = (host + cursor - lo) % (1 << 64)
-            cursor += (hi - lo + 63) // 64 * 64
-        # A second decode of the same message gives the host copy its own owner, which keeps the
-        # host buffer alive for as long as pyarrow holds what we build from it.
-        copy_decoded = decoded.copy()
-        copy_decoded.depend_on(owner)
-    finally:
-        lib.aib_owner_unref(owner)
-    return copy_decoded, host_bases
-
-
-def _to_pyarrow(source: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBatch | pa.Table:
-    """A stream becomes a Table; a struct root without top-level nulls a RecordBatch (what record
-    batches export as); anything else an Array."""
-    if isinstance(source, ImportedStream):
-        return pa.table(source)
-    schema_capsule, array_capsule = source.__arrow_c_array__()
-    root = capsule_struct(array_capsule, "array")
-    if source.root_format == "+s" and root.null_count == 0:
-        return pa.RecordBatch._import_from_c_capsule(schema_capsule, array_capsule)
-    return pa.Array._import_from_c_capsule(schema_capsule, array_capsule)
-
-
 _DLPACK_CODES = {"i": 0, "u": 1, "f": 2}  # kDLInt, kDLUInt, kDLFloat
 _DLPACK_CPU, _DLPACK_CUDA = 1, 2
-_api = ctypes.pythonapi
-_api.PyCapsule_New.restype = ctypes.py_object
-_api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
 
 
 class ColumnView:
@@ -350,8 +280,8 @@ class ColumnView:
 
             cuda.stream_wait_event(stream, self._event, device=self._device_id)
         typestr = self._typestr
-        tensor = lib.aib_dlpack_new(
-            self._owner,
+        return dlpack_capsule(
+            owner_address(self._owner),
             self._pointer,
             self.__dlpack_device__()[0],
             self.__dlpack_device__()[1],
@@ -359,15 +289,6 @@ class ColumnView:
             int(typestr[2:]) * 8,
             self._length,
         )
-        if tensor == ffi.NULL:
-            raise MemoryError("allocating a DLPack tensor")
-        address = int(ffi.cast("uintptr_t", tensor))
-        name = int(ffi.cast("uintptr_t", lib.aib_dlpack_capsule_name()))
-        try:
-            return _api.PyCapsule_New(address, name, lib.aib_dlpack_capsule_destructor())
-        except BaseException:
-            tensor.deleter(tensor)
-            raise
 
 
 def column_view(imported: ImportedArray, column: int | str = 0, *, stream: int | None = None) -> ColumnView:

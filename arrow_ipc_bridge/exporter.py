@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal
 
-from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA, CapturedData, capture
+from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA, ArrowInput, CapturedData, capture
 from arrow_ipc_bridge.errors import BridgeError
 from arrow_ipc_bridge.host.placement import HostExport, export_host_buffers
 from arrow_ipc_bridge.metadata import (
@@ -184,7 +184,7 @@ def _export_cuda(captured: CapturedData, copy: CopyPolicy, pool_fds: bool) -> Ex
 
 
 def export(
-    obj: object,
+    obj: ArrowInput,
     *,
     copy: CopyPolicy = "if_needed",
     requested_schema: object | None = None,

@@ -4,6 +4,7 @@ An imported object wraps a validated :class:`~arrow_ipc_bridge.metadata.Decoded`
 base address of each of its regions in this process. Every protocol call rebuilds fresh structs
 that point into the same mapped regions, each holding a reference on the message's owner; the lease
 ends when the object is released *and* the last struct handed out is released by its consumer.
+:func:`to_host` copies imported data (device data included) into host memory as pyarrow objects.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Self
 
+import pyarrow as pa
+
 from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.capsules import (
+    DEVICE_CPU,
+    DEVICE_CUDA,
     ArrowArrayExporter,
     ArrowExporter,
     array_capsules,
@@ -23,10 +28,10 @@ from arrow_ipc_bridge.capsules import (
     device_array_capsules,
     owner_address,
 )
-from arrow_ipc_bridge.errors import ReleasedError
-from arrow_ipc_bridge.metadata import Decoded
+from arrow_ipc_bridge.errors import BridgeError, ReleasedError
+from arrow_ipc_bridge.metadata import SLOT_FIRST_REGION, Decoded
 
-__all__ = ["ImportedArray", "ImportedStream", "imported_from"]
+__all__ = ["ImportedArray", "ImportedStream", "imported_from", "to_host"]
 
 
 class _ImportedBase(ArrowExporter):
@@ -161,11 +166,9 @@ class _ImportedBase(ArrowExporter):
         capsule = self.__arrow_c_schema__()
         return str(ffi.string(capsule_struct(capsule, "schema").format).decode())
 
-    def to_host(self) -> Any:
+    def to_host(self) -> pa.Array | pa.RecordBatch | pa.Table:
         """A host copy as pyarrow (``Table`` for streams, ``RecordBatch`` for struct roots, else
         ``Array``); device data is copied after waiting for the producer's sync event."""
-        from arrow_ipc_bridge.device import to_host
-
         return to_host(self)  # type: ignore[arg-type]
 
     # -- struct builders --
@@ -289,3 +292,75 @@ def imported_from(
         name=name,
         on_release=on_release,
     )
+
+
+# ---------- copies to the host ----------------------------------------------------------------------
+def to_host(imported: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBatch | pa.Table:
+    """Copy imported data into host memory as pyarrow: a ``Table`` for streams, a ``RecordBatch`` for
+    struct-typed roots (record batches), an ``Array`` otherwise. Host data is not copied."""
+    if imported.device_type == DEVICE_CPU:
+        return _to_pyarrow(imported)
+    if imported.device_type != DEVICE_CUDA:
+        raise BridgeError(f"cannot copy data from device type {imported.device_type}")
+    # Borrowed for the copy: a release() on another thread meanwhile takes effect after it.
+    decoded = imported._borrow()
+    try:
+        copy_decoded, host_bases = _copy_to_host(imported, decoded)
+    finally:
+        decoded.unborrow()
+    copy = imported_from(copy_decoded, host_bases, device_type=DEVICE_CPU, device_id=-1, name=imported.name)
+    try:
+        return _to_pyarrow(copy)
+    finally:
+        copy.release()
+
+
+def _copy_to_host(imported: ImportedArray | ImportedStream, decoded: Any) -> tuple[Any, list[int]]:
+    """The device regions ``decoded`` uses, copied to one host buffer: a new decode of the message
+    whose owner holds that buffer, and the regions' bases in it (the caller has ``decoded``
+    borrowed)."""
+    from arrow_ipc_bridge import cuda
+
+    sync = imported._sync_event()
+    if sync != ffi.NULL:
+        cuda.event_synchronize(cuda.event_value(sync))
+    bases = imported._bases
+    spans: dict[int, tuple[int, int]] = {}
+    for code, offset, length in decoded.buffer_refs():
+        if code >= SLOT_FIRST_REGION and length:
+            lo, hi = spans.get(code - SLOT_FIRST_REGION, (offset, offset + length))
+            spans[code - SLOT_FIRST_REGION] = (min(lo, offset), max(hi, offset + length))
+    total = sum((hi - lo + 63) // 64 * 64 for lo, hi in spans.values())
+    address = ffi.new("void **")
+    owner = lib.aib_owner_new_host_buffer(0, max(total, 64), address)
+    if owner == ffi.NULL:
+        raise MemoryError(f"allocating {total} bytes of host memory")
+    try:
+        host = int(ffi.cast("uintptr_t", address[0]))
+        host_bases = [0] * len(decoded.regions())
+        cursor = 0
+        for region, (lo, hi) in spans.items():
+            cuda.memcpy_dtoh(host + cursor, int(bases[region]) + lo, hi - lo, device=imported.device_id)
+            # modulo 2**64: the C rebuild adds the buffer offset back with unsigned wrap-around
+            # (offsets of same-process regions are device addresses, larger than `host`)
+            host_bases[region] = (host + cursor - lo) % (1 << 64)
+            cursor += (hi - lo + 63) // 64 * 64
+        # A second decode of the same message gives the host copy its own owner, which keeps the
+        # host buffer alive for as long as pyarrow holds what we build from it.
+        copy_decoded = decoded.copy()
+        copy_decoded.depend_on(owner)
+    finally:
+        lib.aib_owner_unref(owner)
+    return copy_decoded, host_bases
+
+
+def _to_pyarrow(source: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBatch | pa.Table:
+    """A stream becomes a Table; a struct root without top-level nulls a RecordBatch (what record
+    batches export as); anything else an Array."""
+    if isinstance(source, ImportedStream):
+        return pa.table(source)
+    schema_capsule, array_capsule = source.__arrow_c_array__()
+    root = capsule_struct(array_capsule, "array")
+    if source.root_format == "+s" and root.null_count == 0:
+        return pa.RecordBatch._import_from_c_capsule(schema_capsule, array_capsule)
+    return pa.Array._import_from_c_capsule(schema_capsule, array_capsule)

@@ -1,6 +1,6 @@
 """The metadata tree: describe captured data, encode it, decode and validate a message, rebuild structs.
 
-The walks and the codec are in the C core (``cffi_build/wire.c``) because they run on every hand-off
+The walks and the codec are in the C core (``cffi_build/wire_*.c``) because they run on every hand-off
 and must cost microseconds; this module is their typed Python face. ``docs/wire-format.md`` is the
 specification of the bytes.
 
@@ -179,10 +179,6 @@ class Described:
         rc = lib.aib_described_set_length(self._d, slot, length, err)
         if rc:
             raise_for(rc, err, "setting a buffer length")
-
-    def place_all(self, region_index: int, base: int = 0) -> None:
-        """Place every unplaced buffer in one region at ``address - base``."""
-        lib.aib_described_place_all(self._d, region_index, base)
 
     def encode(self, device: DeviceInfo, regions: Sequence[Region], n_fds: int = 0) -> bytes:
         """The wire message (see docs/wire-format.md)."""

@@ -48,7 +48,6 @@ __all__ = [
     "decode_hello",
     "encode_json",
     "decode_json",
-    "encode_item",
     "decode_item",
     "encode_lease",
     "decode_lease",
@@ -140,10 +139,6 @@ def decode_name(payload: bytes) -> str:
         return payload.decode()
     except UnicodeDecodeError as exc:
         raise ProtocolError("name is not UTF-8") from exc
-
-
-def encode_item(lease_id: int, message: bytes) -> bytes:
-    return _U64.pack(lease_id) + message
 
 
 def decode_item(payload: bytes) -> tuple[int, bytes]:

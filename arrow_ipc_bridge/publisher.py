@@ -26,6 +26,7 @@ from typing import Any
 
 from arrow_ipc_bridge import _process, _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
+from arrow_ipc_bridge.capsules import ArrowInput
 from arrow_ipc_bridge.channel import Channel, frame_from, millis
 from arrow_ipc_bridge.errors import (
     BridgeError,
@@ -160,7 +161,7 @@ class Publisher:
         self.path = self._server.path
 
     # ---------- publishing --------------------------------------------------------------------------
-    def publish(self, name: str, obj: object, *, copy: CopyPolicy | None = None) -> ExportStats:
+    def publish(self, name: str, obj: ArrowInput, *, copy: CopyPolicy | None = None) -> ExportStats:
         """Publish ``obj`` as ``name`` (replacing an earlier object of that name).
 
         Sessions holding leases on the replaced object keep it until they release it. Returns what

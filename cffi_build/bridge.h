@@ -125,21 +125,22 @@ int aib_array_move_to_device(struct ArrowArray *src, struct ArrowDeviceArray *ds
 #define AIB_CAPSULE_STREAM 3
 #define AIB_CAPSULE_DEVICE_STREAM 4
 const char *aib_capsule_name(int kind);          /* static storage, e.g. "arrow_device_array" */
-uintptr_t aib_capsule_destructor(int kind);      /* address of the PyCapsule destructor for kind */
 
-/* The address of PyObject *make_function(int which, PyObject *bound_to) (py_capsules.c), to be
- * called through ctypes with the GIL held: a builtin function object.
- *   AIB_PY_DEVICE_ARRAY_CAPSULES  f(message, owner address) -> (schema, device array) capsules of
- *                                 the owner's batch 0, or None when the owner cannot build them;
- *                                 raises bound_to (an exception class) when message (the Decoded
- *                                 holding the owner) is closed
- *   AIB_PY_ARRAY_CAPSULES         f(message, owner address) -> (schema, array) capsules, likewise
- *   AIB_PY_CAPSULE_ADDRESS        f(capsule) -> the struct's address when the capsule is of kind
- *                                 bound_to (an int, AIB_CAPSULE_*), else 0 */
-#define AIB_PY_DEVICE_ARRAY_CAPSULES 0
-#define AIB_PY_ARRAY_CAPSULES 1
-#define AIB_PY_CAPSULE_ADDRESS 2
-uintptr_t aib_py_function_maker(void);
+/* Every capsule is made, read and destroyed in py_capsules.c, through builtin function objects that
+ * take and return Python objects (cffi cannot). aib_py_install, called once with the name of an
+ * imported module (arrow_ipc_bridge._ffi), sets them on it as attributes:
+ *   new_struct_capsule(kind)     -> (capsule owning a zeroed struct of kind AIB_CAPSULE_*, its address)
+ *   capsule_address[kind](obj)   -> the struct's address when obj is a capsule of kind, else 0
+ *   capsule_name(obj)            -> the name a capsule carries (bytes), None for anything else
+ *   device_array_capsules(message, owner address)
+ *                                -> (schema, device array) capsules of the owner's batch 0, or None
+ *                                   when the owner cannot build them; ReleasedError when message
+ *                                   (the Decoded holding the owner) is closed
+ *   array_capsules(message, owner address) -> (schema, array) capsules, likewise
+ *   dlpack_capsule(owner address, data, device type, device id, code, bits, length)
+ *                                -> a "dltensor" capsule over a 1-D tensor holding a reference on owner
+ * Returns 0, or -1 after reporting the Python error as unraisable (out of memory, no such module). */
+int aib_py_install(const char *module_name);
 
 /* Deep copy of a schema tree into dst (dst gets its own release). */
 int aib_schema_copy(const struct ArrowSchema *src, struct ArrowSchema *dst, aib_error *err);
@@ -183,12 +184,6 @@ typedef struct DLManagedTensor {
   void (*deleter)(struct DLManagedTensor *self);
 } DLManagedTensor;
 
-DLManagedTensor *aib_dlpack_new(aib_owner *owner, uint64_t data, int32_t device_type, int32_t device_id,
-                                uint8_t code, uint8_t bits, int64_t length);
-/* Destructor for a "dltensor" PyCapsule: runs the deleter unless a consumer took the tensor
- * (renamed the capsule "used_dltensor"). */
-uintptr_t aib_dlpack_capsule_destructor(void);
-const char *aib_dlpack_capsule_name(void);
 
 /* ---------- layout rules ----------------------------------------------------------------------- */
 #define AIB_KIND_NULL 1
@@ -519,33 +514,41 @@ aib_owner *aib_import_new(const uint8_t *message, size_t length, uint32_t n_fds,
  * the owner lives) and the device id. */
 aib_decoded *aib_owner_decoded(aib_owner *owner);
 size_t aib_owner_view_bases(aib_owner *owner, const uint64_t **bases, int64_t *device_id);
-/* ---------- driver loops (cuda_batch.c); the driver is resolved by cuda/_driver.py -------------
- * Calls import_fn (the address of cuMemPoolImportPointer) for n 64-byte export records in order,
- * the current context being the caller's. Returns 0, or the first failing CUresult with *done the
+/* ---------- the driver functions the core calls (cuda_batch.c) ---------------------------------
+ * The core is built without CUDA; cuda/_driver.py resolves these in libcuda when it loads the driver
+ * and hands them over once, as addresses (0: not available). A forked child forgets them (CUDA state
+ * does not survive fork): the loops below then fail with CUDA_ERROR_NOT_INITIALIZED (3) and sync
+ * events are handed out without asking. */
+typedef struct aib_cuda_driver {
+  uintptr_t event_query;             /* cuEventQuery */
+  uintptr_t pointer_get_attributes;  /* cuPointerGetAttributes */
+  uintptr_t mem_pool_export_pointer; /* cuMemPoolExportPointer */
+  uintptr_t mem_pool_import_pointer; /* cuMemPoolImportPointer */
+  uintptr_t mem_free;                /* cuMemFree_v2 */
+} aib_cuda_driver;
+void aib_cuda_set_driver(const aib_cuda_driver *driver);
+/* Driver loops: calls cuMemPoolImportPointer on pool for n 64-byte export records in order, the
+ * current context being the caller's. Returns 0, or the first failing CUresult with *done the
  * number imported before it (their pointers are in out: the caller frees them). */
-int aib_cuda_import_pool_pointers(uintptr_t import_fn, uintptr_t pool, const uint8_t *export_data, size_t n,
-                                  uint64_t *out, size_t *done);
-/* Calls free_fn (the address of cuMemFree_v2) for each pointer, all of them even after a failure;
- * returns 0 or the first failing CUresult. */
-int aib_cuda_free_pointers(uintptr_t free_fn, const uint64_t *pointers, size_t n);
-#define AIB_MAX_POINTER_ATTRIBUTES 16
-/* For n buffers sorted by address: calls get_attributes (the address of cuPointerGetAttributes)
- * once per allocation — a buffer lying inside the previous buffer's allocation is not asked about —
- * writing n_attributes 8-byte slots per allocation to infos (the allocation's base and size are slots
- * base_slot and size_slot) and each buffer's allocation index to allocation_of. Returns 0, -1 for bad
- * arguments, or the failing CUresult with *n_infos the allocations described before it. */
-int aib_cuda_describe_buffers(uintptr_t get_attributes, const int *attributes, unsigned n_attributes,
-                              unsigned base_slot, unsigned size_slot, const uint64_t *addresses,
-                              const uint64_t *lengths, size_t n, uint64_t *infos, uint32_t *allocation_of,
-                              size_t *n_infos);
-/* Calls export_fn (the address of cuMemPoolExportPointer) for each pointer, writing 64 bytes each
- * to out. Returns 0, or the first failing CUresult with *done the number exported before it. */
-int aib_cuda_export_pool_pointers(uintptr_t export_fn, const uint64_t *pointers, size_t n, uint8_t *out,
+int aib_cuda_import_pool_pointers(uintptr_t pool, const uint8_t *export_data, size_t n, uint64_t *out,
                                   size_t *done);
+/* Calls cuMemFree_v2 for each pointer, all of them even after a failure; returns 0 or the first
+ * failing CUresult. */
+int aib_cuda_free_pointers(const uint64_t *pointers, size_t n);
+#define AIB_MAX_POINTER_ATTRIBUTES 16
+/* For n buffers sorted by address: calls cuPointerGetAttributes once per allocation — a buffer lying
+ * inside the previous buffer's allocation is not asked about — writing n_attributes 8-byte slots per
+ * allocation to infos (the allocation's base and size are slots base_slot and size_slot) and each
+ * buffer's allocation index to allocation_of. Returns 0, -1 for bad arguments, or the failing CUresult
+ * with *n_infos the allocations described before it. */
+int aib_cuda_describe_buffers(const int *attributes, unsigned n_attributes, unsigned base_slot,
+                              unsigned size_slot, const uint64_t *addresses, const uint64_t *lengths, size_t n,
+                              uint64_t *infos, uint32_t *allocation_of, size_t *n_infos);
+/* Calls cuMemPoolExportPointer for each pointer, writing 64 bytes each to out. Returns 0, or the
+ * first failing CUresult with *done the number exported before it. */
+int aib_cuda_export_pool_pointers(const uint64_t *pointers, size_t n, uint8_t *out, size_t *done);
 /* ---------- sync events handed out only while pending (sync_event.c) -----------------------------
- * fn: the address of cuEventQuery, set once the driver is loaded (cuda/_driver.py). */
-void aib_cuda_set_event_query(uintptr_t fn);
-/* For the bridge's own imported data: sync_event (a pointer to a CUevent, as the C Device interface
+ * For the bridge's own imported data: sync_event (a pointer to a CUevent, as the C Device interface
  * has it) unless the driver says its recording completed, then NULL. Unchanged when no query
  * function is set, for other device types, or when the query fails. Counts both outcomes. */
 void *aib_sync_event_if_pending(int32_t device_type, void *sync_event);

@@ -16,9 +16,15 @@ from cffi import FFI
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 C_SOURCES = [
+    "base.c",
     "owner.c",
+    "struct_trees.c",
     "layout.c",
-    "wire.c",
+    "wire_model.c",
+    "wire_describe.c",
+    "wire_encode.c",
+    "wire_decode.c",
+    "wire_rebuild.c",
     "content_check.c",
     "channel.c",
     "serve.c",

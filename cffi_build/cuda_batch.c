@@ -1,20 +1,54 @@
-/* Driver calls made in a loop without Python in between.
+/* The CUDA driver functions the core calls, and the loops that call them without Python in between.
  *
  * The core is built without CUDA headers or libraries (CUDA loads lazily, in cuda/_driver.py); the
- * driver function arrives as an address resolved there. Only what a consumer repeats per buffer of
- * a message lives here: on the producer the attribute queries of a message's buffers and the export
- * of its IPC-pool pointers, on the consumer the import of those pointers and their frees — each a
- * driver call of ~1 µs around which a Python loop cost several times more. */
+ * driver functions arrive once, as a table of addresses resolved there (aib_cuda_set_driver), and
+ * every C caller takes them from here. Only what a consumer repeats per buffer of a message lives
+ * here: on the producer the attribute queries of a message's buffers and the export of its IPC-pool
+ * pointers, on the consumer the import of those pointers and their frees — each a driver call of
+ * ~1 µs around which a Python loop cost several times more — plus the event query of sync_event.c. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #include "internal.h"
 
+#define CUDA_ERROR_NOT_INITIALIZED 3
+
+static _Atomic(uintptr_t) event_query, pointer_get_attributes, mem_pool_export_pointer, mem_pool_import_pointer,
+    mem_free;
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+
+/* A forked child cannot use its parent's CUDA state: it forgets the driver. */
+static void driver_after_fork_child(void) {
+  atomic_store(&event_query, 0);
+  atomic_store(&pointer_get_attributes, 0);
+  atomic_store(&mem_pool_export_pointer, 0);
+  atomic_store(&mem_pool_import_pointer, 0);
+  atomic_store(&mem_free, 0);
+}
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, driver_after_fork_child); }
+
+void aib_cuda_set_driver(const aib_cuda_driver *driver) {
+  pthread_once(&fork_once, register_fork_handler);
+  atomic_store(&event_query, driver->event_query);
+  atomic_store(&pointer_get_attributes, driver->pointer_get_attributes);
+  atomic_store(&mem_pool_export_pointer, driver->mem_pool_export_pointer);
+  atomic_store(&mem_pool_import_pointer, driver->mem_pool_import_pointer);
+  atomic_store(&mem_free, driver->mem_free);
+}
+
+uintptr_t aib_cuda_event_query(void) { return atomic_load_explicit(&event_query, memory_order_acquire); }
+
 /* CUresult cuMemPoolImportPointer(CUdeviceptr *ptr_out, CUmemoryPool pool, CUmemPoolPtrExportData *data) */
 typedef int (*pool_import_fn)(uint64_t *ptr_out, void *pool, void *share_data);
 
-int aib_cuda_import_pool_pointers(uintptr_t import_fn, uintptr_t pool, const uint8_t *export_data, size_t n,
-                                  uint64_t *out, size_t *done) {
-  pool_import_fn fn = (pool_import_fn)import_fn;
+int aib_cuda_import_pool_pointers(uintptr_t pool, const uint8_t *export_data, size_t n, uint64_t *out,
+                                  size_t *done) {
+  pool_import_fn fn = (pool_import_fn)atomic_load(&mem_pool_import_pointer);
+  *done = 0;
+  if (fn == NULL) return CUDA_ERROR_NOT_INITIALIZED;
   uint8_t share[64]; /* CUmemPoolPtrExportData: 64 opaque bytes */
   for (size_t i = 0; i < n; i++) {
     memcpy(share, export_data + 64 * i, sizeof(share));
@@ -32,8 +66,9 @@ int aib_cuda_import_pool_pointers(uintptr_t import_fn, uintptr_t pool, const uin
 typedef int (*mem_free_fn)(uint64_t ptr);
 
 /* Frees every pointer, also after a failure (each is its own allocation); returns the first error. */
-int aib_cuda_free_pointers(uintptr_t free_fn, const uint64_t *pointers, size_t n) {
-  mem_free_fn fn = (mem_free_fn)free_fn;
+int aib_cuda_free_pointers(const uint64_t *pointers, size_t n) {
+  mem_free_fn fn = (mem_free_fn)atomic_load(&mem_free);
+  if (fn == NULL) return n == 0 ? 0 : CUDA_ERROR_NOT_INITIALIZED;
   int first = 0;
   for (size_t i = 0; i < n; i++) {
     int rc = fn(pointers[i]);
@@ -45,16 +80,14 @@ int aib_cuda_free_pointers(uintptr_t free_fn, const uint64_t *pointers, size_t n
 /* CUresult cuPointerGetAttributes(unsigned n, CUpointer_attribute *attributes, void **data, CUdeviceptr ptr) */
 typedef int (*get_attributes_fn)(unsigned n, const int *attributes, void **data, uint64_t ptr);
 
-int aib_cuda_describe_buffers(uintptr_t get_attributes, const int *attributes, unsigned n_attributes,
-                              unsigned base_slot, unsigned size_slot, const uint64_t *addresses,
-                              const uint64_t *lengths, size_t n, uint64_t *infos, uint32_t *allocation_of,
-                              size_t *n_infos) {
-  get_attributes_fn fn = (get_attributes_fn)get_attributes;
+int aib_cuda_describe_buffers(const int *attributes, unsigned n_attributes, unsigned base_slot,
+                              unsigned size_slot, const uint64_t *addresses, const uint64_t *lengths, size_t n,
+                              uint64_t *infos, uint32_t *allocation_of, size_t *n_infos) {
+  get_attributes_fn fn = (get_attributes_fn)atomic_load(&pointer_get_attributes);
   void *data[AIB_MAX_POINTER_ATTRIBUTES];
-  if (n_attributes > AIB_MAX_POINTER_ATTRIBUTES || base_slot >= n_attributes || size_slot >= n_attributes) {
-    *n_infos = 0;
-    return -1;
-  }
+  *n_infos = 0;
+  if (n_attributes > AIB_MAX_POINTER_ATTRIBUTES || base_slot >= n_attributes || size_slot >= n_attributes) return -1;
+  if (fn == NULL) return CUDA_ERROR_NOT_INITIALIZED;
   size_t count = 0;
   uint64_t base = 0, size = 0;
   for (size_t i = 0; i < n; i++) {
@@ -83,9 +116,10 @@ int aib_cuda_describe_buffers(uintptr_t get_attributes, const int *attributes, u
 /* CUresult cuMemPoolExportPointer(CUmemPoolPtrExportData *out, CUdeviceptr ptr) */
 typedef int (*pool_export_fn)(void *share_out, uint64_t ptr);
 
-int aib_cuda_export_pool_pointers(uintptr_t export_fn, const uint64_t *pointers, size_t n, uint8_t *out,
-                                  size_t *done) {
-  pool_export_fn fn = (pool_export_fn)export_fn;
+int aib_cuda_export_pool_pointers(const uint64_t *pointers, size_t n, uint8_t *out, size_t *done) {
+  pool_export_fn fn = (pool_export_fn)atomic_load(&mem_pool_export_pointer);
+  *done = 0;
+  if (fn == NULL) return CUDA_ERROR_NOT_INITIALIZED;
   for (size_t i = 0; i < n; i++) {
     int rc = fn(out + 64 * i, pointers[i]);
     if (rc != 0) {

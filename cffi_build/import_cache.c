@@ -43,18 +43,6 @@ struct aib_import_cache {
   size_t n_buckets, count;
 };
 
-uint64_t aib_hash_bytes(const uint8_t *p, size_t n) {
-  uint64_t h = 1469598103934665603ull; /* FNV-1a, 8 bytes a step where it can */
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t w;
-    memcpy(&w, p + i, 8);
-    h = (h ^ w) * 1099511628211ull;
-  }
-  for (; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
-  return h ^ n;
-}
-
 aib_import_cache *aib_import_cache_new(void) {
   aib_import_cache *c = calloc(1, sizeof(*c));
   if (c == NULL) return NULL;

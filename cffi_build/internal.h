@@ -29,7 +29,7 @@ typedef struct aib_view {
   uint64_t storage[];
 } aib_view;
 const aib_view *aib_owner_view(aib_owner *owner);
-/* Integers on the wire are little-endian whatever the host's byte order (wire.c, channel.c, serve.c,
+/* Integers on the wire are little-endian whatever the host's byte order (wire_*.c, channel.c, serve.c,
  * import_cache.c). */
 static inline void aib_store_u32le(uint8_t *p, uint32_t v) {
   for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
@@ -46,6 +46,21 @@ static inline uint64_t aib_load_u64le(const uint8_t *p) {
 
 /* FNV-1a over bytes (8 at a time), for the core's hash tables (import_cache.c, serve.c). */
 uint64_t aib_hash_bytes(const uint8_t *p, size_t n);
+
+/* A 1-D DLPack managed tensor over data that holds a reference on owner; its deleter drops it.
+ * NULL when out of memory. py_capsules.c wraps it in a "dltensor" capsule. */
+DLManagedTensor *aib_dlpack_new(aib_owner *owner, uint64_t data, int32_t device_type, int32_t device_id,
+                                uint8_t code, uint8_t bits, int64_t length);
+
+/* The driver's cuEventQuery as set by aib_cuda_set_driver (cuda_batch.c), or 0. */
+uintptr_t aib_cuda_event_query(void);
+
+/* The owner takes decoded over and frees it with release when it dies (AIB_E_STATE when it holds
+ * one already). wire_decode.c's aib_owner_attach_decoded passes the decoder's release, so that owner.c,
+ * below the decoder, never calls into it. */
+int aib_owner_hold_decoded(aib_owner *owner, aib_decoded *decoded, void (*release)(aib_decoded *));
+/* A capture owner's producer schema and device arrays (n returned); *schema NULL for other owners. */
+int64_t aib_owner_capture(aib_owner *owner, const struct ArrowSchema **schema, struct ArrowDeviceArray ***arrays);
 
 /* Sets the reaper token of an owner nobody else references yet. */
 void aib_owner_set_token(aib_owner *owner, uint64_t token);

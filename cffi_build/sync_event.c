@@ -14,10 +14,9 @@
  * lease, so "complete" cannot refer to a later recording. Events of captured data belong to other
  * libraries and are passed through unchanged by the callers.
  *
- * The query function arrives as an address resolved by cuda/_driver.py when it opens the first
- * event; until then (and in a fork child) nothing is queried. */
+ * The query function is the driver table's (cuda_batch.c), set when cuda/_driver.py loads the
+ * driver; until then (and in a fork child) nothing is queried. */
 #define _GNU_SOURCE
-#include <pthread.h>
 #include <stdatomic.h>
 
 #include "internal.h"
@@ -25,23 +24,11 @@
 /* CUresult cuEventQuery(CUevent hEvent) */
 typedef int (*event_query_fn)(void *event);
 
-static _Atomic(uintptr_t) query_fn;
 static atomic_ullong events_pending, events_complete;
-static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
-
-/* A forked child cannot use its parent's CUDA state: it stops querying (and keeps every event). */
-static void sync_after_fork_child(void) { atomic_store(&query_fn, 0); }
-
-static void register_fork_handler(void) { pthread_atfork(NULL, NULL, sync_after_fork_child); }
-
-void aib_cuda_set_event_query(uintptr_t fn) {
-  pthread_once(&fork_once, register_fork_handler);
-  atomic_store(&query_fn, fn);
-}
 
 void *aib_sync_event_if_pending(int32_t device_type, void *sync_event) {
   if (sync_event == NULL) return NULL;
-  uintptr_t fn = atomic_load_explicit(&query_fn, memory_order_acquire);
+  uintptr_t fn = aib_cuda_event_query();
   /* The spec's CUDA sync_event is a pointer to a CUevent; other device types mean other things. */
   if (fn == 0 || device_type != ARROW_DEVICE_CUDA) return sync_event;
   void *event = *(void **)sync_event;

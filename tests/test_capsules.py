@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import re
+from pathlib import Path
 
 import nanoarrow
 import nanoarrow.device
@@ -13,6 +15,7 @@ import pytest
 from helpers.arrow_strategies import arrow_arrays, assert_arrays_equal, record_batches, tables
 from hypothesis import given
 
+import arrow_ipc_bridge
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.capsules import (
     ArrowArrayExporter,
@@ -95,6 +98,53 @@ def test_wrong_capsule_names_and_non_producers_raise_capsule_error(baseline: tup
         capsule_struct(b"not a capsule", "schema")
     del schema, array
     _assert_back_to(baseline)
+
+
+def test_capsule_functions_of_the_core_check_what_they_are_given() -> None:
+    """The core's capsule functions (py_capsules.c, installed on _ffi): a new capsule of each kind
+    holds a zeroed struct under the kind's name, an unknown kind is refused, and reading a capsule
+    names what it got (a capsule's name, None for anything else); a DLPack capsule holds a reference
+    on its owner until it dies."""
+    from arrow_ipc_bridge import _ffi
+
+    for kind, name in [
+        ("schema", b"arrow_schema"),
+        ("array", b"arrow_array"),
+        ("stream", b"arrow_array_stream"),
+    ]:
+        capsule, struct = new_capsule(kind)
+        assert struct.release == ffi.NULL
+        assert _ffi.capsule_name(capsule) == name
+        assert capsule_struct(capsule, kind) == struct
+        with pytest.raises(CapsuleError, match=f"got a capsule named {name.decode()!r}"):
+            capsule_struct(capsule, "device_array")
+    assert _ffi.capsule_name(b"arrow_schema") is None
+    with pytest.raises(ValueError, match="no such capsule kind"):
+        _ffi.new_struct_capsule(99)
+    owner = lib.aib_owner_new(0)
+    address = int(ffi.cast("uintptr_t", owner))
+    data = ffi.new("int64_t[]", 4)
+    tensor = _ffi.dlpack_capsule(address, int(ffi.cast("uintptr_t", data)), 1, 0, 0, 64, 4)
+    assert _ffi.capsule_name(tensor) == b"dltensor"
+    assert lib.aib_owner_refcount(owner) == 2
+    del tensor
+    gc.collect()
+    assert lib.aib_owner_refcount(owner) == 1
+    lib.aib_owner_unref(owner)
+    with pytest.raises(ValueError, match="owner address is 0"):
+        _ffi.dlpack_capsule(0, 0, 1, 0, 0, 64, 4)
+
+
+def test_the_package_crosses_into_c_through_the_compiled_core_only() -> None:
+    """Python objects reach C one way: the compiled core (cffi API mode and the functions it
+    installs). Nothing in the package calls the C API through ctypes."""
+    package = Path(arrow_ipc_bridge.__file__).parent
+    offenders = [
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if re.search(r"^\s*(import ctypes|from ctypes)|pythonapi", path.read_text(), re.M)
+    ]
+    assert offenders == []
 
 
 def _assert_capsules_untouched(schema: object, array: object) -> None:

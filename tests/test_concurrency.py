@@ -21,7 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from fault_children import quiet_counts, resource_counts, settled, table_for
+from helpers.fault_children import quiet_counts, resource_counts, settled, table_for
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge.errors import NotPublishedError

@@ -327,7 +327,6 @@ def test_buffer_description_asks_once_per_allocation() -> None:
         n_infos = ffi.new("size_t *")
         attributes = ffi.new("int[]", n_attributes)
         rc = lib.aib_cuda_describe_buffers(
-            int(ffi.cast("uintptr_t", get_attributes)),
             attributes,
             n_attributes,
             3,
@@ -342,6 +341,20 @@ def test_buffer_description_asks_once_per_allocation() -> None:
         bases = [int(infos[k * n_attributes + 3]) for k in range(int(n_infos[0]))]
         return rc, bases, [int(allocation_of[i]) for i in range(n)] if rc == 0 else []
 
+    real = _driver._DRIVER.lib
+    lib.aib_cuda_set_driver(ffi.new("aib_cuda_driver *"))  # no driver: the loop refuses to run
+    assert describe([(0x1000, 16)])[0] == 3  # CUDA_ERROR_NOT_INITIALIZED
+    lib.aib_cuda_set_driver(
+        ffi.new("aib_cuda_driver *", {"pointer_get_attributes": int(ffi.cast("uintptr_t", get_attributes))})
+    )
+    try:
+        _describe_with_stand_in(describe, asked)
+    finally:  # the driver's own functions (or none) back
+        restore = _driver.core_driver_table(real, _driver._DRIVER.ffi) if real is not None else None
+        lib.aib_cuda_set_driver(restore if restore is not None else ffi.new("aib_cuda_driver *"))
+
+
+def _describe_with_stand_in(describe: Any, asked: list[int]) -> None:
     buffers = [(0x1000, 16), (0x1100, 16), (0x1FF0, 16), (0x3000, 0x80), (0x3080, 0x80)]
     assert describe(buffers) == (0, [0x1000, 0x3000], [0, 0, 0, 1, 1])
     assert asked == [0x1000, 0x3000]
@@ -351,6 +364,58 @@ def test_buffer_description_asks_once_per_allocation() -> None:
     assert describe([(0x1000, 16), (0x2000, 16), (0x3000, 16)])[:2] == (1, [0x1000])  # refused at 0x2000
     assert describe([(0x1000, 16)], n_attributes=17)[0] == -1
     assert describe([]) == (0, [], [])
+
+
+def test_forked_child_forgets_the_driver_table() -> None:
+    """The C core's driver functions do not survive fork: a child forked after they were handed over
+    finds none (its loops answer CUDA_ERROR_NOT_INITIALIZED, sync events are not queried), while
+    the parent keeps them. No driver needed: a stand-in takes cuPointerGetAttributes' place."""
+    from arrow_ipc_bridge._ffi import ffi, lib
+
+    @ffi.callback("int(unsigned int, int *, void **, uint64_t)")
+    def get_attributes(n: int, attributes: Any, data: Any, address: int) -> int:
+        ffi.cast("uint64_t *", data[4])[0] = 1 << 20  # the allocation's size: 1 MiB
+        return 0
+
+    def describe() -> int:
+        out = ffi.new("uint64_t[]", 9)
+        return int(
+            lib.aib_cuda_describe_buffers(
+                ffi.new("int[]", 9),
+                9,
+                3,
+                4,
+                ffi.new("uint64_t[]", [0x1000]),
+                ffi.new("uint64_t[]", [16]),
+                1,
+                out,
+                ffi.new("uint32_t[]", 1),
+                ffi.new("size_t *"),
+            )
+        )
+
+    real = _driver._DRIVER.lib
+    lib.aib_cuda_set_driver(
+        ffi.new("aib_cuda_driver *", {"pointer_get_attributes": int(ffi.cast("uintptr_t", get_attributes))})
+    )
+    try:
+        assert describe() == 0
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe
+            try:
+                os.write(write, describe().to_bytes(4, "little", signed=True))
+            finally:
+                os._exit(0)
+        os.close(write)
+        answer = os.read(read, 4)
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert int.from_bytes(answer, "little", signed=True) == 3  # CUDA_ERROR_NOT_INITIALIZED
+        assert describe() == 0  # the parent keeps its table
+    finally:
+        restore = _driver.core_driver_table(real, _driver._DRIVER.ffi) if real is not None else None
+        lib.aib_cuda_set_driver(restore if restore is not None else ffi.new("aib_cuda_driver *"))
 
 
 def test_missing_library_raises_clear_cuda_error() -> None:

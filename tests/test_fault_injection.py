@@ -5,7 +5,7 @@ held in the publisher (leases, its connection, the connection's thread, descript
 producer that dies leaves its consumers' imports readable and their next request failing with
 :class:`~arrow_ipc_bridge.errors.PeerClosedError`, again leaking nothing in the survivor.
 
-Each consumer child (``fault_children.consumer_phase_main``, spawn start method) reports the phase it
+Each consumer child (``helpers.fault_children.consumer_phase_main``, spawn start method) reports the phase it
 reached over a control pipe, and only then is it SIGKILLed, so every trial hits its phase. After
 each trial the surviving process must be back to its baseline: open fds, threads (Python's and the
 kernel's), mappings of bridge memfds, ``Publisher.active_leases`` and ``active_sessions``, within a
@@ -27,7 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from fault_children import (
+from helpers.fault_children import (
     CONSUMER_PHASES,
     consumer_phase_main,
     producer_main,

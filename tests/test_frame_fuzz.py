@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from fault_children import frame, quiet_counts, raw_handshake, resource_counts, settled, table_for
+from helpers.fault_children import frame, quiet_counts, raw_handshake, resource_counts, settled, table_for
 from hypothesis import given
 from hypothesis import strategies as st
 

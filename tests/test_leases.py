@@ -21,6 +21,7 @@ import pyarrow as pa
 import pytest
 from helpers.arrow_strategies import assert_arrays_equal
 from helpers.session_rig import FakePublisher, assert_back_to, null_batch, sample_table, settle, wait_for
+from helpers.wire_craft import encode_item
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import _reaper, protocol
@@ -171,7 +172,7 @@ def test_lease_ids_the_token_cannot_carry_take_the_python_path(sock_dir: str) ->
     message = aib.export(null_batch(2, 5)).message
     big = (1 << _reaper.FAMILY_VALUE_BITS) + 7
     leases = [1, 2, big, 0, (1 << 64) - 1, 3]
-    replies: list[Any] = [(protocol.ITEM, protocol.encode_item(lease, message), []) for lease in leases]
+    replies: list[Any] = [(protocol.ITEM, encode_item(lease, message), []) for lease in leases]
     fake = FakePublisher(os.path.join(sock_dir, "f.sock"), replies=replies)
     with fake, aib.connect(fake.path, timeout=5.0) as session:
         for lease in leases:

@@ -25,11 +25,16 @@ from arrow_ipc_bridge.metadata import Decoded, Described, DeviceInfo, process_re
 TESTS = Path(__file__).parent
 
 
+def place_in_process(described: Described) -> None:
+    """Place every buffer in region 0 at its own address: the same-process region (process_region)."""
+    lib.aib_described_place_all(described._d, 0, 0)
+
+
 def roundtrip(obj: object) -> ImportedArray | ImportedStream:
     """describe -> encode -> decode -> rebuild in this process (the same-process fast path)."""
     captured = capture(obj)
     described = Described(captured)
-    described.place_all(0)
+    place_in_process(described)
     message = described.encode(DeviceInfo(captured.device_type), [process_region()])
     decoded = Decoded(message, allow_process_regions=True)
     decoded.depend_on(captured.owner)

@@ -374,13 +374,19 @@ def _stand_in_event_query(answer: list[int]) -> Iterator[tuple[list[int], Any]]:
         asked.append(int(ffi.cast("uintptr_t", event)))
         return answer[0]
 
-    lib.aib_cuda_set_event_query(int(ffi.cast("uintptr_t", query)))
+    _set_event_query(query)
     try:
         yield asked, query
     finally:
         real = _driver._DRIVER.lib
-        restore = int(_driver._DRIVER.ffi.cast("uintptr_t", real.cuEventQuery)) if real is not None else 0
-        lib.aib_cuda_set_event_query(restore)
+        restore = _driver.core_driver_table(real, _driver._DRIVER.ffi) if real is not None else None
+        lib.aib_cuda_set_driver(restore if restore is not None else ffi.new("aib_cuda_driver *"))
+
+
+def _set_event_query(query: Any) -> None:
+    """Hand the C core a driver table whose only function is ``query`` as cuEventQuery (None: none)."""
+    address = int(ffi.cast("uintptr_t", query)) if query is not None else 0
+    lib.aib_cuda_set_driver(ffi.new("aib_cuda_driver *", {"event_query": address}))
 
 
 def test_imported_structs_carry_the_sync_event_only_while_it_is_pending(publisher: aib.Publisher) -> None:
@@ -428,11 +434,11 @@ def test_imported_structs_carry_the_sync_event_only_while_it_is_pending(publishe
                 after = cuda.cuda_stats()
                 assert after["sync_events_complete"] - before["sync_events_complete"] == 2
                 assert after["sync_events_pending"] - before["sync_events_pending"] == 4
-                lib.aib_cuda_set_event_query(0)  # no driver loaded: handed out as it is, not asked
+                _set_event_query(None)  # no driver loaded: handed out as it is, not asked
                 answer[0] = 0
                 assert all(p != 0 for p in events_handed_out(imported))
                 assert len(asked) == 6
-                lib.aib_cuda_set_event_query(int(ffi.cast("uintptr_t", stand_in)))
+                _set_event_query(stand_in)
             with session.get("two") as imported:
                 assert isinstance(imported, aib.ImportedStream)
                 answer[0] = 0

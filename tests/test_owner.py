@@ -1,4 +1,4 @@
-"""Shared array trees of the C core (owner.c): a consumer may move a child out and release the parent.
+"""Shared array trees of the C core (struct_trees.c): a consumer may move a child out and release the parent.
 
 The C data interface allows a consumer to move any child of an array (``memcpy`` it out and set the
 original's ``release`` to NULL) and release the parent and the child independently, in any order, on

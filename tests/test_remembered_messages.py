@@ -15,6 +15,7 @@ import threading
 import pyarrow as pa
 import pytest
 from helpers.session_rig import JOIN_S, FakePublisher, fd_count, null_batch, wait_for
+from helpers.wire_craft import encode_item
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import protocol
@@ -160,9 +161,9 @@ def test_remembered_bytes_with_a_descriptor_take_the_checked_path(sock_dir: str)
     r, w = os.pipe()
     try:
         replies: list[tuple[int, bytes, list[int]] | None] = [
-            (protocol.ITEM, protocol.encode_item(1, message), []),
-            (protocol.ITEM, protocol.encode_item(2, message), []),
-            (protocol.ITEM, protocol.encode_item(3, message), [r]),
+            (protocol.ITEM, encode_item(1, message), []),
+            (protocol.ITEM, encode_item(2, message), []),
+            (protocol.ITEM, encode_item(3, message), [r]),
         ]
         fake = FakePublisher(os.path.join(sock_dir, "f.sock"), replies=replies)
         with fake, aib.connect(fake.path, timeout=5.0) as session:

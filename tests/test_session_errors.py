@@ -17,6 +17,7 @@ import pyarrow as pa
 import pytest
 from helpers.arrow_strategies import assert_arrays_equal
 from helpers.session_rig import FakePublisher, fd_count, sample_table, settle, wait_for
+from helpers.wire_craft import encode_item
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import protocol
@@ -81,9 +82,9 @@ def test_corrupted_item_messages_raise_wire_format_error(sock_dir: str) -> None:
     ]
     replies: list[tuple[int, bytes, list[int]] | None] = []
     for lease_id, (_, _, body, item_fds, with_lease) in enumerate(cases, start=100):
-        payload = protocol.encode_item(lease_id, body) if with_lease else b"\x01\x02\x03"
+        payload = encode_item(lease_id, body) if with_lease else b"\x01\x02\x03"
         replies.append((protocol.ITEM, payload, item_fds))
-    replies.append((protocol.ITEM, protocol.encode_item(7, message), fds))  # finally a good one
+    replies.append((protocol.ITEM, encode_item(7, message), fds))  # finally a good one
     try:
         with FakePublisher(os.path.join(sock_dir, "fake.sock"), replies=replies) as fake:
             base_fds = fd_count()
@@ -137,7 +138,7 @@ def test_item_with_extra_fds_closes_them(sock_dir: str) -> None:
     exported = aib.export(sample_table(300))
     junk = [os.memfd_create(f"junk{i}", os.MFD_CLOEXEC) for i in range(100)]
     try:
-        item = (protocol.ITEM, protocol.encode_item(5, exported.message), [*exported.fds, *junk])
+        item = (protocol.ITEM, encode_item(5, exported.message), [*exported.fds, *junk])
         with (
             FakePublisher(os.path.join(sock_dir, "fake.sock"), replies=[item]) as fake,
             aib.connect(fake.path, timeout=5.0) as session,

@@ -17,6 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from helpers.wire_craft import encode_item
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import protocol, transport
@@ -266,7 +267,7 @@ def test_bad_pong_raises(scripted: Callable[..., ScriptedPublisher], reply: Repl
 @pytest.mark.parametrize(
     "reply",
     [
-        pytest.param((protocol.NAMES, protocol.encode_item(3, b"x" * 40), [a_file]), id="names"),
+        pytest.param((protocol.NAMES, encode_item(3, b"x" * 40), [a_file]), id="names"),
         pytest.param((protocol.PONG, b""), id="pong"),
     ],
 )
@@ -301,7 +302,7 @@ def test_item_with_a_garbage_message_gives_its_lease_back(
     """An ITEM whose message does not decode raises WireFormatError; the lease it carried is given back
     at once (a RELEASE with its id) and the descriptors that came with it are closed."""
     fds = [a_file() for _ in range(n_fds)]
-    publisher = scripted(replies=[(protocol.ITEM, protocol.encode_item(41, b"not a message"), fds)])
+    publisher = scripted(replies=[(protocol.ITEM, encode_item(41, b"not a message"), fds)])
     with aib.connect(publisher.path, timeout=5.0) as session:
         with pytest.raises(aib.WireFormatError):
             session.get("t")
@@ -321,7 +322,7 @@ def test_item_of_an_unknown_device_type_gives_its_lease_back(
     finally:
         exported.close()
     patched = _with_device_type(message, 7)
-    publisher = scripted(replies=[(protocol.ITEM, protocol.encode_item(9, patched), fds)])
+    publisher = scripted(replies=[(protocol.ITEM, encode_item(9, patched), fds)])
     with aib.connect(publisher.path, timeout=5.0) as session:
         with pytest.raises(aib.RegionError, match="device type 7"):
             session.get("t")

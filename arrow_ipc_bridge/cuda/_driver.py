@@ -18,6 +18,7 @@ import warnings
 from types import TracebackType
 from typing import Any, Final
 
+from arrow_ipc_bridge._ffi import ffi as _core_ffi
 from arrow_ipc_bridge._ffi import lib as _core
 from arrow_ipc_bridge.cuda._declarations import (
     CUDA_ERROR_DEINITIALIZED,
@@ -154,9 +155,9 @@ class _Driver:
                 raise CudaError(self.failure.message, **self.failure.details)
             self.pid = os.getpid()
             self.lib = lib
-            # Structs of imported data carry their sync_event only while it is pending: the C core
-            # asks the driver (cffi_build/sync_event.c).
-            _core.aib_cuda_set_event_query(int(self.ffi.cast("uintptr_t", lib.cuEventQuery)))
+            # The C core calls the driver itself in its loops (cffi_build/cuda_batch.c) and when it
+            # hands out a sync event (sync_event.c): it gets the functions once, here.
+            _core.aib_cuda_set_driver(core_driver_table(lib, self.ffi))
             return lib
 
     def _error(self, lib: Any, call: str, code: int, hint: str | None) -> CudaError:
@@ -180,6 +181,27 @@ class _Driver:
         self.lock = threading.RLock()
         if self.lib is not None:
             self.forked = True
+
+
+def core_driver_table(lib: Any, ffi: Any) -> Any:
+    """The ``aib_cuda_driver`` table of the driver functions the C core calls, from a loaded ``lib``.
+
+    The one way driver functions reach C: their addresses, handed over once with ``aib_cuda_set_driver``.
+    """
+
+    def address(function: Any) -> int:
+        return int(ffi.cast("uintptr_t", function))
+
+    return _core_ffi.new(
+        "aib_cuda_driver *",
+        {
+            "event_query": address(lib.cuEventQuery),
+            "pointer_get_attributes": address(lib.cuPointerGetAttributes),
+            "mem_pool_export_pointer": address(lib.cuMemPoolExportPointer),
+            "mem_pool_import_pointer": address(lib.cuMemPoolImportPointer),
+            "mem_free": address(lib.cuMemFree_v2),
+        },
+    )
 
 
 _DRIVER = _Driver(os.environ.get(_LIBRARY_ENV, _DEFAULT_LIBRARY))

@@ -187,7 +187,7 @@ def describe_buffers(
     if n == 0:
         return [], []
     global _POINTER_ATTRIBUTE_ARRAY
-    lib, ffi = _api()
+    _, ffi = _api()
     if _POINTER_ATTRIBUTE_ARRAY is None:
         _POINTER_ATTRIBUTE_ARRAY = ffi.new("CUpointer_attribute[]", list(_POINTER_ATTRIBUTES))
     n_attributes = len(_POINTER_ATTRIBUTES)
@@ -195,10 +195,8 @@ def describe_buffers(
     infos = _core_ffi.new("uint64_t[]", n * n_attributes)
     allocation_of = _core_ffi.new("uint32_t[]", n)
     n_infos = _core_ffi.new("size_t *")
-    get_attributes = int(ffi.cast("uintptr_t", lib.cuPointerGetAttributes))
     with _ctx(None):
         rc = _core.aib_cuda_describe_buffers(
-            get_attributes,
             attributes,
             n_attributes,
             3,  # CU_POINTER_ATTRIBUTE_RANGE_START_ADDR's slot

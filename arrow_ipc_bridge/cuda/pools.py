@@ -222,7 +222,7 @@ class IpcMemoryPool(_DriverResource):
         self._check_open()
         if not pointers:
             return []
-        lib, ffi = _api()
+        _lib()  # the driver loaded: the core has its functions (cuda_batch.c)
         if not self._shared_once:
             # Measured on the H200 (driver 580): cuMemPoolExportPointer answers INVALID_VALUE until
             # the pool itself was exported as a shareable handle once. Do that first (the fd is
@@ -232,9 +232,8 @@ class IpcMemoryPool(_DriverResource):
         array = _core_ffi.new("uint64_t[]", [_address(ptr, "ptr") for ptr in pointers])
         out = _core_ffi.new("uint8_t[]", 64 * n)
         done = _core_ffi.new("size_t *")
-        export_fn = int(ffi.cast("uintptr_t", lib.cuMemPoolExportPointer))
         with device_context(self._device):
-            rc = _core.aib_cuda_export_pool_pointers(export_fn, array, n, out, done)
+            rc = _core.aib_cuda_export_pool_pointers(array, n, out, done)
         if rc != CUDA_SUCCESS:
             raise _DRIVER.error("cuMemPoolExportPointer", rc, f"pointer {int(done[0]) + 1} of {n}")
         data = bytes(_core_ffi.buffer(out, 64 * n))
@@ -347,10 +346,9 @@ class ImportedPool(_DriverResource):
         out = _core_ffi.new("uint64_t[]", max(n, 1))
         done = _core_ffi.new("size_t *")
         # The loop runs in the C core (cffi_build/cuda_batch.c): per pointer only the driver's call.
-        import_fn = int(ffi.cast("uintptr_t", lib.cuMemPoolImportPointer))
         pool = int(ffi.cast("uintptr_t", self._pool))
         with device_context(self._device):
-            rc = _core.aib_cuda_import_pool_pointers(import_fn, pool, blob, n, out, done)
+            rc = _core.aib_cuda_import_pool_pointers(pool, blob, n, out, done)
             pointers: list[int] = _core_ffi.unpack(out, int(done[0]))
             if rc != CUDA_SUCCESS:
                 for ptr in pointers:
@@ -385,11 +383,10 @@ class ImportedPool(_DriverResource):
                 what = f"address {unknown[0]:#x}" if unknown else "an address given twice"
                 raise RegionError(f"{what} was not imported from this pool (or was freed)", field="ptr")
             self._imported.difference_update(pointers)
-        lib, ffi = _api()
+        _lib()  # the driver loaded: the core has its functions (cuda_batch.c)
         array = _core_ffi.new("uint64_t[]", list(pointers) or [0])
-        free_fn = int(ffi.cast("uintptr_t", lib.cuMemFree_v2))
         with device_context(self._device):
-            _check("cuMemFree_v2", _core.aib_cuda_free_pointers(free_fn, array, len(pointers)))
+            _check("cuMemFree_v2", _core.aib_cuda_free_pointers(array, len(pointers)))
 
     def _release(self) -> None:
         lib = _lib()

@@ -16,7 +16,7 @@ build() {  # build OUTPUT [-D...]
   shift
   "$CLANG" -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
     -I"$ROOT/cffi_build" -DAIB_VERSION='"fuzz"' "$@" \
-    "$ROOT/fuzz/decoder/harness.c" "$ROOT/fuzz/decoder/core_stubs.c" "$ROOT/cffi_build/wire.c" \
+    "$ROOT/fuzz/decoder/harness.c" "$ROOT/fuzz/decoder/core_stubs.c" "$ROOT/cffi_build/base.c" "$ROOT/cffi_build/wire_"{model,describe,encode,decode,rebuild}.c \
     "$ROOT/cffi_build/layout.c" "$ROOT/cffi_build/content_check.c" -o "$output"
 }
 build "$OUT/harness"

@@ -158,3 +158,9 @@ class Heap:
 
 
 NULL_BUFFER = (0, 0, 0)
+
+
+def encode_item(lease_id: int, message: bytes) -> bytes:
+    """An ITEM frame's payload (docs/protocol.md): the 8-byte little-endian lease id, then the
+    message. Only the publisher's C code writes ITEMs; tests that play a publisher write their own."""
+    return struct.pack("<Q", lease_id) + message
