@@ -1,22 +1,38 @@
-"""The hot path of the publisher/session protocol: frames sent and received by the C core.
+"""Frames over a connected Unix socket, sent and received by the C core: the package's one frame codec.
 
-:mod:`~arrow_ipc_bridge.transport` connects and checks credentials in Python. A session then says
-hello through the Python framing and hands the socket's receiving side to a :class:`Channel`; a
-publisher's connection handler hands it over at once (the C serve loop passes HELLO back to Python
-to answer). Channel calls run in C without the GIL (``cffi_build/channel.c``): a request round trip
-then costs about what the socket costs, where the Python framing on both ends added ~40 µs. The
-bytes on the wire are the same (transport.py's docstring is their spec).
+Every frame of the publisher/session protocol goes through a :class:`Channel`, the handshake
+included; the frame format, how descriptors travel with frames and the limits are specified in
+docs/protocol.md ("Frames"). Channel calls run in C without the GIL (``cffi_build/channel.c``).
 
-The :class:`~arrow_ipc_bridge.transport.Connection` still owns the socket: every channel call holds
-the connection's receive or send lock, so ``close()`` from any thread waits for it, and errors
-close the connection the same way transport does.
+A channel belongs to a :class:`~arrow_ipc_bridge.transport.Connection` (``conn.channel``), which
+owns the socket: every channel call holds the connection's receive or send lock, so ``close()``
+from any thread waits for it, and a failure that leaves the stream out of sync closes the
+connection.
+
+Errors
+------
+* the peer closed or died (EOF at a frame boundary, ``ECONNRESET``, ``EPIPE``), or the connection
+  was closed here: :class:`~arrow_ipc_bridge.errors.PeerClosedError` (``closed_locally=True`` for
+  the latter);
+* a malformed frame (bad magic, version or reserved field, length or descriptor count over a
+  limit, wrong number of descriptors, EOF in the middle of a frame):
+  :class:`~arrow_ipc_bridge.errors.ProtocolError`; the connection is closed;
+* a wait past its timeout: :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError`; the connection
+  stays usable when nothing of the frame had moved yet, else it is closed (the peer would misread
+  what follows);
+* an invalid frame handed to :meth:`Channel.send` (kind out of range, payload over the limit, too
+  many, invalid or closed descriptors): :class:`~arrow_ipc_bridge.errors.WireFormatError` (a
+  ``ValueError``); nothing is sent and the connection stays usable.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Final, Protocol
 
 from arrow_ipc_bridge._ffi import ffi, lib, new_error
 from arrow_ipc_bridge.errors import (
@@ -25,13 +41,21 @@ from arrow_ipc_bridge.errors import (
     PeerClosedError,
     ProtocolError,
     TransportError,
+    WireFormatError,
 )
-from arrow_ipc_bridge.transport import Connection, Frame
 
-__all__ = ["Channel", "error_for", "frame_from", "millis"]
+__all__ = ["MAX_FDS", "MAX_PAYLOAD", "Channel", "Frame", "error_for", "frame_from", "millis"]
 
+MAX_PAYLOAD: Final = 64 * 1024 * 1024
+"""Default limit on a frame's payload, in bytes; ``max_payload`` arguments override it."""
+MAX_FDS: Final = int(lib.AIB_MAX_FDS)
+"""Most descriptors one frame may carry (the kernel's ``SCM_MAX_FD``)."""
+U32_MAX: Final = 0xFFFFFFFF
+_U16_MAX = 0xFFFF
 _GET_IMPORTED = int(lib.AIB_GET_IMPORTED)
 _GET_IMPORTED_NEW = int(lib.AIB_GET_IMPORTED_NEW)
+# What aib_channel_send refuses before anything went out (the frame itself is invalid).
+_INVALID_FRAME = frozenset({int(lib.AIB_E_LIMIT), int(lib.AIB_E_STATE)})
 
 
 def millis(timeout: float | None) -> int:
@@ -48,10 +72,55 @@ def error_for(code: int, err: Any, what: str, timeout: float | None = None) -> B
     if code == lib.AIB_E_TIMEOUT:
         return BridgeTimeoutError(f"{what} timed out after {timeout} s", timeout=timeout)
     if code == lib.AIB_E_PROTOCOL:
-        return ProtocolError(text)
+        where = ffi.string(err.field).decode("utf-8", "replace")
+        return ProtocolError(text, field=where) if where else ProtocolError(text)
     if code == lib.AIB_E_NOMEM:
         return TransportError(f"{what}: out of memory")
     return TransportError(text, errno=int(err.errno_value) or None)
+
+
+def close_fds(fds: Iterable[int]) -> None:
+    """Close descriptors, going on past any already closed (so that none of the rest leaks)."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            continue
+
+
+@dataclass(slots=True)
+class Frame:
+    """One received frame.
+
+    Parameters
+    ----------
+    kind:
+        The caller-defined frame kind (0..65535).
+    payload:
+        The payload, as a bytes object of its own (copied out of the channel's receive buffer).
+    fds:
+        Descriptors that came with the frame, in the order the sender listed them. They are new
+        descriptors owned by the receiver, with ``FD_CLOEXEC`` set: close them with
+        :meth:`close_fds` (or use the frame as a context manager), or take one over by removing it
+        from the list (``frame.fds.pop(i)``).
+    """
+
+    kind: int
+    payload: bytes
+    fds: list[int] = field(default_factory=list)
+
+    def close_fds(self) -> None:
+        """Close every descriptor still in :attr:`fds` and empty the list; calling it again does nothing."""
+        fds, self.fds = self.fds, []
+        close_fds(fds)
+
+    def __enter__(self) -> Frame:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close_fds()
 
 
 def frame_from(raw: Any) -> Frame:
@@ -60,22 +129,58 @@ def frame_from(raw: Any) -> Frame:
     return Frame(int(raw.kind), payload, [int(raw.fds[i]) for i in range(raw.n_fds)])
 
 
+class SocketOwner(Protocol):
+    """What a channel needs of the connection that owns its socket
+    (:class:`~arrow_ipc_bridge.transport.Connection`)."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def fileno(self) -> int: ...
+
+    def io_locks(self) -> tuple[threading.Lock, threading.Lock]: ...
+
+    def check_open(self) -> None: ...
+
+    def abort(self, reason: str, *, holding: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _check_kind(kind: object) -> int:
+    # Int subclasses (an IntEnum of message kinds) are fine; bool is an int subclass but surely a mistake.
+    if isinstance(kind, bool) or not isinstance(kind, int) or not 0 <= kind <= _U16_MAX:
+        raise WireFormatError(f"frame kind must be an int in 0..{_U16_MAX}, got {kind!r}", field="kind")
+    return int(kind)
+
+
+def _fd_array(fds: Sequence[int]) -> Any:
+    if len(fds) > MAX_FDS:
+        raise WireFormatError(f"{len(fds)} descriptors in one frame, at most {MAX_FDS}", field="fds")
+    if not all(type(fd) is int or (isinstance(fd, int) and not isinstance(fd, bool)) for fd in fds):
+        raise WireFormatError(f"fds must be descriptor numbers, got {list(fds)!r}", field="fds")
+    if min(fds) < 0 or max(fds) > 0x7FFFFFFF:
+        raise WireFormatError(f"not a descriptor number in {list(fds)!r}", field="fds")
+    return ffi.new("int[]", list(fds))
+
+
 class Channel:
     """Frames over a connection's socket, sent and received in C.
 
     Parameters
     ----------
     conn
-        A connection whose receiving side is handed over here (its own ``recv`` is refused from
-        now on); sending through the connection stays allowed and is serialised with ours.
+        The connection that owns the socket (it makes its channel: ``conn.channel``).
+    max_payload
+        Largest payload accepted from the peer, and allowed in :meth:`send`, in bytes.
     """
 
-    def __init__(self, conn: Connection) -> None:
-        seed = conn.hand_over_receive()
-        raw = lib.aib_channel_new(conn.fileno(), conn.max_payload, seed, len(seed))
+    def __init__(self, conn: SocketOwner, max_payload: int) -> None:
+        raw = lib.aib_channel_new(conn.fileno(), max_payload)
         if raw == ffi.NULL:
             raise MemoryError("allocating a channel")
         self.conn = conn
+        self.max_payload = max_payload
         self.raw = ffi.gc(raw, lib.aib_channel_free)
         self._recv_lock, self._send_lock = conn.io_locks()
         # Used under the receive lock only (one receive at a time).
@@ -84,35 +189,98 @@ class Channel:
         self._err = new_error()
 
     def send(
-        self, kind: int, payload: bytes = b"", fds: Sequence[int] = (), *, timeout: float | None = None
+        self,
+        kind: int,
+        payload: bytes | bytearray | memoryview = b"",
+        fds: Sequence[int] = (),
+        *,
+        timeout: float | None = None,
     ) -> None:
-        """Send one frame. A timeout before anything went out leaves the connection usable; any
-        other failure closes it."""
+        """Send one frame.
+
+        ``payload`` is any C-contiguous buffer of at most :attr:`max_payload` bytes; ``fds`` are
+        duplicated into the peer (at most :data:`MAX_FDS`; the caller keeps its own copies).
+        ``timeout`` bounds the whole call, waiting for other senders included (``None``: no limit).
+        See the module docstring for the errors.
+        """
+        if kind.__class__ is not int or not 0 <= kind <= _U16_MAX:
+            kind = _check_kind(kind)
+        if payload.__class__ is bytes:
+            data: Any = payload
+            size = len(payload)
+        else:
+            view = memoryview(payload)
+            if not view.c_contiguous:
+                raise WireFormatError("the payload must be a C-contiguous buffer", field="payload")
+            data = ffi.from_buffer(view)
+            size = view.nbytes
+        if size > self.max_payload:
+            raise WireFormatError(
+                f"payload of {size} bytes is over this connection's limit of {self.max_payload} bytes",
+                field="payload",
+            )
+        fd_array = _fd_array(fds) if fds else ffi.NULL
         err = new_error()
-        fd_array = ffi.new("int[]", list(fds)) if fds else ffi.NULL
-        timeout_ms = -1 if timeout is None else millis(timeout)
-        with self._send_lock:
+        if timeout is None:
+            self._send_lock.acquire()
+            timeout_ms = -1
+        else:
+            timeout = max(float(timeout), 0.0)
+            if not self._send_lock.acquire(timeout=timeout):
+                raise BridgeTimeoutError(
+                    f"send timed out after {timeout} s waiting for another sender", timeout=timeout
+                )
+            timeout_ms = millis(timeout)
+        try:
             self.conn.check_open()
             rc = lib.aib_channel_send(
-                self.raw, kind, payload, len(payload), ffi.NULL, 0, fd_array, len(fds), timeout_ms, err
+                self.raw, kind, data, size, ffi.NULL, 0, fd_array, len(fds), timeout_ms, err
             )
-        if rc:
-            exc = error_for(rc, err, "sending a frame", timeout)
-            if rc != lib.AIB_E_TIMEOUT:
-                # Closed after letting go of the send lock: close() takes the receive lock first,
-                # and a request holds both in that order.
-                self.conn.close()
-            raise exc
+        finally:
+            self._send_lock.release()
+        if rc == 0:
+            return
+        if rc in _INVALID_FRAME:  # refused before anything went out
+            message = ffi.string(err.message).decode("utf-8", "replace")
+            raise WireFormatError(message, field=ffi.string(err.field).decode() or "frame")
+        if rc == lib.AIB_E_PROTOCOL:  # timed out with part of the frame on the wire
+            exc: BridgeError = BridgeTimeoutError(
+                f"send timed out after {timeout} s in the middle of a frame (connection closed)",
+                timeout=timeout,
+            )
+        else:
+            exc = self._closed_or(error_for(rc, err, "sending a frame", timeout))
+        if rc != lib.AIB_E_TIMEOUT:
+            # Closed after letting go of the send lock: close() takes the receive lock first, and a
+            # request holds both in that order.
+            self.conn.close()
+        raise exc
 
     def recv(self, *, timeout: float | None = None) -> Frame:
-        """The next frame; on any failure (a timeout too) the connection is closed."""
+        """The next frame; the caller owns (and must close) its :attr:`Frame.fds`.
+
+        ``timeout`` bounds the whole call (``None`` blocks). A timeout before the frame's first
+        byte leaves the connection usable; any other failure closes it.
+        """
         err = new_error()
-        with self._recv_lock:
+        if timeout is None:
+            self._recv_lock.acquire()
+        else:
+            timeout = max(float(timeout), 0.0)
+            if not self._recv_lock.acquire(timeout=timeout):
+                raise BridgeTimeoutError(
+                    f"recv timed out after {timeout} s waiting for another receiver", timeout=timeout
+                )
+        try:
             self.conn.check_open()
             rc = lib.aib_channel_recv(self.raw, millis(timeout), self._frame, err)
-            if rc:
-                raise self.failed(rc, err, "receiving a frame", timeout, holding="recv")
-            return frame_from(self._frame)
+            if rc == 0:
+                return frame_from(self._frame)
+            if rc == lib.AIB_E_TIMEOUT and not lib.aib_channel_mid_frame(self.raw):
+                raise error_for(rc, err, "receiving a frame", timeout)
+            raise self.failed(rc, err, "receiving a frame", timeout, holding="recv")
+        finally:
+            self._recv_lock.release()
 
     def request(self, kind: int, payload: bytes, *, timeout: float | None) -> Frame:
         """Send a request and receive its answer (the session's round trip, one C call).
@@ -159,6 +327,11 @@ class Channel:
                 raise self.failed(rc, err, "a request", timeout, holding="both")
             return None, frame_from(self._frame)
 
+    def drop(self) -> None:
+        """Close the descriptors of a partly received frame and refuse later receives (for a
+        connection being closed; call it holding the receive lock)."""
+        lib.aib_channel_drop(self.raw)
+
     def locked(self) -> tuple[threading.Lock, threading.Lock]:
         """Both locks, for a C call that receives and sends on this channel (the serve loop)."""
         return self._recv_lock, self._send_lock
@@ -169,6 +342,16 @@ class Channel:
         """The exception for a failed call; the connection is closed (the stream position is unknown
         after a failed receive: a timed-out frame is not kept). Call it holding the lock(s) named:
         ``"recv"`` or ``"both"`` (never the send lock alone: the locks are taken receive first)."""
-        exc = error_for(rc, err, what, timeout)
+        exc = self._closed_or(error_for(rc, err, what, timeout))
         self.conn.abort(f"{what} failed: {exc}", holding=holding)
+        return exc
+
+    def _closed_or(self, exc: BridgeError) -> BridgeError:
+        """``exc``, or the connection's own error when it was closed here meanwhile (a close from
+        another thread wakes a blocked call, which then sees what looks like the peer leaving)."""
+        if self.conn.closed:
+            try:
+                self.conn.check_open()
+            except BridgeError as closed:
+                return closed
         return exc
