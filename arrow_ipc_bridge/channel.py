@@ -4,10 +4,12 @@ Every frame of the publisher/session protocol goes through a :class:`Channel`, t
 included; the frame format, how descriptors travel with frames and the limits are specified in
 docs/protocol.md ("Frames"). Channel calls run in C without the GIL (``cffi_build/channel.c``).
 
-A channel belongs to a :class:`~arrow_ipc_bridge.transport.Connection` (``conn.channel``), which
-owns the socket: every channel call holds the connection's receive or send lock, so ``close()``
-from any thread waits for it, and a failure that leaves the stream out of sync closes the
-connection.
+A channel owns its socket (a :class:`~arrow_ipc_bridge.transport.Connection` makes it and hands
+it over: ``conn.channel``): one lock serialises receivers and another senders, every call holds
+the one it needs, so :meth:`Channel.close` from any thread waits for it, and a failure that leaves
+the stream out of sync closes the channel. Nothing here refers back to the connection: whoever
+holds the channel (a session's lease releases) keeps the socket open, and dropping the last
+reference closes it.
 
 Errors
 ------
@@ -27,13 +29,17 @@ Errors
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import socket
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
+from arrow_ipc_bridge import _process
 from arrow_ipc_bridge._ffi import ffi, lib, new_error
 from arrow_ipc_bridge.errors import (
     BridgeError,
@@ -56,6 +62,11 @@ _GET_IMPORTED = int(lib.AIB_GET_IMPORTED)
 _GET_IMPORTED_NEW = int(lib.AIB_GET_IMPORTED_NEW)
 # What aib_channel_send refuses before anything went out (the frame itself is invalid).
 _INVALID_FRAME = frozenset({int(lib.AIB_E_LIMIT), int(lib.AIB_E_STATE)})
+# close() waits this long for a send/recv in progress to notice the shutdown before it closes the fd
+# anyway. shutdown() wakes every blocked socket call at once, so this is only a safety net.
+_CLOSE_WAIT_S = 5.0
+
+logger = logging.getLogger(__name__)
 
 
 def millis(timeout: float | None) -> int:
@@ -129,24 +140,6 @@ def frame_from(raw: Any) -> Frame:
     return Frame(int(raw.kind), payload, [int(raw.fds[i]) for i in range(raw.n_fds)])
 
 
-class SocketOwner(Protocol):
-    """What a channel needs of the connection that owns its socket
-    (:class:`~arrow_ipc_bridge.transport.Connection`)."""
-
-    @property
-    def closed(self) -> bool: ...
-
-    def fileno(self) -> int: ...
-
-    def io_locks(self) -> tuple[threading.Lock, threading.Lock]: ...
-
-    def check_open(self) -> None: ...
-
-    def abort(self, reason: str, *, holding: str) -> None: ...
-
-    def close(self) -> None: ...
-
-
 def _check_kind(kind: object) -> int:
     # Int subclasses (an IntEnum of message kinds) are fine; bool is an int subclass but surely a mistake.
     if isinstance(kind, bool) or not isinstance(kind, int) or not 0 <= kind <= _U16_MAX:
@@ -169,20 +162,27 @@ class Channel:
 
     Parameters
     ----------
-    conn
-        The connection that owns the socket (it makes its channel: ``conn.channel``).
+    sock
+        A connected Unix stream socket in blocking mode, taken over: closed by :meth:`close` (or
+        when the channel is dropped).
     max_payload
         Largest payload accepted from the peer, and allowed in :meth:`send`, in bytes.
     """
 
-    def __init__(self, conn: SocketOwner, max_payload: int) -> None:
-        raw = lib.aib_channel_new(conn.fileno(), max_payload)
+    def __init__(self, sock: socket.socket, max_payload: int) -> None:
+        raw = lib.aib_channel_new(sock.fileno(), max_payload)
         if raw == ffi.NULL:
             raise MemoryError("allocating a channel")
-        self.conn = conn
         self.max_payload = max_payload
         self.raw = ffi.gc(raw, lib.aib_channel_free)
-        self._recv_lock, self._send_lock = conn.io_locks()
+        self._sock = sock
+        # A forked child inherits this object and the socket, but the conversation is the parent's.
+        self._pid = _process.pid
+        self._state_lock = threading.Lock()
+        self._closed = False
+        self._close_reason = ""
+        self._recv_lock = threading.Lock()
+        self._send_lock = threading.Lock()
         # Used under the receive lock only (one receive at a time).
         self._frame = ffi.new("aib_frame *")
         self._result = ffi.new("aib_get_result *")
@@ -232,7 +232,7 @@ class Channel:
                 )
             timeout_ms = millis(timeout)
         try:
-            self.conn.check_open()
+            self.check_open()
             rc = lib.aib_channel_send(
                 self.raw, kind, data, size, ffi.NULL, 0, fd_array, len(fds), timeout_ms, err
             )
@@ -250,10 +250,13 @@ class Channel:
             )
         else:
             exc = self._closed_or(error_for(rc, err, "sending a frame", timeout))
-        if rc != lib.AIB_E_TIMEOUT:
-            # Closed after letting go of the send lock: close() takes the receive lock first, and a
-            # request holds both in that order.
-            self.conn.close()
+        # A timeout before anything went out leaves the stream in step; so does a peer that is gone
+        # (nobody is left to misread it, and what it sent before leaving, a farewell ERROR frame,
+        # can still be received). Anything else closes the connection: closed after letting go of
+        # the send lock, because close() takes the receive lock first and a request holds both in
+        # that order.
+        if rc not in (lib.AIB_E_TIMEOUT, lib.AIB_E_PEER_CLOSED):
+            self.close()
         raise exc
 
     def recv(self, *, timeout: float | None = None) -> Frame:
@@ -272,7 +275,7 @@ class Channel:
                     f"recv timed out after {timeout} s waiting for another receiver", timeout=timeout
                 )
         try:
-            self.conn.check_open()
+            self.check_open()
             rc = lib.aib_channel_recv(self.raw, millis(timeout), self._frame, err)
             if rc == 0:
                 return frame_from(self._frame)
@@ -290,7 +293,7 @@ class Channel:
         """
         err = new_error()
         with self._recv_lock, self._send_lock:
-            self.conn.check_open()
+            self.check_open()
             rc = lib.aib_channel_request(
                 self.raw, kind, payload, len(payload), millis(timeout), self._frame, err
             )
@@ -313,7 +316,7 @@ class Channel:
         err = self._err
         result = self._result
         with self._recv_lock, self._send_lock:
-            self.conn.check_open()
+            self.check_open()
             rc = lib.aib_session_get(
                 self.raw, name, len(name), timeout_ms, cache, lease_tokens, keeper, result, self._frame, err
             )
@@ -327,11 +330,6 @@ class Channel:
                 raise self.failed(rc, err, "a request", timeout, holding="both")
             return None, frame_from(self._frame)
 
-    def drop(self) -> None:
-        """Close the descriptors of a partly received frame and refuse later receives (for a
-        connection being closed; call it holding the receive lock)."""
-        lib.aib_channel_drop(self.raw)
-
     def locked(self) -> tuple[threading.Lock, threading.Lock]:
         """Both locks, for a C call that receives and sends on this channel (the serve loop)."""
         return self._recv_lock, self._send_lock
@@ -343,15 +341,86 @@ class Channel:
         after a failed receive: a timed-out frame is not kept). Call it holding the lock(s) named:
         ``"recv"`` or ``"both"`` (never the send lock alone: the locks are taken receive first)."""
         exc = self._closed_or(error_for(rc, err, what, timeout))
-        self.conn.abort(f"{what} failed: {exc}", holding=holding)
+        self._teardown(f"{what} failed: {exc}", holding=holding)
         return exc
 
     def _closed_or(self, exc: BridgeError) -> BridgeError:
         """``exc``, or the connection's own error when it was closed here meanwhile (a close from
         another thread wakes a blocked call, which then sees what looks like the peer leaving)."""
-        if self.conn.closed:
+        if self._closed:
             try:
-                self.conn.check_open()
+                self.check_open()
             except BridgeError as closed:
                 return closed
         return exc
+
+    # -- the socket's lifetime -------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether the channel was closed (by :meth:`close`, or after a failure)."""
+        return self._closed
+
+    def fileno(self) -> int:
+        """The socket's descriptor, or -1 once closed."""
+        return self._sock.fileno()
+
+    def check_open(self) -> None:
+        """Raise :class:`~arrow_ipc_bridge.errors.PeerClosedError` when the channel is closed,
+        :class:`~arrow_ipc_bridge.errors.ForeignProcessError` in a process other than its own."""
+        if self._pid != _process.pid:
+            raise _process.foreign("connection", self._pid, "connect again here")
+        if self._closed:
+            raise PeerClosedError(
+                f"the connection is closed ({self._close_reason or 'closed'})", closed_locally=True
+            )
+
+    def close(self) -> None:
+        """Close the channel and its socket; idempotent, and safe to call from any thread.
+
+        A call in progress in another thread is woken (``shutdown(SHUT_RDWR)``) and raises
+        :class:`~arrow_ipc_bridge.errors.PeerClosedError`; the descriptor is closed once those calls
+        have let go of it, so its number cannot be reused under them. Descriptors of a partly
+        received frame are closed. The peer sees end-of-file.
+        """
+        self._teardown("closed by close()", holding=None)
+
+    def _teardown(self, reason: str, *, holding: str | None) -> None:
+        if self._pid != _process.pid:
+            # A fork child's copy: shutdown() would end the parent's conversation and the locks may
+            # have been held by parent threads at the fork. Only our descriptor goes.
+            self._closed = True
+            self._close_reason = "closed in a forked child"
+            self._sock.close()
+            return
+        with self._state_lock:
+            already = self._closed
+            if not already:
+                self._closed = True
+                self._close_reason = reason
+        if not already:
+            # Fails only when the peer is gone already (ENOTCONN): then there is nothing to wake.
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+        elif holding is not None:
+            # Another thread is closing and may be waiting for the lock this one holds: leave the rest
+            # to it rather than wait for each other.
+            return
+        acquired: list[threading.Lock] = []
+        try:
+            for name, lock in (("recv", self._recv_lock), ("send", self._send_lock)):
+                if holding in (name, "both"):
+                    continue
+                if lock.acquire(timeout=_CLOSE_WAIT_S):
+                    acquired.append(lock)
+                else:
+                    logger.warning(
+                        "%r: a %s call did not end within %s s of shutdown", self, name, _CLOSE_WAIT_S
+                    )
+            if holding in ("recv", "both") or self._recv_lock in acquired:
+                # The descriptors of a partly received frame go now, not when the channel is freed.
+                lib.aib_channel_drop(self.raw)
+            self._sock.close()
+        finally:
+            for lock in acquired:
+                lock.release()

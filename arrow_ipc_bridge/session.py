@@ -886,7 +886,7 @@ def _file_identities(fds: Sequence[int]) -> tuple[tuple[int, int], ...] | None:
 
 
 def _send_release(channel: Channel, lease_id: int) -> None:
-    if channel.conn.closed:
+    if channel.closed:
         return  # the publisher released this connection's leases when it closed
     # A publisher that is gone has nothing left to release.
     with contextlib.suppress(PeerClosedError, BridgeTimeoutError, OSError):

@@ -267,7 +267,7 @@ static ssize_t read_some(aib_channel *ch, uint8_t *dst, size_t cap, int64_t dead
       }
     }
     if (truncated) {
-      *rc_out = aib_fail(err, AIB_E_PROTOCOL, "fds", "", "the peer sent more descriptors than a frame may carry");
+      *rc_out = aib_fail(err, AIB_E_PROTOCOL, "fds", "", "descriptors were truncated (more than a frame may carry, or this process is out of descriptors: check RLIMIT_NOFILE)");
       return -1;
     }
     return got;
@@ -400,7 +400,9 @@ static int recv_frame(aib_channel *ch, int64_t timeout_ms, int idle, aib_frame *
   memcpy(big, ch->buf + ch->start + HEADER_SIZE, have);
   size_t header_end = ch->end;
   ch->start = ch->end = 0;
-  while (have < length) {
+  /* Every descriptor pending now is this frame's (frames before it were handed out with theirs),
+   * so one too many is an error at once rather than after the whole payload. */
+  while (have < length && (uint32_t)ch->n_pending <= n_fds) {
     ssize_t got = read_some(ch, big + have, (size_t)length - have, deadline, 1, 0, err, &rc);
     if (got < 0) {
       free(big);
@@ -413,6 +415,11 @@ static int recv_frame(aib_channel *ch, int64_t timeout_ms, int idle, aib_frame *
       return aib_fail(err, AIB_E_PROTOCOL, "", "", "the peer closed the connection in the middle of a frame");
     }
     have += (size_t)got;
+  }
+  if ((uint32_t)ch->n_pending > n_fds) {
+    free(big);
+    ch->out_of_sync = 1;
+    return aib_fail(err, AIB_E_PROTOCOL, "fds", "", "frame announced %u descriptors and %d arrived", n_fds, ch->n_pending);
   }
   ch->big = big;
   out->payload = big;

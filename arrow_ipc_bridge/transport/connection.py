@@ -1,35 +1,28 @@
-"""Connections: a connected Unix socket, its peer's credentials, its locks and its close; and connect().
+"""Client-side and accepted connections: a connected Unix socket checked and handed to its channel,
+with the peer's credentials; and connect() (with a timeout while the server's backlog is full).
 
-A :class:`Connection` owns the socket; its :attr:`Connection.channel` (the C core's frame codec,
-:mod:`arrow_ipc_bridge.channel`) does all the framing, so :meth:`Connection.send` and
-:meth:`Connection.recv` are that channel's. The frame format is specified in docs/protocol.md.
+A :class:`Connection` reads the peer's ``SO_PEERCRED`` and hands the socket to its
+:attr:`Connection.channel` (:mod:`arrow_ipc_bridge.channel`, the C core's frame codec), which does
+all the framing and owns the socket from then on: :meth:`Connection.send`, :meth:`Connection.recv`
+and :meth:`Connection.close` are that channel's. The frame format is specified in docs/protocol.md.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import socket
 import stat
 import struct
-import threading
 import time
 from collections.abc import Sequence
 from types import TracebackType
 
-from arrow_ipc_bridge import _process
 from arrow_ipc_bridge.channel import MAX_PAYLOAD, U32_MAX, Channel, Frame
-from arrow_ipc_bridge.errors import BridgeTimeoutError, PeerClosedError, TransportError, WireFormatError
+from arrow_ipc_bridge.errors import BridgeTimeoutError, TransportError, WireFormatError
 
 __all__ = ["Connection", "connect", "check_max_payload"]
 
-logger = logging.getLogger(__name__)
-
 _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
-# close() waits this long for a send/recv in progress to notice the shutdown before it closes the fd
-# anyway. shutdown() wakes every blocked socket call at once, so this is only a safety net.
-_CLOSE_WAIT_S = 5.0
 
 
 def check_max_payload(max_payload: int) -> int:
@@ -45,9 +38,9 @@ def check_max_payload(max_payload: int) -> int:
 class Connection:
     """A framed, bidirectional message channel over a connected ``AF_UNIX`` ``SOCK_STREAM`` socket.
 
-    One lock serialises senders and another receivers, so one reader thread and any number of writer
-    threads can share a connection; frames from concurrent senders never interleave on the wire.
-    The frames are sent and received by :attr:`channel` (the C core).
+    The frames are sent and received by :attr:`channel` (the C core), which serialises senders and
+    receivers: one reader thread and any number of writer threads can share a connection, and
+    frames from concurrent senders never interleave on the wire.
 
     Parameters
     ----------
@@ -84,23 +77,15 @@ class Connection:
         except OSError as exc:
             raise TransportError(f"Connection needs a connected Unix stream socket: {exc}") from exc
         self.peer_pid, self.peer_uid, self.peer_gid = _UCRED.unpack(creds)
-        self._sock = sock
         self._fd = sock.fileno()
-        # A forked child inherits this object and the socket, but the conversation is the parent's.
-        self._pid = _process.pid
-        self._state_lock = threading.Lock()
-        self._closed = False
-        self._close_reason = ""
-        self._send_lock = threading.Lock()
-        self._recv_lock = threading.Lock()
-        self.channel = Channel(self, self._max_payload)
+        self.channel = Channel(sock, self._max_payload)
 
     # -- properties ------------------------------------------------------------------------------------
 
     @property
     def closed(self) -> bool:
         """Whether the connection was closed (by :meth:`close`, or after a protocol error)."""
-        return self._closed
+        return self.channel.closed
 
     @property
     def max_payload(self) -> int:
@@ -109,10 +94,10 @@ class Connection:
 
     def fileno(self) -> int:
         """The socket's descriptor (for ``selectors``), or -1 once closed."""
-        return self._sock.fileno()
+        return self.channel.fileno()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"fd={self._fd}"
+        state = "closed" if self.channel.closed else f"fd={self._fd}"
         return f"<Connection {state} peer_pid={self.peer_pid} peer_uid={self.peer_uid}>"
 
     def __enter__(self) -> Connection:
@@ -140,80 +125,17 @@ class Connection:
         """Receive the next frame (:meth:`Channel.recv <arrow_ipc_bridge.channel.Channel.recv>`)."""
         return self.channel.recv(timeout=timeout)
 
-    # -- for the channel -------------------------------------------------------------------------------
-
-    def io_locks(self) -> tuple[threading.Lock, threading.Lock]:
-        """The receive and send locks: hold them around each call on the socket (the channel's), so
-        that :meth:`close` waits for it before closing the descriptor, and check :meth:`check_open`
-        once holding them."""
-        return self._recv_lock, self._send_lock
+    # -- lifetime (the channel's, which owns the socket) ---------------------------------------------------
 
     def check_open(self) -> None:
         """Raise :class:`~arrow_ipc_bridge.errors.PeerClosedError` when the connection is closed,
         :class:`~arrow_ipc_bridge.errors.ForeignProcessError` in a process other than its own."""
-        if self._pid != _process.pid:
-            raise _process.foreign("connection", self._pid, "connect again here")
-        if self._closed:
-            raise PeerClosedError(
-                f"the connection is closed ({self._close_reason or 'closed'})", closed_locally=True
-            )
-
-    def abort(self, reason: str, *, holding: str) -> None:
-        """Close the connection while holding its :meth:`io_locks` (the stream is out of sync);
-        ``holding`` is ``"recv"``, ``"send"`` or ``"both"``."""
-        self._teardown(reason, holding=holding)
-
-    # -- close -----------------------------------------------------------------------------------------
+        self.channel.check_open()
 
     def close(self) -> None:
-        """Close the connection; idempotent, and safe to call from any thread.
-
-        A :meth:`recv` or :meth:`send` in progress in another thread is woken (``shutdown(SHUT_RDWR)``) and
-        raises :class:`~arrow_ipc_bridge.errors.PeerClosedError`; the descriptor is closed once those calls
-        have let go of it, so its number cannot be reused under them. Descriptors of a partly received
-        frame are closed. The peer sees end-of-file.
-        """
-        self._teardown("closed by close()", holding=None)
-
-    def _teardown(self, reason: str, *, holding: str | None) -> None:
-        if self._pid != _process.pid:
-            # A fork child's copy: shutdown() would end the parent's conversation and the locks may
-            # have been held by parent threads at the fork. Only our descriptor goes.
-            self._closed = True
-            self._close_reason = "closed in a forked child"
-            self._sock.close()
-            return
-        with self._state_lock:
-            already = self._closed
-            if not already:
-                self._closed = True
-                self._close_reason = reason
-        if not already:
-            # Fails only when the peer is gone already (ENOTCONN): then there is nothing to wake.
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
-        elif holding is not None:
-            # Another thread is closing and may be waiting for the lock this one holds: leave the rest
-            # to it rather than wait for each other.
-            return
-        acquired: list[threading.Lock] = []
-        try:
-            for name, lock in (("recv", self._recv_lock), ("send", self._send_lock)):
-                if holding in (name, "both"):
-                    continue
-                if lock.acquire(timeout=_CLOSE_WAIT_S):
-                    acquired.append(lock)
-                else:
-                    logger.warning(
-                        "%r: a %s call did not end within %s s of shutdown", self, name, _CLOSE_WAIT_S
-                    )
-            if holding in ("recv", "both") or self._recv_lock in acquired:
-                # The descriptors of a partly received frame go now, not when the channel is freed.
-                self.channel.drop()
-            self._sock.close()
-        finally:
-            for lock in acquired:
-                lock.release()
+        """Close the connection (:meth:`Channel.close <arrow_ipc_bridge.channel.Channel.close>`);
+        idempotent, and safe to call from any thread."""
+        self.channel.close()
 
 
 def connect(
@@ -303,5 +225,3 @@ def _describe_refused(path: str) -> str:
     if not stat.S_ISSOCK(st.st_mode):
         return "the path is not a socket, no publisher is running there"
     return "connection refused, no publisher is running there (a stale socket file from a server that died)"
-
-
