@@ -658,14 +658,19 @@ def test_timeout_mid_frame_closes_connection_and_fds(hostile: tuple[Channel, soc
     assert_hung_up(peer)
 
 
-def test_timeout_in_a_large_frame_closes_connection(hostile: tuple[Channel, socket.socket]) -> None:
+@pytest.mark.parametrize("with_fd", [False, True])
+def test_timeout_in_a_large_frame_closes_connection(
+    hostile: tuple[Channel, socket.socket], with_fd: bool
+) -> None:
     """A frame too large for the receive buffer that is partly in at the timeout: the connection is
-    closed (its partial payload is gone) and its descriptor closed."""
+    closed (its partial payload is gone), its descriptor too; without one, nothing else would tell
+    that the stream is out of step."""
     conn, peer = hostile
     with no_fd_leak(closes=1):
-        mem = memfd_with(b"big")
-        send_raw(peer, header(length=300_000, nfds=1) + bytes(100_000), [mem])
-        os.close(mem)
+        mine = [memfd_with(b"big")] if with_fd else []
+        send_raw(peer, header(length=300_000, nfds=len(mine)) + bytes(100_000), mine)
+        for fd in mine:
+            os.close(fd)
         with pytest.raises(BridgeTimeoutError):
             conn.recv(timeout=0.2)
         assert conn.closed
