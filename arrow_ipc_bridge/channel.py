@@ -11,20 +11,12 @@ the stream out of sync closes the channel. Nothing here refers back to the conne
 holds the channel (a session's lease releases) keeps the socket open, and dropping the last
 reference closes it.
 
-Errors
-------
-* the peer closed or died (EOF at a frame boundary, ``ECONNRESET``, ``EPIPE``), or the connection
-  was closed here: :class:`~arrow_ipc_bridge.errors.PeerClosedError` (``closed_locally=True`` for
-  the latter);
-* a malformed frame (bad magic, version or reserved field, length or descriptor count over a
-  limit, wrong number of descriptors, EOF in the middle of a frame):
-  :class:`~arrow_ipc_bridge.errors.ProtocolError`; the connection is closed;
-* a wait past its timeout: :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError`; the connection
-  stays usable when nothing of the frame had moved yet, else it is closed (the peer would misread
-  what follows);
-* an invalid frame handed to :meth:`Channel.send` (kind out of range, payload over the limit, too
-  many, invalid or closed descriptors): :class:`~arrow_ipc_bridge.errors.WireFormatError` (a
-  ``ValueError``); nothing is sent and the connection stays usable.
+Errors (docs/protocol.md, "Frames", says when each is raised): the peer gone or the channel closed
+here: :class:`~arrow_ipc_bridge.errors.PeerClosedError`; a malformed frame:
+:class:`~arrow_ipc_bridge.errors.ProtocolError` (the channel closes); a wait past its timeout:
+:class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` (the channel closes only when part of a frame
+had moved); an invalid frame handed to :meth:`Channel.send`:
+:class:`~arrow_ipc_bridge.errors.WireFormatError` (nothing sent).
 """
 
 from __future__ import annotations

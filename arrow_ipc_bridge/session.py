@@ -718,9 +718,7 @@ class Session:
         finally:
             frame.close_fds()  # the mappings keep the files alive
 
-    def _adopt_new(
-        self, imported_now: tuple[int, Any, int, Any], frame: Frame, name: str
-    ) -> Imported:
+    def _adopt_new(self, imported_now: tuple[int, Any, int, Any], frame: Frame, name: str) -> Imported:
         """The import of a message the session had not seen, which the C core made because all its
         regions are open in this process (``aib_import_new``): its owner carries the decode, the
         view and the lease token; wrap it."""
