@@ -54,6 +54,8 @@ _GET_IMPORTED = int(lib.AIB_GET_IMPORTED)
 _GET_IMPORTED_NEW = int(lib.AIB_GET_IMPORTED_NEW)
 # What aib_channel_send refuses before anything went out (the frame itself is invalid).
 _INVALID_FRAME = frozenset({int(lib.AIB_E_LIMIT), int(lib.AIB_E_STATE)})
+# Send failures after which the stream is still in step (nothing went out, or nobody is left).
+_SEND_KEEPS_OPEN = frozenset({int(lib.AIB_E_TIMEOUT), int(lib.AIB_E_PEER_CLOSED)}) | _INVALID_FRAME
 # close() waits this long for a send/recv in progress to notice the shutdown before it closes the fd
 # anyway. shutdown() wakes every blocked socket call at once, so this is only a safety net.
 _CLOSE_WAIT_S = 5.0
@@ -179,6 +181,7 @@ class Channel:
         self._frame = ffi.new("aib_frame *")
         self._result = ffi.new("aib_get_result *")
         self._err = new_error()
+        self._send_err = new_error()
 
     def send(
         self,
@@ -212,44 +215,47 @@ class Channel:
                 field="payload",
             )
         fd_array = _fd_array(fds) if fds else ffi.NULL
-        err = new_error()
-        if timeout is None:
-            self._send_lock.acquire()
-            timeout_ms = -1
-        else:
-            timeout = max(float(timeout), 0.0)
-            if not self._send_lock.acquire(timeout=timeout):
+        timeout_ms = -1 if timeout is None else millis(timeout)
+        lock = self._send_lock
+        # Untimed first: a lock nobody holds (the usual case) costs no timed wait.
+        if not lock.acquire(False):
+            if timeout is None:
+                lock.acquire()
+            elif not lock.acquire(timeout=max(timeout, 0.0)):
                 raise BridgeTimeoutError(
                     f"send timed out after {timeout} s waiting for another sender", timeout=timeout
                 )
-            timeout_ms = millis(timeout)
         try:
             self.check_open()
+            err = self._send_err  # one per channel, used under the send lock
             rc = lib.aib_channel_send(
                 self.raw, kind, data, size, ffi.NULL, 0, fd_array, len(fds), timeout_ms, err
             )
+            if rc == 0:
+                return
+            exc = self._send_failure(rc, err, timeout)
         finally:
-            self._send_lock.release()
-        if rc == 0:
-            return
-        if rc in _INVALID_FRAME:  # refused before anything went out
-            message = ffi.string(err.message).decode("utf-8", "replace")
-            raise WireFormatError(message, field=ffi.string(err.field).decode() or "frame")
-        if rc == lib.AIB_E_PROTOCOL:  # timed out with part of the frame on the wire
-            exc: BridgeError = BridgeTimeoutError(
-                f"send timed out after {timeout} s in the middle of a frame (connection closed)",
-                timeout=timeout,
-            )
-        else:
-            exc = self._closed_or(error_for(rc, err, "sending a frame", timeout))
+            lock.release()
         # A timeout before anything went out leaves the stream in step; so does a peer that is gone
         # (nobody is left to misread it, and what it sent before leaving, a farewell ERROR frame,
         # can still be received). Anything else closes the connection: closed after letting go of
         # the send lock, because close() takes the receive lock first and a request holds both in
         # that order.
-        if rc not in (lib.AIB_E_TIMEOUT, lib.AIB_E_PEER_CLOSED):
+        if rc not in _SEND_KEEPS_OPEN:
             self.close()
         raise exc
+
+    def _send_failure(self, rc: int, err: Any, timeout: float | None) -> BridgeError:
+        """The exception for a failed aib_channel_send (called holding the send lock)."""
+        if rc in _INVALID_FRAME:  # refused before anything went out
+            message = ffi.string(err.message).decode("utf-8", "replace")
+            return WireFormatError(message, field=ffi.string(err.field).decode() or "frame")
+        if rc == lib.AIB_E_PROTOCOL:  # timed out with part of the frame on the wire
+            return BridgeTimeoutError(
+                f"send timed out after {timeout} s in the middle of a frame (connection closed)",
+                timeout=timeout,
+            )
+        return self._closed_or(error_for(rc, err, "sending a frame", timeout))
 
     def recv(self, *, timeout: float | None = None) -> Frame:
         """The next frame; the caller owns (and must close) its :attr:`Frame.fds`.
