@@ -574,6 +574,21 @@ def test_send_to_closed_peer_raises_without_sigpipe(pair: tuple[Channel, Channel
         a.send(1, b"anyone there?")
 
 
+def test_frame_sent_before_the_peer_left_is_still_received(hostile: tuple[Channel, socket.socket]) -> None:
+    """A peer that sent a frame (a farewell ERROR) and closed: our send fails with PeerClosedError,
+    which leaves the channel open, and the frame is still received; then PeerClosedError."""
+    conn, peer = hostile
+    send_raw(peer, header(kind=8, length=3) + b"bye")
+    peer.close()
+    with pytest.raises(PeerClosedError):
+        for _ in range(100):  # the first send may still find room before the reset is seen
+            conn.send(1, bytes(1000))
+    assert not conn.closed
+    assert conn.recv(timeout=5) == Frame(8, b"bye", [])
+    with pytest.raises(PeerClosedError):
+        conn.recv(timeout=5)
+
+
 # -- descriptors and compaction, many frames queued -------------------------------------------------
 
 
