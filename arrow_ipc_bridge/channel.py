@@ -1,23 +1,37 @@
-"""The hot path of the publisher/session protocol: frames sent and received by the C core.
+"""Frames over a connected Unix socket, sent and received by the C core: the package's one frame codec.
 
-:mod:`~arrow_ipc_bridge.transport` connects and checks credentials in Python. A session then says
-hello through the Python framing and hands the socket's receiving side to a :class:`Channel`; a
-publisher's connection handler hands it over at once (the C serve loop passes HELLO back to Python
-to answer). Channel calls run in C without the GIL (``cffi_build/channel.c``): a request round trip
-then costs about what the socket costs, where the Python framing on both ends added ~40 µs. The
-bytes on the wire are the same (transport.py's docstring is their spec).
+Every frame of the publisher/session protocol goes through a :class:`Channel`, the handshake
+included; the frame format, how descriptors travel with frames and the limits are specified in
+docs/protocol.md ("Frames"). Channel calls run in C without the GIL (``cffi_build/channel.c``).
 
-The :class:`~arrow_ipc_bridge.transport.Connection` still owns the socket: every channel call holds
-the connection's receive or send lock, so ``close()`` from any thread waits for it, and errors
-close the connection the same way transport does.
+A channel owns its socket (a :class:`~arrow_ipc_bridge.transport.Connection` makes it and hands
+it over: ``conn.channel``): one lock serialises receivers and another senders, every call holds
+the one it needs, so :meth:`Channel.close` from any thread waits for it, and a failure that leaves
+the stream out of sync closes the channel. Nothing here refers back to the connection: whoever
+holds the channel (a session's lease releases) keeps the socket open, and dropping the last
+reference closes it.
+
+Errors (docs/protocol.md, "Frames", says when each is raised): the peer gone or the channel closed
+here: :class:`~arrow_ipc_bridge.errors.PeerClosedError`; a malformed frame:
+:class:`~arrow_ipc_bridge.errors.ProtocolError` (the channel closes); a wait past its timeout:
+:class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` (the channel closes only when part of a frame
+had moved); an invalid frame handed to :meth:`Channel.send`:
+:class:`~arrow_ipc_bridge.errors.WireFormatError` (nothing sent).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import socket
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Final
 
+from arrow_ipc_bridge import _process
 from arrow_ipc_bridge._ffi import ffi, lib, new_error
 from arrow_ipc_bridge.errors import (
     BridgeError,
@@ -25,13 +39,28 @@ from arrow_ipc_bridge.errors import (
     PeerClosedError,
     ProtocolError,
     TransportError,
+    WireFormatError,
 )
-from arrow_ipc_bridge.transport import Connection, Frame
 
-__all__ = ["Channel", "error_for", "frame_from", "millis"]
+__all__ = ["MAX_FDS", "MAX_PAYLOAD", "Channel", "Frame", "error_for", "frame_from", "millis"]
 
+MAX_PAYLOAD: Final = 64 * 1024 * 1024
+"""Default limit on a frame's payload, in bytes; ``max_payload`` arguments override it."""
+MAX_FDS: Final = int(lib.AIB_MAX_FDS)
+"""Most descriptors one frame may carry (the kernel's ``SCM_MAX_FD``)."""
+U32_MAX: Final = 0xFFFFFFFF
+_U16_MAX = 0xFFFF
 _GET_IMPORTED = int(lib.AIB_GET_IMPORTED)
 _GET_IMPORTED_NEW = int(lib.AIB_GET_IMPORTED_NEW)
+# What aib_channel_send refuses before anything went out (the frame itself is invalid).
+_INVALID_FRAME = frozenset({int(lib.AIB_E_LIMIT), int(lib.AIB_E_STATE)})
+# Send failures after which the stream is still in step (nothing went out, or nobody is left).
+_SEND_KEEPS_OPEN = frozenset({int(lib.AIB_E_TIMEOUT), int(lib.AIB_E_PEER_CLOSED)}) | _INVALID_FRAME
+# close() waits this long for a send/recv in progress to notice the shutdown before it closes the fd
+# anyway. shutdown() wakes every blocked socket call at once, so this is only a safety net.
+_CLOSE_WAIT_S = 5.0
+
+logger = logging.getLogger(__name__)
 
 
 def millis(timeout: float | None) -> int:
@@ -48,10 +77,55 @@ def error_for(code: int, err: Any, what: str, timeout: float | None = None) -> B
     if code == lib.AIB_E_TIMEOUT:
         return BridgeTimeoutError(f"{what} timed out after {timeout} s", timeout=timeout)
     if code == lib.AIB_E_PROTOCOL:
-        return ProtocolError(text)
+        where = ffi.string(err.field).decode("utf-8", "replace")
+        return ProtocolError(text, field=where) if where else ProtocolError(text)
     if code == lib.AIB_E_NOMEM:
         return TransportError(f"{what}: out of memory")
     return TransportError(text, errno=int(err.errno_value) or None)
+
+
+def close_fds(fds: Iterable[int]) -> None:
+    """Close descriptors, going on past any already closed (so that none of the rest leaks)."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            continue
+
+
+@dataclass(slots=True)
+class Frame:
+    """One received frame.
+
+    Parameters
+    ----------
+    kind:
+        The caller-defined frame kind (0..65535).
+    payload:
+        The payload, as a bytes object of its own (copied out of the channel's receive buffer).
+    fds:
+        Descriptors that came with the frame, in the order the sender listed them. They are new
+        descriptors owned by the receiver, with ``FD_CLOEXEC`` set: close them with
+        :meth:`close_fds` (or use the frame as a context manager), or take one over by removing it
+        from the list (``frame.fds.pop(i)``).
+    """
+
+    kind: int
+    payload: bytes
+    fds: list[int] = field(default_factory=list)
+
+    def close_fds(self) -> None:
+        """Close every descriptor still in :attr:`fds` and empty the list; calling it again does nothing."""
+        fds, self.fds = self.fds, []
+        close_fds(fds)
+
+    def __enter__(self) -> Frame:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close_fds()
 
 
 def frame_from(raw: Any) -> Frame:
@@ -60,71 +134,154 @@ def frame_from(raw: Any) -> Frame:
     return Frame(int(raw.kind), payload, [int(raw.fds[i]) for i in range(raw.n_fds)])
 
 
+def _check_kind(kind: object) -> int:
+    # Int subclasses (an IntEnum of message kinds) are fine; bool is an int subclass but surely a mistake.
+    if isinstance(kind, bool) or not isinstance(kind, int) or not 0 <= kind <= _U16_MAX:
+        raise WireFormatError(f"frame kind must be an int in 0..{_U16_MAX}, got {kind!r}", field="kind")
+    return int(kind)
+
+
+def _fd_array(fds: Sequence[int]) -> Any:
+    if len(fds) > MAX_FDS:
+        raise WireFormatError(f"{len(fds)} descriptors in one frame, at most {MAX_FDS}", field="fds")
+    if not all(type(fd) is int or (isinstance(fd, int) and not isinstance(fd, bool)) for fd in fds):
+        raise WireFormatError(f"fds must be descriptor numbers, got {list(fds)!r}", field="fds")
+    if min(fds) < 0 or max(fds) > 0x7FFFFFFF:
+        raise WireFormatError(f"not a descriptor number in {list(fds)!r}", field="fds")
+    return ffi.new("int[]", list(fds))
+
+
 class Channel:
     """Frames over a connection's socket, sent and received in C.
 
     Parameters
     ----------
-    conn
-        A connection whose receiving side is handed over here (its own ``recv`` is refused from
-        now on); sending through the connection stays allowed and is serialised with ours.
+    sock
+        A connected Unix stream socket in blocking mode, taken over: closed by :meth:`close` (or
+        when the channel is dropped).
+    max_payload
+        Largest payload accepted from the peer, and allowed in :meth:`send`, in bytes.
     """
 
-    def __init__(self, conn: Connection) -> None:
-        seed = conn.hand_over_receive()
-        raw = lib.aib_channel_new(conn.fileno(), conn.max_payload, seed, len(seed))
+    def __init__(self, sock: socket.socket, max_payload: int) -> None:
+        raw = lib.aib_channel_new(sock.fileno(), max_payload)
         if raw == ffi.NULL:
             raise MemoryError("allocating a channel")
-        self.conn = conn
+        self.max_payload = max_payload
         self.raw = ffi.gc(raw, lib.aib_channel_free)
-        self._recv_lock, self._send_lock = conn.io_locks()
+        self._sock = sock
+        # A forked child inherits this object and the socket, but the conversation is the parent's.
+        self._pid = _process.pid
+        self._state_lock = threading.Lock()
+        self._closed = False
+        self._close_reason = ""
+        self._recv_lock = threading.Lock()
+        self._send_lock = threading.Lock()
         # Used under the receive lock only (one receive at a time).
         self._frame = ffi.new("aib_frame *")
         self._result = ffi.new("aib_get_result *")
         self._err = new_error()
-        self._freed = False
-
-    def free(self) -> None:
-        """Free the C channel now, closing the descriptors of frames not yet taken (idempotent).
-
-        Only once no thread uses the channel any more (a server's ``on_close``). Without this the C
-        channel lived until the garbage collector found this object, and anything that kept it
-        reachable (a log record holding an exception whose traceback holds the serving frame) kept a
-        peer's descriptors open in this process."""
-        if not self._freed:
-            self._freed = True
-            ffi.release(self.raw)
+        self._send_err = new_error()
 
     def send(
-        self, kind: int, payload: bytes = b"", fds: Sequence[int] = (), *, timeout: float | None = None
+        self,
+        kind: int,
+        payload: bytes | bytearray | memoryview = b"",
+        fds: Sequence[int] = (),
+        *,
+        timeout: float | None = None,
     ) -> None:
-        """Send one frame. A timeout before anything went out leaves the connection usable; any
-        other failure closes it."""
-        err = new_error()
-        fd_array = ffi.new("int[]", list(fds)) if fds else ffi.NULL
-        timeout_ms = -1 if timeout is None else millis(timeout)
-        with self._send_lock:
-            self.conn.check_open()
-            rc = lib.aib_channel_send(
-                self.raw, kind, payload, len(payload), ffi.NULL, 0, fd_array, len(fds), timeout_ms, err
+        """Send one frame.
+
+        ``payload`` is any C-contiguous buffer of at most :attr:`max_payload` bytes; ``fds`` are
+        duplicated into the peer (at most :data:`MAX_FDS`; the caller keeps its own copies).
+        ``timeout`` bounds the whole call, waiting for other senders included (``None``: no limit).
+        See the module docstring for the errors.
+        """
+        if kind.__class__ is not int or not 0 <= kind <= _U16_MAX:
+            kind = _check_kind(kind)
+        if payload.__class__ is bytes:
+            data: Any = payload
+            size = len(payload)
+        else:
+            view = memoryview(payload)
+            if not view.c_contiguous:
+                raise WireFormatError("the payload must be a C-contiguous buffer", field="payload")
+            data = ffi.from_buffer(view)
+            size = view.nbytes
+        if size > self.max_payload:
+            raise WireFormatError(
+                f"payload of {size} bytes is over this connection's limit of {self.max_payload} bytes",
+                field="payload",
             )
-        if rc:
-            exc = error_for(rc, err, "sending a frame", timeout)
-            if rc != lib.AIB_E_TIMEOUT:
-                # Closed after letting go of the send lock: close() takes the receive lock first,
-                # and a request holds both in that order.
-                self.conn.close()
-            raise exc
+        fd_array = _fd_array(fds) if fds else ffi.NULL
+        timeout_ms = -1 if timeout is None else millis(timeout)
+        lock = self._send_lock
+        # Untimed first: a lock nobody holds (the usual case) costs no timed wait.
+        if not lock.acquire(False):
+            if timeout is None:
+                lock.acquire()
+            elif not lock.acquire(timeout=max(timeout, 0.0)):
+                raise BridgeTimeoutError(
+                    f"send timed out after {timeout} s waiting for another sender", timeout=timeout
+                )
+        try:
+            self.check_open()
+            err = self._send_err  # one per channel, used under the send lock
+            rc = lib.aib_channel_send(
+                self.raw, kind, data, size, ffi.NULL, 0, fd_array, len(fds), timeout_ms, err
+            )
+            if rc == 0:
+                return
+            exc = self._send_failure(rc, err, timeout)
+        finally:
+            lock.release()
+        # A timeout before anything went out leaves the stream in step; so does a peer that is gone
+        # (nobody is left to misread it, and what it sent before leaving, a farewell ERROR frame,
+        # can still be received). Anything else closes the connection: closed after letting go of
+        # the send lock, because close() takes the receive lock first and a request holds both in
+        # that order.
+        if rc not in _SEND_KEEPS_OPEN:
+            self.close()
+        raise exc
+
+    def _send_failure(self, rc: int, err: Any, timeout: float | None) -> BridgeError:
+        """The exception for a failed aib_channel_send (called holding the send lock)."""
+        if rc in _INVALID_FRAME:  # refused before anything went out
+            message = ffi.string(err.message).decode("utf-8", "replace")
+            return WireFormatError(message, field=ffi.string(err.field).decode() or "frame")
+        if rc == lib.AIB_E_PROTOCOL:  # timed out with part of the frame on the wire
+            return BridgeTimeoutError(
+                f"send timed out after {timeout} s in the middle of a frame (connection closed)",
+                timeout=timeout,
+            )
+        return self._closed_or(error_for(rc, err, "sending a frame", timeout))
 
     def recv(self, *, timeout: float | None = None) -> Frame:
-        """The next frame; on any failure (a timeout too) the connection is closed."""
+        """The next frame; the caller owns (and must close) its :attr:`Frame.fds`.
+
+        ``timeout`` bounds the whole call (``None`` blocks). A timeout before the frame's first
+        byte leaves the connection usable; any other failure closes it.
+        """
         err = new_error()
-        with self._recv_lock:
-            self.conn.check_open()
+        if timeout is None:
+            self._recv_lock.acquire()
+        else:
+            timeout = max(float(timeout), 0.0)
+            if not self._recv_lock.acquire(timeout=timeout):
+                raise BridgeTimeoutError(
+                    f"recv timed out after {timeout} s waiting for another receiver", timeout=timeout
+                )
+        try:
+            self.check_open()
             rc = lib.aib_channel_recv(self.raw, millis(timeout), self._frame, err)
-            if rc:
-                raise self.failed(rc, err, "receiving a frame", timeout, holding="recv")
-            return frame_from(self._frame)
+            if rc == 0:
+                return frame_from(self._frame)
+            if rc == lib.AIB_E_TIMEOUT and not lib.aib_channel_mid_frame(self.raw):
+                raise error_for(rc, err, "receiving a frame", timeout)
+            raise self.failed(rc, err, "receiving a frame", timeout, holding="recv")
+        finally:
+            self._recv_lock.release()
 
     def request(self, kind: int, payload: bytes, *, timeout: float | None) -> Frame:
         """Send a request and receive its answer (the session's round trip, one C call).
@@ -134,7 +291,7 @@ class Channel:
         """
         err = new_error()
         with self._recv_lock, self._send_lock:
-            self.conn.check_open()
+            self.check_open()
             rc = lib.aib_channel_request(
                 self.raw, kind, payload, len(payload), millis(timeout), self._frame, err
             )
@@ -157,7 +314,7 @@ class Channel:
         err = self._err
         result = self._result
         with self._recv_lock, self._send_lock:
-            self.conn.check_open()
+            self.check_open()
             rc = lib.aib_session_get(
                 self.raw, name, len(name), timeout_ms, cache, lease_tokens, keeper, result, self._frame, err
             )
@@ -181,6 +338,87 @@ class Channel:
         """The exception for a failed call; the connection is closed (the stream position is unknown
         after a failed receive: a timed-out frame is not kept). Call it holding the lock(s) named:
         ``"recv"`` or ``"both"`` (never the send lock alone: the locks are taken receive first)."""
-        exc = error_for(rc, err, what, timeout)
-        self.conn.abort(f"{what} failed: {exc}", holding=holding)
+        exc = self._closed_or(error_for(rc, err, what, timeout))
+        self._teardown(f"{what} failed: {exc}", holding=holding)
         return exc
+
+    def _closed_or(self, exc: BridgeError) -> BridgeError:
+        """``exc``, or the connection's own error when it was closed here meanwhile (a close from
+        another thread wakes a blocked call, which then sees what looks like the peer leaving)."""
+        if self._closed:
+            try:
+                self.check_open()
+            except BridgeError as closed:
+                return closed
+        return exc
+
+    # -- the socket's lifetime -------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether the channel was closed (by :meth:`close`, or after a failure)."""
+        return self._closed
+
+    def fileno(self) -> int:
+        """The socket's descriptor, or -1 once closed."""
+        return self._sock.fileno()
+
+    def check_open(self) -> None:
+        """Raise :class:`~arrow_ipc_bridge.errors.PeerClosedError` when the channel is closed,
+        :class:`~arrow_ipc_bridge.errors.ForeignProcessError` in a process other than its own."""
+        if self._pid != _process.pid:
+            raise _process.foreign("connection", self._pid, "connect again here")
+        if self._closed:
+            raise PeerClosedError(
+                f"the connection is closed ({self._close_reason or 'closed'})", closed_locally=True
+            )
+
+    def close(self) -> None:
+        """Close the channel and its socket; idempotent, and safe to call from any thread.
+
+        A call in progress in another thread is woken (``shutdown(SHUT_RDWR)``) and raises
+        :class:`~arrow_ipc_bridge.errors.PeerClosedError`; the descriptor is closed once those calls
+        have let go of it, so its number cannot be reused under them. Descriptors of a partly
+        received frame are closed. The peer sees end-of-file.
+        """
+        self._teardown("closed by close()", holding=None)
+
+    def _teardown(self, reason: str, *, holding: str | None) -> None:
+        if self._pid != _process.pid:
+            # A fork child's copy: shutdown() would end the parent's conversation and the locks may
+            # have been held by parent threads at the fork. Only our descriptor goes.
+            self._closed = True
+            self._close_reason = "closed in a forked child"
+            self._sock.close()
+            return
+        with self._state_lock:
+            already = self._closed
+            if not already:
+                self._closed = True
+                self._close_reason = reason
+        if not already:
+            # Fails only when the peer is gone already (ENOTCONN): then there is nothing to wake.
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+        elif holding is not None:
+            # Another thread is closing and may be waiting for the lock this one holds: leave the rest
+            # to it rather than wait for each other.
+            return
+        acquired: list[threading.Lock] = []
+        try:
+            for name, lock in (("recv", self._recv_lock), ("send", self._send_lock)):
+                if holding in (name, "both"):
+                    continue
+                if lock.acquire(timeout=_CLOSE_WAIT_S):
+                    acquired.append(lock)
+                else:
+                    logger.warning(
+                        "%r: a %s call did not end within %s s of shutdown", self, name, _CLOSE_WAIT_S
+                    )
+            if holding in ("recv", "both") or self._recv_lock in acquired:
+                # The descriptors of a partly received frame go now, not when the channel is freed.
+                lib.aib_channel_drop(self.raw)
+            self._sock.close()
+        finally:
+            for lock in acquired:
+                lock.release()

@@ -1,4 +1,4 @@
-"""The publisher/session conversation on top of transport frames (docs/protocol.md).
+"""The publisher/session conversation on top of the channel's frames (format: docs/protocol.md, "Frames").
 
 Frame kinds and their payloads. Hot frames (GET, ITEM, RELEASE) are small binary payloads; rare
 control frames (WELCOME, NAMES, ERROR) carry size-limited JSON. Every parser here treats its input

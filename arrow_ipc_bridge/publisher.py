@@ -27,7 +27,7 @@ from typing import Any
 from arrow_ipc_bridge import _process, _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.capsules import ArrowInput
-from arrow_ipc_bridge.channel import Channel, frame_from, millis
+from arrow_ipc_bridge.channel import MAX_FDS, Channel, Frame, frame_from, millis
 from arrow_ipc_bridge.errors import (
     BridgeError,
     DescriptorsInFlightError,
@@ -128,7 +128,7 @@ class Publisher:
     ) -> None:
         for what, value, least in (
             ("max_leases_per_connection", max_leases_per_connection, 1),
-            ("max_unread_fds", max_unread_fds, transport.MAX_FDS),
+            ("max_unread_fds", max_unread_fds, MAX_FDS),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{what} must be an int >= {least}, not {value!r}")
@@ -241,7 +241,7 @@ class Publisher:
         again, on a new thread, when it sends) or ends."""
         state = self._served.get(conn)
         if state is None:
-            channel = Channel(conn)
+            channel = conn.channel
             served = lib.aib_server_conn_new(self._table, channel.raw)
             if served == ffi.NULL:
                 raise MemoryError("allocating a connection's lease table")
@@ -315,10 +315,9 @@ class Publisher:
         if state is None:
             return
         lib.aib_server_conn_free(state.served)  # gives this session's leases back
-        state.channel.free()  # the lease table pointed at it; no thread uses it any more
         _reaper.drain()
 
-    def _answer(self, state: _Served, frame: transport.Frame) -> None:
+    def _answer(self, state: _Served, frame: Frame) -> None:
         """The frames the C loop leaves to Python: handshake, LIST, POOL_FD, unknown names, bad frames."""
         channel = state.channel
         if frame.kind == protocol.HELLO:
@@ -406,4 +405,4 @@ _HANDLED_HERE = _LIMITS | {lib.AIB_SERVE_IDLE, lib.AIB_SERVE_FRAME}
 def _farewell(conn: transport.Connection, error: BridgeError) -> None:
     """Tell a client the server refuses or drops why, as an ERROR frame (the server's farewell). A
     fresh socket's buffer is empty, so this never waits; a client gone already is ignored."""
-    conn.send(protocol.ERROR, protocol.encode_error(error), timeout=0)
+    conn.channel.send(protocol.ERROR, protocol.encode_error(error), timeout=0)

@@ -24,7 +24,7 @@ from typing import Any
 from arrow_ipc_bridge import _linger, _process, _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
-from arrow_ipc_bridge.channel import Channel, millis
+from arrow_ipc_bridge.channel import Channel, Frame, millis
 from arrow_ipc_bridge.content_check import check_content, check_level, cuda_reader
 from arrow_ipc_bridge.errors import (
     BridgeError,
@@ -554,11 +554,12 @@ class Session:
         self._conn = conn
         self._timeout = timeout
         self._timeout_ms = millis(timeout)
+        channel = conn.channel  # every frame goes through the C core, the handshake's too
         # A publisher that refused us (uid, connection limit) closed at once: its ERROR frame may be
         # waiting to be read even when the HELLO could not go out.
         with contextlib.suppress(PeerClosedError):
-            conn.send(protocol.HELLO, protocol.encode_hello(), timeout=timeout)
-        frame = conn.recv(timeout=timeout)
+            channel.send(protocol.HELLO, protocol.encode_hello(), timeout=timeout)
+        frame = channel.recv(timeout=timeout)
         frame.close_fds()
         if frame.kind == protocol.ERROR:
             protocol.raise_error(frame.payload)
@@ -574,8 +575,6 @@ class Session:
                 "the major versions must match (upgrade one side)"
             )
         self.publisher_info = info
-        # From here on requests and lease releases go through the C core (one call per round trip).
-        channel = Channel(conn)
         self._channel = channel
         # The family's callback holds the channel, so a lease outliving the session can still be
         # given back; the keeper's death retires it (then the channel can close with the session).
@@ -587,7 +586,7 @@ class Session:
         self._lease_tokens = tokens
         self._lease_keeper = ffi.gc(keeper, lib.aib_owner_unref)
 
-    def _request(self, kind: int, payload: bytes) -> transport.Frame:
+    def _request(self, kind: int, payload: bytes) -> Frame:
         channel = self._connection()
         with self._request_lock:
             # Any failure closes the connection: after a timeout a late reply would be read as the
@@ -723,9 +722,7 @@ class Session:
         finally:
             frame.close_fds()  # the mappings keep the files alive
 
-    def _adopt_new(
-        self, imported_now: tuple[int, Any, int, Any], frame: transport.Frame, name: str
-    ) -> Imported:
+    def _adopt_new(self, imported_now: tuple[int, Any, int, Any], frame: Frame, name: str) -> Imported:
         """The import of a message the session had not seen, which the C core made because all its
         regions are open in this process (``aib_import_new``): its owner carries the decode, the
         view and the lease token; wrap it."""
@@ -892,7 +889,7 @@ def _file_identities(fds: Sequence[int]) -> tuple[tuple[int, int], ...] | None:
 
 
 def _send_release(channel: Channel, lease_id: int) -> None:
-    if channel.conn.closed:
+    if channel.closed:
         return  # the publisher released this connection's leases when it closed
     # A publisher that is gone has nothing left to release.
     with contextlib.suppress(PeerClosedError, BridgeTimeoutError, OSError):

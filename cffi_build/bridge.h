@@ -379,10 +379,10 @@ int aib_check_content(const aib_decoded *d, const uint64_t *region_bases, size_t
                       aib_read_fn read, void *ctx, aib_error *err);
 
 /* ---------- frames over a socket (channel.c) and the publisher's serve loop (serve.c) ------------
- * The framing is transport.py's, byte for byte. A channel borrows a connected Unix stream socket's
- * fd; callers serialise receives and sends (the Python Connection's locks) and never use the
- * Connection's own recv after handing its buffered bytes (seed) to the channel. timeout_ms < 0
- * blocks. A receive that fails leaves the channel unusable: close the connection. */
+ * The one frame codec; the format is docs/protocol.md's ("Frames"). A channel borrows a connected
+ * Unix stream socket's fd; callers serialise receives and sends (the Python Connection's locks).
+ * timeout_ms < 0 blocks. A receive that fails other than by a timeout leaves the channel unusable:
+ * close the connection. */
 typedef struct aib_channel aib_channel;
 typedef struct aib_frame {
   uint32_t kind;
@@ -391,10 +391,18 @@ typedef struct aib_frame {
   const uint8_t *payload;  /* valid until the next receive on the channel */
   int fds[253];            /* received descriptors, owned by the caller */
 } aib_frame;
-aib_channel *aib_channel_new(int fd, uint32_t max_payload, const uint8_t *seed, size_t seed_len);
+aib_channel *aib_channel_new(int fd, uint32_t max_payload);
 void aib_channel_free(aib_channel *ch);   /* closes descriptors received but not handed out */
 size_t aib_channel_buffered(const aib_channel *ch);
-/* One frame: header, part_a then part_b as its payload, fds attached. */
+/* 1 when part of a frame was received and not handed out (or a frame was abandoned part way): a
+ * timed-out receive then cannot be followed by a fresh one at a frame boundary. */
+int aib_channel_mid_frame(const aib_channel *ch);
+/* Drops what was received and not handed out (closing its descriptors); later receives fail. For a
+ * connection being closed. */
+void aib_channel_drop(aib_channel *ch);
+/* One frame: header, part_a then part_b as its payload, fds attached. AIB_E_LIMIT (payload or fd
+ * count over a limit) and AIB_E_STATE (kind over 65535, a descriptor not open) send nothing; a
+ * timeout after part of the frame went out is AIB_E_PROTOCOL (the stream is broken). */
 int aib_channel_send(aib_channel *ch, uint32_t kind, const uint8_t *part_a, size_t len_a,
                      const uint8_t *part_b, size_t len_b, const int *fds, uint32_t n_fds,
                      int64_t timeout_ms, aib_error *err);

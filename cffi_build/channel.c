@@ -1,17 +1,17 @@
-/* Frames over a connected Unix stream socket, in C: the hot path of the publisher/session protocol.
+/* Frames over a connected Unix stream socket: the one frame codec of the publisher/session protocol.
  *
- * The byte format is transport.py's (16-byte header "AIBT", u16 version 1, u16 kind, u32 payload
- * length, u16 fd count, u16 reserved 0; descriptors by SCM_RIGHTS on the sendmsg carrying the first
- * header byte). Python's transport.Connection does the handshake; the publisher's serve loop and the
- * session's requests then run here without the GIL, because a frame round trip through the Python
- * framing costs ~40 µs more than the socket itself (benchmarks/results, docs/benchmarks.md).
+ * Every frame either side sends or receives goes through here, the handshake included; the frame
+ * format, the rule that ties descriptors to frames and the errors are specified in docs/protocol.md
+ * ("Frames"). Calls run without the GIL (the publisher's serve loop and the session's requests call
+ * in from C, Python through arrow_ipc_bridge/channel.py).
  *
- * A channel borrows the socket's fd: the Python Connection still owns it, and callers hold the
- * Connection's receive (send) lock around every receive (send) here so that close() cannot close the
+ * A channel borrows the socket's fd: the Python Connection owns it, and callers hold the
+ * connection's receive (send) lock around every receive (send) here so that close() cannot close the
  * fd under a call in progress. One receiver at a time; sends are serialised by the caller.
  *
- * Unlike transport.py, a receive that times out does not keep its partial frame: the session closes
- * the connection on any timeout anyway (a late reply would answer the wrong request). */
+ * A receive that times out keeps what it read of a frame in the buffer, except a frame too large for
+ * the buffer: its partial payload is dropped and the channel is out of sync for good (every later
+ * receive fails). aib_channel_mid_frame tells the caller whether the stream can go on. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
@@ -38,19 +38,20 @@ struct aib_channel {
   size_t start, end;
   uint8_t *big; /* payload of the last frame too large for buf; freed at the next receive */
   /* Descriptors received but not yet handed out, each with the buffer position just past the last
-   * byte of the read that brought it: it belongs to the frame holding that byte (transport.py). */
+   * byte of the read that brought it: it belongs to the frame holding that byte (docs/protocol.md). */
   int pending_fds[PENDING_FDS_MAX];
   size_t pending_end[PENDING_FDS_MAX];
   int n_pending;
   int64_t rcvtimeo_ms; /* the socket's SO_RCVTIMEO as we set it: 0 none, -1 could not be set */
+  int out_of_sync;     /* a large frame was abandoned part way: the stream cannot be resumed */
 };
 
 static void close_all(const int *fds, int n) {
   for (int i = 0; i < n; i++) close(fds[i]);
 }
 
-aib_channel *aib_channel_new(int fd, uint32_t max_payload, const uint8_t *seed, size_t seed_len) {
-  if (fd < 0 || seed_len > BUFFER_SIZE) return NULL;
+aib_channel *aib_channel_new(int fd, uint32_t max_payload) {
+  if (fd < 0) return NULL;
   aib_channel *ch = calloc(1, sizeof(*ch));
   if (ch == NULL) return NULL;
   ch->buf = malloc(BUFFER_SIZE);
@@ -60,8 +61,6 @@ aib_channel *aib_channel_new(int fd, uint32_t max_payload, const uint8_t *seed, 
   }
   ch->fd = fd;
   ch->max_payload = max_payload;
-  if (seed_len) memcpy(ch->buf, seed, seed_len);
-  ch->end = seed_len;
   return ch;
 }
 
@@ -74,6 +73,21 @@ void aib_channel_free(aib_channel *ch) {
 }
 
 size_t aib_channel_buffered(const aib_channel *ch) { return ch->end - ch->start; }
+
+int aib_channel_mid_frame(const aib_channel *ch) {
+  /* A receive returns as soon as a whole frame is buffered, so bytes or descriptors still held
+   * between calls are the beginning of an incomplete frame. */
+  return ch->out_of_sync || ch->end > ch->start || ch->n_pending > 0;
+}
+
+void aib_channel_drop(aib_channel *ch) {
+  close_all(ch->pending_fds, ch->n_pending);
+  ch->n_pending = 0;
+  free(ch->big);
+  ch->big = NULL;
+  ch->start = ch->end = 0;
+  ch->out_of_sync = 1;
+}
 
 int64_t aib_channel_peer_unread(const aib_channel *ch) {
   int n = 0;
@@ -166,6 +180,8 @@ int aib_channel_send(aib_channel *ch, uint32_t kind, const uint8_t *part_a, size
         if (rc) return first ? rc : (rc == AIB_E_TIMEOUT ? aib_fail(err, AIB_E_PROTOCOL, "", "", "send timed out in the middle of a frame") : rc);
         continue;
       }
+      if (first && n_fds > 0 && errno == EBADF)
+        return aib_fail(err, AIB_E_STATE, "fds", "", "one of the %u descriptors is not open", n_fds);
       return os_failure(err, errno, "sendmsg");
     }
     first = 0;
@@ -251,7 +267,7 @@ static ssize_t read_some(aib_channel *ch, uint8_t *dst, size_t cap, int64_t dead
       }
     }
     if (truncated) {
-      *rc_out = aib_fail(err, AIB_E_PROTOCOL, "fds", "", "the peer sent more descriptors than a frame may carry");
+      *rc_out = aib_fail(err, AIB_E_PROTOCOL, "fds", "", "descriptors were truncated (more than a frame may carry, or this process is out of descriptors: check RLIMIT_NOFILE)");
       return -1;
     }
     return got;
@@ -317,6 +333,8 @@ static int recv_frame(aib_channel *ch, int64_t timeout_ms, int idle, aib_frame *
   out->n_fds = 0;
   free(ch->big);
   ch->big = NULL;
+  if (ch->out_of_sync)
+    return aib_fail(err, AIB_E_PROTOCOL, "", "", "the stream is out of sync (a frame was abandoned part way)");
   int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
   int rc = AIB_OK;
   /* Room to read: compact when what is left of the buffer cannot hold a header plus some. */
@@ -382,17 +400,26 @@ static int recv_frame(aib_channel *ch, int64_t timeout_ms, int idle, aib_frame *
   memcpy(big, ch->buf + ch->start + HEADER_SIZE, have);
   size_t header_end = ch->end;
   ch->start = ch->end = 0;
-  while (have < length) {
+  /* Every descriptor pending now is this frame's (frames before it were handed out with theirs),
+   * so one too many is an error at once rather than after the whole payload. */
+  while (have < length && (uint32_t)ch->n_pending <= n_fds) {
     ssize_t got = read_some(ch, big + have, (size_t)length - have, deadline, 1, 0, err, &rc);
     if (got < 0) {
       free(big);
+      ch->out_of_sync = 1; /* the bytes read so far are gone */
       return idle ? mid_frame(rc, timeout_ms, err) : rc;
     }
     if (got == 0) {
       free(big);
+      ch->out_of_sync = 1;
       return aib_fail(err, AIB_E_PROTOCOL, "", "", "the peer closed the connection in the middle of a frame");
     }
     have += (size_t)got;
+  }
+  if ((uint32_t)ch->n_pending > n_fds) {
+    free(big);
+    ch->out_of_sync = 1;
+    return aib_fail(err, AIB_E_PROTOCOL, "fds", "", "frame announced %u descriptors and %d arrived", n_fds, ch->n_pending);
   }
   ch->big = big;
   out->payload = big;

@@ -105,7 +105,7 @@ def test_silent_connection_is_closed_at_the_handshake_timeout(sock_dir: str) -> 
     with aib.Publisher(os.path.join(sock_dir, "p.sock"), handshake_timeout=0.5) as pub:
         pub.publish("t", small_batch())
         with transport.connect(pub.path) as silent, transport.connect(pub.path) as half:
-            half._sock.send(b"AIBT\x01\x00")  # a header begun, never finished: holds a thread a while
+            os.write(half.fileno(), b"AIBT\x01\x00")  # a header begun, never finished: holds a thread a while
             with aib.connect(pub.path) as session, session.get("t"):
                 pass
             expect_error(silent, HandshakeTimeoutError)

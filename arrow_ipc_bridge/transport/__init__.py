@@ -1,0 +1,34 @@
+"""Unix sockets between the processes of one host: connecting, serving, admitting.
+
+This is the bottom layer of the bridge. It makes and accepts connections; the frames that then go
+over them (a caller-defined ``kind``, a payload and optionally some file descriptors) are sent and
+received by each connection's C channel (:mod:`arrow_ipc_bridge.channel`), and their format is
+specified in docs/protocol.md. What the kinds and payloads mean is the business of the
+session/publisher protocol on top.
+
+* :mod:`~arrow_ipc_bridge.transport.connection`: :class:`Connection` (a connected socket, its peer's
+  ``SO_PEERCRED``, its locks and close) and :func:`connect` (with a timeout while the server's
+  backlog is full);
+* :mod:`~arrow_ipc_bridge.transport.server`: :class:`Server` (accept loop, uid admission,
+  connection limit, handshake deadline, the parking lot of idle connections, farewells) and
+  :data:`PARK`;
+* :mod:`~arrow_ipc_bridge.transport.socket_path`: the socket file (mode, stale-path replacement).
+
+Errors
+------
+* cannot connect or bind (no such path, refused, path held by a live server, not a socket):
+  :class:`~arrow_ipc_bridge.errors.TransportError`; a server that does not take the connection in
+  time: :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError`;
+* an invalid limit: :class:`~arrow_ipc_bridge.errors.WireFormatError` (a ``ValueError``);
+* the frame errors are the channel's (:mod:`arrow_ipc_bridge.channel`).
+
+A client whose uid a :class:`Server` does not allow is disconnected right after ``accept``, after the
+server's ``farewell`` (the publisher's: an ERROR frame naming
+:class:`~arrow_ipc_bridge.errors.PeerRejectedError`); without a farewell it sees
+:class:`~arrow_ipc_bridge.errors.PeerClosedError` on its first :meth:`Connection.recv`.
+"""
+
+from arrow_ipc_bridge.transport.connection import Connection, connect
+from arrow_ipc_bridge.transport.server import PARK, Server
+
+__all__ = ["PARK", "Connection", "Server", "connect"]
