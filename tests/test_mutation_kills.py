@@ -9,11 +9,14 @@ import os
 import socket
 import struct
 import time
+from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import wire_craft as wc
 
-from arrow_ipc_bridge import transport
+import arrow_ipc_bridge as aib
+from arrow_ipc_bridge import protocol, transport
 from arrow_ipc_bridge.channel import Channel
 from arrow_ipc_bridge.errors import BridgeTimeoutError, WireFormatError
 from arrow_ipc_bridge.metadata import Decoded
@@ -93,3 +96,55 @@ def test_run_ends_and_values_of_different_lengths_are_refused(n_ends: int, n_val
     assert _decodes(schema, nodes(2, 2))
     with pytest.raises(WireFormatError, match="differ in length"):
         _decodes(schema, nodes(n_ends, n_values))
+
+
+# ---------- serve.c: one connection's lease table ------------------------------------------------------
+_TABLE_SLOTS = 64  # a connection's first lease table (serve.c); it holds 32 leases before it grows
+
+
+def _home_slot(lease: int) -> int:
+    """The slot a lease id hashes to in a table of _TABLE_SLOTS (serve.c's lease_index)."""
+    return ((lease * 0x9E3779B97F4A7C15) % (1 << 64) >> 20) & (_TABLE_SLOTS - 1)
+
+
+def test_a_lease_whose_probe_chain_wraps_the_table_end_is_released(tmp_path: Path) -> None:
+    """Kills ``serve-lease-backward-shift-wrap``. Lease X sits in the last slot, lease Y at its home,
+    slot 0. Releasing X empties the last slot; the backward shift then looks at slot 0 across the
+    table's end: Y is at its home and must stay (moved to the last slot, a later lookup from slot 0
+    would not find it, and its RELEASE would be lost). Every other lease is given back at once, so
+    the table never grows past its first 64 slots."""
+    path = str(tmp_path / "p.sock")
+    with aib.Publisher(path) as pub:
+        pub.publish("t", pa.record_batch({"x": pa.array(range(10), pa.int64())}))
+        with transport.connect(pub.path) as raw:
+            raw.send(protocol.HELLO, protocol.encode_hello())
+            with raw.recv(timeout=5.0) as welcome:
+                assert welcome.kind == protocol.WELCOME
+
+            def sync() -> None:  # answered after every RELEASE sent before it
+                raw.send(protocol.PING, b"sync")
+                with raw.recv(timeout=5.0) as pong:
+                    assert pong.kind == protocol.PONG
+
+            last_slot, first_slot = None, None
+            while first_slot is None:
+                raw.send(protocol.GET, b"t")
+                with raw.recv(timeout=5.0) as item:
+                    assert item.kind == protocol.ITEM
+                    lease = protocol.decode_item(item.payload)[0]
+                home = _home_slot(lease)
+                if last_slot is None and home == _TABLE_SLOTS - 1:
+                    last_slot = lease
+                elif last_slot is not None and home == 0:
+                    first_slot = lease
+                else:
+                    raw.send(protocol.RELEASE, protocol.encode_lease(lease))
+                assert lease < 10_000, "no lease ids of the wanted homes: has serve.c's lease_index changed?"
+            sync()
+            assert pub.active_leases == 2
+            raw.send(protocol.RELEASE, protocol.encode_lease(last_slot))
+            sync()
+            assert pub.active_leases == 1
+            raw.send(protocol.RELEASE, protocol.encode_lease(first_slot))
+            sync()
+            assert pub.active_leases == 0, "the lease at its home slot after the wrap was lost"
