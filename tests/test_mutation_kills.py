@@ -18,10 +18,10 @@ import wire_craft as wc
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import protocol, transport
 from arrow_ipc_bridge.channel import Channel
-from arrow_ipc_bridge.errors import BridgeTimeoutError, WireFormatError
+from arrow_ipc_bridge.errors import BridgeTimeoutError, ProtocolError, WireFormatError
 from arrow_ipc_bridge.metadata import Decoded
 
-_HEADER = struct.Struct("<4sHHQII")  # docs/protocol.md: magic, version, kind, length, n_fds, reserved
+_HEADER = struct.Struct("<4sHHIHH")  # docs/protocol.md: magic, version, kind, length, n_fds, reserved
 
 
 def _memfds_named(name: str) -> int:
@@ -61,6 +61,40 @@ def test_freeing_a_channel_closes_descriptors_of_a_half_received_frame() -> None
     assert _memfds_named(name) == 0, "the freed channel leaked the pending descriptor"
     conn.close()
     peer.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"reserved": 1}, "reserved"),
+        ({"reserved": 0x8000}, "reserved"),
+        ({"magic": b"AIBX"}, "magic"),
+        ({"version": 2}, "version"),
+    ],
+)
+def test_the_c_channel_refuses_a_bad_frame_header(fields: dict[str, object], field: str) -> None:
+    """Kills ``channel-reserved-unchecked``: the C channel (the publisher's serve loop and the
+    session's requests read through it, not through ``transport.Connection``) refuses a header
+    whose reserved field is not zero, like one with a wrong magic or version, naming the field in its
+    message."""
+    values: dict[str, object] = {
+        "magic": transport.MAGIC,
+        "version": transport.PROTOCOL_VERSION,
+        "reserved": 0,
+    }
+    values.update(fields)
+    head = _HEADER.pack(values["magic"], values["version"], protocol.PING, 0, 0, values["reserved"])
+    ours, peer = socket.socketpair()
+    conn = transport.Connection(ours)
+    channel = Channel(conn)
+    try:
+        peer.sendall(head)
+        with pytest.raises(ProtocolError) as info:
+            channel.recv(timeout=5.0)
+        assert field in str(info.value)
+    finally:
+        conn.close()
+        peer.close()
 
 
 # ---------- wire.c: the decoder's checks of an untrusted message ----------------------------------------
