@@ -18,7 +18,7 @@ import wire_craft as wc
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import protocol, transport
 from arrow_ipc_bridge.channel import Channel
-from arrow_ipc_bridge.errors import BridgeTimeoutError, ProtocolError, WireFormatError
+from arrow_ipc_bridge.errors import BridgeTimeoutError, PeerClosedError, ProtocolError, WireFormatError
 from arrow_ipc_bridge.metadata import Decoded
 
 _HEADER = struct.Struct("<4sHHIHH")  # docs/protocol.md: magic, version, kind, length, n_fds, reserved
@@ -182,3 +182,18 @@ def test_a_lease_whose_probe_chain_wraps_the_table_end_is_released(tmp_path: Pat
             raw.send(protocol.RELEASE, protocol.encode_lease(first_slot))
             sync()
             assert pub.active_leases == 0, "the lease at its home slot after the wrap was lost"
+
+
+# ---------- publisher.py: the handshake ------------------------------------------------------------------
+def test_a_first_hello_of_another_protocol_version_is_refused(tmp_path: Path) -> None:
+    """Kills ``publisher-hello-version-unchecked``: a session's *first* HELLO naming another protocol
+    version gets ERROR (ProtocolError) and a closed connection, never a WELCOME. (The session tests
+    send the wrong version as a second HELLO, which the second-HELLO check refuses first.)"""
+    with aib.Publisher(str(tmp_path / "p.sock")) as pub, transport.connect(pub.path) as raw:
+        raw.send(protocol.HELLO, struct.pack("<H", protocol.PROTOCOL_VERSION + 98))
+        with raw.recv(timeout=10.0) as frame:
+            assert frame.kind == protocol.ERROR, frame
+            with pytest.raises(ProtocolError, match=f"protocol {protocol.PROTOCOL_VERSION + 98}"):
+                protocol.raise_error(frame.payload)
+        with pytest.raises(PeerClosedError):
+            raw.recv(timeout=10.0)
