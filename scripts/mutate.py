@@ -41,7 +41,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import tomllib
+if sys.version_info < (3, 11):  # the package supports 3.10; this tool reads its list with tomllib (3.11+)
+    sys.exit(
+        f"scripts/mutate.py needs Python 3.11 or newer (it reads tests/mutation/mutants.toml with "
+        f"tomllib); this is Python {sys.version.split()[0]}"
+    )
+
+import tomllib  # after the version check: on 3.10 the message above, not an ImportError
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LIST = REPO / "tests" / "mutation" / "mutants.toml"

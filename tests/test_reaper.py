@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from collections.abc import Callable
 
 import pytest
+
+from arrow_ipc_bridge import _reaper
+from arrow_ipc_bridge._ffi import ffi, lib
 
 # A process that already holds more than FD_SETSIZE (1024) descriptors when the reaper starts gets a
 # reaper pipe numbered above 1024. The child checks that releases still reach the publisher then.
@@ -48,3 +57,98 @@ def test_reaper_runs_in_a_process_with_more_than_1024_descriptors() -> None:
     if result.stdout.startswith("SKIP"):
         pytest.skip(f"cannot raise the descriptor limit: {result.stdout.strip()}")
     assert result.stdout.strip().endswith("OK"), result.stdout + result.stderr
+
+
+# ---------- draining: every dead owner's callback runs once ---------------------------------------------
+def _kill_owners(tokens: list[int]) -> None:
+    """Make one C owner per token and let it die at once: its token is queued for the reaper."""
+    for token in tokens:
+        owner = lib.aib_owner_new(token)
+        assert owner != ffi.NULL
+        lib.aib_owner_unref(owner)
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    """Drain here too (the reaper thread may be the one that runs the callbacks); True once it holds."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        _reaper.drain()
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+def test_every_dead_owner_runs_its_callback_once() -> None:
+    """More owners die than one drain batch holds: each callback runs exactly once, and a callback
+    that ran is forgotten (unregister says so, and it no longer counts as pending)."""
+    ran: list[int] = []
+    lock = threading.Lock()
+
+    def record(i: int) -> None:
+        with lock:
+            ran.append(i)
+
+    before = _reaper.pending_callbacks()
+    tokens = [_reaper.register(functools.partial(record, i)) for i in range(3 * _reaper._BATCH + 7)]
+    assert _reaper.pending_callbacks() == before + len(tokens)
+    _kill_owners(tokens)
+    assert _wait_for(lambda: len(ran) >= len(tokens)), f"{len(tokens) - len(ran)} callbacks never ran"
+    assert sorted(ran) == list(range(len(tokens)))
+    assert _reaper.pending_callbacks() == before
+    assert not any(_reaper.unregister(token) for token in tokens)
+
+
+def test_a_failing_callback_does_not_stop_the_others(caplog: pytest.LogCaptureFixture) -> None:
+    """A callback that raises is logged; the owners that died with it are still reported."""
+    ran: list[int] = []
+
+    def fail() -> None:
+        raise RuntimeError("this notice fails")
+
+    tokens = [_reaper.register(fail)]
+    tokens += [_reaper.register(functools.partial(ran.append, i)) for i in range(5)]
+    with caplog.at_level(logging.ERROR, logger="arrow_ipc_bridge"):
+        _kill_owners(tokens)
+        assert _wait_for(lambda: len(ran) == 5), ran
+    assert sorted(ran) == list(range(5))
+    assert "owner release callback failed" in caplog.text
+
+
+def test_a_family_callback_gets_the_value_of_the_token() -> None:
+    """An owner dying with token base | value runs the family's callback with value alone."""
+    got: list[int] = []
+    base = _reaper.register_family(got.append)
+    try:
+        _kill_owners([base | 5, base | 1, base | (1 << _reaper.FAMILY_VALUE_BITS) - 1])
+        assert _wait_for(lambda: len(got) == 3), got
+        assert sorted(got) == [1, 5, (1 << _reaper.FAMILY_VALUE_BITS) - 1]
+    finally:
+        _reaper.unregister_family(base)
+    _kill_owners([base | 7])  # unregistered: runs nothing
+    _reaper.drain()
+    assert 7 not in got
+
+
+def test_a_forked_child_runs_none_of_the_parents_callbacks() -> None:
+    """An owner inherited through fork that dies in the child runs nothing there (its callback acts
+    on the parent's resources); the child's own registrations work."""
+    ran: list[str] = []
+    token = _reaper.register(lambda: ran.append("parent's"))
+    owner = lib.aib_owner_new(token)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 3
+        try:
+            lib.aib_owner_unref(owner)
+            _reaper.drain()
+            own = _reaper.register(lambda: ran.append("child's"))
+            _kill_owners([own])
+            _reaper.drain()
+            code = 0 if ran == ["child's"] else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child ran the parent's callback"
+    lib.aib_owner_unref(owner)
+    assert _wait_for(lambda: ran == ["parent's"]), ran
