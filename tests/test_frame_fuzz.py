@@ -201,6 +201,8 @@ def test_descriptors_of_a_bad_frame_are_closed_even_when_a_log_handler_keeps_the
 
     handler = KeepRecords(logging.WARNING)
     bridge_log = logging.getLogger("arrow_ipc_bridge")
+    level = bridge_log.level  # the fuzz test's module-scoped quiet_log may still hold it at ERROR
+    bridge_log.setLevel(logging.WARNING)
     bridge_log.addHandler(handler)
     try:
         with aib.Publisher(tmp_path / "kept.sock") as publisher:
@@ -217,3 +219,4 @@ def test_descriptors_of_a_bad_frame_are_closed_even_when_a_log_handler_keeps_the
             assert after == (0, before), f"{after[1]['fds'] - before['fds']} descriptors left open"
     finally:
         bridge_log.removeHandler(handler)
+        bridge_log.setLevel(level)

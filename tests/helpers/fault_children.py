@@ -259,8 +259,10 @@ def quiet_counts(publisher: Any, sessions: int = 0, timeout: float = 10.0) -> di
     deadline = time.monotonic() + timeout
     last: dict[str, int] | None = None
     while time.monotonic() < deadline:
-        handlers = sum("-conn" in thread.name for thread in threading.enumerate())
-        idle = publisher.active_sessions == sessions and handlers == sessions and not publisher.active_leases
+        # A connection's handler thread is named "<server>-fd<N>-pid<P>"; a session silent for the
+        # publisher's park_after holds none (it is parked), so at most one per open session.
+        handlers = sum("-fd" in thread.name and "-pid" in thread.name for thread in threading.enumerate())
+        idle = publisher.active_sessions == sessions and handlers <= sessions and not publisher.active_leases
         now = resource_counts()
         if idle and now == last:
             return now
