@@ -4,8 +4,8 @@ A session remembers an IPC-pool message together with one lease on it (CUDA requ
 to free its pool imports before the exporter frees the memory, so the imports may only outlive the
 user's release while a lease keeps the producer's memory). That lease must not be kept forever: the
 producer may have replaced or unpublished the data. One daemon thread per process asks each watched
-session to let go of what lingered longer than its ``pool_linger`` (``Session._expire_lingering``)
-and sleeps until the earliest next deadline.
+session's remembered messages to give back the kept leases unused for longer than its
+``pool_linger`` (``RememberedMessages._expire_lingering``) and sleeps until the earliest next deadline.
 """
 
 from __future__ import annotations

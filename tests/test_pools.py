@@ -321,7 +321,7 @@ def test_pool_messages_are_kept_from_their_second_get_under_one_name() -> None:
 
     pool = [Region(REGION_CUDA_POOL, 64), Region(REGION_CUDA_LEGACY, 64)]
     with aib.Session() as session:
-        keeps = session._keeps_pool_lease
+        keeps = session._remembered.keeps_pool_lease
         assert not keeps(pool, b"m1", "x", 7)  # first get of m1 under x
         assert keeps(pool, b"m1", "x", 7)  # second: kept
         assert not keeps(pool, b"m1", "x", 7)  # kept already: the next is a first again
@@ -345,10 +345,10 @@ def test_pool_messages_are_kept_from_their_second_get_under_one_name() -> None:
             assert not keeps(pool, b"n", None, 7)
         for i in range(300):  # the per-name memory is bounded
             keeps(pool, b"b", f"name{i}", 7)
-        assert len(session._seen_once) <= 256
+        assert len(session._remembered._got_once) <= 256
     with aib.Session(pool_linger=0) as session:
         for _ in range(3):
-            assert not session._keeps_pool_lease(pool, b"m1", "x", 7)
+            assert not session._remembered.keeps_pool_lease(pool, b"m1", "x", 7)
 
 
 def test_linger_thread_keeps_each_sessions_next_deadline() -> None:
