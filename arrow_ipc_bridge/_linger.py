@@ -46,11 +46,11 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def watch(session: Lingering) -> None:
-    """``session`` holds something lingering now: make sure its deadline is kept."""
+def watch(watched: Lingering) -> None:
+    """``watched`` (a session's remembered messages) holds a kept lease now: keep its deadline."""
     global _changes, _thread
     with _cond:
-        _sessions.add(session)
+        _sessions.add(watched)
         _changes += 1
         if _thread is None:
             _thread = threading.Thread(target=_run, name="arrow_ipc_bridge-linger", daemon=True)

@@ -3,7 +3,8 @@
 A :class:`Session` is the consumer's local session. On its own it imports messages that arrived
 over the user's channel (:meth:`Session.import_message`); made by :func:`connect`, it also talks to
 a :class:`~arrow_ipc_bridge.publisher.Publisher` (``list``, ``get``) and gives each lease back when
-the last struct built from it is released.
+the last struct built from it is released. The messages it remembers for re-gets, with their
+regions open, are kept by :class:`~arrow_ipc_bridge.remembered.RememberedMessages`.
 """
 
 from __future__ import annotations
