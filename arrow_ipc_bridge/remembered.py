@@ -8,7 +8,7 @@ which :meth:`Session.get <arrow_ipc_bridge.session.Session.get>` passes to the c
 decode, the *template*, holding every region's owner open), lookup, the least-recently-used bound
 (``remembered_messages``), forgetting (a name got with other data, :meth:`Session.forget`, close) and
 the *kept lease* of a remembered IPC-pool message, given back ``pool_linger`` seconds after its last
-get (the ``_linger`` thread asks :meth:`RememberedMessages._expire_lingering`). ``docs/lifetime.md``
+get (the ``_linger`` thread asks :meth:`RememberedMessages._expire_kept_leases`). ``docs/lifetime.md``
 ("Remembered messages") describes the rules; the session decides what to import and calls in here.
 """
 
@@ -271,7 +271,7 @@ class RememberedMessages:
         self._kept_lease_used.pop(key, None)
         return remembered
 
-    def _expire_lingering(self, now: float) -> float | None:
+    def _expire_kept_leases(self, now: float) -> float | None:
         """Give back the kept leases of remembered pool messages no get used for ``pool_linger``
         seconds (called by the _linger thread); returns the next deadline, None when none is kept."""
         if self._closed:

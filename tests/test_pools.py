@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from helpers.session_rig import FakeLingering, FakePublisher, Reply, fd_count, sample_table, wait_for
+from helpers.session_rig import FakeKeptLeaseHolder, FakePublisher, Reply, fd_count, sample_table, wait_for
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import _reaper, protocol, transport
@@ -356,7 +356,7 @@ def test_linger_thread_keeps_each_sessions_next_deadline() -> None:
     not never), sleeps when nothing lingers, and a new watch() wakes it."""
     from arrow_ipc_bridge import _linger
 
-    session = FakeLingering([0.2, None])
+    session = FakeKeptLeaseHolder([0.2, None])
     _linger.watch(session)
     assert wait_for(lambda: len(session.calls) >= 2, 5.0)
     assert session.calls[1] - session.calls[0] >= 0.19  # asked again at its deadline
@@ -367,11 +367,11 @@ def test_linger_thread_keeps_each_sessions_next_deadline() -> None:
     assert wait_for(lambda: len(session.calls) == 4, 5.0)
 
     class Failing:
-        def _expire_lingering(self, now: float) -> float | None:
+        def _expire_kept_leases(self, now: float) -> float | None:
             raise RuntimeError("boom")
 
     failing = Failing()
-    other = FakeLingering([None])
+    other = FakeKeptLeaseHolder([None])
     _linger.watch(failing)
     _linger.watch(other)
     assert other.asked.wait(5.0)  # one session failing does not stop the others
