@@ -158,7 +158,8 @@ class Session:
         files = _file_identities(fds)
         found = self._remembered.lookup(message, files, token)
         if found is not None:
-            return self._import_remembered(found[1], found[0], name)
+            hit, decoded = found
+            return self._import_remembered(decoded, hit, name)
         template = Decoded(message, len(fds))
         lease_owner: Any = None
         try:
