@@ -4,8 +4,9 @@ A session remembers an IPC-pool message together with one lease on it (CUDA requ
 to free its pool imports before the exporter frees the memory, so the imports may only outlive the
 user's release while a lease keeps the producer's memory). That lease must not be kept forever: the
 producer may have replaced or unpublished the data. One daemon thread per process asks each watched
-session to let go of what lingered longer than its ``pool_linger`` (``Session._expire_lingering``)
-and sleeps until the earliest next deadline.
+session's remembered messages to give back the kept leases unused for longer than its
+``pool_linger`` (``RememberedMessages._expire_kept_leases``) and sleeps until the earliest next
+deadline.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ __all__ = ["watch", "BUSY_RETRY_S"]
 BUSY_RETRY_S = 0.005  # a session busy with a request is asked again this much later
 
 
-class Lingering(Protocol):
-    def _expire_lingering(self, now: float) -> float | None:
+class HoldsKeptLeases(Protocol):
+    def _expire_kept_leases(self, now: float) -> float | None:
         """Let go of what lingered too long; return the next deadline (monotonic), None when none."""
 
 
 _log = logging.getLogger("arrow_ipc_bridge")
 _cond = threading.Condition()
-_sessions: weakref.WeakSet[Lingering] = weakref.WeakSet()
+_sessions: weakref.WeakSet[HoldsKeptLeases] = weakref.WeakSet()
 _changes = 0  # bumped by watch(): the thread does not sleep through a watch made during its scan
 _thread: threading.Thread | None = None
 
@@ -46,11 +47,11 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def watch(session: Lingering) -> None:
-    """``session`` holds something lingering now: make sure its deadline is kept."""
+def watch(watched: HoldsKeptLeases) -> None:
+    """``watched`` (a session's remembered messages) holds a kept lease now: keep its deadline."""
     global _changes, _thread
     with _cond:
-        _sessions.add(session)
+        _sessions.add(watched)
         _changes += 1
         if _thread is None:
             _thread = threading.Thread(target=_run, name="arrow_ipc_bridge-linger", daemon=True)
@@ -70,13 +71,13 @@ def _run() -> None:
                 _cond.wait(None if not deadlines else max(0.0, min(deadlines) - time.monotonic()))
 
 
-def _expire(sessions: list[Lingering], now: float) -> list[float]:
+def _expire(sessions: list[HoldsKeptLeases], now: float) -> list[float]:
     deadlines = []
     for session in sessions:
         try:
-            deadline = session._expire_lingering(now)
+            deadline = session._expire_kept_leases(now)
         except Exception:  # one session's failure must not stop the others' expiry
-            _log.exception("arrow_ipc_bridge: ending a lingering lease failed")
+            _log.exception("arrow_ipc_bridge: giving back a kept lease failed")
             deadline = now + 1.0
         if deadline is not None:
             deadlines.append(deadline)

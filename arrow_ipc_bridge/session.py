@@ -3,25 +3,23 @@
 A :class:`Session` is the consumer's local session. On its own it imports messages that arrived
 over the user's channel (:meth:`Session.import_message`); made by :func:`connect`, it also talks to
 a :class:`~arrow_ipc_bridge.publisher.Publisher` (``list``, ``get``) and gives each lease back when
-the last struct built from it is released.
+the last struct built from it is released. The messages it remembers for re-gets, with their
+regions open, are kept by :class:`~arrow_ipc_bridge.remembered.RememberedMessages`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import os
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from arrow_ipc_bridge import _linger, _process, _reaper, protocol, transport
+from arrow_ipc_bridge import _process, _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.channel import Channel, Frame, millis
@@ -38,7 +36,6 @@ from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_fr
 from arrow_ipc_bridge.metadata import (
     REGION_CUDA_LEGACY,
     REGION_CUDA_POOL,
-    REGION_FLAG_KEPT,
     REGION_FLAG_ZERO_COPY,
     REGION_HOST_FD,
     Decoded,
@@ -46,29 +43,11 @@ from arrow_ipc_bridge.metadata import (
     Region,
 )
 from arrow_ipc_bridge.process_stats import import_counters
+from arrow_ipc_bridge.remembered import RememberedMessage, RememberedMessages, needs_lease
 
 __all__ = ["Session", "connect"]
 
-_SEEN_ONCE_MAX = 256  # names whose last unremembered message a session compares the next get with
-
 Imported = ImportedArray | ImportedStream
-
-
-@dataclass(frozen=True)
-class _Resolved:
-    """A message already imported in this session, its regions still open: re-gets of the same
-    publication (the steady state) skip the decode and the opens."""
-
-    template: Decoded  # the validated message; its owner holds every region's owner open
-    bases: Any  # uint64_t[] of region bases, shared read-only by every import of the message
-    device_type: int
-    device_id: int
-    event: int  # the opened producer event, 0 when none
-    entry_id: int  # its name in the C core's mirror of the cache (aib_import_cache)
-    imported_type: type[ImportedArray] | type[ImportedStream]
-    # (st_dev, st_ino) of each descriptor it came with, in order; None: its descriptors name nothing
-    # the message does not (CUDA pool fds), any will do
-    files: tuple[tuple[int, int], ...] | None
 
 
 class _Lease:
@@ -143,26 +122,9 @@ class Session:
             raise ValueError(f"remembered_messages must be an int >= 0, not {remembered_messages!r}")
         self._pid = _process.pid  # a forked child inherits this object; it may not use it
         self._cache = HostMappingCache(mapping_cache_size)
-        self._pool_linger = float(pool_linger)
-        # message bytes -> regions already open for it; bounded, entries hold their regions open
-        # Lock order: _request_lock, then _resolved_lock. Changes to the remembered set take both,
-        # so a get holding _request_lock finds the entry its C lookup found (see get()).
-        self._resolved: OrderedDict[bytes, _Resolved] = OrderedDict()
-        self._resolved_by_id: dict[int, _Resolved] = {}
-        self._resolved_ids = itertools.count(1)
-        self._resolved_max = remembered_messages
-        self._key_by_name: dict[str, bytes] = {}  # the message each name was last remembered with
-        # Remembered pool messages holding a lease -> when a get last used them (time.monotonic()).
-        self._lingering: dict[bytes, float] = {}
-        # name -> hash of the message its last get imported without remembering it: a pool message
-        # (kept with a lease) and a new message the C core imported are remembered from their second
-        # get in a row on, so a stream of new data pins nothing and costs no template.
-        self._seen_once: OrderedDict[str, int] = OrderedDict()
-        self._resolved_lock = threading.Lock()
-        cache = lib.aib_import_cache_new()
-        if cache == ffi.NULL:
-            raise MemoryError("allocating the import cache")
-        self._import_cache = ffi.gc(cache, lib.aib_import_cache_free)
+        # Lock order: _request_lock, then the remembered set's own (see RememberedMessages).
+        self._request_lock = threading.Lock()
+        self._remembered = RememberedMessages(remembered_messages, float(pool_linger), self._request_lock)
         self._imported: weakref.WeakSet[ImportedArray | ImportedStream] = weakref.WeakSet()
         self._conn: transport.Connection | None = None
         self._channel: Channel | None = None  # the C side of the connection once the handshake is done
@@ -171,7 +133,6 @@ class Session:
         # closed or collected, and every such lease ended) retires the family. Set in _attach.
         self._lease_tokens = 0
         self._lease_keeper: Any = ffi.NULL
-        self._request_lock = threading.Lock()
         self._timeout: float | None = None
         self._timeout_ms = -1
         self._closed = False
@@ -195,26 +156,16 @@ class Session:
     def _import(self, message: bytes, fds: Sequence[int], *, name: str | None, token: int) -> Imported:
         self._check_open()
         files = _file_identities(fds)
-        with self._resolved_lock:
-            hit = self._resolved.get(message)
-            # The same bytes describe other data when they arrive with other files (a host region's
-            # message names no file): only the files the template mapped make it the same message.
-            if hit is not None and (hit.files is None or (files is not None and hit.files == files)):
-                # Share under the lock: another thread may evict the entry next.
-                self._resolved.move_to_end(message)
-                decoded = Decoded.sharing(hit.template, token)
-                if message in self._lingering:
-                    self._lingering[message] = time.monotonic()
-            else:
-                hit = None
-        if hit is not None:
-            return self._import_resolved(decoded, hit, name)
+        found = self._remembered.lookup(message, files, token)
+        if found is not None:
+            hit, decoded = found
+            return self._import_remembered(decoded, hit, name)
         template = Decoded(message, len(fds))
         lease_owner: Any = None
         try:
             device = template.device()
             regions = template.regions() if device.device_type == DEVICE_CUDA else []
-            if self._keeps_pool_lease(regions, message, name, token):
+            if self._remembered.keeps_pool_lease(regions, message, name, token):
                 # The template will keep this lease (with the pool imports) after the import ends:
                 # the lease gets an owner of its own, which both hold.
                 decoded = Decoded.sharing(template, 0)
@@ -247,7 +198,7 @@ class Session:
                     # The template holds the mappings: a re-get with the same bytes and files is
                     # imported by the C core (also all-null data, which maps nothing).
                     base_array = ffi.new("uint64_t[]", bases or [0])
-                    self._remember(template, base_array, DEVICE_CPU, -1, 0, files=files, name=name)
+                    self._remembered.remember(template, base_array, DEVICE_CPU, -1, 0, files=files, name=name)
                     template_kept = True
             elif device.device_type == DEVICE_CUDA:
                 imported, template_kept = self._open_cuda_regions(
@@ -267,46 +218,12 @@ class Session:
             if lease_owner is not None:
                 ffi.release(lease_owner)  # the import (and a remembering template) hold it
         if name is not None and not template_kept:
-            self._forget_replaced(name, message)
+            self._remembered.forget_replaced(name, message)
         self._imported.add(imported)
         next(import_counters.python_imports)
         return imported
 
-    def _forget_replaced(self, name: str, message: bytes) -> None:
-        """``name`` now holds ``message``, which is not remembered: the message remembered under the
-        name before is stale (its regions, and a kept lease, would otherwise wait for eviction)."""
-        with self._request_lock, self._resolved_lock:
-            key = self._key_by_name.get(name)
-            if key is None or key == message:
-                return
-            del self._key_by_name[name]
-            stale = self._forget_locked(key)
-        _close_templates([stale])
-
-    def _keeps_pool_lease(self, regions: list[Region], message: bytes, name: str | None, token: int) -> bool:
-        """Whether this get's message is remembered with its lease: IPC-pool data (CUDA regions that
-        can all stay open, one at least in a pool) got under the same name with the same bytes
-        twice in a row. A stream of new data (every get a new message) is never kept."""
-        if token == 0 or name is None or self._pool_linger <= 0 or not regions or not self._resolved_max:
-            return False
-        kinds = {r.kind for r in regions}
-        if not _needs_lease(regions) or not kinds <= {REGION_CUDA_POOL, REGION_CUDA_LEGACY}:
-            return False
-        return self._got_again(name, message)
-
-    def _got_again(self, name: str, message: bytes) -> bool:
-        """Whether the last get of ``name`` that remembered nothing returned these same bytes (and
-        records them for the next get when not)."""
-        digest = hash(message)
-        with self._resolved_lock:
-            if self._seen_once.pop(name, None) == digest:
-                return True
-            self._seen_once[name] = digest
-            if len(self._seen_once) > _SEEN_ONCE_MAX:
-                self._seen_once.popitem(last=False)
-        return False
-
-    def _import_resolved(self, decoded: Decoded, hit: _Resolved, name: str | None) -> Imported:
+    def _import_remembered(self, decoded: Decoded, hit: RememberedMessage, name: str | None) -> Imported:
         """The same message again (same publication), its regions already open."""
         try:
             sync = None
@@ -355,8 +272,8 @@ class Session:
     ) -> tuple[Imported, bool]:
         """Opens the regions (held by ``decoded``'s owner). Messages whose regions can stay open are
         also remembered, with ``template`` holding them: all-legacy ones, and IPC-pool ones when
-        ``lease_owner`` (this get's lease, see _keeps_pool_lease) is given, which the template then
-        keeps too. Returns the import and whether the template was kept."""
+        ``lease_owner`` (this get's lease, see RememberedMessages.keeps_pool_lease) is given, which
+        the template then keeps too. Returns the import and whether the template was kept."""
         from arrow_ipc_bridge import cuda
         from arrow_ipc_bridge.cuda import opener as cuda_regions  # the consumer's side of CUDA regions
 
@@ -369,7 +286,7 @@ class Session:
         # pool imports only under a lease.
         pool_indexes = [i for i, r in enumerate(regions) if r.kind == REGION_CUDA_POOL]
         remember = all(r.kind in (REGION_CUDA_LEGACY, REGION_CUDA_POOL) for r in regions) and (
-            not _needs_lease(regions) or lease_owner is not None
+            not needs_lease(regions) or lease_owner is not None
         )
         if pool_indexes:  # imported together: per buffer this is near the driver's own cost
             pool_bases, pool_owner = opener.open_pool_regions(
@@ -410,7 +327,7 @@ class Session:
             check_content(decoded, base_array, self._cuda_check, cuda_reader(ordinal))
         event = cuda_regions.open_event(device.sync, ordinal) if device.sync else 0
         if remember:
-            self._remember(
+            self._remembered.remember(
                 template,
                 base_array,
                 DEVICE_CUDA,
@@ -429,106 +346,6 @@ class Session:
         )
         return imported, remember
 
-    def _remember(
-        self,
-        template: Decoded,
-        bases: Any,
-        device_type: int,
-        device_id: int,
-        event: int,
-        *,
-        files: tuple[tuple[int, int], ...] | None,
-        name: str | None,
-        lingers: bool = False,
-    ) -> None:
-        """Remember ``template`` (it holds the message's regions open) for re-gets of the same
-        message with the same files. A name keeps one remembered message: the one it was last got
-        with (a name republished with other data does not pin the old regions until eviction).
-        ``lingers``: the template holds a lease, given back ``pool_linger`` seconds after the last
-        get that used it (or on eviction)."""
-        if not self._resolved_max:  # remembers nothing
-            template.close()
-            return
-        key = template.message
-        imported_type = ImportedStream if template.is_stream else ImportedArray
-        # Leases of the message share the template's decode and this view: the C core builds their
-        # capsules from their owner alone (capsules.device_array_capsules). Without it (out of
-        # memory) they take the Python path.
-        lib.aib_owner_set_view(template.owner, bases, len(bases), device_type, device_id)
-        resolved = _Resolved(
-            template, bases, device_type, device_id, event, next(self._resolved_ids), imported_type, files
-        )
-        identities = ffi.new("aib_file_identity[]", max(len(files or ()), 1))
-        for i, (dev, ino) in enumerate(files or ()):
-            identities[i].dev = dev
-            identities[i].ino = ino
-        cache = self._import_cache
-        with self._request_lock, self._resolved_lock:
-            if self._closed:
-                template.close()
-                return
-            if lib.aib_import_cache_put(
-                cache,
-                key,
-                len(key),
-                template.owner,
-                event,
-                resolved.entry_id,
-                identities,
-                len(files or ()),
-                lib.AIB_CACHE_FDS_SAME_FILES if files is not None else lib.AIB_CACHE_FDS_ANY,
-            ):
-                template.close()  # not remembered (out of memory): the import itself is fine
-                return
-            evicted: list[_Resolved | None] = []
-            previous = self._resolved.pop(key, None)  # two threads resolved the same message
-            if previous is not None:  # the put above replaced it in the C mirror already
-                self._resolved_by_id.pop(previous.entry_id, None)
-                evicted.append(previous)
-            if name is not None:
-                replaced_key = self._key_by_name.get(name)
-                self._key_by_name[name] = key
-                if replaced_key is not None and replaced_key != key:
-                    evicted.append(self._forget_locked(replaced_key))
-            self._resolved[key] = resolved
-            self._resolved_by_id[resolved.entry_id] = resolved
-            if lingers:
-                self._lingering[key] = time.monotonic()
-            else:
-                self._lingering.pop(key, None)
-            while len(self._resolved) > self._resolved_max:
-                evicted.append(self._forget_locked(next(iter(self._resolved))))
-            _close_templates(evicted)
-        if lingers:
-            _linger.watch(self)
-
-    def _forget_locked(self, key: bytes) -> _Resolved | None:
-        """Drop remembered message ``key`` (both locks held); the caller closes its template."""
-        resolved = self._resolved.pop(key, None)
-        if resolved is None:
-            return None
-        lib.aib_import_cache_remove(self._import_cache, key, len(key))
-        self._resolved_by_id.pop(resolved.entry_id, None)
-        self._lingering.pop(key, None)
-        return resolved
-
-    def _expire_lingering(self, now: float) -> float | None:
-        """Give back the leases of remembered pool messages no get used for ``pool_linger`` seconds
-        (called by the _linger thread); returns the next deadline, None when nothing lingers."""
-        if self._closed:
-            return None
-        if not self._request_lock.acquire(blocking=False):  # a get in flight: ask again soon
-            return now + _linger.BUSY_RETRY_S
-        try:
-            with self._resolved_lock:
-                expired = [key for key, used in self._lingering.items() if now - used >= self._pool_linger]
-                forgotten = [self._forget_locked(key) for key in expired]
-                next_deadline = min(self._lingering.values(), default=None)
-            _close_templates(forgotten)
-        finally:
-            self._request_lock.release()
-        return None if next_deadline is None else next_deadline + self._pool_linger
-
     def forget(self, name: str | None = None) -> int:
         """Forget remembered messages: the one last got as ``name``, or all of them (None).
 
@@ -537,17 +354,9 @@ class Session:
         data decodes and opens again. Returns how many messages were forgotten.
         """
         self._check_open()
-        with self._request_lock, self._resolved_lock:
-            if name is None:
-                keys = list(self._resolved)
-                self._key_by_name.clear()
-            else:
-                key = self._key_by_name.pop(name, None)
-                keys = [] if key is None else [key]
-            forgotten = [self._forget_locked(key) for key in keys]
-            _close_templates(forgotten)
+        forgotten = self._remembered.forget(name)
         _reaper.drain()
-        return sum(resolved is not None for resolved in forgotten)
+        return forgotten
 
     # ---------- publisher conversation --------------------------------------------------------------
     def _attach(self, conn: transport.Connection, timeout: float) -> None:
@@ -664,27 +473,26 @@ class Session:
         """
         raw_name = protocol.encode_name(name)
         channel = self._connection()
-        fast: tuple[Decoded, _Resolved, int, Any] | None = None
+        fast: tuple[Decoded, RememberedMessage, int, Any] | None = None
         with self._request_lock:
             imported_now, frame = channel.get(
-                raw_name, self._import_cache, self._lease_tokens, self._lease_keeper, self._timeout_ms
+                raw_name,
+                self._remembered.import_cache,
+                self._lease_tokens,
+                self._lease_keeper,
+                self._timeout_ms,
             )
             if imported_now is not None and imported_now[0] != 0:
                 # The steady state: a remembered message, imported by the C core already; the
                 # owner's token ends the lease when it dies. Changes to the remembered set wait for
                 # _request_lock, so the entry is here.
                 entry_id, owner, address, sync_slot = imported_now
-                hit = self._resolved_by_id.get(entry_id)
+                hit = self._remembered.used_by_c_core(entry_id)
                 if hit is None:  # cannot happen; if it did, the lease ends here
                     lib.aib_owner_unref(owner)
                     _reaper.drain()
                     raise BridgeError("a remembered message vanished during a get")
                 fast = Decoded.adopt(owner, hit.template), hit, address, sync_slot
-                key = hit.template.message
-                with self._resolved_lock:
-                    self._resolved.move_to_end(key)
-                    if key in self._lingering:
-                        self._lingering[key] = time.monotonic()
         if imported_now is not None and imported_now[0] == 0:
             assert frame is not None
             return self._adopt_new(imported_now, frame, name)
@@ -753,25 +561,14 @@ class Session:
         self.new_message_gets += 1
         next(import_counters.new_message_gets)
         self._imported.add(imported)
-        self._forget_replaced(name, message)
-        if self._resolved_max and self._got_again(name, message):
+        self._remembered.forget_replaced(name, message)
+        if self._remembered.limit and self._remembered.got_again(name, message):
             # The same new message twice in a row (a consumer polling a name the producer has not
             # republished yet): remember it, so the next gets skip even the C decode.
-            self._remember_new(owner, message, bases, int(device_id[0]), name)
+            self._remembered.remember_new(
+                owner, message, bases, int(device_id[0]), name=name, lease_keeper=self._lease_keeper
+            )
         return imported
-
-    def _remember_new(self, owner: Any, message: bytes, bases: Any, device_id: int, name: str) -> None:
-        """Remember a message the C core imported: a template with a decode of its own that holds
-        what the import's owner holds open (the region table's owners), not its lease."""
-        template = Decoded(message, 0)
-        try:
-            if lib.aib_owner_copy_dependencies(template.owner, owner, self._lease_keeper):
-                raise MemoryError("copying owner dependencies")
-        except BaseException:
-            template.close()
-            raise
-        event = int(lib.aib_owner_slot(owner)[0])
-        self._remember(template, bases, DEVICE_CUDA, device_id, event, files=None, name=name)
 
     def _connection(self) -> Channel:
         self._check_open()
@@ -820,10 +617,7 @@ class Session:
             return
         for imported in list(self._imported):
             imported.release()
-        with self._request_lock, self._resolved_lock:
-            forgotten = [self._forget_locked(key) for key in list(self._resolved)]
-            self._key_by_name.clear()
-        _close_templates(forgotten)
+        self._remembered.close()
         # While the connection is open: pool imports are freed and kept leases given back in that
         # order (the producer frees its memory only after the importer did).
         _reaper.drain()
@@ -852,19 +646,6 @@ def _hold(owner: Any, decoded: Decoded, template: Decoded | None) -> None:
             template.depend_on(owner)
     finally:
         lib.aib_owner_unref(owner)
-
-
-def _close_templates(forgotten: Sequence[_Resolved | None]) -> None:
-    """Close the templates of remembered messages just forgotten (None: nothing was there)."""
-    for resolved in forgotten:
-        if resolved is not None:
-            resolved.template.close()
-
-
-def _needs_lease(regions: list[Region]) -> bool:
-    """Whether keeping these regions imported needs a lease: a pool allocation the producer may
-    free (one not flagged kept), which CUDA wants freed here first."""
-    return any(r.kind == REGION_CUDA_POOL and not r.flags & REGION_FLAG_KEPT for r in regions)
 
 
 def _checked_fds(fds: Sequence[int]) -> Sequence[int]:

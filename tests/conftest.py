@@ -107,12 +107,12 @@ def warm() -> dict[str, int]:
     """Open once what the library and multiprocessing keep open for the life of the process (the reaper's
     pipe and thread, the linger thread, /proc/self/maps and pagemap, the resource tracker's pipe), then
     record the baseline."""
-    from helpers.session_rig import FakeLingering, sample_table, snapshot, write_shm_ipc_file
+    from helpers.session_rig import FakeKeptLeaseHolder, sample_table, snapshot, write_shm_ipc_file
 
     from arrow_ipc_bridge import _linger
 
     multiprocessing.resource_tracker.ensure_running()
-    _linger.watch(FakeLingering([]))  # starts the thread (it is collected right away)
+    _linger.watch(FakeKeptLeaseHolder([]))  # starts the thread (it is collected right away)
     directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-")
     shm = write_shm_ipc_file(sample_table(100))
     try:

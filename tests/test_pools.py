@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from helpers.session_rig import FakeLingering, FakePublisher, Reply, fd_count, sample_table, wait_for
+from helpers.session_rig import FakeKeptLeaseHolder, FakePublisher, Reply, fd_count, sample_table, wait_for
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import _reaper, protocol, transport
@@ -321,7 +321,7 @@ def test_pool_messages_are_kept_from_their_second_get_under_one_name() -> None:
 
     pool = [Region(REGION_CUDA_POOL, 64), Region(REGION_CUDA_LEGACY, 64)]
     with aib.Session() as session:
-        keeps = session._keeps_pool_lease
+        keeps = session._remembered.keeps_pool_lease
         assert not keeps(pool, b"m1", "x", 7)  # first get of m1 under x
         assert keeps(pool, b"m1", "x", 7)  # second: kept
         assert not keeps(pool, b"m1", "x", 7)  # kept already: the next is a first again
@@ -345,10 +345,10 @@ def test_pool_messages_are_kept_from_their_second_get_under_one_name() -> None:
             assert not keeps(pool, b"n", None, 7)
         for i in range(300):  # the per-name memory is bounded
             keeps(pool, b"b", f"name{i}", 7)
-        assert len(session._seen_once) <= 256
+        assert len(session._remembered._got_once) <= 256
     with aib.Session(pool_linger=0) as session:
         for _ in range(3):
-            assert not session._keeps_pool_lease(pool, b"m1", "x", 7)
+            assert not session._remembered.keeps_pool_lease(pool, b"m1", "x", 7)
 
 
 def test_linger_thread_keeps_each_sessions_next_deadline() -> None:
@@ -356,7 +356,7 @@ def test_linger_thread_keeps_each_sessions_next_deadline() -> None:
     not never), sleeps when nothing lingers, and a new watch() wakes it."""
     from arrow_ipc_bridge import _linger
 
-    session = FakeLingering([0.2, None])
+    session = FakeKeptLeaseHolder([0.2, None])
     _linger.watch(session)
     assert wait_for(lambda: len(session.calls) >= 2, 5.0)
     assert session.calls[1] - session.calls[0] >= 0.19  # asked again at its deadline
@@ -367,11 +367,11 @@ def test_linger_thread_keeps_each_sessions_next_deadline() -> None:
     assert wait_for(lambda: len(session.calls) == 4, 5.0)
 
     class Failing:
-        def _expire_lingering(self, now: float) -> float | None:
+        def _expire_kept_leases(self, now: float) -> float | None:
             raise RuntimeError("boom")
 
     failing = Failing()
-    other = FakeLingering([None])
+    other = FakeKeptLeaseHolder([None])
     _linger.watch(failing)
     _linger.watch(other)
     assert other.asked.wait(5.0)  # one session failing does not stop the others

@@ -82,7 +82,7 @@ def test_remembered_messages_bounds_the_steady_state(publisher: aib.Publisher) -
             for name in ("a", "b", "c", "a", "b", "c"):
                 session.get(name).release()
             assert session.remembered_gets == hits, room
-            assert len(session._resolved) == min(room, 3)
+            assert len(session._remembered) == min(room, 3)
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(ValueError, match="remembered_messages"):
             aib.Session(remembered_messages=bad)  # type: ignore[arg-type]
@@ -108,7 +108,7 @@ def test_host_messages_are_remembered_by_bytes_and_files(publisher: aib.Publishe
         with session.get("t") as imported:
             assert pa.record_batch(imported).equals(b)
         assert session.remembered_gets == 49
-        assert len(session._resolved) == 1  # a's message went when the name got b
+        assert len(session._remembered) == 1  # a's message went when the name got b
         with session.get("t") as imported:
             assert pa.record_batch(imported).equals(b)
         assert session.remembered_gets == 50
@@ -131,7 +131,7 @@ def test_remembered_messages_churn_across_threads(publisher: aib.Publisher) -> N
     for name, batch in batches.items():
         publisher.publish(name, batch)
     with aib.connect(publisher.path, timeout=10.0) as session:
-        session._resolved_max = 2
+        session._remembered.limit = 2
         errors: list[BaseException] = []
 
         def worker(seed: int) -> None:
@@ -149,7 +149,7 @@ def test_remembered_messages_churn_across_threads(publisher: aib.Publisher) -> N
         for thread in threads:
             thread.join(JOIN_S)
         assert errors == []
-        assert lib.aib_import_cache_count(session._import_cache) <= 2
+        assert lib.aib_import_cache_count(session._remembered.import_cache) <= 2
         assert session.remembered_gets > 0
     assert wait_for(lambda: publisher.active_leases == 0, 2.0)
 

@@ -288,15 +288,15 @@ def null_batch(columns: int, rows: int) -> pa.RecordBatch:
     return pa.record_batch({f"c{i}": pa.nulls(rows) for i in range(columns)})
 
 
-class FakeLingering:
-    """Stands in for a session in the linger thread's loop: records when it was asked."""
+class FakeKeptLeaseHolder:
+    """Stands in for a session's remembered messages in the linger thread's loop; records each ask."""
 
     def __init__(self, deadlines: list[float | None]) -> None:
         self.deadlines = deadlines  # relative seconds to answer with, in order; then None
         self.calls: list[float] = []
         self.asked = threading.Event()
 
-    def _expire_lingering(self, now: float) -> float | None:
+    def _expire_kept_leases(self, now: float) -> float | None:
         self.calls.append(now)
         self.asked.set()
         if not self.deadlines:
