@@ -3,9 +3,9 @@
  * Each input is a script of writes to one end of a Unix socketpair; the channel reads frames from
  * the other end, as the publisher's serve loop and the session's requests do. The input format:
  *
- *   byte 0            options: bit 0x40 the first record is handed to aib_channel_new as the bytes
- *                     the handshake had buffered ("seed"); bit 0x20 a 64-byte payload limit instead
- *                     of 1 MiB; bit 0x10 receive with a 1 s deadline instead of blocking
+ *   byte 0            options: bit 0x20 a 64-byte payload limit instead of 1 MiB; bit 0x10 receive
+ *                     with a 1 s deadline instead of blocking (bit 0x40, once the handshake's buffered
+ *                     bytes, is ignored: the channel reads every byte from the socket itself)
  *   then records      u8 control (low 2 bits: how many descriptors ride on this write by SCM_RIGHTS),
  *                     u16 little-endian length, that many bytes (fewer if the input ends)
  *
@@ -29,19 +29,6 @@
 #include <unistd.h>
 
 #include "internal.h"
-
-int aib_fail(aib_error *err, int code, const char *field, const char *path, const char *fmt, ...) {
-  if (err != NULL) {
-    err->code = code;
-    snprintf(err->field, sizeof(err->field), "%s", field ? field : "");
-    snprintf(err->path, sizeof(err->path), "%s", path ? path : "");
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err->message, sizeof(err->message), fmt, ap);
-    va_end(ap);
-  }
-  return code;
-}
 
 #define FD_SCAN 512 /* descriptors checked for leaks: new ones take the lowest free numbers */
 #define MAX_FRAMES 256
@@ -90,30 +77,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) abort();
   int big = 1 << 20;
   (void)setsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &big, sizeof(big));
-  const uint8_t *seed = NULL;
-  size_t seed_len = 0;
-  int first = 1, sent_fds = 0;
+  int sent_fds = 0;
   while (pos + 3 <= size) {
     uint8_t control = data[pos];
     size_t len = (size_t)data[pos + 1] | (size_t)data[pos + 2] << 8;
     pos += 3;
     if (len > size - pos) len = size - pos;
-    if (first && (options & 0x40)) {
-      seed = data + pos;
-      seed_len = len; /* over 64 KiB is refused by aib_channel_new, which the harness checks */
-    } else {
-      sent_fds += send_record(sv[0], data + pos, len, control & 3);
-    }
-    first = 0;
+    sent_fds += send_record(sv[0], data + pos, len, control & 3);
     pos += len;
   }
   close(sv[0]); /* end of file after the last byte */
 
   uint32_t max_payload = (options & 0x20) ? 64 : (1u << 20);
-  aib_channel *ch = aib_channel_new(sv[1], max_payload, seed, seed_len);
+  aib_channel *ch = aib_channel_new(sv[1], max_payload);
   if (ch == NULL) {
-    if (seed_len <= 64 * 1024) abort(); /* only an oversized seed may be refused */
-    close(sv[1]);
+    abort(); /* only out of memory refuses a channel */
   } else {
     int64_t timeout_ms = (options & 0x10) ? 1000 : -1;
     aib_frame *frame = calloc(1, sizeof(*frame));

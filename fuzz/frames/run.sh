@@ -17,7 +17,7 @@ mkdir -p "$build/corpus"
 cc="${CC:-clang}"
 "$cc" -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
   -DAIB_VERSION='"fuzz"' -I"$here/../../cffi_build" \
-  "$here/fuzz_channel.c" "$here/../../cffi_build/channel.c" -o "$build/fuzz_channel"
+  "$here/fuzz_channel.c" "$here/../../cffi_build/channel.c" "$here/../../cffi_build/base.c" -o "$build/fuzz_channel"
 cp -n "$here"/corpus/* "$build/corpus/" 2>/dev/null || true
 cd "$build"
 args=(-max_total_time="$seconds" -max_len=140000 -dict="$here/frames.dict" -print_final_stats=1
