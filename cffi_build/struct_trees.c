@@ -321,16 +321,29 @@ static served_stream *served_new(const struct ArrowSchema *schema, aib_owner *ow
   return s;
 }
 
-int aib_device_stream_from_capture(aib_owner *owner, struct ArrowDeviceArrayStream *out, aib_error *err) {
-  if (out->release != NULL) return aib_fail(err, AIB_E_STATE, "", "", "destination stream is not released");
+/* A stream over the batches an owner captured (both stream flavours serve those); NULL with err set. */
+static served_stream *served_from_capture(aib_owner *owner, int out_released, aib_error *err) {
+  if (!out_released) {
+    aib_fail(err, AIB_E_STATE, "", "", "destination stream is not released");
+    return NULL;
+  }
   const struct ArrowSchema *schema;
   struct ArrowDeviceArray **arrays;
   int64_t n_arrays = aib_owner_capture(owner, &schema, &arrays);
-  if (schema == NULL) return aib_fail(err, AIB_E_STATE, "", "", "owner holds no captured data");
+  if (schema == NULL) {
+    aib_fail(err, AIB_E_STATE, "", "", "owner holds no captured data");
+    return NULL;
+  }
   served_stream *s = served_new(schema, owner, err);
-  if (s == NULL) return err ? err->code : AIB_E_NOMEM;
+  if (s == NULL) return NULL;
   s->arrays = arrays;
   s->n_batches = n_arrays;
+  return s;
+}
+
+int aib_device_stream_from_capture(aib_owner *owner, struct ArrowDeviceArrayStream *out, aib_error *err) {
+  served_stream *s = served_from_capture(owner, out->release == NULL, err);
+  if (s == NULL) return err ? err->code : AIB_E_NOMEM;
   /* A stream has one device: the batches of a captured stream all come from one producer stream. */
   s->device_type = s->n_batches ? s->arrays[0]->device_type : ARROW_DEVICE_CPU;
   s->device_id = s->n_batches ? s->arrays[0]->device_id : -1;
@@ -340,15 +353,8 @@ int aib_device_stream_from_capture(aib_owner *owner, struct ArrowDeviceArrayStre
 }
 
 int aib_stream_from_capture(aib_owner *owner, struct ArrowArrayStream *out, aib_error *err) {
-  if (out->release != NULL) return aib_fail(err, AIB_E_STATE, "", "", "destination stream is not released");
-  const struct ArrowSchema *schema;
-  struct ArrowDeviceArray **arrays;
-  int64_t n_arrays = aib_owner_capture(owner, &schema, &arrays);
-  if (schema == NULL) return aib_fail(err, AIB_E_STATE, "", "", "owner holds no captured data");
-  served_stream *s = served_new(schema, owner, err);
+  served_stream *s = served_from_capture(owner, out->release == NULL, err);
   if (s == NULL) return err ? err->code : AIB_E_NOMEM;
-  s->arrays = arrays;
-  s->n_batches = n_arrays;
   install_host_stream(out, s);
   return AIB_OK;
 }
