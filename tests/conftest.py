@@ -21,6 +21,7 @@ import multiprocessing.resource_tracker
 import os
 import random
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -30,6 +31,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import arrow_ipc_bridge as aib
+from arrow_ipc_bridge.channel import Channel
+from arrow_ipc_bridge.transport import Connection
 
 if TYPE_CHECKING:
     from helpers.session_rig import ProducerRig
@@ -139,6 +142,16 @@ def no_leaks(warm: dict[str, int]) -> Iterator[None]:
     before = snapshot()
     yield
     assert_back_to(before)
+
+
+@pytest.fixture
+def hostile() -> Iterator[tuple[Channel, socket.socket]]:
+    """A channel whose peer is a raw socket the test writes arbitrary bytes and descriptors to."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = Connection(a, max_payload=1024 * 1024)
+    yield conn.channel, b
+    conn.close()
+    b.close()
 
 
 @pytest.fixture

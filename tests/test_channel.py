@@ -65,16 +65,6 @@ def pair() -> Iterator[tuple[Channel, Channel]]:
     cb.close()
 
 
-@pytest.fixture
-def hostile() -> Iterator[tuple[Channel, socket.socket]]:
-    """A channel whose peer is a raw socket the test writes arbitrary bytes and descriptors to."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn = Connection(a, max_payload=1024 * 1024)
-    yield conn.channel, b
-    conn.close()
-    b.close()
-
-
 # -- round trips -----------------------------------------------------------------------------------------
 
 

@@ -13,7 +13,6 @@ import queue
 import resource
 import socket
 import time
-from collections.abc import Iterator
 
 import pytest
 from helpers.socket_helpers import (
@@ -28,18 +27,6 @@ from helpers.socket_helpers import (
 
 from arrow_ipc_bridge.channel import MAX_FDS, Channel, Frame
 from arrow_ipc_bridge.errors import PeerClosedError, ProtocolError
-from arrow_ipc_bridge.transport import Connection
-
-
-@pytest.fixture
-def hostile() -> Iterator[tuple[Channel, socket.socket]]:
-    """A channel whose peer is a raw socket the test writes arbitrary bytes and descriptors to."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn = Connection(a, max_payload=1024 * 1024)
-    yield conn.channel, b
-    conn.close()
-    b.close()
-
 
 # -- hostile peers ---------------------------------------------------------------------------------------
 
