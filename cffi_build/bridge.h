@@ -453,38 +453,58 @@ void aib_server_conn_welcome(aib_server_conn *c);
 void aib_server_conn_free(aib_server_conn *c);
 int64_t aib_server_conn_leases(const aib_server_conn *c);
 int aib_serve(aib_server_conn *c, int64_t idle_ms, aib_frame *out, aib_error *err);
-/* ---------- the session's steady state (import_cache.c) ------------------------------------------
- * Messages a session remembered (their regions stay open), keyed by their bytes: put takes a
- * reference on template_owner, which carries the validated decode (aib_owner_share_decoded) and
- * holds the opened regions; event is the opened CUevent for the sync slot (0: none); id is the
- * caller's name for the entry. remove returns 1 when the message was not there. */
-typedef struct aib_import_cache aib_import_cache;
+/* ---------- the session's remembered messages (remembered.c) ----------------------------------
+ * The one record of a session's remembered messages (docs/lifetime.md 5a): lookup by message bytes
+ * (and files), one message per name, the least-recently-used bound (limit; 0 remembers nothing) and
+ * the last use of kept leases. put takes a reference on template_owner, which carries the validated
+ * decode (aib_owner_share_decoded) and holds the opened regions; event is the opened CUevent for
+ * the sync slot (0: none); name NULL: remembered under no name; lingers: the template holds a kept
+ * lease (see expire). *id_out is the message's id (0: not remembered, the limit is 0), by which the
+ * caller keeps what it needs beside it. A message the set lets go of (replaced by the same bytes or
+ * by its name's next message, pushed out by the bound, forgotten, expired) waits until the caller
+ * takes its id with take_forgotten (0: none left) and closes its own side. */
+typedef struct aib_remembered aib_remembered;
 /* A file the template maps, by the (st_dev, st_ino) of the descriptor it arrived with. */
 typedef struct aib_file_identity {
   uint64_t dev, ino;
 } aib_file_identity;
-aib_import_cache *aib_import_cache_new(void);
-void aib_import_cache_free(aib_import_cache *c);
-/* fd_policy AIB_CACHE_FDS_SAME_FILES: files holds one identity per descriptor the message travels
- * with, in fd-index order; an answer with the same bytes is imported here only when its descriptors
- * are those files. AIB_CACHE_FDS_ANY: the descriptors name nothing the bytes do not (a CUDA pool's
- * fd: the pool is named in the message and imported once per process), so any are accepted.
- * Either way the answer's descriptors are closed when it is imported here. */
-#define AIB_CACHE_FDS_SAME_FILES 0
-#define AIB_CACHE_FDS_ANY 1
-int aib_import_cache_put(aib_import_cache *c, const uint8_t *message, size_t length, aib_owner *template_owner,
-                         uint64_t event, uint64_t id, const aib_file_identity *files, uint32_t n_files,
-                         uint32_t fd_policy);
-int aib_import_cache_remove(aib_import_cache *c, const uint8_t *message, size_t length);
-size_t aib_import_cache_count(const aib_import_cache *c);
+aib_remembered *aib_remembered_new(size_t limit);
+void aib_remembered_free(aib_remembered *r);
+void aib_remembered_set_limit(aib_remembered *r, size_t limit);
+size_t aib_remembered_limit(aib_remembered *r);
+size_t aib_remembered_count(aib_remembered *r);
+/* fd_policy AIB_REMEMBERED_SAME_FILES: files holds one identity per descriptor the message travels
+ * with, in fd-index order; an answer with the same bytes is imported from it only when its
+ * descriptors are those files. AIB_REMEMBERED_ANY_FDS: the descriptors name nothing the bytes do
+ * not (a CUDA pool's fd: the pool is named in the message and imported once per process), so any
+ * are accepted. Either way the answer's descriptors are closed when it is imported in C. */
+#define AIB_REMEMBERED_SAME_FILES 0
+#define AIB_REMEMBERED_ANY_FDS 1
+int aib_remembered_put(aib_remembered *r, const uint8_t *message, size_t length, aib_owner *template_owner,
+                       uint64_t event, const aib_file_identity *files, uint32_t n_files, uint32_t fd_policy,
+                       const uint8_t *name, size_t name_len, int lingers, uint64_t *id_out);
+/* The id of the message these bytes arriving with these descriptors are (0: not remembered), now
+ * the most recently used; *event_out its event. */
+uint64_t aib_remembered_find(aib_remembered *r, const uint8_t *message, size_t length, const int *fds,
+                             uint32_t n_fds, uint64_t *event_out);
+/* Forget the message remembered under name unless its bytes are unless (NULL: in any case); returns
+ * how many (0 or 1). */
+size_t aib_remembered_forget_name(aib_remembered *r, const uint8_t *name, size_t name_len, const uint8_t *unless,
+                                  size_t unless_len);
+size_t aib_remembered_forget_all(aib_remembered *r);
+/* Forget the messages holding a kept lease that no get used for linger seconds by now
+ * (CLOCK_MONOTONIC seconds, Python's time.monotonic()); returns the next such deadline, -1 when no
+ * kept lease is left. */
+double aib_remembered_expire(aib_remembered *r, double now, double linger);
+uint64_t aib_remembered_take_forgotten(aib_remembered *r);
 typedef struct aib_get_result {
   uint64_t entry_id;
   aib_owner *owner;  /* the lease's owner (token set, sync slot filled); one reference, the caller's */
   uintptr_t owner_address; /* the same, as a number (what py_capsules.c's functions take) */
   uint64_t *sync_slot;  /* the owner's slot holding the CUevent (the spec's sync_event), or NULL */
 } aib_get_result;
-/* GET name, then: an ITEM carrying a remembered message (and its files) is imported here and
- * AIB_GET_IMPORTED returned with out filled; otherwise AIB_OK with the received frame for the
+/* GET name, then: an ITEM carrying a remembered message (and its files) is imported here, the
+ * message marked used, and AIB_GET_IMPORTED returned with out filled (entry_id: its id); otherwise AIB_OK with the received frame for the
  * caller (out->owner NULL); or an error code (the channel is then unusable).
  * The lease's owner gets the reaper token lease_tokens | lease id (lease ids from 1 to
  * 2^AIB_LEASE_ID_BITS - 1; others take the caller's path) and holds a reference on keeper, so that what
@@ -495,7 +515,7 @@ typedef struct aib_get_result {
 #define AIB_GET_IMPORTED_NEW 102
 #define AIB_LEASE_ID_BITS 40
 int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64_t timeout_ms,
-                    aib_import_cache *cache, uint64_t lease_tokens, aib_owner *keeper, aib_get_result *out,
+                    aib_remembered *remembered, uint64_t lease_tokens, aib_owner *keeper, aib_get_result *out,
                     aib_frame *frame, aib_error *err);
 /* ---------- what this process has open, for aib_session_get (region_table.c) ------------------
  * Keys: a legacy IPC handle (64 bytes; value: its base here; owner: what keeps it open, one

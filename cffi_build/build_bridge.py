@@ -28,7 +28,7 @@ C_SOURCES = [
     "content_check.c",
     "channel.c",
     "serve.c",
-    "import_cache.c",
+    "remembered.c",
     "cuda_batch.c",
     "region_table.c",
     "sync_event.c",
