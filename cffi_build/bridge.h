@@ -517,20 +517,37 @@ typedef struct aib_get_result {
 int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64_t timeout_ms,
                     aib_remembered *remembered, uint64_t lease_tokens, aib_owner *keeper, aib_get_result *out,
                     aib_frame *frame, aib_error *err);
-/* ---------- what this process has open, for aib_session_get (region_table.c) ------------------
- * Keys: a legacy IPC handle (64 bytes; value: its base here; owner: what keeps it open, one
- * reference held by the table), a kept pool slab's handle (88 bytes; the same), an IPC event handle
- * (value: the opened CUevent), a GPU UUID (value: its ordinal here). Put replaces; remove returns 1
- * when absent. */
+/* ---------- what this process has open: the region table (region_table.c) ---------------------
+ * The one record of it, which aib_session_get reads and Python asks (it keeps no copy). Keys: a
+ * legacy IPC handle (64 bytes; value: its base here; owner: what keeps it open, one reference held
+ * by the table), a kept pool slab's handle (88 bytes; the same), an opened IPC event (the key
+ * aib_regions_event_key makes of its handle and device; value: the CUevent), a GPU UUID (value: its
+ * ordinal here). Each kind keeps its entries in least-recently-used order (find and a C-side
+ * import are uses). put replaces the key's entry, then lets go of the kind's least recently used
+ * entries while it holds more than limit (0: no bound); remove returns 1 when absent; find returns
+ * 1 when present, with a reference on the owner for the caller when owner is not NULL (it may be
+ * NULL: events, GPUs); take_oldest takes the kind's least recently used entry out (0: none left);
+ * list copies the keys of key_len bytes of a kind, least recently used first, up to max, and
+ * returns how many there are; key_of finds the key of a kind's entry with that value. An entry
+ * let go of releases its owner reference outside the table's lock. */
 #define AIB_REGION_KEY_LEGACY 1
 #define AIB_REGION_KEY_EVENT 2
 #define AIB_REGION_KEY_DEVICE 3
 #define AIB_REGION_KEY_POOL 4 /* a kept IPC-pool slab's 88-byte handle -> its imported pointer */
 #define AIB_REGION_KEY_MAX 128
 #define AIB_MAX_NEW_REGIONS 256
-int aib_regions_put(uint32_t kind, const uint8_t *key, size_t key_len, uint64_t value, aib_owner *owner);
+int aib_regions_put(uint32_t kind, const uint8_t *key, size_t key_len, uint64_t value, aib_owner *owner,
+                    size_t limit);
+int aib_regions_find(uint32_t kind, const uint8_t *key, size_t key_len, uint64_t *value, aib_owner **owner);
 int aib_regions_remove(uint32_t kind, const uint8_t *key, size_t key_len);
+int aib_regions_take_oldest(uint32_t kind, uint8_t *key_out, size_t *key_len_out, uint64_t *value_out);
+size_t aib_regions_list(uint32_t kind, uint8_t *keys_out, size_t key_len, size_t max);
+int aib_regions_key_of(uint32_t kind, uint64_t value, uint8_t *key_out, size_t *key_len_out);
 size_t aib_regions_count(void);
+size_t aib_regions_count_kind(uint32_t kind);
+/* The event key: the handle's bytes, then the device ordinal (8 bytes, little-endian); its length,
+ * 0 when the handle is empty or too long (key_out holds AIB_REGION_KEY_MAX bytes). */
+size_t aib_regions_event_key(const uint8_t *handle, size_t handle_len, int64_t device, uint8_t *key_out);
 /* How many messages aib_import_new imported, and how many open handles (legacy or kept pool) they
  * used. */
 void aib_regions_stats(uint64_t *imports, uint64_t *handles);
