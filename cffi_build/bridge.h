@@ -598,4 +598,20 @@ int aib_cuda_export_pool_pointers(const uint64_t *pointers, size_t n, uint8_t *o
  * function is set, for other device types, or when the query fails. Counts both outcomes. */
 void *aib_sync_event_if_pending(int32_t device_type, void *sync_event);
 void aib_sync_event_stats(uint64_t *pending, uint64_t *complete);
+
+/* ---------- the host modules' libc calls (host_system.c) --------------------------------------
+ * On failure *error is errno: mmap_shared returns 0 (a read-write MAP_SHARED mapping of fd from
+ * offset 0), pwritev -1 (pairs: count (base, length) pairs, as struct iovec[]), procmap_query -1
+ * (PROCMAP_QUERY on an open /proc/self/maps; it sets query->size). */
+typedef struct aib_procmap_query {
+  uint64_t size, query_flags, query_addr;
+  uint64_t vma_start, vma_end, vma_flags, vma_page_size, vma_offset, inode;
+  uint32_t dev_major, dev_minor, vma_name_size, build_id_size;
+  uint64_t vma_name_addr, build_id_addr;
+} aib_procmap_query;
+uint64_t aib_sys_mmap_shared(int fd, size_t length, int *error);
+int aib_sys_munmap(uint64_t address, size_t length);
+int64_t aib_sys_pwritev(int fd, const uint64_t *pairs, int count, int64_t offset, int *error);
+int aib_sys_procmap_query(int fd, aib_procmap_query *query, int *error);
+
 #endif

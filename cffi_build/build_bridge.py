@@ -33,6 +33,7 @@ C_SOURCES = [
     "region_table.c",
     "sync_event.c",
     "py_capsules.c",
+    "host_system.c",
 ]
 HEADERS = ["arrow_c_abi.h", "bridge.h"]
 _INTEGER_DEFINE = re.compile(r"^#define\s+\w+\s+-?\d+\s*(/\*.*\*/)?\s*$")

@@ -308,7 +308,7 @@ aib_owner *aib_import_new(const uint8_t *message, size_t length, uint32_t n_fds,
   pthread_mutex_unlock(&table_lock);
   aib_owner *owner = NULL;
   if (found) {
-    /* Token set only once the owner is complete: one that fails dies quietly (see import_cache.c). */
+    /* Token set only once the owner is complete: one that fails dies quietly (see remembered.c). */
     owner = aib_owner_new(0);
     if (owner != NULL && aib_owner_attach_decoded(owner, decoded) != AIB_OK) {
       aib_owner_unref(owner);
