@@ -19,7 +19,9 @@ from typing import Any, ClassVar
 import pyarrow as pa
 import pytest
 from helpers import cuda_helpers
-from helpers.arrow_strategies import TYPE_KINDS, arrow_arrays, assert_arrays_equal
+from helpers.arrow_equality import assert_arrays_equal
+from helpers.arrow_types import TYPE_KINDS
+from helpers.arrow_values import arrow_arrays
 from hypothesis import HealthCheck, given, settings
 
 import arrow_ipc_bridge as aib

@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from helpers.arrow_strategies import record_batches
+from helpers.arrow_values import record_batches
 from helpers.session_rig import wait_for
 from hypothesis import HealthCheck, given, settings
 
