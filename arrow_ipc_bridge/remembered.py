@@ -95,7 +95,7 @@ class RememberedMessages:
 
         The same bytes describe other data when they arrive with other files (a host region's
         message names no file): the set matches the files the template mapped, as in C gets."""
-        fd_array = ffi.new("int[]", list(fds) or [0])
+        fd_array = ffi.new("int[]", list(fds)) if fds else ffi.NULL
         event = ffi.new("uint64_t *")
         with self._lock:
             found = lib.aib_remembered_find(self.table, message, len(message), fd_array, len(fds), event)

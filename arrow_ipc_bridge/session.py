@@ -155,11 +155,11 @@ class Session:
 
     def _import(self, message: bytes, fds: Sequence[int], *, name: str | None, token: int) -> Imported:
         self._check_open()
-        files = _file_identities(fds)
         found = self._remembered.lookup(message, fds, token)
         if found is not None:
             hit, decoded, event = found
             return self._import_remembered(decoded, hit, event, name)
+        files = _file_identities(fds)  # what a remembered message will be matched by (in C)
         template = Decoded(message, len(fds))
         lease_owner: Any = None
         try:
