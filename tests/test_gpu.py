@@ -337,6 +337,8 @@ def test_new_arrays_in_kept_slabs_cost_the_consumer_no_import(
         # new event handle on the way); the C core imported the rest.
         assert stats["pool_kept_hits"] <= 3, stats
         assert stats["new_message_gets"] + remembered >= 4, (stats, remembered)
+        # the slab's import is held open in the region table (what the C core found it in)
+        assert stats["kept_held"] == 1, stats
         assert _wait_for(lambda: gpu_publisher.active_leases == 0, 5.0)
         assert allocator.slabs.stats()["slabs"] == 1
     finally:
@@ -386,7 +388,10 @@ def test_new_arrays_over_open_allocations_import_in_c(gpu_publisher: aib.Publish
             assert got.column("a").to_pylist() == [float(i)] * 1000
             assert got.column("b").to_pylist() == list(range(i, 1000 + i))
             assert _wait_for(lambda: gpu_publisher.active_leases == 0, 5.0)
-        assert consumer.stats()["new_message_gets"] >= 6
+        stats = consumer.stats()
+        assert stats["new_message_gets"] >= 6, stats
+        # the allocations the C core found open are held in the region table, within its bound
+        assert 1 <= stats["legacy_held"] <= 256, stats
     finally:
         consumer.stop()
 
