@@ -317,10 +317,9 @@ class CudaOpener:
         held: list[Any],
     ) -> list[int]:
         """Under the lock: import the pointers not imported yet (one batch per pool), count one
-        more lease on every pointer of ``counted``, and append to ``held`` a reference on the LRU
-        entry's owner of every kept one (made now for new ones; one the LRU pushes out goes to
-        ``evicted``; the caller unrefs both after the lock). Returns the addresses of ``keys`` in
-        order."""
+        more lease on every pointer of ``counted``, and append to ``held`` a reference on the owner
+        of every kept one's region-table entry (made now for new ones; the caller unrefs them after
+        the lock). Returns the addresses of ``keys`` in order."""
         fresh: dict[bytes, list[bytes]] = {}
         for key in dict.fromkeys(keys):
             if self._kept.has(key):
@@ -350,10 +349,11 @@ class CudaOpener:
         return [self._pool_pointers[key][0] for key in keys]
 
     def _keep_pool_pointer(self, key: bytes, pool: ImportedPool) -> _Opened:
-        """Under the lock: the LRU entry for a kept slab's import (imported already): one more
-        count on the pointer, held by an owner the entry keeps; the C core's get path finds it
-        too (region_table.c). The owner's end (evicted, and no array using it) takes the count
-        back, and the last count frees the import."""
+        """Under the lock: hold a kept slab's import (imported already) in the region table
+        (region_table.c, where the C core's get path finds it too): one more count on the pointer,
+        held by an owner the entry keeps; returned with a reference for the caller. The owner's end
+        (let go of by the table, and no array using it) takes the count back, and the last count
+        frees the import."""
         self._pool_pointers[key][1] += 1
         owner = lib.aib_owner_new(
             _reaper.register(lambda: self._release_pool_pointers([key], {key[:24]: pool}))
