@@ -31,6 +31,8 @@ __all__ = ["RememberedMessage", "RememberedMessages", "needs_lease"]
 
 # How many names' last unremembered message is compared with their next get (got_again).
 _GOT_ONCE_NAMES_MAX = 256
+# A limit above this (a size_t in C) remembers as much as one without a bound.
+_LIMIT_MAX = 2**62
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ class RememberedMessages:
         # about remembered messages, so it lives here.
         self._got_once: OrderedDict[str, int] = OrderedDict()
         self._closed = False
-        table = lib.aib_remembered_new(limit)
+        table = lib.aib_remembered_new(min(limit, _LIMIT_MAX))
         if table == ffi.NULL:
             raise MemoryError("allocating the remembered messages")
         self.table = ffi.gc(table, lib.aib_remembered_free)
@@ -83,7 +85,7 @@ class RememberedMessages:
     @limit.setter
     def limit(self, limit: int) -> None:
         with self._request_lock, self._lock:
-            lib.aib_remembered_set_limit(self.table, limit)
+            lib.aib_remembered_set_limit(self.table, min(limit, _LIMIT_MAX))
             _close_templates(self._take_forgotten_locked())
 
     # ---------- lookup ------------------------------------------------------------------------------

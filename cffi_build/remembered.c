@@ -29,6 +29,8 @@
 #define FRAME_GET 5
 #define FRAME_ITEM 6
 #define MIN_BUCKETS 64
+#define FIRST_BUCKETS_MAX 4096    /* a large limit starts here; the table grows with what it holds */
+#define BUCKETS_MAX ((size_t)1 << 24)
 
 typedef struct entry {
   uint64_t hash, name_hash;
@@ -67,7 +69,7 @@ static double monotonic_now(void) {
 
 static size_t buckets_for(size_t limit) {
   size_t n = MIN_BUCKETS;
-  while (n < limit && n < ((size_t)1 << 24)) n <<= 1;
+  while (n < limit && n < FIRST_BUCKETS_MAX) n <<= 1;
   return n;
 }
 
@@ -173,7 +175,7 @@ static void evict_over_limit_locked(aib_remembered *r) {
 
 /* Under mu: more buckets once the set outgrows them (the limit was raised). */
 static void grow_locked(aib_remembered *r) {
-  if (r->count <= r->n_buckets || r->n_buckets >= ((size_t)1 << 24)) return;
+  if (r->count <= r->n_buckets || r->n_buckets >= BUCKETS_MAX) return;
   size_t n = r->n_buckets * 2;
   entry **buckets = calloc(n, sizeof(entry *));
   entry **name_buckets = calloc(n, sizeof(entry *));

@@ -244,3 +244,53 @@ def test_the_set_gives_back_kept_leases_unused_for_the_linger_time() -> None:
         ffi.release(table)
         for template in templates:
             template.close()
+
+
+def test_the_set_grows_past_its_first_buckets_and_keeps_its_order() -> None:
+    """The C set holds more messages than it first made room for (its table grows), finds every
+    one, and a lower limit lets go of the least recently used first, oldest first."""
+    from arrow_ipc_bridge._ffi import ffi
+    from arrow_ipc_bridge.metadata import Decoded
+
+    table = ffi.gc(lib.aib_remembered_new(8), lib.aib_remembered_free)  # room made for 8
+    lib.aib_remembered_set_limit(table, 1000)
+    templates = [Decoded(aib.export(null_batch(1, rows)).message, 0) for rows in range(1, 301)]
+    ids = []
+    event = ffi.new("uint64_t *")
+    try:
+        for i, template in enumerate(templates):
+            entry_id = ffi.new("uint64_t *")
+            message, name = template.message, f"n{i}".encode()
+            assert (
+                lib.aib_remembered_put(
+                    table, message, len(message), template.owner, i, ffi.NULL, 0,
+                    lib.AIB_REMEMBERED_ANY_FDS, name, len(name), 0, entry_id,
+                )
+                == 0
+            )  # fmt: skip
+            ids.append(entry_id[0])
+        assert lib.aib_remembered_count(table) == 300
+        for i, template in enumerate(templates):
+            message = template.message
+            assert lib.aib_remembered_find(table, message, len(message), ffi.NULL, 0, event) == ids[i]
+            assert event[0] == i
+        for i in (150, 7):  # names are found after the growth too
+            assert lib.aib_remembered_forget_name(table, f"n{i}".encode(), len(f"n{i}"), ffi.NULL, 0) == 1
+            assert lib.aib_remembered_take_forgotten(table) == ids[i]
+        first = templates[0].message
+        assert lib.aib_remembered_find(table, first, len(first), ffi.NULL, 0, event) == ids[0]  # newest now
+        lib.aib_remembered_set_limit(table, 10)
+        forgotten = []
+        while entry_id := lib.aib_remembered_take_forgotten(table):
+            forgotten.append(entry_id)
+        gone = {ids[7], ids[150]}
+        assert sorted(forgotten) == sorted(set(ids[1:291]) - gone)  # the 288 least recently used
+        kept = [ids[0], *ids[291:]]
+        for i, template in enumerate(templates):
+            message = template.message
+            found = lib.aib_remembered_find(table, message, len(message), ffi.NULL, 0, event)
+            assert found == (ids[i] if ids[i] in kept else 0)
+    finally:
+        ffi.release(table)
+        for template in templates:
+            template.close()
