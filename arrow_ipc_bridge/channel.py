@@ -300,13 +300,14 @@ class Channel:
             return frame_from(self._frame)
 
     def get(
-        self, name: bytes, cache: Any, lease_tokens: int, keeper: Any, timeout_ms: int
+        self, name: bytes, remembered: Any, lease_tokens: int, keeper: Any, timeout_ms: int
     ) -> tuple[tuple[int, Any, int, Any] | None, Frame | None]:
         """The session's GET in one C call (``aib_session_get``); ``timeout_ms`` < 0 blocks.
 
-        Returns ``((cache entry id, lease owner, its address, sync slot or NULL), None)`` when the
-        answer was a message remembered in ``cache`` and is imported already (the owner is the
-        caller's: wrap it at once; its token is ``lease_tokens | lease id`` and it holds ``keeper``);
+        Returns ``((remembered message id, lease owner, its address, sync slot or NULL), None)``
+        when the answer was a message in ``remembered`` (the session's remembered messages,
+        ``aib_remembered``) and is imported already (the owner is the caller's: wrap it at once;
+        its token is ``lease_tokens | lease id`` and it holds ``keeper``);
         ``((0, owner, address, slot), frame)`` when it was a new message the C core imported over
         regions open in this process (``aib_import_new``; the frame is the ITEM); else
         ``(None, frame)`` with the answer for the caller.
@@ -316,7 +317,16 @@ class Channel:
         with self._recv_lock, self._send_lock:
             self.check_open()
             rc = lib.aib_session_get(
-                self.raw, name, len(name), timeout_ms, cache, lease_tokens, keeper, result, self._frame, err
+                self.raw,
+                name,
+                len(name),
+                timeout_ms,
+                remembered,
+                lease_tokens,
+                keeper,
+                result,
+                self._frame,
+                err,
             )
             if rc == _GET_IMPORTED:
                 return (result.entry_id, result.owner, result.owner_address, result.sync_slot), None

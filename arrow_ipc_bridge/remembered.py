@@ -1,22 +1,21 @@
 """The consumer's remembered messages: imported messages a session keeps with their regions open.
 
 A re-get of the same publication (the steady state) finds its message remembered and is imported
-from it without a decode or an open: by the C core (``aib_import_cache``, this class's mirror in C,
-which :meth:`Session.get <arrow_ipc_bridge.session.Session.get>` passes to the channel) or, for
+from it without a decode or an open: by the C core, in the get itself (``aib_session_get``), or, for
 :meth:`Session.import_message <arrow_ipc_bridge.session.Session.import_message>`, by Python.
-:class:`RememberedMessages` owns the set: what is remembered (a *remembered message*: its validated
-decode, the *template*, holding every region's owner open), lookup, the least-recently-used bound
-(``remembered_messages``), forgetting (a name got with other data, :meth:`Session.forget`, close) and
-the *kept lease* of a remembered IPC-pool message, given back ``pool_linger`` seconds after its last
-get (the ``_linger`` thread asks :meth:`RememberedMessages._expire_kept_leases`). ``docs/lifetime.md``
+The set itself lives in the C core (``aib_remembered``, ``cffi_build/remembered.c``): which
+messages are remembered (a *remembered message*: its validated decode, the *template*, holding every
+region's owner open), lookup by bytes and files, one message per name, the least-recently-used bound
+(``remembered_messages``) and when each *kept lease* of a remembered IPC-pool message was last used
+(given back ``pool_linger`` seconds later: the ``_linger`` thread asks
+:meth:`RememberedMessages._expire_kept_leases`). :class:`RememberedMessages` asks it and keeps only
+what C cannot hold: each message's Python objects, by the id the set gave it. ``docs/lifetime.md``
 ("Remembered messages") describes the rules; the session decides what to import and calls in here.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,89 +31,86 @@ __all__ = ["RememberedMessage", "RememberedMessages", "needs_lease"]
 
 # How many names' last unremembered message is compared with their next get (got_again).
 _GOT_ONCE_NAMES_MAX = 256
+# A limit above this (a size_t in C) remembers as much as one without a bound.
+_LIMIT_MAX = 2**62
 
 
 @dataclass(frozen=True)
 class RememberedMessage:
-    """A message already imported in this session, its regions still open: re-gets of the same
-    publication (the steady state) skip the decode and the opens."""
+    """The Python side of a remembered message (the C set holds the rest): what an import of it
+    is built from."""
 
     template: Decoded  # the validated message; its owner holds every region's owner open
     bases: Any  # uint64_t[] of region bases, shared read-only by every import of the message
     device_type: int
     device_id: int
-    event: int  # the opened producer event, 0 when none
-    entry_id: int  # its name in the C core's mirror of the set (aib_import_cache)
     imported_type: type[ImportedArray] | type[ImportedStream]
-    # (st_dev, st_ino) of each descriptor it came with, in order; None: its descriptors name nothing
-    # the message does not (CUDA pool fds), any will do
-    files: tuple[tuple[int, int], ...] | None
 
 
 class RememberedMessages:
     """A session's remembered messages, at most ``limit`` (least recently used out first), one per name.
 
-    Lock order: the session's ``request_lock``, then this set's own lock. Changes to the set take
-    both, so a get holding ``request_lock`` finds the entry its C lookup found (``Session.get``).
+    Lock order: the session's ``request_lock``, then this object's own lock. Changes to the set take
+    both, so a get holding ``request_lock`` finds the Python side of the message its C lookup found
+    (``Session.get``); a lookup from Python takes this object's lock.
     """
 
     def __init__(self, limit: int, pool_linger: float, request_lock: threading.Lock) -> None:
-        self.limit = limit  # 0 remembers nothing
         self._pool_linger = pool_linger
         self._request_lock = request_lock
         self._lock = threading.Lock()
-        # message bytes -> remembered message; bounded, entries hold their regions open
-        self._by_message: OrderedDict[bytes, RememberedMessage] = OrderedDict()
-        self._by_entry_id: dict[int, RememberedMessage] = {}
-        self._entry_ids = itertools.count(1)
-        self._message_by_name: dict[str, bytes] = {}  # the message each name was last remembered with
-        # Remembered pool messages holding a kept lease -> when a get last used them (time.monotonic()).
-        self._kept_lease_used: dict[bytes, float] = {}
+        # The Python side of each message the C set holds, by its id there.
+        self._by_id: dict[int, RememberedMessage] = {}
         # name -> hash of the message its last get imported without remembering it: a pool message
         # (kept with a lease) and a new message the C core imported are remembered from their second
-        # get in a row on, so a stream of new data pins nothing and costs no template.
+        # get in a row on, so a stream of new data pins nothing and costs no template. Not a fact
+        # about remembered messages, so it lives here.
         self._got_once: OrderedDict[str, int] = OrderedDict()
         self._closed = False
-        cache = lib.aib_import_cache_new()
-        if cache == ffi.NULL:
-            raise MemoryError("allocating the import cache")
-        self.import_cache = ffi.gc(cache, lib.aib_import_cache_free)
-        """The C core's mirror of the set (``aib_import_cache``), which C-side gets look up."""
+        table = lib.aib_remembered_new(min(limit, _LIMIT_MAX))
+        if table == ffi.NULL:
+            raise MemoryError("allocating the remembered messages")
+        self.table = ffi.gc(table, lib.aib_remembered_free)
+        """The set itself (``aib_remembered``), which C-side gets look up and update."""
 
     def __len__(self) -> int:
-        return len(self._by_message)
+        return int(lib.aib_remembered_count(self.table))
+
+    @property
+    def limit(self) -> int:
+        """How many messages are remembered at most (0: none); lowering it forgets the least
+        recently used at once."""
+        return int(lib.aib_remembered_limit(self.table))
+
+    @limit.setter
+    def limit(self, limit: int) -> None:
+        with self._request_lock, self._lock:
+            lib.aib_remembered_set_limit(self.table, min(limit, _LIMIT_MAX))
+            _close_templates(self._take_forgotten_locked())
 
     # ---------- lookup ------------------------------------------------------------------------------
     def lookup(
-        self, message: bytes, files: tuple[tuple[int, int], ...] | None, token: int
-    ) -> tuple[RememberedMessage, Decoded] | None:
-        """The remembered message these bytes with these descriptors' ``files`` are, and an import
-        sharing its template (owner token ``token``); None when not remembered."""
+        self, message: bytes, fds: Sequence[int], token: int
+    ) -> tuple[RememberedMessage, Decoded, int] | None:
+        """The remembered message these bytes arriving with ``fds`` are, an import sharing its
+        template (owner token ``token``) and its event (0: none); None when not remembered.
+
+        The same bytes describe other data when they arrive with other files (a host region's
+        message names no file): the set matches the files the template mapped, as in C gets."""
+        fd_array = ffi.new("int[]", list(fds)) if fds else ffi.NULL
+        event = ffi.new("uint64_t *")
         with self._lock:
-            hit = self._by_message.get(message)
-            # The same bytes describe other data when they arrive with other files (a host region's
-            # message names no file): only the files the template mapped make it the same message.
-            if hit is not None and (hit.files is None or (files is not None and hit.files == files)):
-                # Share under the lock: another thread may evict the entry next.
-                self._by_message.move_to_end(message)
-                decoded = Decoded.sharing(hit.template, token)
-                if message in self._kept_lease_used:
-                    self._kept_lease_used[message] = time.monotonic()
-                return hit, decoded
-        return None
+            found = lib.aib_remembered_find(self.table, message, len(message), fd_array, len(fds), event)
+            if not found:
+                return None
+            hit = self._by_id[found]
+            # Share under the lock: another thread may forget the message next.
+            return hit, Decoded.sharing(hit.template, token), int(event[0])
 
     def used_by_c_core(self, entry_id: int) -> RememberedMessage | None:
-        """The remembered message a C-side get just imported (the caller holds ``request_lock``, so
-        it is here), marked as used; None if it vanished (cannot happen)."""
-        hit = self._by_entry_id.get(entry_id)
-        if hit is None:
-            return None
-        key = hit.template.message
-        with self._lock:
-            self._by_message.move_to_end(key)
-            if key in self._kept_lease_used:
-                self._kept_lease_used[key] = time.monotonic()
-        return hit
+        """The remembered message a C-side get just imported (and marked used); the caller holds
+        ``request_lock``, so it is here. None if it vanished (cannot happen)."""
+        return self._by_id.get(entry_id)
 
     # ---------- remembering -------------------------------------------------------------------------
     def keeps_pool_lease(self, regions: list[Region], message: bytes, name: str | None, token: int) -> bool:
@@ -153,10 +149,10 @@ class RememberedMessages:
         lingers: bool = False,
     ) -> None:
         """Remember ``template`` (it holds the message's regions open; ours from here on) for re-gets
-        of the same message with the same files. A name keeps one remembered message: the one it
-        was last got with (a name republished with other data does not pin the old regions until
-        eviction). ``lingers``: the template holds a kept lease, given back ``pool_linger`` seconds
-        after the last get that used it (or on eviction)."""
+        of the same message with the same ``files`` (None: any descriptors). A name keeps one
+        remembered message: the one it was last got with (a name republished with other data does
+        not pin the old regions until eviction). ``lingers``: the template holds a kept lease, given
+        back ``pool_linger`` seconds after the last get that used it (or when forgotten)."""
         if not self.limit:  # remembers nothing
             template.close()
             return
@@ -166,50 +162,38 @@ class RememberedMessages:
         # capsules from their owner alone (capsules.device_array_capsules). Without it (out of
         # memory) they take the Python path.
         lib.aib_owner_set_view(template.owner, bases, len(bases), device_type, device_id)
-        remembered = RememberedMessage(
-            template, bases, device_type, device_id, event, next(self._entry_ids), imported_type, files
-        )
+        remembered = RememberedMessage(template, bases, device_type, device_id, imported_type)
         identities = ffi.new("aib_file_identity[]", max(len(files or ()), 1))
         for i, (dev, ino) in enumerate(files or ()):
             identities[i].dev = dev
             identities[i].ino = ino
-        cache = self.import_cache
+        raw_name = ffi.NULL if name is None else _name_bytes(name)
+        entry_id = ffi.new("uint64_t *")
         with self._request_lock, self._lock:
             if self._closed:
                 template.close()
                 return
-            if lib.aib_import_cache_put(
-                cache,
-                key,
-                len(key),
-                template.owner,
-                event,
-                remembered.entry_id,
-                identities,
-                len(files or ()),
-                lib.AIB_CACHE_FDS_SAME_FILES if files is not None else lib.AIB_CACHE_FDS_ANY,
+            if (
+                lib.aib_remembered_put(
+                    self.table,
+                    key,
+                    len(key),
+                    template.owner,
+                    event,
+                    identities,
+                    len(files or ()),
+                    lib.AIB_REMEMBERED_SAME_FILES if files is not None else lib.AIB_REMEMBERED_ANY_FDS,
+                    raw_name,
+                    0 if name is None else len(raw_name),
+                    lingers,
+                    entry_id,
+                )
+                or not entry_id[0]
             ):
-                template.close()  # not remembered (out of memory): the import itself is fine
+                template.close()  # not remembered (out of memory, or the limit is 0): the import is fine
                 return
-            evicted: list[RememberedMessage | None] = []
-            previous = self._by_message.pop(key, None)  # two threads remembered the same message
-            if previous is not None:  # the put above replaced it in the C mirror already
-                self._by_entry_id.pop(previous.entry_id, None)
-                evicted.append(previous)
-            if name is not None:
-                replaced_key = self._message_by_name.get(name)
-                self._message_by_name[name] = key
-                if replaced_key is not None and replaced_key != key:
-                    evicted.append(self._forget_locked(replaced_key))
-            self._by_message[key] = remembered
-            self._by_entry_id[remembered.entry_id] = remembered
-            if lingers:
-                self._kept_lease_used[key] = time.monotonic()
-            else:
-                self._kept_lease_used.pop(key, None)
-            while len(self._by_message) > self.limit:
-                evicted.append(self._forget_locked(next(iter(self._by_message))))
-            _close_templates(evicted)
+            self._by_id[entry_id[0]] = remembered
+            _close_templates(self._take_forgotten_locked())
         if lingers:
             _linger.watch(self)
 
@@ -232,63 +216,58 @@ class RememberedMessages:
     def forget_replaced(self, name: str, message: bytes) -> None:
         """``name`` now holds ``message``, which is not remembered: the message remembered under the
         name before is stale (its regions, and a kept lease, would otherwise wait for eviction)."""
+        raw_name = _name_bytes(name)
         with self._request_lock, self._lock:
-            key = self._message_by_name.get(name)
-            if key is None or key == message:
-                return
-            del self._message_by_name[name]
-            stale = self._forget_locked(key)
-        _close_templates([stale])
+            if lib.aib_remembered_forget_name(self.table, raw_name, len(raw_name), message, len(message)):
+                _close_templates(self._take_forgotten_locked())
 
     def forget(self, name: str | None) -> int:
         """Forget the message last remembered as ``name``, or all of them (None); returns how many."""
         with self._request_lock, self._lock:
             if name is None:
-                keys = list(self._by_message)
-                self._message_by_name.clear()
+                forgotten = lib.aib_remembered_forget_all(self.table)
             else:
-                key = self._message_by_name.pop(name, None)
-                keys = [] if key is None else [key]
-            forgotten = [self._forget_locked(key) for key in keys]
-            _close_templates(forgotten)
-        return sum(remembered is not None for remembered in forgotten)
+                raw_name = _name_bytes(name)
+                forgotten = lib.aib_remembered_forget_name(self.table, raw_name, len(raw_name), ffi.NULL, 0)
+            _close_templates(self._take_forgotten_locked())
+        return int(forgotten)
 
     def close(self) -> None:
         """Forget every remembered message; nothing is remembered after (the session closed)."""
         with self._request_lock, self._lock:
             self._closed = True
-            forgotten = [self._forget_locked(key) for key in list(self._by_message)]
-            self._message_by_name.clear()
+            lib.aib_remembered_forget_all(self.table)
+            forgotten = self._take_forgotten_locked()
         _close_templates(forgotten)
 
-    def _forget_locked(self, key: bytes) -> RememberedMessage | None:
-        """Drop remembered message ``key`` (both locks held); the caller closes its template."""
-        remembered = self._by_message.pop(key, None)
-        if remembered is None:
-            return None
-        lib.aib_import_cache_remove(self.import_cache, key, len(key))
-        self._by_entry_id.pop(remembered.entry_id, None)
-        self._kept_lease_used.pop(key, None)
-        return remembered
+    def _take_forgotten_locked(self) -> list[RememberedMessage | None]:
+        """The Python side of every message the set let go of (both locks held); the caller closes
+        their templates."""
+        forgotten: list[RememberedMessage | None] = []
+        while entry_id := lib.aib_remembered_take_forgotten(self.table):
+            forgotten.append(self._by_id.pop(entry_id, None))
+        return forgotten
 
     def _expire_kept_leases(self, now: float) -> float | None:
         """Give back the kept leases of remembered pool messages no get used for ``pool_linger``
-        seconds (called by the _linger thread); returns the next deadline, None when none is kept."""
+        seconds (called by the _linger thread with ``time.monotonic()``, the set's clock); returns
+        the next deadline, None when none is kept."""
         if self._closed:
             return None
         if not self._request_lock.acquire(blocking=False):  # a get in flight: ask again soon
             return now + _linger.BUSY_RETRY_S
         try:
             with self._lock:
-                expired = [
-                    key for key, used in self._kept_lease_used.items() if now - used >= self._pool_linger
-                ]
-                forgotten = [self._forget_locked(key) for key in expired]
-                next_deadline = min(self._kept_lease_used.values(), default=None)
-            _close_templates(forgotten)
+                next_deadline = float(lib.aib_remembered_expire(self.table, now, self._pool_linger))
+                _close_templates(self._take_forgotten_locked())
         finally:
             self._request_lock.release()
-        return None if next_deadline is None else next_deadline + self._pool_linger
+        return None if next_deadline < 0 else next_deadline
+
+
+def _name_bytes(name: str) -> bytes:
+    """A name as the C set keys it: any ``str`` (``import_message`` takes any), one to one."""
+    return name.encode("utf-8", "surrogatepass")
 
 
 def _close_templates(forgotten: Sequence[RememberedMessage | None]) -> None:

@@ -155,11 +155,11 @@ class Session:
 
     def _import(self, message: bytes, fds: Sequence[int], *, name: str | None, token: int) -> Imported:
         self._check_open()
-        files = _file_identities(fds)
-        found = self._remembered.lookup(message, files, token)
+        found = self._remembered.lookup(message, fds, token)
         if found is not None:
-            hit, decoded = found
-            return self._import_remembered(decoded, hit, name)
+            hit, decoded, event = found
+            return self._import_remembered(decoded, hit, event, name)
+        files = _file_identities(fds)  # what a remembered message will be matched by (in C)
         template = Decoded(message, len(fds))
         lease_owner: Any = None
         try:
@@ -223,13 +223,16 @@ class Session:
         next(import_counters.python_imports)
         return imported
 
-    def _import_remembered(self, decoded: Decoded, hit: RememberedMessage, name: str | None) -> Imported:
-        """The same message again (same publication), its regions already open."""
+    def _import_remembered(
+        self, decoded: Decoded, hit: RememberedMessage, event: int, name: str | None
+    ) -> Imported:
+        """The same message again (same publication), its regions already open; ``event``: its
+        opened producer event (0: none)."""
         try:
             sync = None
-            if hit.event:
+            if event:
                 sync = lib.aib_owner_slot(decoded.owner)
-                sync[0] = hit.event
+                sync[0] = event
             imported = imported_from(
                 decoded,
                 hit.bases,
@@ -477,7 +480,7 @@ class Session:
         with self._request_lock:
             imported_now, frame = channel.get(
                 raw_name,
-                self._remembered.import_cache,
+                self._remembered.table,
                 self._lease_tokens,
                 self._lease_keeper,
                 self._timeout_ms,

@@ -453,38 +453,58 @@ void aib_server_conn_welcome(aib_server_conn *c);
 void aib_server_conn_free(aib_server_conn *c);
 int64_t aib_server_conn_leases(const aib_server_conn *c);
 int aib_serve(aib_server_conn *c, int64_t idle_ms, aib_frame *out, aib_error *err);
-/* ---------- the session's steady state (import_cache.c) ------------------------------------------
- * Messages a session remembered (their regions stay open), keyed by their bytes: put takes a
- * reference on template_owner, which carries the validated decode (aib_owner_share_decoded) and
- * holds the opened regions; event is the opened CUevent for the sync slot (0: none); id is the
- * caller's name for the entry. remove returns 1 when the message was not there. */
-typedef struct aib_import_cache aib_import_cache;
+/* ---------- the session's remembered messages (remembered.c) ----------------------------------
+ * The one record of a session's remembered messages (docs/lifetime.md 5a): lookup by message bytes
+ * (and files), one message per name, the least-recently-used bound (limit; 0 remembers nothing) and
+ * the last use of kept leases. put takes a reference on template_owner, which carries the validated
+ * decode (aib_owner_share_decoded) and holds the opened regions; event is the opened CUevent for
+ * the sync slot (0: none); name NULL: remembered under no name; lingers: the template holds a kept
+ * lease (see expire). *id_out is the message's id (0: not remembered, the limit is 0), by which the
+ * caller keeps what it needs beside it. A message the set lets go of (replaced by the same bytes or
+ * by its name's next message, pushed out by the bound, forgotten, expired) waits until the caller
+ * takes its id with take_forgotten (0: none left) and closes its own side. */
+typedef struct aib_remembered aib_remembered;
 /* A file the template maps, by the (st_dev, st_ino) of the descriptor it arrived with. */
 typedef struct aib_file_identity {
   uint64_t dev, ino;
 } aib_file_identity;
-aib_import_cache *aib_import_cache_new(void);
-void aib_import_cache_free(aib_import_cache *c);
-/* fd_policy AIB_CACHE_FDS_SAME_FILES: files holds one identity per descriptor the message travels
- * with, in fd-index order; an answer with the same bytes is imported here only when its descriptors
- * are those files. AIB_CACHE_FDS_ANY: the descriptors name nothing the bytes do not (a CUDA pool's
- * fd: the pool is named in the message and imported once per process), so any are accepted.
- * Either way the answer's descriptors are closed when it is imported here. */
-#define AIB_CACHE_FDS_SAME_FILES 0
-#define AIB_CACHE_FDS_ANY 1
-int aib_import_cache_put(aib_import_cache *c, const uint8_t *message, size_t length, aib_owner *template_owner,
-                         uint64_t event, uint64_t id, const aib_file_identity *files, uint32_t n_files,
-                         uint32_t fd_policy);
-int aib_import_cache_remove(aib_import_cache *c, const uint8_t *message, size_t length);
-size_t aib_import_cache_count(const aib_import_cache *c);
+aib_remembered *aib_remembered_new(size_t limit);
+void aib_remembered_free(aib_remembered *r);
+void aib_remembered_set_limit(aib_remembered *r, size_t limit);
+size_t aib_remembered_limit(aib_remembered *r);
+size_t aib_remembered_count(aib_remembered *r);
+/* fd_policy AIB_REMEMBERED_SAME_FILES: files holds one identity per descriptor the message travels
+ * with, in fd-index order; an answer with the same bytes is imported from it only when its
+ * descriptors are those files. AIB_REMEMBERED_ANY_FDS: the descriptors name nothing the bytes do
+ * not (a CUDA pool's fd: the pool is named in the message and imported once per process), so any
+ * are accepted. Either way the answer's descriptors are closed when it is imported in C. */
+#define AIB_REMEMBERED_SAME_FILES 0
+#define AIB_REMEMBERED_ANY_FDS 1
+int aib_remembered_put(aib_remembered *r, const uint8_t *message, size_t length, aib_owner *template_owner,
+                       uint64_t event, const aib_file_identity *files, uint32_t n_files, uint32_t fd_policy,
+                       const uint8_t *name, size_t name_len, int lingers, uint64_t *id_out);
+/* The id of the message these bytes arriving with these descriptors are (0: not remembered), now
+ * the most recently used; *event_out its event. */
+uint64_t aib_remembered_find(aib_remembered *r, const uint8_t *message, size_t length, const int *fds,
+                             uint32_t n_fds, uint64_t *event_out);
+/* Forget the message remembered under name unless its bytes are unless (NULL: in any case); returns
+ * how many (0 or 1). */
+size_t aib_remembered_forget_name(aib_remembered *r, const uint8_t *name, size_t name_len, const uint8_t *unless,
+                                  size_t unless_len);
+size_t aib_remembered_forget_all(aib_remembered *r);
+/* Forget the messages holding a kept lease that no get used for linger seconds by now
+ * (CLOCK_MONOTONIC seconds, Python's time.monotonic()); returns the next such deadline, -1 when no
+ * kept lease is left. */
+double aib_remembered_expire(aib_remembered *r, double now, double linger);
+uint64_t aib_remembered_take_forgotten(aib_remembered *r);
 typedef struct aib_get_result {
   uint64_t entry_id;
   aib_owner *owner;  /* the lease's owner (token set, sync slot filled); one reference, the caller's */
   uintptr_t owner_address; /* the same, as a number (what py_capsules.c's functions take) */
   uint64_t *sync_slot;  /* the owner's slot holding the CUevent (the spec's sync_event), or NULL */
 } aib_get_result;
-/* GET name, then: an ITEM carrying a remembered message (and its files) is imported here and
- * AIB_GET_IMPORTED returned with out filled; otherwise AIB_OK with the received frame for the
+/* GET name, then: an ITEM carrying a remembered message (and its files) is imported here, the
+ * message marked used, and AIB_GET_IMPORTED returned with out filled (entry_id: its id); otherwise AIB_OK with the received frame for the
  * caller (out->owner NULL); or an error code (the channel is then unusable).
  * The lease's owner gets the reaper token lease_tokens | lease id (lease ids from 1 to
  * 2^AIB_LEASE_ID_BITS - 1; others take the caller's path) and holds a reference on keeper, so that what
@@ -495,22 +515,39 @@ typedef struct aib_get_result {
 #define AIB_GET_IMPORTED_NEW 102
 #define AIB_LEASE_ID_BITS 40
 int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64_t timeout_ms,
-                    aib_import_cache *cache, uint64_t lease_tokens, aib_owner *keeper, aib_get_result *out,
+                    aib_remembered *remembered, uint64_t lease_tokens, aib_owner *keeper, aib_get_result *out,
                     aib_frame *frame, aib_error *err);
-/* ---------- what this process has open, for aib_session_get (region_table.c) ------------------
- * Keys: a legacy IPC handle (64 bytes; value: its base here; owner: what keeps it open, one
- * reference held by the table), a kept pool slab's handle (88 bytes; the same), an IPC event handle
- * (value: the opened CUevent), a GPU UUID (value: its ordinal here). Put replaces; remove returns 1
- * when absent. */
+/* ---------- what this process has open: the region table (region_table.c) ---------------------
+ * The one record of it, which aib_session_get reads and Python asks (it keeps no copy). Keys: a
+ * legacy IPC handle (64 bytes; value: its base here; owner: what keeps it open, one reference held
+ * by the table), a kept pool slab's handle (88 bytes; the same), an opened IPC event (the key
+ * aib_regions_event_key makes of its handle and device; value: the CUevent), a GPU UUID (value: its
+ * ordinal here). Each kind keeps its entries in least-recently-used order (find and a C-side
+ * import are uses). put replaces the key's entry, then lets go of the kind's least recently used
+ * entries while it holds more than limit (0: no bound); remove returns 1 when absent; find returns
+ * 1 when present, with a reference on the owner for the caller when owner is not NULL (it may be
+ * NULL: events, GPUs); take_oldest takes the kind's least recently used entry out (0: none left);
+ * list copies the keys of key_len bytes of a kind, least recently used first, up to max, and
+ * returns how many there are; key_of finds the key of a kind's entry with that value. An entry
+ * let go of releases its owner reference outside the table's lock. */
 #define AIB_REGION_KEY_LEGACY 1
 #define AIB_REGION_KEY_EVENT 2
 #define AIB_REGION_KEY_DEVICE 3
 #define AIB_REGION_KEY_POOL 4 /* a kept IPC-pool slab's 88-byte handle -> its imported pointer */
 #define AIB_REGION_KEY_MAX 128
 #define AIB_MAX_NEW_REGIONS 256
-int aib_regions_put(uint32_t kind, const uint8_t *key, size_t key_len, uint64_t value, aib_owner *owner);
+int aib_regions_put(uint32_t kind, const uint8_t *key, size_t key_len, uint64_t value, aib_owner *owner,
+                    size_t limit);
+int aib_regions_find(uint32_t kind, const uint8_t *key, size_t key_len, uint64_t *value, aib_owner **owner);
 int aib_regions_remove(uint32_t kind, const uint8_t *key, size_t key_len);
+int aib_regions_take_oldest(uint32_t kind, uint8_t *key_out, size_t *key_len_out, uint64_t *value_out);
+size_t aib_regions_list(uint32_t kind, uint8_t *keys_out, size_t key_len, size_t max);
+int aib_regions_key_of(uint32_t kind, uint64_t value, uint8_t *key_out, size_t *key_len_out);
 size_t aib_regions_count(void);
+size_t aib_regions_count_kind(uint32_t kind);
+/* The event key: the handle's bytes, then the device ordinal (8 bytes, little-endian); its length,
+ * 0 when the handle is empty or too long (key_out holds AIB_REGION_KEY_MAX bytes). */
+size_t aib_regions_event_key(const uint8_t *handle, size_t handle_len, int64_t device, uint8_t *key_out);
 /* How many messages aib_import_new imported, and how many open handles (legacy or kept pool) they
  * used. */
 void aib_regions_stats(uint64_t *imports, uint64_t *handles);
@@ -561,4 +598,20 @@ int aib_cuda_export_pool_pointers(const uint64_t *pointers, size_t n, uint8_t *o
  * function is set, for other device types, or when the query fails. Counts both outcomes. */
 void *aib_sync_event_if_pending(int32_t device_type, void *sync_event);
 void aib_sync_event_stats(uint64_t *pending, uint64_t *complete);
+
+/* ---------- the host modules' libc calls (host_system.c) --------------------------------------
+ * On failure *error is errno: mmap_shared returns 0 (a read-write MAP_SHARED mapping of fd from
+ * offset 0), pwritev -1 (pairs: count (base, length) pairs, as struct iovec[]), procmap_query -1
+ * (PROCMAP_QUERY on an open /proc/self/maps; it sets query->size). */
+typedef struct aib_procmap_query {
+  uint64_t size, query_flags, query_addr;
+  uint64_t vma_start, vma_end, vma_flags, vma_page_size, vma_offset, inode;
+  uint32_t dev_major, dev_minor, vma_name_size, build_id_size;
+  uint64_t vma_name_addr, build_id_addr;
+} aib_procmap_query;
+uint64_t aib_sys_mmap_shared(int fd, size_t length, int *error);
+int aib_sys_munmap(uint64_t address, size_t length);
+int64_t aib_sys_pwritev(int fd, const uint64_t *pairs, int count, int64_t offset, int *error);
+int aib_sys_procmap_query(int fd, aib_procmap_query *query, int *error);
+
 #endif

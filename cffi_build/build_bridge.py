@@ -28,11 +28,12 @@ C_SOURCES = [
     "content_check.c",
     "channel.c",
     "serve.c",
-    "import_cache.c",
+    "remembered.c",
     "cuda_batch.c",
     "region_table.c",
     "sync_event.c",
     "py_capsules.c",
+    "host_system.c",
 ]
 HEADERS = ["arrow_c_abi.h", "bridge.h"]
 _INTEGER_DEFINE = re.compile(r"^#define\s+\w+\s+-?\d+\s*(/\*.*\*/)?\s*$")

@@ -30,7 +30,7 @@ typedef struct aib_view {
 } aib_view;
 const aib_view *aib_owner_view(aib_owner *owner);
 /* Integers on the wire are little-endian whatever the host's byte order (wire_*.c, channel.c, serve.c,
- * import_cache.c). */
+ * remembered.c). */
 static inline void aib_store_u32le(uint8_t *p, uint32_t v) {
   for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
@@ -44,7 +44,7 @@ static inline uint64_t aib_load_u64le(const uint8_t *p) {
   return (uint64_t)aib_load_u32le(p) | ((uint64_t)aib_load_u32le(p + 4) << 32);
 }
 
-/* FNV-1a over bytes (8 at a time), for the core's hash tables (import_cache.c, serve.c). */
+/* FNV-1a over bytes (8 at a time), for the core's hash tables (remembered.c, serve.c). */
 uint64_t aib_hash_bytes(const uint8_t *p, size_t n);
 
 /* A 1-D DLPack managed tensor over data that holds a reference on owner; its deleter drops it.

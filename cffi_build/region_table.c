@@ -1,4 +1,4 @@
-/* What this process has open of other processes' CUDA memory, for the session's C get path.
+/* What this process has open of other processes' CUDA memory: the region table.
  *
  * A message the session has not seen before goes to Python (decode, open each region, rebuild):
  * ~200 µs for 16 columns. But producers that allocate new arrays every step mostly carve them out of
@@ -9,9 +9,11 @@
  * Anything else (a handle, event or device not here, other region kinds, descriptors) returns NULL
  * and the caller takes the Python path, which reports errors properly.
  *
- * Python mirrors its state here (cuda/opener.py, events.py, devices.py): a legacy handle or a kept slab's import
- * when it opens one, with the owner that keeps it open (one reference held here), removed when its
- * LRU lets go; every event it opens; every GPU UUID it resolves to an ordinal. One table per
+ * This table is the one record of these facts; Python asks it (cuda/opener.py, events.py,
+ * devices.py) and keeps no copy: the legacy handles and kept slabs held open beyond their last
+ * array, each with the owner that keeps it open (one reference held here), in a least-recently-used
+ * order per kind that the caller's bound trims on put (a C-side import counts as a use too); every
+ * IPC event opened here, by handle and device; every GPU UUID resolved to an ordinal. One table per
  * process, like the handles. */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -21,6 +23,7 @@
 #include "internal.h"
 
 #define N_BUCKETS 1024 /* entries: the opener's LRUs (256 handles, 256 kept slabs), events and GPUs */
+#define N_KINDS (AIB_REGION_KEY_POOL + 1)
 
 typedef struct region_entry {
   uint64_t hash;
@@ -30,12 +33,15 @@ typedef struct region_entry {
   uint64_t value;
   aib_owner *owner; /* one reference, or NULL */
   struct region_entry *next;
+  struct region_entry *older, *newer; /* the kind's least-recently-used order */
 } region_entry;
 
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 /* Messages imported here, and the open handles (legacy, kept slabs) they used (cuda_stats()). */
 static atomic_ullong imports_done, handles_found;
 static region_entry *buckets[N_BUCKETS];
+static region_entry *oldest[N_KINDS], *newest[N_KINDS];
+static size_t kind_count[N_KINDS];
 static size_t table_count;
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 
@@ -44,10 +50,15 @@ static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 static void table_after_fork_child(void) {
   pthread_mutex_init(&table_lock, NULL);
   memset(buckets, 0, sizeof(buckets));
+  memset(oldest, 0, sizeof(oldest));
+  memset(newest, 0, sizeof(newest));
+  memset(kind_count, 0, sizeof(kind_count));
   table_count = 0;
 }
 
 static void register_fork_handler(void) { pthread_atfork(NULL, NULL, table_after_fork_child); }
+
+static int valid_kind(uint32_t kind) { return kind >= 1 && kind < N_KINDS; }
 
 static uint64_t key_hash(uint32_t kind, const uint8_t *key, size_t len) {
   return aib_hash_bytes(key, len) ^ ((uint64_t)kind * 0x9E3779B97F4A7C15ull);
@@ -61,7 +72,52 @@ static region_entry **find(uint32_t kind, const uint8_t *key, size_t len, uint64
   return slot;
 }
 
-int aib_regions_put(uint32_t kind, const uint8_t *key, size_t key_len, uint64_t value, aib_owner *owner) {
+static void lru_unlink(region_entry *e) {
+  if (e->older != NULL) e->older->newer = e->newer;
+  else oldest[e->kind] = e->newer;
+  if (e->newer != NULL) e->newer->older = e->older;
+  else newest[e->kind] = e->older;
+  e->older = e->newer = NULL;
+}
+
+static void lru_push_newest(region_entry *e) {
+  e->older = newest[e->kind];
+  e->newer = NULL;
+  if (newest[e->kind] != NULL) newest[e->kind]->newer = e;
+  else oldest[e->kind] = e;
+  newest[e->kind] = e;
+}
+
+static void mark_used(region_entry *e) {
+  if (newest[e->kind] != e) {
+    lru_unlink(e);
+    lru_push_newest(e);
+  }
+}
+
+/* Under table_lock: take e out of the table (the caller unrefs its owner and frees it after). */
+static void unlink_locked(region_entry *e) {
+  region_entry **slot = find(e->kind, e->key, e->key_len, e->hash);
+  if (*slot == e) *slot = e->next;
+  lru_unlink(e);
+  kind_count[e->kind]--;
+  table_count--;
+  e->next = NULL;
+}
+
+/* Outside table_lock: an owner's end may run anything its release does. */
+static void release_entries(region_entry *list) {
+  while (list != NULL) {
+    region_entry *next = list->next;
+    aib_owner_unref(list->owner);
+    free(list);
+    list = next;
+  }
+}
+
+int aib_regions_put(uint32_t kind, const uint8_t *key, size_t key_len, uint64_t value, aib_owner *owner,
+                    size_t limit) {
+  if (!valid_kind(kind)) return AIB_E_STATE;
   if (key_len == 0 || key_len > AIB_REGION_KEY_MAX) return AIB_E_LIMIT;
   pthread_once(&fork_once, register_fork_handler);
   region_entry *e = malloc(sizeof(*e));
@@ -73,35 +129,98 @@ int aib_regions_put(uint32_t kind, const uint8_t *key, size_t key_len, uint64_t 
   e->value = value;
   e->owner = owner;
   if (owner != NULL) aib_owner_ref(owner);
+  region_entry *released = NULL;
   pthread_mutex_lock(&table_lock);
-  region_entry **slot = find(kind, key, key_len, e->hash);
-  region_entry *previous = *slot;
-  e->next = previous != NULL ? previous->next : NULL;
-  *slot = e;
-  if (previous == NULL) table_count++;
-  pthread_mutex_unlock(&table_lock);
+  region_entry *previous = *find(kind, key, key_len, e->hash);
   if (previous != NULL) {
-    aib_owner_unref(previous->owner);
-    free(previous);
+    unlink_locked(previous);
+    released = previous;
   }
+  region_entry **slot = find(kind, key, key_len, e->hash);
+  e->next = *slot;
+  *slot = e;
+  lru_push_newest(e);
+  kind_count[kind]++;
+  table_count++;
+  while (limit != 0 && kind_count[kind] > limit) {
+    region_entry *out = oldest[kind];
+    unlink_locked(out);
+    out->next = released;
+    released = out;
+  }
+  pthread_mutex_unlock(&table_lock);
+  release_entries(released);
   return AIB_OK;
 }
 
-int aib_regions_remove(uint32_t kind, const uint8_t *key, size_t key_len) {
-  if (key_len == 0 || key_len > AIB_REGION_KEY_MAX) return 1;
+int aib_regions_find(uint32_t kind, const uint8_t *key, size_t key_len, uint64_t *value, aib_owner **owner) {
+  if (!valid_kind(kind) || key_len == 0 || key_len > AIB_REGION_KEY_MAX) return 0;
   uint64_t hash = key_hash(kind, key, key_len);
   pthread_mutex_lock(&table_lock);
-  region_entry **slot = find(kind, key, key_len, hash);
-  region_entry *e = *slot;
+  region_entry *e = *find(kind, key, key_len, hash);
   if (e != NULL) {
-    *slot = e->next;
-    table_count--;
+    mark_used(e);
+    *value = e->value;
+    if (owner != NULL) {
+      *owner = e->owner;
+      if (e->owner != NULL) aib_owner_ref(e->owner);
+    }
   }
   pthread_mutex_unlock(&table_lock);
+  return e != NULL;
+}
+
+int aib_regions_remove(uint32_t kind, const uint8_t *key, size_t key_len) {
+  if (!valid_kind(kind) || key_len == 0 || key_len > AIB_REGION_KEY_MAX) return 1;
+  uint64_t hash = key_hash(kind, key, key_len);
+  pthread_mutex_lock(&table_lock);
+  region_entry *e = *find(kind, key, key_len, hash);
+  if (e != NULL) unlink_locked(e);
+  pthread_mutex_unlock(&table_lock);
   if (e == NULL) return 1;
-  aib_owner_unref(e->owner);
-  free(e);
+  release_entries(e);
   return 0;
+}
+
+int aib_regions_take_oldest(uint32_t kind, uint8_t *key_out, size_t *key_len_out, uint64_t *value_out) {
+  if (!valid_kind(kind)) return 0;
+  pthread_mutex_lock(&table_lock);
+  region_entry *e = oldest[kind];
+  if (e != NULL) unlink_locked(e);
+  pthread_mutex_unlock(&table_lock);
+  if (e == NULL) return 0;
+  memcpy(key_out, e->key, e->key_len);
+  *key_len_out = e->key_len;
+  *value_out = e->value;
+  release_entries(e);
+  return 1;
+}
+
+size_t aib_regions_list(uint32_t kind, uint8_t *keys_out, size_t key_len, size_t max) {
+  if (!valid_kind(kind)) return 0;
+  size_t n = 0;
+  pthread_mutex_lock(&table_lock);
+  for (region_entry *e = oldest[kind]; e != NULL; e = e->newer) {
+    if (e->key_len != key_len) continue;
+    if (n < max) memcpy(keys_out + n * key_len, e->key, key_len);
+    n++;
+  }
+  pthread_mutex_unlock(&table_lock);
+  return n;
+}
+
+int aib_regions_key_of(uint32_t kind, uint64_t value, uint8_t *key_out, size_t *key_len_out) {
+  if (!valid_kind(kind)) return 0;
+  int found = 0;
+  pthread_mutex_lock(&table_lock);
+  for (region_entry *e = oldest[kind]; e != NULL && !found; e = e->newer) {
+    if (e->value != value) continue;
+    memcpy(key_out, e->key, e->key_len);
+    *key_len_out = e->key_len;
+    found = 1;
+  }
+  pthread_mutex_unlock(&table_lock);
+  return found;
 }
 
 void aib_regions_stats(uint64_t *imports, uint64_t *handles) {
@@ -116,10 +235,20 @@ size_t aib_regions_count(void) {
   return n;
 }
 
-/* Under table_lock: the entry's value, and a reference on its owner for the caller when asked. */
+size_t aib_regions_count_kind(uint32_t kind) {
+  if (!valid_kind(kind)) return 0;
+  pthread_mutex_lock(&table_lock);
+  size_t n = kind_count[kind];
+  pthread_mutex_unlock(&table_lock);
+  return n;
+}
+
+/* Under table_lock: the entry's value (now the most recently used of its kind), and a reference on
+ * its owner for the caller when asked. */
 static int lookup(uint32_t kind, const uint8_t *key, size_t len, uint64_t *value, aib_owner **owner) {
   region_entry *e = *find(kind, key, len, key_hash(kind, key, len));
   if (e == NULL) return 0;
+  mark_used(e);
   *value = e->value;
   if (owner != NULL) {
     *owner = e->owner;
@@ -154,7 +283,12 @@ aib_owner *aib_import_new(const uint8_t *message, size_t length, uint32_t n_fds,
   uint64_t ordinal = 0, event = 0;
   pthread_mutex_lock(&table_lock);
   int found = lookup(AIB_REGION_KEY_DEVICE, device->identity, device->identity_len, &ordinal, NULL);
-  if (found && device->sync_len > 0) found = lookup(AIB_REGION_KEY_EVENT, device->sync, device->sync_len, &event, NULL);
+  if (found && device->sync_len > 0) {
+    /* An opened event is keyed by its handle and the device it was opened on (aib_regions_event_key). */
+    uint8_t event_key[AIB_REGION_KEY_MAX];
+    size_t event_key_len = aib_regions_event_key(device->sync, device->sync_len, (int64_t)ordinal, event_key);
+    found = event_key_len != 0 && lookup(AIB_REGION_KEY_EVENT, event_key, event_key_len, &event, NULL);
+  }
   for (size_t i = 0; found && i < n; i++) {
     uint32_t key_kind;
     if (regions[i].kind == AIB_REGION_KIND_CUDA_LEGACY && regions[i].handle_len == 64) {
@@ -174,7 +308,7 @@ aib_owner *aib_import_new(const uint8_t *message, size_t length, uint32_t n_fds,
   pthread_mutex_unlock(&table_lock);
   aib_owner *owner = NULL;
   if (found) {
-    /* Token set only once the owner is complete: one that fails dies quietly (see import_cache.c). */
+    /* Token set only once the owner is complete: one that fails dies quietly (see remembered.c). */
     owner = aib_owner_new(0);
     if (owner != NULL && aib_owner_attach_decoded(owner, decoded) != AIB_OK) {
       aib_owner_unref(owner);
@@ -198,4 +332,11 @@ aib_owner *aib_import_new(const uint8_t *message, size_t length, uint32_t n_fds,
   for (size_t i = 0; i < n_held; i++) aib_owner_unref(held[i]);
   if (decoded != NULL) aib_decoded_free(decoded);
   return owner;
+}
+
+size_t aib_regions_event_key(const uint8_t *handle, size_t handle_len, int64_t device, uint8_t *key_out) {
+  if (handle_len == 0 || handle_len + 8 > AIB_REGION_KEY_MAX) return 0;
+  memcpy(key_out, handle, handle_len);
+  aib_store_u64le(key_out + handle_len, (uint64_t)device);
+  return handle_len + 8;
 }

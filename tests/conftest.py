@@ -156,8 +156,10 @@ def hostile() -> Iterator[tuple[Channel, socket.socket]]:
 
 @pytest.fixture
 def sock_dir() -> Iterator[str]:
-    """A short directory for socket files (AF_UNIX paths are limited to about 107 bytes)."""
+    """A short directory for socket files (AF_UNIX paths are limited to about 107 bytes), searchable
+    by every uid (0o711) for the tests that connect as another uid."""
     directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-")
+    os.chmod(directory, 0o711)
     yield directory
     shutil.rmtree(directory, ignore_errors=True)
 

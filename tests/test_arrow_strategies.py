@@ -1,4 +1,5 @@
-"""Self-test of the Arrow data strategies in ``arrow_strategies`` (and of ``assert_arrays_equal``)."""
+"""Self-test of the Arrow data strategies (``helpers.arrow_types``, ``helpers.arrow_values``) and of
+``helpers.arrow_equality.assert_arrays_equal``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 import nanoarrow as na
 import pyarrow as pa
 import pytest
-from helpers.arrow_strategies import (
+from helpers.arrow_equality import assert_arrays_equal
+from helpers.arrow_types import (
     ALL_KINDS,
     LEAF_KINDS,
     NESTED_KINDS,
@@ -17,16 +19,11 @@ from helpers.arrow_strategies import (
     PRIMITIVE_KINDS,
     TYPE_KINDS,
     TaggedType,
-    arrays_of_type,
-    arrow_arrays,
-    arrow_schemas,
     arrow_types,
-    assert_arrays_equal,
     kind_of,
     kinds_in,
-    record_batches,
-    tables,
 )
+from helpers.arrow_values import arrays_of_type, arrow_arrays, arrow_schemas, record_batches, tables
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 

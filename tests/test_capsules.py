@@ -12,7 +12,8 @@ import nanoarrow.device
 import polars as pl
 import pyarrow as pa
 import pytest
-from helpers.arrow_strategies import arrow_arrays, assert_arrays_equal, record_batches, tables
+from helpers.arrow_equality import assert_arrays_equal
+from helpers.arrow_values import arrow_arrays, record_batches, tables
 from hypothesis import given
 
 import arrow_ipc_bridge

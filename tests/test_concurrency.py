@@ -16,11 +16,9 @@ import random
 import threading
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pytest
 from helpers.fault_children import quiet_counts, resource_counts, settled, table_for
 
 import arrow_ipc_bridge as aib
@@ -74,12 +72,6 @@ def _warm_baseline(publisher: aib.Publisher) -> dict[str, int]:
         pa.table(imported)
     publisher.unpublish("warm")
     return quiet_counts(publisher)
-
-
-@pytest.fixture
-def publisher(tmp_path: Path) -> Any:
-    with aib.Publisher(tmp_path / "race.sock") as pub:
-        yield pub
 
 
 def test_sixteen_threads_publish_unpublish_and_replace_while_sessions_get(publisher: aib.Publisher) -> None:

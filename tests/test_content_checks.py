@@ -19,7 +19,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from helpers import wire_craft as wc
-from helpers.arrow_strategies import arrow_arrays, assert_arrays_equal
+from helpers.arrow_equality import assert_arrays_equal
+from helpers.arrow_values import arrow_arrays
 from hypothesis import given
 
 import arrow_ipc_bridge as aib

@@ -635,19 +635,6 @@ def test_closed_resources_refuse_use() -> None:
 
 
 @pytest.fixture(scope="module")
-def cuda_device() -> int:
-    """Ordinal 0 when a CUDA driver and device are usable, else skip with the reason."""
-    try:
-        cuda.load_driver()
-        count = cuda.device_count()
-    except CudaError as exc:
-        pytest.skip(f"no CUDA GPU: {exc}")
-    if count == 0:
-        pytest.skip("no CUDA GPU: the driver reports 0 devices")
-    return 0
-
-
-@pytest.fixture(scope="module")
 def cupy(cuda_device: int) -> Any:
     """CuPy, on the test device."""
     module = pytest.importorskip("cupy")

@@ -109,23 +109,26 @@ def _run_consumer_kills(publisher: aib.Publisher, phases: list[str], batch: int 
 
 
 @pytest.fixture
-def publisher(tmp_path: Path) -> Any:
+def loaded_publisher(tmp_path: Path) -> Any:
+    """A publisher with every name of NAMES published (conftest.py's ``publisher`` starts empty)."""
     with aib.Publisher(tmp_path / "fault.sock") as pub:
         for k, name in enumerate(NAMES):
             pub.publish(name, table_for(ROWS, k))
         yield pub
 
 
-def test_consumer_sigkill_at_every_phase_leaks_nothing_in_the_publisher(publisher: aib.Publisher) -> None:
+def test_consumer_sigkill_at_every_phase_leaks_nothing_in_the_publisher(
+    loaded_publisher: aib.Publisher,
+) -> None:
     # One warm-up trial starts what lives for the process anyway (the reaper thread, pyarrow's pools),
     # so the per-trial baseline is a steady state.
-    _run_consumer_kills(publisher, ["holding_lease"], batch=1)
+    _run_consumer_kills(loaded_publisher, ["holding_lease"], batch=1)
     phases = [CONSUMER_PHASES[k % len(CONSUMER_PHASES)] for k in range(CONSUMER_TRIALS)]
-    per_phase = _run_consumer_kills(publisher, phases)
+    per_phase = _run_consumer_kills(loaded_publisher, phases)
     assert sum(per_phase.values()) == CONSUMER_TRIALS
     assert all(per_phase[phase] >= 1 for phase in CONSUMER_PHASES) or len(CONSUMER_PHASES) > CONSUMER_TRIALS
     # Still serving: a fresh session reads the right data.
-    with aib.connect(publisher.path) as session, session.get(NAMES[1]) as imported:
+    with aib.connect(loaded_publisher.path) as session, session.get(NAMES[1]) as imported:
         assert pa.table(imported).equals(table_for(ROWS, 1))
     print(f"consumer SIGKILL trials: {CONSUMER_TRIALS} ({per_phase})")
 

@@ -19,7 +19,9 @@ from typing import Any, ClassVar
 import pyarrow as pa
 import pytest
 from helpers import cuda_helpers
-from helpers.arrow_strategies import TYPE_KINDS, arrow_arrays, assert_arrays_equal
+from helpers.arrow_equality import assert_arrays_equal
+from helpers.arrow_types import TYPE_KINDS
+from helpers.arrow_values import arrow_arrays
 from hypothesis import HealthCheck, given, settings
 
 import arrow_ipc_bridge as aib
@@ -54,18 +56,20 @@ def cupy(cuda_device: int) -> Any:
 
 
 @pytest.fixture
-def publisher(cuda_device: int) -> Iterator[aib.Publisher]:
+def gpu_publisher(cuda_device: int) -> Iterator[aib.Publisher]:
+    """A publisher in this process, for tests that need a GPU (skips without one; conftest.py's
+    ``publisher`` does not)."""
     with aib.Publisher(_socket_path()) as pub:
         yield pub
 
 
 @pytest.fixture
-def consumer(publisher: aib.Publisher) -> Iterator[Any]:
+def consumer(gpu_publisher: aib.Publisher) -> Iterator[Any]:
     """A consumer process serving get + to_host requests for names the test publishes."""
     from helpers import gpu_children
 
     parent, child = _CTX.Pipe()
-    process = _CTX.Process(target=gpu_children.consumer_loop, args=(str(publisher.path), child))
+    process = _CTX.Process(target=gpu_children.consumer_loop, args=(str(gpu_publisher.path), child))
     process.start()
 
     def fetch(name: str) -> tuple[pa.Table, int]:
@@ -105,26 +109,26 @@ def _as_table(obj: pa.Array | pa.RecordBatch | pa.Table) -> pa.Table:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(arrow_arrays(allow=_GPU_KINDS, max_depth=2))
 def test_any_array_moves_across_processes_on_the_gpu(
-    publisher: aib.Publisher, consumer: Any, arr: pa.Array
+    gpu_publisher: aib.Publisher, consumer: Any, arr: pa.Array
 ) -> None:
     """All Arrow types: uploaded with to_device (IPC pool regions), imported in another process
     on the same GPU (device_id from the UUID), copied back: equal to the original."""
-    publisher.publish("x", aib.to_device(pa.record_batch({"value": arr})))
+    gpu_publisher.publish("x", aib.to_device(pa.record_batch({"value": arr})))
     table, device_id = consumer("x")
     assert device_id == 0
     assert_arrays_equal(table.column(0), arr)
 
 
-def test_tables_with_many_batches(publisher: aib.Publisher, consumer: Any) -> None:
+def test_tables_with_many_batches(gpu_publisher: aib.Publisher, consumer: Any) -> None:
     """A table of 20 batches uploaded to the GPU comes back equal through a device stream."""
     batch = pa.record_batch({"s": pa.array(["a", None, "ccc"] * 10), "v": pa.array(range(30))})
     table = pa.Table.from_batches([batch] * 20)
-    publisher.publish("t", aib.to_device(table))
+    gpu_publisher.publish("t", aib.to_device(table))
     again, _ = consumer("t")
     assert again.equals(table)
 
 
-def test_to_device_legacy_allocation_is_remembered(publisher: aib.Publisher, consumer: Any) -> None:
+def test_to_device_legacy_allocation_is_remembered(gpu_publisher: aib.Publisher, consumer: Any) -> None:
     """to_device(allocation="legacy") uploads into cuMemAlloc memory: one legacy-handle region, read
     right in another process, whose re-gets are remembered (imported by the C core) from the
     second get on; the default pool upload from the third (its second get keeps a lease, see
@@ -136,10 +140,10 @@ def test_to_device_legacy_allocation_is_remembered(publisher: aib.Publisher, con
             "v": pa.array(range(30)),
         }
     )
-    stats = publisher.publish("legacy", aib.to_device(table, allocation="legacy"))
+    stats = gpu_publisher.publish("legacy", aib.to_device(table, allocation="legacy"))
     assert stats.regions == 1
     assert stats.copied_bytes == 0
-    publisher.publish("pool", aib.to_device(table))
+    gpu_publisher.publish("pool", aib.to_device(table))
     gets = (("legacy", 0), ("legacy", 1), ("legacy", 2), ("pool", 2), ("pool", 2), ("pool", 3))
     for name, remembered in gets:
         again, device_id = consumer(name)
@@ -198,60 +202,60 @@ class _LingerConsumer:
         _join(self.process)
 
 
-def test_pool_data_is_kept_with_a_lease_from_its_second_get(publisher: aib.Publisher) -> None:
+def test_pool_data_is_kept_with_a_lease_from_its_second_get(gpu_publisher: aib.Publisher) -> None:
     """IPC-pool data got twice in a row under one name is remembered with one lease of its own: the
     third get on is imported by the C core (no pointer imports), the producer sees that one lease
     after the consumer released its own, and gets it back on forget(), when the name is got with
     other data, and pool_linger seconds after the last get. pool_linger=0 keeps nothing."""
     table = pa.table({"s": pa.array(["x", None, "zz"] * 50), "v": pa.array(range(150), pa.float32())})
-    publisher.publish("pool", aib.to_device(table))
-    consumer = _LingerConsumer(str(publisher.path), pool_linger=60.0)
+    gpu_publisher.publish("pool", aib.to_device(table))
+    consumer = _LingerConsumer(str(gpu_publisher.path), pool_linger=60.0)
     try:
         for remembered in (0, 0, 1, 2):
             got, count = consumer.get("pool")
             assert got.equals(table)
             assert count == remembered
         # the consumer's own leases ended; the remembered message keeps exactly one
-        assert _wait_for(lambda: publisher.active_leases == 1, 5.0)
+        assert _wait_for(lambda: gpu_publisher.active_leases == 1, 5.0)
         time.sleep(0.3)
-        assert publisher.active_leases == 1
+        assert gpu_publisher.active_leases == 1
         assert consumer.forget("pool") == (1, 0)  # imports freed, then the lease given back
-        assert _wait_for(lambda: publisher.active_leases == 0, 5.0)
+        assert _wait_for(lambda: gpu_publisher.active_leases == 0, 5.0)
         assert consumer.get("pool")[1] == 2  # forgotten: imported by Python again
 
         # kept again, then the name is republished with other data: the old lease goes
         consumer.get("pool")
         assert consumer.get("pool")[1] == 3
         other = pa.table({"s": pa.array(["new"] * 7), "v": pa.array(range(7), pa.float32())})
-        publisher.publish("pool", aib.to_device(other))
+        gpu_publisher.publish("pool", aib.to_device(other))
         assert consumer.get("pool")[0].equals(other)
-        assert _wait_for(lambda: publisher.active_leases == 0, 5.0)
+        assert _wait_for(lambda: gpu_publisher.active_leases == 0, 5.0)
         assert consumer.forget(None) == (0, 0)
     finally:
         consumer.stop()
 
-    lingering = _LingerConsumer(str(publisher.path), pool_linger=0.3)
+    lingering = _LingerConsumer(str(gpu_publisher.path), pool_linger=0.3)
     try:
         lingering.get("pool")
         lingering.get("pool")
         assert lingering.get("pool")[1] == 1  # kept since the second get
-        assert _wait_for(lambda: publisher.active_leases == 0, 5.0), "the kept lease outlived pool_linger"
+        assert _wait_for(lambda: gpu_publisher.active_leases == 0, 5.0), "the kept lease outlived pool_linger"
         assert lingering.forget(None) == (0, 0)
     finally:
         lingering.stop()
 
-    keeping_none = _LingerConsumer(str(publisher.path), pool_linger=0.0)
+    keeping_none = _LingerConsumer(str(gpu_publisher.path), pool_linger=0.0)
     try:
         for _ in range(3):
             got, count = keeping_none.get("pool")
             assert got.equals(other)
             assert count == 0
-            assert _wait_for(lambda: publisher.active_leases == 0, 5.0)
+            assert _wait_for(lambda: gpu_publisher.active_leases == 0, 5.0)
     finally:
         keeping_none.stop()
 
 
-def test_pool_fd_goes_once_per_consumer_process(publisher: aib.Publisher) -> None:
+def test_pool_fd_goes_once_per_consumer_process(gpu_publisher: aib.Publisher) -> None:
     """A publisher's messages name IPC pools without attaching their fds: each consumer process
     asks for a pool's fd once (POOL_FD) and imports all later data of that pool with no descriptor.
     A message exported by hand still attaches the pool fd (or leaves it out when asked to)."""
@@ -273,9 +277,9 @@ def test_pool_fd_goes_once_per_consumer_process(publisher: aib.Publisher) -> Non
 
     served = cuda.cuda_stats()["pool_fds_served"]
     for i in range(3):
-        publisher.publish(f"t{i}", aib.to_device(table))
-    first = _LingerConsumer(str(publisher.path), pool_linger=0.0)
-    second = _LingerConsumer(str(publisher.path), pool_linger=0.0)
+        gpu_publisher.publish(f"t{i}", aib.to_device(table))
+    first = _LingerConsumer(str(gpu_publisher.path), pool_linger=0.0)
+    second = _LingerConsumer(str(gpu_publisher.path), pool_linger=0.0)
     try:
         for i in range(3):
             assert first.get(f"t{i}")[0].equals(table)
@@ -290,7 +294,9 @@ def test_pool_fd_goes_once_per_consumer_process(publisher: aib.Publisher) -> Non
         second.stop()
 
 
-def test_new_arrays_in_kept_slabs_cost_the_consumer_no_import(publisher: aib.Publisher, cupy: Any) -> None:
+def test_new_arrays_in_kept_slabs_cost_the_consumer_no_import(
+    gpu_publisher: aib.Publisher, cupy: Any
+) -> None:
     """A producer whose CuPy arrays come from the slab allocator publishes new arrays under a new
     name every time: the regions are its kept slabs (flagged), the consumer imports a slab once and
     finds it open for every later message, which the C core imports (new bytes: the C new-message
@@ -301,7 +307,7 @@ def test_new_arrays_in_kept_slabs_cost_the_consumer_no_import(publisher: aib.Pub
     from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, REGION_FLAG_KEPT, Decoded
 
     allocator = cuda.cupy_allocator(0, slab_size=8 << 20)
-    consumer = _LingerConsumer(str(publisher.path), pool_linger=0.0)
+    consumer = _LingerConsumer(str(gpu_publisher.path), pool_linger=0.0)
     try:
         for i in range(8):
             with cupy.cuda.using_allocator(allocator):
@@ -317,41 +323,43 @@ def test_new_arrays_in_kept_slabs_cost_the_consumer_no_import(publisher: aib.Pub
                 assert [(r.kind, r.flags & REGION_FLAG_KEPT) for r in regions] == [
                     (REGION_CUDA_POOL, REGION_FLAG_KEPT)
                 ]
-            publisher.publish(f"slab{i}", data)
+            gpu_publisher.publish(f"slab{i}", data)
             del data, columns
             got, remembered = consumer.get(f"slab{i}")
             assert [got.column(f"c{j}").to_pylist() for j in range(4)] == [
                 [float(i * 10 + j)] * 5000 for j in range(4)
             ]
             if i >= 1:
-                publisher.unpublish(f"slab{i - 1}")
+                gpu_publisher.unpublish(f"slab{i - 1}")
         stats = consumer.stats()
         assert stats["pool_pointer_imports"] == 1, stats  # one 8 MiB slab holds every table
         # Python imported the first message and found the slab open at most for the next few (a
         # new event handle on the way); the C core imported the rest.
         assert stats["pool_kept_hits"] <= 3, stats
         assert stats["new_message_gets"] + remembered >= 4, (stats, remembered)
-        assert _wait_for(lambda: publisher.active_leases == 0, 5.0)
+        # the slab's import is held open in the region table (what the C core found it in)
+        assert stats["kept_held"] == 1, stats
+        assert _wait_for(lambda: gpu_publisher.active_leases == 0, 5.0)
         assert allocator.slabs.stats()["slabs"] == 1
     finally:
         consumer.stop()
 
 
-def test_pools_that_come_and_go_are_imported_afresh(publisher: aib.Publisher, cupy: Any) -> None:
+def test_pools_that_come_and_go_are_imported_afresh(gpu_publisher: aib.Publisher, cupy: Any) -> None:
     """A producer that makes a new IPC pool for each publication and drops the old one (the driver
     may give the new pool the destroyed one's handle value): every publication reads right in the
     consumer, which imports each pool once (pools are named by a serial that is never reused) and
     keeps at most 16 imported pools."""
     from arrow_ipc_bridge import cuda
 
-    consumer = _LingerConsumer(str(publisher.path), pool_linger=0.0)
+    consumer = _LingerConsumer(str(gpu_publisher.path), pool_linger=0.0)
     try:
         for i in range(24):
             allocator = cuda.cupy_allocator(0)  # a new pool every time
             with cupy.cuda.using_allocator(allocator):
                 values = cupy.full(1000, float(i), dtype=cupy.float32)
             cupy.cuda.runtime.deviceSynchronize()
-            publisher.publish("churn", aib.from_cuda_arrays({"v": values}))
+            gpu_publisher.publish("churn", aib.from_cuda_arrays({"v": values}))
             del values, allocator  # the publication holds the pool until it is replaced
             got = consumer.get("churn")[0]
             assert got.column("v").to_pylist() == [float(i)] * 1000
@@ -363,11 +371,11 @@ def test_pools_that_come_and_go_are_imported_afresh(publisher: aib.Publisher, cu
         consumer.stop()
 
 
-def test_new_arrays_over_open_allocations_import_in_c(publisher: aib.Publisher, cupy: Any) -> None:
+def test_new_arrays_over_open_allocations_import_in_c(gpu_publisher: aib.Publisher, cupy: Any) -> None:
     """New CuPy arrays every round, which CuPy's pool carves out of allocations shared before:
     once those are open in the consumer, each new message is imported by its C core (no Python
     import path), reads right, and gives its lease back."""
-    consumer = _LingerConsumer(str(publisher.path), pool_linger=0.0)
+    consumer = _LingerConsumer(str(gpu_publisher.path), pool_linger=0.0)
     try:
         for i in range(12):
             columns = {
@@ -375,12 +383,15 @@ def test_new_arrays_over_open_allocations_import_in_c(publisher: aib.Publisher, 
                 "b": cupy.arange(i, 1000 + i, dtype=cupy.int64),
             }
             cupy.cuda.runtime.deviceSynchronize()
-            publisher.publish("fresh", aib.from_cuda_arrays(columns))
+            gpu_publisher.publish("fresh", aib.from_cuda_arrays(columns))
             got = consumer.get("fresh")[0]
             assert got.column("a").to_pylist() == [float(i)] * 1000
             assert got.column("b").to_pylist() == list(range(i, 1000 + i))
-            assert _wait_for(lambda: publisher.active_leases == 0, 5.0)
-        assert consumer.stats()["new_message_gets"] >= 6
+            assert _wait_for(lambda: gpu_publisher.active_leases == 0, 5.0)
+        stats = consumer.stats()
+        assert stats["new_message_gets"] >= 6, stats
+        # the allocations the C core found open are held in the region table, within its bound
+        assert 1 <= stats["legacy_held"] <= 256, stats
     finally:
         consumer.stop()
 
@@ -398,7 +409,9 @@ class _OnlyDLPack:
         return self._tensor.__dlpack_device__()
 
 
-def test_torch_and_dlpack_producers_are_columns(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:
+def test_torch_and_dlpack_producers_are_columns(
+    gpu_publisher: aib.Publisher, consumer: Any, cupy: Any
+) -> None:
     """PyTorch tensors (``__cuda_array_interface__``) and a producer that only speaks DLPack are
     wrapped as Arrow columns without a copy and read right in another process."""
     torch = pytest.importorskip("torch")
@@ -406,18 +419,20 @@ def test_torch_and_dlpack_producers_are_columns(publisher: aib.Publisher, consum
     doubled = values * 2
     torch.cuda.synchronize()
     batch = aib.from_cuda_arrays({"cai": values, "dlpack": _OnlyDLPack(doubled)})
-    publisher.publish("torch", batch)
+    gpu_publisher.publish("torch", batch)
     table, _ = consumer("torch")
     assert table.column("cai").to_pylist() == [float(i) for i in range(1000)]
     assert table.column("dlpack").to_pylist() == [2.0 * i for i in range(1000)]
 
 
-def test_cupy_columns_sliced_from_a_pool_block(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:
+def test_cupy_columns_sliced_from_a_pool_block(
+    gpu_publisher: aib.Publisher, consumer: Any, cupy: Any
+) -> None:
     """CuPy arrays carved out of one allocation (offsets inside a shared block) travel as legacy IPC
     handles; one region per allocation, values intact."""
     block = cupy.arange(3000, dtype=cupy.float32)
     columns = {"a": block[1000:2000], "b": block[2000:3000]}
-    stats = publisher.publish("c", aib.from_cuda_arrays(columns))
+    stats = gpu_publisher.publish("c", aib.from_cuda_arrays(columns))
     assert stats.regions == 1
     assert stats.copied_bytes == 0
     table, _ = consumer("c")
@@ -425,7 +440,7 @@ def test_cupy_columns_sliced_from_a_pool_block(publisher: aib.Publisher, consume
     assert table.column("b").to_pylist() == [float(i) for i in range(2000, 3000)]
 
 
-def test_consumer_sees_final_data_of_a_running_kernel(publisher: aib.Publisher, cupy: Any) -> None:
+def test_consumer_sees_final_data_of_a_running_kernel(gpu_publisher: aib.Publisher, cupy: Any) -> None:
     """The producer's kernel is still running when the message is sent; a cuDF-style consumer waits
     on sync_event on its own stream and reads the final values, never the stale ones. Once that
     kernel is done, a re-get's struct carries no event (nothing to wait for), same values."""
@@ -446,7 +461,9 @@ def test_consumer_sees_final_data_of_a_running_kernel(publisher: aib.Publisher, 
     data = cupy.zeros(n, dtype=cupy.float32)
     cupy.cuda.runtime.deviceSynchronize()
     parent, child = _CTX.Pipe()
-    process = _CTX.Process(target=gpu_children.cudf_style_reader, args=(str(publisher.path), "slow", child))
+    process = _CTX.Process(
+        target=gpu_children.cudf_style_reader, args=(str(gpu_publisher.path), "slow", child)
+    )
     process.start()
     try:
         assert parent.poll(120), "reader did not start"
@@ -454,7 +471,7 @@ def test_consumer_sees_final_data_of_a_running_kernel(publisher: aib.Publisher, 
         stream = cupy.cuda.Stream(non_blocking=True)
         with stream:
             spin((n // 256,), (256,), (data, cupy.int32(n), cupy.int64(2_000_000_000)))  # ~1 s
-            publisher.publish("slow", aib.from_cuda_arrays({"v": data}))  # records an event on `stream`
+            gpu_publisher.publish("slow", aib.from_cuda_arrays({"v": data}))  # records an event on `stream`
         parent.send("go")
         assert parent.poll(120), "reader did not answer"
         values, had_event = parent.recv()
@@ -581,15 +598,15 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
         _join(producer)
 
 
-def test_same_process_publisher_and_session(publisher: aib.Publisher, cupy: Any) -> None:
+def test_same_process_publisher_and_session(gpu_publisher: aib.Publisher, cupy: Any) -> None:
     """CUDA will not open a legacy handle in the process that made it: a session in the producer's
     own process resolves its regions from the producer's records instead, and reads the data."""
     from arrow_ipc_bridge import cuda
 
-    publisher.publish("legacy", aib.from_cuda_arrays({"v": cupy.arange(100, dtype=cupy.float32)}))
-    publisher.publish("pool", aib.to_device(pa.table({"v": pa.array(range(100))})))
+    gpu_publisher.publish("legacy", aib.from_cuda_arrays({"v": cupy.arange(100, dtype=cupy.float32)}))
+    gpu_publisher.publish("pool", aib.to_device(pa.table({"v": pa.array(range(100))})))
     before = cuda.cuda_stats()["same_process"]
-    with aib.connect(publisher.path, timeout=30.0) as session:
+    with aib.connect(gpu_publisher.path, timeout=30.0) as session:
         with session.get("legacy") as imported:
             assert imported.to_host().column("v").to_pylist() == [float(i) for i in range(100)]
         with session.get("pool") as imported:
@@ -597,7 +614,7 @@ def test_same_process_publisher_and_session(publisher: aib.Publisher, cupy: Any)
     assert cuda.cuda_stats()["same_process"] - before == 2
 
 
-def test_managed_memory_needs_the_copy_policy(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:
+def test_managed_memory_needs_the_copy_policy(gpu_publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:
     """Managed memory cannot travel through CUDA IPC: copy='never' refuses with CopyRequiredError,
     'if_needed' copies it into the bridge pool (counted) and the consumer reads the right values."""
     memory = cupy.cuda.malloc_managed(1024 * 4)
@@ -605,14 +622,14 @@ def test_managed_memory_needs_the_copy_policy(publisher: aib.Publisher, consumer
     values[:] = cupy.arange(1024, dtype=cupy.float32)
     cupy.cuda.runtime.deviceSynchronize()
     with pytest.raises(aib.CopyRequiredError):
-        publisher.publish("m", aib.from_cuda_arrays({"v": values}), copy="never")
-    stats = publisher.publish("m", aib.from_cuda_arrays({"v": values}), copy="if_needed")
+        gpu_publisher.publish("m", aib.from_cuda_arrays({"v": values}), copy="never")
+    stats = gpu_publisher.publish("m", aib.from_cuda_arrays({"v": values}), copy="if_needed")
     assert stats.copied_bytes == 1024 * 4
     table, _ = consumer("m")
     assert table.column("v").to_pylist() == [float(i) for i in range(1024)]
 
 
-def test_vmm_allocation_travels_as_an_fd(publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:
+def test_vmm_allocation_travels_as_an_fd(gpu_publisher: aib.Publisher, consumer: Any, cupy: Any) -> None:
     """A VMM allocation (cuMemCreate) is exported as a POSIX fd region and read in another process."""
     from arrow_ipc_bridge import cuda
 
@@ -630,7 +647,7 @@ def test_vmm_allocation_travels_as_an_fd(publisher: aib.Publisher, consumer: Any
             "stream": None,
         }
 
-    stats = publisher.publish("vmm", aib.from_cuda_arrays({"v": VmmColumn()}))
+    stats = gpu_publisher.publish("vmm", aib.from_cuda_arrays({"v": VmmColumn()}))
     assert stats.regions == 1
     table, _ = consumer("vmm")
     assert table.column("v").to_pylist() == list(range(n))
@@ -644,12 +661,12 @@ def test_to_host_round_trip_in_process(cuda_device: int) -> None:
     assert gpu.to_host().equals(table)
 
 
-def test_column_view_is_zero_copy_on_the_gpu(publisher: aib.Publisher, cupy: Any) -> None:
+def test_column_view_is_zero_copy_on_the_gpu(gpu_publisher: aib.Publisher, cupy: Any) -> None:
     """column_view gives __cuda_array_interface__ and DLPack views at the producer's memory: CuPy and
     PyTorch read the same values with no copy, ordered after the producer's event on their stream."""
     values = cupy.arange(2048, dtype=cupy.float64)
-    publisher.publish("v", aib.from_cuda_arrays({"a": values[1024:], "b": values[:1024]}))
-    with aib.connect(publisher.path, timeout=30.0) as session, session.get("v") as imported:
+    gpu_publisher.publish("v", aib.from_cuda_arrays({"a": values[1024:], "b": values[:1024]}))
+    with aib.connect(gpu_publisher.path, timeout=30.0) as session, session.get("v") as imported:
         stream = cupy.cuda.Stream(non_blocking=True)
         view = aib.column_view(imported, "a", stream=stream.ptr)
         assert view.__cuda_array_interface__["data"][0] == values[1024:].data.ptr
@@ -670,7 +687,7 @@ def test_column_view_is_zero_copy_on_the_gpu(publisher: aib.Publisher, cupy: Any
 
 
 def test_cupy_pool_allocator_arrays_travel_as_pool_regions(
-    publisher: aib.Publisher, consumer: Any, cupy: Any
+    gpu_publisher: aib.Publisher, consumer: Any, cupy: Any
 ) -> None:
     """With the bridge's IPC-pool allocator installed, new CuPy arrays are shared as pool regions
     (pool fd once, then per-pointer export data) and read correctly in another process."""
@@ -680,7 +697,7 @@ def test_cupy_pool_allocator_arrays_travel_as_pool_regions(
     with cupy.cuda.using_allocator(allocator):
         values = cupy.arange(1 << 16, dtype=cupy.int32)
     cupy.cuda.runtime.deviceSynchronize()
-    stats = publisher.publish("pooled", aib.from_cuda_arrays({"v": values}))
+    stats = gpu_publisher.publish("pooled", aib.from_cuda_arrays({"v": values}))
     assert stats.regions == 1
     table, _ = consumer("pooled")
     assert table.column("v").to_pylist() == list(range(1 << 16))

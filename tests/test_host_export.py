@@ -804,8 +804,8 @@ def test_shared_buffer_fd_closed_when_last_reference_goes() -> None:
     assert fd_count() == fds_before
 
 
-class _ShortWritingLibc:
-    """Wraps the module's libc so that pwritev writes only its first vector, as a short write would."""
+class _ShortWritingCore:
+    """Wraps the module's C core so that pwritev writes only its first vector, as a short write would."""
 
     def __init__(self, real: object) -> None:
         self._real = real
@@ -814,15 +814,15 @@ class _ShortWritingLibc:
     def __getattr__(self, name: str) -> object:
         return getattr(self._real, name)
 
-    def pwritev(self, fd: int, iov: object, count: int, offset: int) -> int:
+    def aib_sys_pwritev(self, fd: int, pairs: object, count: int, offset: int, error: object) -> int:
         self.calls += 1
-        return int(self._real.pwritev(fd, iov, 1, offset))  # type: ignore[attr-defined]
+        return int(self._real.aib_sys_pwritev(fd, pairs, 1, offset, error))  # type: ignore[attr-defined]
 
 
 def test_short_pwritev_is_resumed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A short pwritev (the kernel caps one call at 0x7ffff000 bytes) is finished buffer by buffer."""
-    fake = _ShortWritingLibc(sealed_copy._libc)
-    monkeypatch.setattr(sealed_copy, "_libc", fake)
+    fake = _ShortWritingCore(sealed_copy.lib)
+    monkeypatch.setattr(sealed_copy, "lib", fake)
     bufs = [pa.py_buffer(bytes([i]) * (100 + i)) for i in range(5)]
     with export_host_buffers([(b.address, b.size) for b in bufs], copy="always") as export:
         for i, b in enumerate(bufs):

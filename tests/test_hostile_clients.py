@@ -18,7 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from helpers.arrow_strategies import assert_arrays_equal
+from helpers.arrow_equality import assert_arrays_equal
 from helpers.session_rig import HEADER, JOIN_S, fd_count, raw_hello, sample_table, wait_for
 
 import arrow_ipc_bridge as aib

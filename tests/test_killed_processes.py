@@ -19,7 +19,7 @@ import time
 import pyarrow as pa
 import pytest
 from helpers import session_children as children
-from helpers.arrow_strategies import assert_arrays_equal
+from helpers.arrow_equality import assert_arrays_equal
 from helpers.session_rig import (
     JOIN_S,
     ProducerRig,

@@ -19,7 +19,7 @@ import nanoarrow as na
 import polars as pl
 import pyarrow as pa
 import pytest
-from helpers.arrow_strategies import assert_arrays_equal
+from helpers.arrow_equality import assert_arrays_equal
 from helpers.session_rig import FakePublisher, assert_back_to, null_batch, sample_table, settle, wait_for
 from helpers.wire_craft import encode_item
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from helpers import wire_craft as wc
-from helpers.arrow_strategies import arrow_arrays, assert_arrays_equal, record_batches, tables
+from helpers.arrow_equality import assert_arrays_equal
+from helpers.arrow_values import arrow_arrays, record_batches, tables
 from helpers.golden_cases import GOLDEN_CASES, GOLDEN_DIR, placed_message
 from hypothesis import given
 

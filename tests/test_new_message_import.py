@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from helpers.arrow_strategies import record_batches
+from helpers.arrow_values import record_batches
 from helpers.session_rig import wait_for
 from hypothesis import HealthCheck, given, settings
 
@@ -81,6 +81,14 @@ def _publish_raw(publisher: aib.Publisher, name: str, message: bytes) -> None:
         lib.aib_owner_unref(keeper)
 
 
+def _event_key(sync: bytes, ordinal: int) -> bytes:
+    """The region table's key for an event opened from handle ``sync`` on GPU ``ordinal``."""
+    key = ffi.new("uint8_t[]", lib.AIB_REGION_KEY_MAX)
+    n = lib.aib_regions_event_key(sync, len(sync), ordinal, key)
+    assert n == len(sync) + 8
+    return ffi.buffer(key, n)[:]
+
+
 @contextlib.contextmanager
 def _open_in_region_table(
     uuid: bytes,
@@ -95,12 +103,15 @@ def _open_in_region_table(
     AIB_REGION_KEY_POOL; with their bases here) in the process's region table, as the driver
     module and the opener would, the handles held by one owner; take them out again after."""
     keeper = lib.aib_owner_new(0)
-    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, sync)]
+    event_key = _event_key(sync, ordinal)
+    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, event_key)]
     try:
-        assert lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, len(uuid), ordinal, ffi.NULL) == 0
-        assert lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, sync, len(sync), event, ffi.NULL) == 0
+        assert lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, len(uuid), ordinal, ffi.NULL, 0) == 0
+        assert (
+            lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, event_key, len(event_key), event, ffi.NULL, 0) == 0
+        )
         for handle, base in handles:
-            assert lib.aib_regions_put(key_kind, handle, len(handle), base, keeper) == 0
+            assert lib.aib_regions_put(key_kind, handle, len(handle), base, keeper, 0) == 0
             keys.append((key_kind, handle))
         yield
     finally:
@@ -122,14 +133,14 @@ def _put_handles_recording_release(
     """Put a GPU, an opened event and legacy handles (handle i based at stride * (i + 1)) in the
     region table, each handle held by an owner of its own (the table's reference only) whose end
     appends i to ``released``; returns the keys put, for the caller to remove."""
-    assert lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, len(uuid), ordinal, ffi.NULL) == 0
-    assert lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, sync, len(sync), event, ffi.NULL) == 0
-    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, sync)]
+    assert lib.aib_regions_put(lib.AIB_REGION_KEY_DEVICE, uuid, len(uuid), ordinal, ffi.NULL, 0) == 0
+    event_key = _event_key(sync, ordinal)
+    assert lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, event_key, len(event_key), event, ffi.NULL, 0) == 0
+    keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, event_key)]
     for i, handle in enumerate(handles):
         owner = lib.aib_owner_new(_reaper.register(lambda i=i: released.append(i)))
-        assert (
-            lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handle, len(handle), stride * (i + 1), owner) == 0
-        )
+        base = stride * (i + 1)
+        assert lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handle, len(handle), base, owner, 0) == 0
         keys.append((lib.AIB_REGION_KEY_LEGACY, handle))
         lib.aib_owner_unref(owner)  # the table holds it now
     return keys
@@ -270,7 +281,7 @@ def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.
             assert sorted(released) == [0, 1, 2]
 
             # one handle missing: the Python path, which needs the driver here
-            lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handles[0], 64, 0x10000, ffi.NULL)
+            lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handles[0], 64, 0x10000, ffi.NULL, 0)
             keys.append((lib.AIB_REGION_KEY_LEGACY, handles[0]))
             with pytest.raises(aib.BridgeError):
                 session.get("new")
@@ -457,3 +468,67 @@ def test_imported_structs_carry_the_sync_event_only_while_it_is_pending(publishe
     finally:
         publisher.unpublish("one")
         publisher.unpublish("two")
+
+
+def _legacy_keys_held() -> list[bytes]:
+    """The legacy handles in the region table, least recently used first."""
+    n = lib.aib_regions_list(lib.AIB_REGION_KEY_LEGACY, ffi.NULL, 64, 0)
+    keys = ffi.new("uint8_t[]", max(n, 1) * 64)
+    n = lib.aib_regions_list(lib.AIB_REGION_KEY_LEGACY, keys, 64, n)
+    raw = ffi.buffer(keys, n * 64)[:]
+    return [raw[i * 64 : (i + 1) * 64] for i in range(n)]
+
+
+def test_a_c_side_import_counts_as_a_use_of_its_handles(publisher: aib.Publisher) -> None:
+    """The region table keeps its least-recently-used order where the new-message imports happen:
+    a handle the C core just imported a message over is newer than one it did not use, so a put
+    under a bound of two lets the unused one go (its owner ends) and keeps the used one."""
+    batch = pa.record_batch({"c0": pa.array([1.0] * 8, pa.float32())})
+    handles = [bytes([0x50 + i]) * 64 for i in range(3)]
+    uuid, sync = b"u" * 16, b"v" * 64
+    released: list[int] = []
+    keys = _put_handles_recording_release(uuid, 0, sync, 0x11, handles[:2], stride=0x10000, released=released)
+    try:
+        assert _legacy_keys_held()[-2:] == handles[:2]
+        _publish_raw(publisher, "one", _cuda_shaped_message(batch, handles[:1], uuid, sync))
+        with aib.connect(publisher.path, timeout=5.0) as session:
+            session.get("one").release()
+            assert session.new_message_gets == 1
+        assert _legacy_keys_held()[-2:] == [handles[1], handles[0]]  # the import used handle 0
+        owner = lib.aib_owner_new(0)
+        assert lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handles[2], 64, 0x30000, owner, 2) == 0
+        lib.aib_owner_unref(owner)
+        keys.append((lib.AIB_REGION_KEY_LEGACY, handles[2]))
+        assert _legacy_keys_held() == [handles[0], handles[2]]
+        _reaper.drain()
+        assert released == [1]
+    finally:
+        for kind, key in keys:
+            lib.aib_regions_remove(kind, key, len(key))
+        publisher.unpublish("one")
+        _reaper.drain()
+
+
+def test_opened_ipc_events_are_asked_of_the_region_table() -> None:
+    """The events module keeps no record of its own: an event in the region table under (handle,
+    device) is what open_ipc_event returns for that pair without opening anything, its device is
+    found from the bare event, it counts in ipc_event_cache_size, and clear_ipc_event_cache takes
+    every event out of the table (the C get path then finds none)."""
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge.cuda import events
+
+    handle = b"e" * 64
+    key = _event_key(handle, 2)
+    before = cuda.ipc_event_cache_size()
+    assert lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, key, len(key), 0xE7E7, ffi.NULL, 0) == 0
+    try:
+        assert cuda.open_ipc_event(handle, 2) == 0xE7E7
+        assert events._event_device(0xE7E7) == 2
+        assert events._event_device(0xE7E8) is None
+        assert cuda.ipc_event_cache_size() == before + 1
+        cuda.clear_ipc_event_cache()
+        assert cuda.ipc_event_cache_size() == 0
+        found = ffi.new("uint64_t *")
+        assert not lib.aib_regions_find(lib.AIB_REGION_KEY_EVENT, key, len(key), found, ffi.NULL)
+    finally:
+        lib.aib_regions_remove(lib.AIB_REGION_KEY_EVENT, key, len(key))

@@ -18,7 +18,7 @@ import time
 
 import pyarrow as pa
 import pytest
-from helpers.arrow_strategies import assert_arrays_equal
+from helpers.arrow_equality import assert_arrays_equal
 from helpers.session_rig import HEADER, sample_table, settle, wait_for
 
 import arrow_ipc_bridge as aib

@@ -49,15 +49,6 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
     return predicate()
 
 
-@pytest.fixture
-def sock_dir() -> Iterator[str]:
-    """A short directory for socket files, searchable by every uid (0o711) for the uid tests."""
-    directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-")
-    os.chmod(directory, 0o711)
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
-
-
 def small_batch() -> pa.RecordBatch:
     return pa.record_batch({"x": pa.array(range(100), pa.int64())})
 

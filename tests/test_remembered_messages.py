@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pyarrow as pa
 import pytest
@@ -149,7 +150,7 @@ def test_remembered_messages_churn_across_threads(publisher: aib.Publisher) -> N
         for thread in threads:
             thread.join(JOIN_S)
         assert errors == []
-        assert lib.aib_import_cache_count(session._remembered.import_cache) <= 2
+        assert lib.aib_remembered_count(session._remembered.table) <= 2
         assert session.remembered_gets > 0
     assert wait_for(lambda: publisher.active_leases == 0, 2.0)
 
@@ -175,3 +176,121 @@ def test_remembered_bytes_with_a_descriptor_take_the_checked_path(sock_dir: str)
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_c_side_gets_keep_the_least_recently_used_order(publisher: aib.Publisher) -> None:
+    """The set's LRU order is kept where the steady-state gets happen (the C core): with room for two,
+    a name re-got by the C path since the last remember stays, and the one not got since goes; lowering
+    the limit forgets the least recently used at once."""
+    for rows, name in enumerate(("a", "b", "c"), start=10):
+        publisher.publish(name, null_batch(2, rows))
+    with aib.connect(publisher.path, timeout=5.0, remembered_messages=2) as session:
+        for name in ("a", "b", "a", "c"):  # the third get of a is a C-side hit: a is newer than b
+            session.get(name).release()
+        assert session.remembered_gets == 1
+        session.get("a").release()  # still remembered: c pushed b out
+        assert session.remembered_gets == 2
+        session.get("b").release()  # decoded again (and remembered, pushing c out)
+        assert session.remembered_gets == 2
+        session._remembered.limit = 1  # keeps b, the most recently used
+        assert len(session._remembered) == 1
+        session.get("b").release()
+        assert session.remembered_gets == 3
+        session.get("a").release()
+        assert session.remembered_gets == 3
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+
+
+def test_the_set_gives_back_kept_leases_unused_for_the_linger_time() -> None:
+    """The C set itself (aib_remembered): a message put as holding a kept lease (lingers) is let go
+    of once no get used it for the linger time, one without stays; a name keeps one message (its
+    next one replaces it); everything let go of is handed back by id, once."""
+    from arrow_ipc_bridge._ffi import ffi
+    from arrow_ipc_bridge.metadata import Decoded
+
+    table = ffi.gc(lib.aib_remembered_new(8), lib.aib_remembered_free)
+    templates = [Decoded(aib.export(null_batch(1, rows)).message, 0) for rows in (1, 2, 3)]
+    ids = []
+    try:
+        for template, name, lingers in zip(templates, (b"kept", b"plain", b"kept"), (1, 0, 1), strict=True):
+            entry_id = ffi.new("uint64_t *")
+            message = template.message
+            assert (
+                lib.aib_remembered_put(
+                    table, message, len(message), template.owner, 0, ffi.NULL, 0,
+                    lib.AIB_REMEMBERED_ANY_FDS, name, len(name), lingers, entry_id,
+                )
+                == 0
+            )  # fmt: skip
+            ids.append(entry_id[0])
+        # The third message took the name "kept" from the first.
+        assert lib.aib_remembered_take_forgotten(table) == ids[0]
+        assert lib.aib_remembered_take_forgotten(table) == 0
+        assert lib.aib_remembered_count(table) == 2
+        event = ffi.new("uint64_t *")
+        third = templates[2].message
+        assert lib.aib_remembered_find(table, third, len(third), ffi.NULL, 0, event) == ids[2]
+        now = time.monotonic()
+        deadline = lib.aib_remembered_expire(table, now, 60.0)
+        assert now < deadline <= now + 60.0  # not expired yet: its deadline comes back
+        assert lib.aib_remembered_take_forgotten(table) == 0
+        assert lib.aib_remembered_expire(table, now + 61.0, 60.0) == -1.0  # no kept lease left
+        assert lib.aib_remembered_take_forgotten(table) == ids[2]
+        assert lib.aib_remembered_take_forgotten(table) == 0
+        assert lib.aib_remembered_count(table) == 1  # the plain one stays
+        assert lib.aib_remembered_forget_name(table, b"plain", 5, ffi.NULL, 0) == 1
+        assert lib.aib_remembered_take_forgotten(table) == ids[1]
+    finally:
+        ffi.release(table)
+        for template in templates:
+            template.close()
+
+
+def test_the_set_grows_past_its_first_buckets_and_keeps_its_order() -> None:
+    """The C set holds more messages than it first made room for (its table grows), finds every
+    one, and a lower limit lets go of the least recently used first, oldest first."""
+    from arrow_ipc_bridge._ffi import ffi
+    from arrow_ipc_bridge.metadata import Decoded
+
+    table = ffi.gc(lib.aib_remembered_new(8), lib.aib_remembered_free)  # room made for 8
+    lib.aib_remembered_set_limit(table, 1000)
+    templates = [Decoded(aib.export(null_batch(1, rows)).message, 0) for rows in range(1, 301)]
+    ids = []
+    event = ffi.new("uint64_t *")
+    try:
+        for i, template in enumerate(templates):
+            entry_id = ffi.new("uint64_t *")
+            message, name = template.message, f"n{i}".encode()
+            assert (
+                lib.aib_remembered_put(
+                    table, message, len(message), template.owner, i, ffi.NULL, 0,
+                    lib.AIB_REMEMBERED_ANY_FDS, name, len(name), 0, entry_id,
+                )
+                == 0
+            )  # fmt: skip
+            ids.append(entry_id[0])
+        assert lib.aib_remembered_count(table) == 300
+        for i, template in enumerate(templates):
+            message = template.message
+            assert lib.aib_remembered_find(table, message, len(message), ffi.NULL, 0, event) == ids[i]
+            assert event[0] == i
+        for i in (150, 7):  # names are found after the growth too
+            assert lib.aib_remembered_forget_name(table, f"n{i}".encode(), len(f"n{i}"), ffi.NULL, 0) == 1
+            assert lib.aib_remembered_take_forgotten(table) == ids[i]
+        first = templates[0].message
+        assert lib.aib_remembered_find(table, first, len(first), ffi.NULL, 0, event) == ids[0]  # newest now
+        lib.aib_remembered_set_limit(table, 10)
+        forgotten = []
+        while entry_id := lib.aib_remembered_take_forgotten(table):
+            forgotten.append(entry_id)
+        gone = {ids[7], ids[150]}
+        assert sorted(forgotten) == sorted(set(ids[1:291]) - gone)  # the 288 least recently used
+        kept = [ids[0], *ids[291:]]
+        for i, template in enumerate(templates):
+            message = template.message
+            found = lib.aib_remembered_find(table, message, len(message), ffi.NULL, 0, event)
+            assert found == (ids[i] if ids[i] in kept else 0)
+    finally:
+        ffi.release(table)
+        for template in templates:
+            template.close()

@@ -24,7 +24,8 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from helpers import session_children as children
-from helpers.arrow_strategies import assert_arrays_equal, tables
+from helpers.arrow_equality import assert_arrays_equal
+from helpers.arrow_values import tables
 from helpers.session_rig import (
     ANY_ARROW,
     EXAMPLES,

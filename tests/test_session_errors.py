@@ -15,7 +15,7 @@ import queue
 
 import pyarrow as pa
 import pytest
-from helpers.arrow_strategies import assert_arrays_equal
+from helpers.arrow_equality import assert_arrays_equal
 from helpers.session_rig import FakePublisher, fd_count, sample_table, settle, wait_for
 from helpers.wire_craft import encode_item
 

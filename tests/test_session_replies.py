@@ -94,15 +94,8 @@ class ScriptedPublisher:
                 os.close(fd)
 
 
-@pytest.fixture
-def sock_dir() -> Iterator[str]:
-    directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-replies-")  # short: sun_path holds 108 bytes
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
-
-
 @pytest.fixture(scope="module", autouse=True)
-def warm() -> None:
+def warm_scripted_sessions() -> None:
     """Open once what the library keeps open for the life of the process (the reaper's pipe, its
     thread), so that the descriptor counts below see only what a test leaves."""
     aib.export(pa.table({"a": [1]})).close()  # the host placement's /proc/self files

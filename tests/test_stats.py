@@ -6,8 +6,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 
 import pyarrow as pa
 import pytest
@@ -25,17 +23,6 @@ def delta(before: object, after: object) -> dict[str, int]:
         if moved:
             changes[field.name] = moved
     return changes
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[str]:
-    directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-stats-")
-    try:
-        yield directory
-    finally:
-        for name in os.listdir(directory):
-            os.unlink(os.path.join(directory, name))
-        os.rmdir(directory)
 
 
 def test_record_is_frozen_typed_and_counts_only_ints() -> None:

@@ -16,7 +16,7 @@ import sys
 
 import pyarrow as pa
 import pytest
-from helpers.arrow_strategies import assert_arrays_equal
+from helpers.arrow_equality import assert_arrays_equal
 from helpers.session_rig import ProducerRig, child_env, sample_table, settle, wait_for, write_shm_ipc_file
 
 import arrow_ipc_bridge as aib

@@ -94,7 +94,8 @@ class _Driver:
         self.device_count: int | None = None
         self.devices: dict[int, Any] = {}  # ordinal -> CUdevice
         self.primary: dict[int, Any] = {}  # ordinal -> retained primary CUcontext
-        self.uuids: dict[bytes, int] | None = None
+        # Whether this process's GPUs' UUIDs are in the C core's region table (ordinal_for_uuid).
+        self.uuids_resolved = False
 
     @property
     def loaded(self) -> bool:

@@ -168,24 +168,27 @@ def ordinal_for_uuid(uuid: bytes) -> int:
     uuid = bytes(uuid)
     if len(uuid) != UUID_SIZE:
         raise RegionError(f"a device UUID has {UUID_SIZE} bytes, got {len(uuid)}", field="uuid")
-    table = _DRIVER.uuids
-    if table is None or not _usable_in_this_process():
-        table = {device_uuid(i): i for i in range(device_count())}
+    if not _DRIVER.uuids_resolved or not _usable_in_this_process():
+        # Every visible GPU goes into the C core's region table, the one record of UUID -> ordinal,
+        # which its get path resolves a message's GPU by too.
+        for index in range(device_count()):
+            known = device_uuid(index)
+            if _core.aib_regions_put(
+                _core.AIB_REGION_KEY_DEVICE, known, len(known), index, _core_ffi.NULL, 0
+            ):
+                raise MemoryError("recording a GPU's UUID")
         with _DRIVER.lock:
-            _DRIVER.uuids = table
-        # The C core's get path resolves a message's GPU by the same table (region_table.c).
-        for known, index in table.items():
-            _core.aib_regions_put(_core.AIB_REGION_KEY_DEVICE, known, len(known), index, _core_ffi.NULL)
-    ordinal = table.get(uuid)
-    if ordinal is None:
-        visible = [format_uuid(u) for u in table]
+            _DRIVER.uuids_resolved = True
+    found = _core_ffi.new("uint64_t *")
+    if not _core.aib_regions_find(_core.AIB_REGION_KEY_DEVICE, uuid, len(uuid), found, _core_ffi.NULL):
+        visible = [format_uuid(device_uuid(i)) for i in range(device_count())]
         raise RegionError(
             f"GPU {format_uuid(uuid)} is not visible to this process, which sees {visible or 'no GPU'} "
             f"({_visible_devices_note()}); producer and consumer must share the GPU",
             uuid=format_uuid(uuid),
             visible=visible,
         )
-    return ordinal
+    return int(found[0])
 
 
 def device_attribute(ordinal: int, attribute: int) -> int:

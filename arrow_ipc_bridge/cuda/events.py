@@ -253,17 +253,40 @@ def _after_fork_in_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
-# Opened IPC events, per process: (handle bytes, device) -> CUevent as int.
-_OPENED_EVENTS: dict[tuple[bytes, int], int] = {}
-# CUevent -> device ordinal of the opened events, so calls on a bare event integer use the right context.
-_OPENED_EVENT_DEVICES: dict[int, int] = {}
+# Opened IPC events, per process, live in the C core's region table (region_table.c), the one record
+# of them, which its get path reads too: key (handle, device) -> CUevent as int. _CACHE_LOCK orders
+# opens and closes (an open checks, opens, then records).
+
+
+def _event_key(data: bytes, device: int) -> Any:
+    """The table's key for an event opened from handle ``data`` on ``device``."""
+    key = _core_ffi.new("uint8_t[]", _core.AIB_REGION_KEY_MAX)
+    n = _core.aib_regions_event_key(data, len(data), device, key)
+    if n == 0:
+        raise ValueError(f"an IPC event handle of {len(data)} bytes cannot be a key")
+    return _core_ffi.buffer(key, n)[:]
+
+
+def _opened_event(key: bytes) -> int | None:
+    value = _core_ffi.new("uint64_t *")
+    if not _core.aib_regions_find(_core.AIB_REGION_KEY_EVENT, key, len(key), value, _core_ffi.NULL):
+        return None
+    return int(value[0])
 
 
 def _event_device(event: int | Event) -> int | None:
     if isinstance(event, Event):
         return event.device
-    with _CACHE_LOCK:
-        return _OPENED_EVENT_DEVICES.get(event)
+    key = _core_ffi.new("uint8_t[]", _core.AIB_REGION_KEY_MAX)
+    length = _core_ffi.new("size_t *")
+    if not _core.aib_regions_key_of(_core.AIB_REGION_KEY_EVENT, event, key, length):
+        return None
+    return _key_device(key, length[0])
+
+
+def _key_device(key: Any, length: int) -> int:
+    """The device ordinal an event key ends with: 8 bytes, little-endian (aib_regions_event_key)."""
+    return int.from_bytes(_core_ffi.buffer(key + length - 8, 8)[:], "little", signed=True)
 
 
 def open_ipc_event(handle: bytes | bytearray | memoryview, device: int) -> int:
@@ -285,9 +308,9 @@ def open_ipc_event(handle: bytes | bytearray | memoryview, device: int) -> int:
         The ``CUevent`` (as an integer) for :func:`stream_wait_event`, or as an Arrow ``sync_event``.
     """
     data = _handle_bytes(handle, "handle")
-    key = (data, device)
+    key = _event_key(data, device)
     with _CACHE_LOCK:
-        cached = _OPENED_EVENTS.get(key)
+        cached = _opened_event(key)
     if cached is not None:
         return cached
     lib, ffi = _api()
@@ -302,10 +325,16 @@ def open_ipc_event(handle: bytes | bytearray | memoryview, device: int) -> int:
         )
     value = int(ffi.cast("uintptr_t", out[0]))
     with _CACHE_LOCK:
-        winner = _OPENED_EVENTS.setdefault(key, value)
-        _OPENED_EVENT_DEVICES[winner] = device
-        if winner == value:  # the C core's get path finds opened events here (region_table.c)
-            _core.aib_regions_put(_core.AIB_REGION_KEY_EVENT, data, len(data), value, _core_ffi.NULL)
+        winner = _opened_event(key)
+        recorded = winner is not None or not _core.aib_regions_put(
+            _core.AIB_REGION_KEY_EVENT, key, len(key), value, _core_ffi.NULL, 0
+        )  # the C core's get path finds it in the same table
+        if winner is None:
+            winner = value
+    if not recorded:  # out of memory: an open nobody would ever close
+        with device_context(device):
+            lib.cuEventDestroy_v2(out[0])
+        raise MemoryError("recording an opened IPC event")
     if winner != value:  # another thread opened it meanwhile: keep one, destroy ours
         with device_context(device):
             lib.cuEventDestroy_v2(out[0])
@@ -328,11 +357,11 @@ def close_ipc_event(handle: bytes | bytearray | memoryview, device: int) -> bool
         False when the handle was not open.
     """
     data = _handle_bytes(handle, "handle")
+    key = _event_key(data, device)
     with _CACHE_LOCK:
-        value = _OPENED_EVENTS.pop((data, device), None)
+        value = _opened_event(key)
         if value is not None:
-            _OPENED_EVENT_DEVICES.pop(value, None)
-            _core.aib_regions_remove(_core.AIB_REGION_KEY_EVENT, data, len(data))
+            _core.aib_regions_remove(_core.AIB_REGION_KEY_EVENT, key, len(key))
     if value is None:
         return False
     lib, ffi = _api()
@@ -343,24 +372,24 @@ def close_ipc_event(handle: bytes | bytearray | memoryview, device: int) -> bool
 
 def clear_ipc_event_cache() -> None:
     """Destroy every opened IPC event of this process (e.g. when a producer disconnects)."""
+    items: list[tuple[int, int]] = []  # (device, event)
+    key = _core_ffi.new("uint8_t[]", _core.AIB_REGION_KEY_MAX)
+    length = _core_ffi.new("size_t *")
+    value = _core_ffi.new("uint64_t *")
     with _CACHE_LOCK:
-        items = list(_OPENED_EVENTS.items())
-        _OPENED_EVENTS.clear()
-        _OPENED_EVENT_DEVICES.clear()
-        for (data, _), _ in items:
-            _core.aib_regions_remove(_core.AIB_REGION_KEY_EVENT, data, len(data))
+        while _core.aib_regions_take_oldest(_core.AIB_REGION_KEY_EVENT, key, length, value):
+            items.append((_key_device(key, length[0]), int(value[0])))
     if not items or not _usable_in_this_process():
         return
     lib, ffi = _api()
-    for (_, device), value in items:
+    for device, event in items:
         with device_context(device):
-            lib.cuEventDestroy_v2(ffi.cast("CUevent", value))
+            lib.cuEventDestroy_v2(ffi.cast("CUevent", event))
 
 
 def ipc_event_cache_size() -> int:
     """Number of IPC events this process holds open."""
-    with _CACHE_LOCK:
-        return len(_OPENED_EVENTS)
+    return int(_core.aib_regions_count_kind(_core.AIB_REGION_KEY_EVENT))
 
 
 def stream_wait_event(stream: object, event: int | Event, *, device: int | None = None) -> None:

@@ -1,10 +1,12 @@
 """The consumer's side of CUDA regions: opens them and caches what is safe to cache.
 
-One :class:`CudaOpener` per process (:func:`opener`), because handles are per process; it is the only writer
-of the C core's region table (``region_table.c``) for legacy handles and kept slabs. Legacy handles stay
-open (bounded LRU) because re-opening costs 90-400 µs; pool imports are cached per producer pool (the first
-import costs ~100 µs, a pointer ~1.5 µs and more for large allocations), but imported *pointers* are freed
-when the last owner using them dies, because CUDA requires the importer to free a pool allocation before the
+One :class:`CudaOpener` per process (:func:`opener`), because handles are per process. The legacy
+handles and kept slabs it holds open live in the C core's region table (``region_table.c``), the one
+record of them (with their owners and least-recently-used order), which the C get path reads too; the
+opener asks it and writes to it, and keeps no copy. Legacy handles stay open (bounded LRU) because
+re-opening costs 90-400 µs; pool imports are cached per producer pool (the first import costs ~100 µs,
+a pointer ~1.5 µs and more for large allocations), but imported *pointers* are freed when the last
+owner using them dies, because CUDA requires the importer to free a pool allocation before the
 exporter does (a session that keeps a pool message holds a lease for as long as it holds the imports:
 session.py); VMM imports are unmapped with their last array.
 """
@@ -61,46 +63,55 @@ def open_event(handle: bytes, device: int) -> int:
 @dataclass
 class _Opened:
     base: int
-    owner: Any  # aib_owner*, one reference held by the cache entry (when cached)
+    owner: Any  # aib_owner*, one reference: the caller's
 
 
-class _OpenLru:
-    """Opened regions kept open beyond their last array, least recently used first, mirrored into
-    the C core's region table (``region_table.c``), whose get path imports new messages over them.
-    Each entry holds one owner reference. No lock of its own: the opener's guards it."""
+class _HeldOpen:
+    """One kind of region held open beyond its last array (legacy handles, or kept slabs' imports):
+    the C core's region table (``region_table.c``) holds the entries, their owners (one reference
+    each) and their least-recently-used order, and its get path imports new messages over them;
+    this names the kind and the bound. Called under the opener's lock, so a find and the put after
+    it see the same table."""
 
-    def __init__(self, key_kind: int, limit: int) -> None:
-        self._entries: OrderedDict[bytes, _Opened] = OrderedDict()
+    def __init__(self, key_kind: int, key_size: int, limit: int) -> None:
         self._key_kind = key_kind
+        self._key_size = key_size  # keys of this kind are this long (list() reads them back)
         self._limit = limit
+        self._value = ffi.new("uint64_t *")
+        self._owner = ffi.new("aib_owner **")
 
     def __iter__(self) -> Iterator[bytes]:
-        return iter(self._entries)
+        """The keys held, least recently used first (for inspection)."""
+        size = self._key_size
+        n = lib.aib_regions_list(self._key_kind, ffi.NULL, size, 0)
+        keys = ffi.new("uint8_t[]", max(n, 1) * size)
+        n = min(n, lib.aib_regions_list(self._key_kind, keys, size, n))
+        raw = ffi.buffer(keys, n * size)[:]
+        return iter([raw[i * size : (i + 1) * size] for i in range(n)])
+
+    def has(self, key: bytes) -> bool:
+        """Whether ``key`` is held (it is now the most recently used)."""
+        return bool(lib.aib_regions_find(self._key_kind, key, len(key), self._value, ffi.NULL))
 
     def find(self, key: bytes) -> _Opened | None:
-        """The entry for ``key`` (now the most recently used), or None."""
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-        return entry
+        """The entry for ``key`` (now the most recently used) with an owner reference for the
+        caller, or None."""
+        if not lib.aib_regions_find(self._key_kind, key, len(key), self._value, self._owner):
+            return None
+        return _Opened(int(self._value[0]), self._owner[0])
 
-    def add(self, key: bytes, entry: _Opened, evicted: list[_Opened]) -> None:
-        """Keep ``entry`` (and its owner reference); one the bound pushes out goes to ``evicted``,
-        for the caller to unref after the lock."""
-        self._entries[key] = entry
-        lib.aib_regions_put(self._key_kind, key, len(key), entry.base, entry.owner)
-        if len(self._entries) > self._limit:
-            old_key, old = self._entries.popitem(last=False)
-            lib.aib_regions_remove(self._key_kind, old_key, len(old_key))
-            evicted.append(old)
+    def add(self, key: bytes, entry: _Opened) -> None:
+        """Hold ``entry`` (the table takes its own owner reference; the caller keeps its own).
+        The bound lets go of the least recently used: its owner reference goes, and what it
+        keeps open closes once no array uses it (the owner's end only queues the reaper's call)."""
+        lib.aib_regions_put(self._key_kind, key, len(key), entry.base, entry.owner, self._limit)
 
-    def clear(self) -> list[_Opened]:
-        """Take every entry out (the caller unrefs their owners after the lock)."""
-        for key in self._entries:
-            lib.aib_regions_remove(self._key_kind, key, len(key))
-        entries = list(self._entries.values())
-        self._entries.clear()
-        return entries
+    def clear(self) -> None:
+        """Let go of every entry of this kind (their opens close as their last arrays go)."""
+        key = ffi.new("uint8_t[]", lib.AIB_REGION_KEY_MAX)
+        length = ffi.new("size_t *")
+        while lib.aib_regions_take_oldest(self._key_kind, key, length, self._value):
+            pass
 
 
 class CudaOpener:
@@ -108,7 +119,7 @@ class CudaOpener:
 
     def __init__(self, max_legacy: int = 256, max_pools: int = 16, max_kept: int = 256) -> None:
         self._lock = threading.Lock()
-        self._legacy = _OpenLru(lib.AIB_REGION_KEY_LEGACY, max_legacy)  # legacy handles kept open
+        self._legacy = _HeldOpen(lib.AIB_REGION_KEY_LEGACY, 64, max_legacy)  # legacy handles kept open
         # handle -> [pointer, owners using it]: each is opened once per process, closed by its last owner
         self._legacy_live: dict[bytes, list[int]] = {}
         # Imported pools by identity, least recently used first. Beyond max_pools, pools with no
@@ -117,7 +128,7 @@ class CudaOpener:
         self._pool_pointers: dict[bytes, list[int]] = {}  # handle -> [pointer, leases using it]
         # Imports of kept slabs (REGION_FLAG_KEPT: the producer never frees them), open beyond their
         # leases like legacy handles; an entry's owner, when it ends, releases the import.
-        self._kept = _OpenLru(lib.AIB_REGION_KEY_POOL, max_kept)
+        self._kept = _HeldOpen(lib.AIB_REGION_KEY_POOL, 88, max_kept)
         self._max_pools = max_pools
 
     def open(
@@ -147,13 +158,8 @@ class CudaOpener:
     def _open_legacy(self, region: Region, device: int) -> _Opened:
         if len(region.handle) != 64:
             raise RegionError("a legacy CUDA IPC handle is 64 bytes", field="handle")
-        evicted: list[_Opened] = []
-        try:
-            with self._lock:
-                return self._legacy_locked(region.handle, device, evicted)
-        finally:
-            for entry in evicted:
-                lib.aib_owner_unref(entry.owner)  # its handle closes once no array uses it
+        with self._lock:
+            return self._legacy_locked(region.handle, device)
 
     def open_legacy_regions(self, regions: list[Region], device: int) -> tuple[list[int], Any]:
         """Open a message's legacy regions together: ``(bases in order, one owner holding them
@@ -170,14 +176,13 @@ class CudaOpener:
         if group == ffi.NULL:
             raise MemoryError("allocating an owner")
         bases: list[int] = []
-        evicted: list[_Opened] = []
         try:
             with self._lock:
                 for handle, local_base in zip(handles, local, strict=True):
                     if local_base is not None:  # our own export: mapped here, kept by the producer
                         bases.append(local_base)
                         continue
-                    opened = self._legacy_locked(handle, device, evicted)
+                    opened = self._legacy_locked(handle, device)
                     failed = lib.aib_owner_add_dependency(group, opened.owner)
                     lib.aib_owner_unref(opened.owner)
                     if failed:
@@ -186,15 +191,11 @@ class CudaOpener:
         except BaseException:
             lib.aib_owner_unref(group)
             raise
-        finally:
-            for entry in evicted:
-                lib.aib_owner_unref(entry.owner)
         return bases, group
 
-    def _legacy_locked(self, handle: bytes, device: int, evicted: list[_Opened]) -> _Opened:
-        """Under the lock: the open handle (one owner reference for the caller), from the LRU or
-        opened now; an entry the LRU pushes out goes to ``evicted`` for the caller to unref after
-        the lock.
+    def _legacy_locked(self, handle: bytes, device: int) -> _Opened:
+        """Under the lock: the open handle (one owner reference for the caller), from the region
+        table or opened now (and held there, the bound letting go of the least recently used).
 
         Opens and closes happen under the lock, and a handle is opened once per process however
         many owners use it: an evicted entry whose arrays are still alive keeps its mapping, and a
@@ -202,7 +203,6 @@ class CudaOpener:
         otherwise pull the mapping from under the new one)."""
         hit = self._legacy.find(handle)
         if hit is not None:
-            lib.aib_owner_ref(hit.owner)
             _state.counters["legacy_hits"] += 1
             return hit
         if handle not in self._legacy_live:
@@ -215,9 +215,8 @@ class CudaOpener:
                 )
             )
         )
-        opened = _Opened(ptr, owner)
-        lib.aib_owner_ref(owner)  # the caller's reference; the cache keeps the first
-        self._legacy.add(handle, opened, evicted)
+        opened = _Opened(ptr, owner)  # the caller's reference; the table takes its own
+        self._legacy.add(handle, opened)
         return opened
 
     def _release(self, table: dict[bytes, list[int]], key: bytes, close: Any) -> None:
@@ -272,7 +271,6 @@ class CudaOpener:
         # Kept slabs are held by their LRU entries; the others are counted per message (lease).
         kept = {region.handle for region in regions if region.flags & REGION_FLAG_KEPT}
         counted = [key for key in keys if key not in kept]
-        evicted: list[_Opened] = []
         held: list[Any] = []  # one reference on each kept slab's owner, for the group below
         try:
             for _ in range(3):
@@ -288,7 +286,7 @@ class CudaOpener:
                     # imported meanwhile by other threads): then look it up again.
                     if all(self._pools.get(key) is pool for key, pool in pools.items()):
                         bases = self._import_pool_pointers(
-                            keys, counted=counted, kept=kept, pools=pools, held=held, evicted=evicted
+                            keys, counted=counted, kept=kept, pools=pools, held=held
                         )
                         break
             else:
@@ -307,8 +305,6 @@ class CudaOpener:
         finally:
             for owner in held:
                 lib.aib_owner_unref(owner)
-            for entry in evicted:
-                lib.aib_owner_unref(entry.owner)  # its import is freed once no array uses it
         return bases, group
 
     def _import_pool_pointers(
@@ -319,16 +315,14 @@ class CudaOpener:
         kept: set[bytes],
         pools: dict[bytes, ImportedPool],
         held: list[Any],
-        evicted: list[_Opened],
     ) -> list[int]:
         """Under the lock: import the pointers not imported yet (one batch per pool), count one
-        more lease on every pointer of ``counted``, and append to ``held`` a reference on the LRU
-        entry's owner of every kept one (made now for new ones; one the LRU pushes out goes to
-        ``evicted``; the caller unrefs both after the lock). Returns the addresses of ``keys`` in
-        order."""
+        more lease on every pointer of ``counted``, and append to ``held`` a reference on the owner
+        of every kept one's region-table entry (made now for new ones; the caller unrefs them after
+        the lock). Returns the addresses of ``keys`` in order."""
         fresh: dict[bytes, list[bytes]] = {}
         for key in dict.fromkeys(keys):
-            if self._kept.find(key) is not None:
+            if self._kept.has(key):
                 _state.counters["pool_kept_hits"] += 1
             elif key not in self._pool_pointers:
                 fresh.setdefault(key[:24], []).append(key)
@@ -350,16 +344,16 @@ class CudaOpener:
         for key in kept:
             entry = self._kept.find(key)
             if entry is None:
-                entry = self._keep_pool_pointer(key, pools[key[:24]], evicted)
-            lib.aib_owner_ref(entry.owner)
+                entry = self._keep_pool_pointer(key, pools[key[:24]])
             held.append(entry.owner)
         return [self._pool_pointers[key][0] for key in keys]
 
-    def _keep_pool_pointer(self, key: bytes, pool: ImportedPool, evicted: list[_Opened]) -> _Opened:
-        """Under the lock: the LRU entry for a kept slab's import (imported already): one more
-        count on the pointer, held by an owner the entry keeps; the C core's get path finds it
-        too (region_table.c). The owner's end (evicted, and no array using it) takes the count
-        back, and the last count frees the import."""
+    def _keep_pool_pointer(self, key: bytes, pool: ImportedPool) -> _Opened:
+        """Under the lock: hold a kept slab's import (imported already) in the region table
+        (region_table.c, where the C core's get path finds it too): one more count on the pointer,
+        held by an owner the entry keeps; returned with a reference for the caller. The owner's end
+        (let go of by the table, and no array using it) takes the count back, and the last count
+        frees the import."""
         self._pool_pointers[key][1] += 1
         owner = lib.aib_owner_new(
             _reaper.register(lambda: self._release_pool_pointers([key], {key[:24]: pool}))
@@ -368,7 +362,7 @@ class CudaOpener:
             self._pool_pointers[key][1] -= 1
             raise MemoryError("allocating an owner")
         entry = _Opened(self._pool_pointers[key][0], owner)
-        self._kept.add(key, entry, evicted)
+        self._kept.add(key, entry)
         return entry
 
     def _open_one_by_one(
@@ -476,9 +470,8 @@ class CudaOpener:
         """Drop the caches' references (handles close, kept slab imports are freed, as their last
         arrays go)."""
         with self._lock:
-            entries = self._legacy.clear() + self._kept.clear()
-        for entry in entries:
-            lib.aib_owner_unref(entry.owner)
+            self._legacy.clear()
+            self._kept.clear()
 
 
 def _attached_fd(region: Region, fds: list[int] | tuple[int, ...]) -> int | None:

@@ -18,16 +18,15 @@ import os
 import threading
 from typing import Final, NamedTuple
 
+from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.errors import RegionError
-from arrow_ipc_bridge.host._system import _PAGE, _close_fds, _ffi, _libc
+from arrow_ipc_bridge.host._system import _PAGE, _close_fds
 from arrow_ipc_bridge.host.counters import _count
 from arrow_ipc_bridge.host.shared_alloc import _registry_lookup
 
 __all__ = ["SharedMapping"]
 
-# <linux/fs.h>: PROCMAP_QUERY = _IOWR('f', 17, struct procmap_query); vma_flags bits.
-_PROCMAP_QUERY_SIZE: Final = int(_ffi.sizeof("struct procmap_query"))
-_PROCMAP_QUERY: Final = (3 << 30) | (_PROCMAP_QUERY_SIZE << 16) | (ord("f") << 8) | 17
+# <linux/fs.h>: struct procmap_query's vma_flags bits (the ioctl itself: aib_sys_procmap_query).
 _VMA_READABLE, _VMA_WRITABLE, _VMA_SHARED = 0x1, 0x2, 0x8
 _NAME_MAX: Final = 4096
 
@@ -90,18 +89,17 @@ _query_buffers = threading.local()
 def _query_vma(address: int) -> SharedMapping | None:
     """PROCMAP_QUERY: the mapping containing ``address``, or None if unmapped; OSError if unsupported."""
     try:
-        query, name = _query_buffers.pair
+        query, name, error = _query_buffers.buffers
     except AttributeError:  # first query of this thread: allocate its buffers once (the name takes 4 KiB)
-        query, name = _ffi.new("struct procmap_query *"), _ffi.new("char[]", _NAME_MAX)
-        query.size = _PROCMAP_QUERY_SIZE
-        query.vma_name_addr = int(_ffi.cast("uintptr_t", name))
-        _query_buffers.pair = (query, name)
+        query, name, error = ffi.new("aib_procmap_query *"), ffi.new("char[]", _NAME_MAX), ffi.new("int *")
+        query.vma_name_addr = int(ffi.cast("uintptr_t", name))
+        _query_buffers.buffers = (query, name, error)
     query.query_flags = 0
     query.query_addr = address
     query.vma_name_size = _NAME_MAX  # in/out: the kernel writes back the name's length
     _count(maps_queries=1)
-    if _libc.ioctl(_maps_file.fd(), _PROCMAP_QUERY, query) != 0:
-        code = _ffi.errno
+    if lib.aib_sys_procmap_query(_maps_file.fd(), query, error) != 0:
+        code = error[0]
         if code == errno.ENOENT:
             return None
         raise OSError(code, os.strerror(code))
@@ -115,7 +113,7 @@ def _query_vma(address: int) -> SharedMapping | None:
         query.dev_minor,
         inode,
         # Only a file's name matters (reopening it); "[heap]" and the like are not worth decoding.
-        os.fsdecode(_ffi.string(name)) if inode and query.vma_name_size else "",
+        os.fsdecode(ffi.string(name)) if inode and query.vma_name_size else "",
         bool(flags & _VMA_READABLE),
         bool(flags & _VMA_WRITABLE),
         bool(flags & _VMA_SHARED),

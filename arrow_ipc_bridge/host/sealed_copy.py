@@ -13,8 +13,8 @@ import fcntl
 import os
 from typing import Final
 
+from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.errors import RegionError
-from arrow_ipc_bridge.host._system import _ffi, _libc
 
 __all__ = ["BUFFER_ALIGNMENT", "FULL_SEALS"]
 
@@ -53,19 +53,20 @@ def _copy_to_memfd(items: list[tuple[int, int]]) -> tuple[int, int, list[int]]:
     return fd, total, offsets
 
 
-_ZEROS = _ffi.new("char[]", BUFFER_ALIGNMENT)  # source of the padding between buffers
-_ZEROS_ADDRESS: Final = int(_ffi.cast("uintptr_t", _ZEROS))
+_ZEROS = ffi.new("char[]", BUFFER_ALIGNMENT)  # source of the padding between buffers
+_ZEROS_ADDRESS: Final = int(ffi.cast("uintptr_t", _ZEROS))
 _IOV_MAX: Final = 1024  # Linux UIO_MAXIOV
 
 
 def _write_iov(fd: int, iov: array.array[int]) -> None:
     """Write the (base, length) pairs back to back from file offset 0, in batches of _IOV_MAX entries."""
     offset = 0
+    error = ffi.new("int *")
     for first in range(0, len(iov), 2 * _IOV_MAX):
         batch = iov[first : first + 2 * _IOV_MAX]
         expected = sum(batch[1::2])
-        written = _libc.pwritev(
-            fd, _ffi.cast("struct iovec *", _ffi.from_buffer(batch)), len(batch) // 2, offset
+        written = lib.aib_sys_pwritev(
+            fd, ffi.cast("uint64_t *", ffi.from_buffer(batch)), len(batch) // 2, offset, error
         )
         if written != expected:
             # Error (-1), or a short write: at most 0x7ffff000 bytes go per call, and a signal can cut one.
@@ -82,7 +83,7 @@ def _write_iov(fd: int, iov: array.array[int]) -> None:
 
 
 def _pwrite_all(fd: int, address: int, nbytes: int, offset: int) -> None:
-    view = memoryview(_ffi.buffer(_ffi.cast("char *", address), nbytes))
+    view = memoryview(ffi.buffer(ffi.cast("char *", address), nbytes))
     done = 0
     try:
         while done < nbytes:

@@ -10,7 +10,6 @@ import bisect
 import contextlib
 import errno
 import fcntl
-import mmap
 import operator
 import os
 import threading
@@ -18,8 +17,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
+from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.errors import RegionError, ReleasedError
-from arrow_ipc_bridge.host._system import _MAP_FAILED, _PAGE, _align_up, _ffi, _libc
+from arrow_ipc_bridge.host._system import _PAGE, _align_up
 from arrow_ipc_bridge.host.counters import _count
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def _release_shared(start: int, length: int, fd: int, _cdata: Any) -> None:
     with _registry_lock:
         if _registry.pop(start, None) is not None:
             del _registry_starts[bisect.bisect_left(_registry_starts, start)]
-    _libc.munmap(_ffi.cast("void *", start), length)
+    lib.aib_sys_munmap(start, length)
     with contextlib.suppress(OSError):
         os.close(fd)
 
@@ -134,7 +134,7 @@ class SharedHostBuffer:
 
     def view(self) -> memoryview:
         """A writable memoryview of the memory; it keeps the mapping alive."""
-        return memoryview(_ffi.buffer(self._live(), self._size))
+        return memoryview(ffi.buffer(self._live(), self._size))
 
     def as_pyarrow(self) -> pa.Buffer:
         """The memory as a ``pyarrow.Buffer`` (zero-copy); it keeps the mapping alive."""
@@ -184,26 +184,25 @@ def allocate_shared(nbytes: int, *, name: str = "aib") -> SharedHostBuffer:
     except (OSError, ValueError) as exc:  # EINVAL: name over 249 bytes; ValueError: embedded NUL
         raise RegionError(f"memfd_create({name!r}) failed: {exc}", field="name") from exc
     length = _align_up(nbytes, _PAGE)
-    pointer = _MAP_FAILED
+    address = 0
     try:
         os.ftruncate(fd, nbytes)
         st = os.fstat(fd)
-        pointer = _libc.mmap(_ffi.NULL, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-        if pointer == _MAP_FAILED:
-            code = _ffi.errno
-            raise RegionError(f"mmap of {nbytes} shared bytes failed: {os.strerror(code)}", nbytes=nbytes)
+        error = ffi.new("int *")
+        address = int(lib.aib_sys_mmap_shared(fd, length, error))
+        if not address:
+            raise RegionError(f"mmap of {nbytes} shared bytes failed: {os.strerror(error[0])}", nbytes=nbytes)
         _seal_shared(fd)  # after the mmap: from now on no new writable mapping can be made
     except BaseException:
-        if pointer != _MAP_FAILED:
-            _libc.munmap(pointer, length)
+        if address:
+            lib.aib_sys_munmap(address, length)
         os.close(fd)
         raise
-    address = int(_ffi.cast("uintptr_t", pointer))
     entry = _Registered(address, address + nbytes, fd, st.st_dev, st.st_ino)
     with _registry_lock:
         _registry[address] = entry
         bisect.insort(_registry_starts, address)
-    keeper = _ffi.gc(_ffi.cast("char *", pointer), lambda cdata: _release_shared(address, length, fd, cdata))
+    keeper = ffi.gc(ffi.cast("char *", address), lambda cdata: _release_shared(address, length, fd, cdata))
     _count(shared_allocations=1)
     return SharedHostBuffer(keeper, address, nbytes, fd)
 

@@ -8,7 +8,9 @@ also scripts, run by path (``python tests/helpers/fuzz_decoder.py``); they impor
 
 Modules:
 
-* ``arrow_strategies`` -- hypothesis strategies for arbitrary Arrow data, and ``assert_arrays_equal``;
+* ``arrow_types`` -- Arrow type kinds, the tests' extension type and hypothesis strategies for types;
+* ``arrow_values`` -- hypothesis strategies for arbitrary Arrow data (arrays, schemas, batches, tables);
+* ``arrow_equality`` -- ``assert_arrays_equal``, the strict comparison of Arrow data;
 * ``wire_craft`` -- an independent writer of bridge messages (docs/wire-format.md), for hostile input;
 * ``golden_cases`` -- the deterministic messages checked into ``tests/golden/`` (and their writer);
 * ``fuzz_decoder`` -- the mutation fuzzer of the decoder and content checks (run in a subprocess);

@@ -34,7 +34,9 @@ def consumer_loop(socket_path: str, conn: Connection, pool_linger: float = 1.0) 
     """Serve the parent: for each name received, get it, copy to host, send Arrow IPC bytes back (with
     the device id and the session's remembered-get count). ``("forget", name)`` forgets ``name``
     and answers ``("ok", forgotten, pool pointers still imported in this process)``; ``("stats",)``
-    answers ``("ok", cuda.cuda_stats() + {"pools_cached", "new_message_gets"})``."""
+    answers ``("ok", cuda.cuda_stats() + {"pools_cached", "new_message_gets", "legacy_held",
+    "kept_held"})``: the last two are what the process's region table holds open beyond their arrays
+    (legacy handles, kept slabs)."""
     import arrow_ipc_bridge as aib
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge.cuda import opener as cuda_opener
@@ -53,6 +55,8 @@ def consumer_loop(socket_path: str, conn: Connection, pool_linger: float = 1.0) 
                     stats = cuda.cuda_stats()
                     stats["pools_cached"] = len(cuda_opener.opener()._pools)
                     stats["new_message_gets"] = session.new_message_gets
+                    stats["legacy_held"] = len(list(cuda_opener.opener()._legacy))
+                    stats["kept_held"] = len(list(cuda_opener.opener()._kept))
                     conn.send(("ok", stats))
                     continue
                 try:

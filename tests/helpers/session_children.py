@@ -55,7 +55,7 @@ def from_ipc(kind: str, data: bytes) -> pa.Array | pa.RecordBatch | pa.Table:
 def _import_test_types() -> None:
     # The tests' extension type must be registered here too, so that IPC data carrying it is rebuilt
     # as that type (tests/ is on sys.path: spawn copies the parent's, subprocess gets PYTHONPATH).
-    from helpers import arrow_strategies  # noqa: F401
+    from helpers import arrow_types  # noqa: F401
 
 
 # --- a long-lived producer, driven over a multiprocessing pipe ----------------------------------------------

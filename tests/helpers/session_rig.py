@@ -31,7 +31,7 @@ import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import _reaper, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, lib
 from helpers import session_children as children
-from helpers.arrow_strategies import arrow_arrays, record_batches, tables
+from helpers.arrow_values import arrow_arrays, record_batches, tables
 
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, the helpers' parent
 SPAWN = multiprocessing.get_context("spawn")

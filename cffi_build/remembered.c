@@ -1,0 +1,421 @@
+/* The session's remembered messages (docs/lifetime.md 5a), and its steady state in one C call:
+ * GET, ITEM and the import of a message remembered.
+ *
+ * A session remembers messages whose regions can stay open (legacy CUDA handles, IPC-pool pointers
+ * under a lease the template keeps, host files): the validated decode lives in a template owner,
+ * which also holds the opened regions. When the publisher answers a GET with byte-for-byte the same
+ * message (the same publication) and, for host regions, descriptors of the same files, nothing needs
+ * decoding, validating, mapping or opening again: aib_session_get makes the lease's owner (sharing
+ * the template's decode, holding the template) and returns. Identical bytes validated once are valid
+ * again, so this skips no check. Everything else (a new message, other files, an ERROR) goes back to
+ * Python as the received frame.
+ *
+ * This set is the one record of what is remembered: lookup by message bytes, one message per name,
+ * the least-recently-used bound and the kept leases' last use all live here, so that the C get path
+ * and Python read the same facts. Python (remembered.py) decides what to remember and keeps only
+ * the Python objects of each message, by the id put returns. A message this set lets go (replaced,
+ * evicted, forgotten, expired) waits in a list until Python takes its id
+ * (aib_remembered_take_forgotten) and closes its template. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define FRAME_GET 5
+#define FRAME_ITEM 6
+#define MIN_BUCKETS 64
+#define FIRST_BUCKETS_MAX 4096    /* a large limit starts here; the table grows with what it holds */
+#define BUCKETS_MAX ((size_t)1 << 24)
+
+typedef struct entry {
+  uint64_t hash, name_hash;
+  uint64_t id;
+  uint64_t event;
+  aib_owner *template_owner; /* one reference */
+  struct entry *next;        /* in its message bucket; in the forgotten list once forgotten */
+  struct entry *name_next;   /* in its name bucket, when named */
+  struct entry *older, *newer; /* the LRU order */
+  double last_used;          /* CLOCK_MONOTONIC seconds, for a kept lease (lingers) */
+  int lingers;               /* the template holds a kept lease, given back after linger seconds unused */
+  int any_fds;  /* the descriptors name nothing the message does not (CUDA pool fds): not checked */
+  int named;
+  uint32_t n_files;
+  uint32_t name_len;
+  size_t length;
+  aib_file_identity *files; /* n_files, inside this allocation after the message */
+  uint8_t *name;            /* name_len bytes, inside this allocation after the files */
+  uint8_t message[];        /* length bytes */
+} entry;
+
+struct aib_remembered {
+  pthread_mutex_t mu;
+  entry **buckets, **name_buckets; /* n_buckets each, a power of two */
+  size_t n_buckets, count, limit;
+  uint64_t next_id;
+  entry *oldest, *newest;
+  entry *forgotten; /* let go of, waiting for take_forgotten (linked through next) */
+};
+
+static double monotonic_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic()'s clock on Linux */
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static size_t buckets_for(size_t limit) {
+  size_t n = MIN_BUCKETS;
+  while (n < limit && n < FIRST_BUCKETS_MAX) n <<= 1;
+  return n;
+}
+
+aib_remembered *aib_remembered_new(size_t limit) {
+  aib_remembered *r = calloc(1, sizeof(*r));
+  if (r == NULL) return NULL;
+  r->n_buckets = buckets_for(limit);
+  r->buckets = calloc(r->n_buckets, sizeof(entry *));
+  r->name_buckets = calloc(r->n_buckets, sizeof(entry *));
+  if (r->buckets == NULL || r->name_buckets == NULL) {
+    free(r->buckets);
+    free(r->name_buckets);
+    free(r);
+    return NULL;
+  }
+  r->limit = limit;
+  r->next_id = 1;
+  pthread_mutex_init(&r->mu, NULL);
+  return r;
+}
+
+static void free_entry(entry *e) {
+  aib_owner_unref(e->template_owner);
+  free(e);
+}
+
+void aib_remembered_free(aib_remembered *r) {
+  if (r == NULL) return;
+  for (entry *e = r->oldest; e != NULL;) {
+    entry *newer = e->newer;
+    free_entry(e);
+    e = newer;
+  }
+  for (entry *e = r->forgotten; e != NULL;) {
+    entry *next = e->next;
+    free_entry(e);
+    e = next;
+  }
+  pthread_mutex_destroy(&r->mu);
+  free(r->buckets);
+  free(r->name_buckets);
+  free(r);
+}
+
+static entry **find(aib_remembered *r, const uint8_t *message, size_t length, uint64_t hash) {
+  entry **slot = &r->buckets[hash & (r->n_buckets - 1)];
+  while (*slot != NULL &&
+         !((*slot)->hash == hash && (*slot)->length == length && memcmp((*slot)->message, message, length) == 0))
+    slot = &(*slot)->next;
+  return slot;
+}
+
+static entry **find_name(aib_remembered *r, const uint8_t *name, size_t name_len, uint64_t hash) {
+  entry **slot = &r->name_buckets[hash & (r->n_buckets - 1)];
+  while (*slot != NULL && !((*slot)->name_hash == hash && (*slot)->name_len == name_len &&
+                            memcmp((*slot)->name, name, name_len) == 0))
+    slot = &(*slot)->name_next;
+  return slot;
+}
+
+static void lru_unlink(aib_remembered *r, entry *e) {
+  if (e->older != NULL) e->older->newer = e->newer;
+  else r->oldest = e->newer;
+  if (e->newer != NULL) e->newer->older = e->older;
+  else r->newest = e->older;
+  e->older = e->newer = NULL;
+}
+
+static void lru_push_newest(aib_remembered *r, entry *e) {
+  e->older = r->newest;
+  e->newer = NULL;
+  if (r->newest != NULL) r->newest->newer = e;
+  else r->oldest = e;
+  r->newest = e;
+}
+
+/* A get used e: it becomes the most recently used, and a kept lease's linger starts again. */
+static void mark_used(aib_remembered *r, entry *e) {
+  if (r->newest != e) {
+    lru_unlink(r, e);
+    lru_push_newest(r, e);
+  }
+  if (e->lingers) e->last_used = monotonic_now();
+}
+
+/* Under mu: take e out of the set onto the forgotten list (Python closes its template). */
+static void forget_locked(aib_remembered *r, entry *e) {
+  entry **slot = find(r, e->message, e->length, e->hash);
+  if (*slot == e) *slot = e->next;
+  if (e->named) {
+    entry **named = find_name(r, e->name, e->name_len, e->name_hash);
+    if (*named == e) *named = e->name_next;
+  }
+  lru_unlink(r, e);
+  r->count--;
+  e->next = r->forgotten;
+  r->forgotten = e;
+}
+
+static void evict_over_limit_locked(aib_remembered *r) {
+  while (r->count > r->limit && r->oldest != NULL) forget_locked(r, r->oldest);
+}
+
+/* Under mu: more buckets once the set outgrows them (the limit was raised). */
+static void grow_locked(aib_remembered *r) {
+  if (r->count <= r->n_buckets || r->n_buckets >= BUCKETS_MAX) return;
+  size_t n = r->n_buckets * 2;
+  entry **buckets = calloc(n, sizeof(entry *));
+  entry **name_buckets = calloc(n, sizeof(entry *));
+  if (buckets == NULL || name_buckets == NULL) { /* longer chains, still correct */
+    free(buckets);
+    free(name_buckets);
+    return;
+  }
+  for (entry *e = r->oldest; e != NULL; e = e->newer) {
+    e->next = buckets[e->hash & (n - 1)];
+    buckets[e->hash & (n - 1)] = e;
+    if (e->named) {
+      e->name_next = name_buckets[e->name_hash & (n - 1)];
+      name_buckets[e->name_hash & (n - 1)] = e;
+    }
+  }
+  free(r->buckets);
+  free(r->name_buckets);
+  r->buckets = buckets;
+  r->name_buckets = name_buckets;
+  r->n_buckets = n;
+}
+
+void aib_remembered_set_limit(aib_remembered *r, size_t limit) {
+  pthread_mutex_lock(&r->mu);
+  r->limit = limit;
+  evict_over_limit_locked(r);
+  pthread_mutex_unlock(&r->mu);
+}
+
+size_t aib_remembered_limit(aib_remembered *r) {
+  pthread_mutex_lock(&r->mu);
+  size_t n = r->limit;
+  pthread_mutex_unlock(&r->mu);
+  return n;
+}
+
+size_t aib_remembered_count(aib_remembered *r) {
+  pthread_mutex_lock(&r->mu);
+  size_t n = r->count;
+  pthread_mutex_unlock(&r->mu);
+  return n;
+}
+
+int aib_remembered_put(aib_remembered *r, const uint8_t *message, size_t length, aib_owner *template_owner,
+                       uint64_t event, const aib_file_identity *files, uint32_t n_files, uint32_t fd_policy,
+                       const uint8_t *name, size_t name_len, int lingers, uint64_t *id_out) {
+  *id_out = 0;
+  if (aib_owner_decoded(template_owner) == NULL) return AIB_E_STATE;
+  if (n_files > AIB_MAX_FDS || name_len > UINT32_MAX) return AIB_E_LIMIT;
+  if (fd_policy != AIB_REMEMBERED_SAME_FILES && fd_policy != AIB_REMEMBERED_ANY_FDS) return AIB_E_STATE;
+  size_t files_at = (sizeof(entry) + length + 7) & ~(size_t)7;
+  size_t name_at = files_at + n_files * sizeof(aib_file_identity);
+  entry *e = malloc(name_at + name_len);
+  if (e == NULL) return AIB_E_NOMEM;
+  memset(e, 0, sizeof(*e));
+  e->hash = aib_hash_bytes(message, length);
+  e->event = event;
+  e->length = length;
+  e->any_fds = fd_policy == AIB_REMEMBERED_ANY_FDS;
+  e->lingers = lingers != 0;
+  memcpy(e->message, message, length);
+  e->n_files = n_files;
+  e->files = (aib_file_identity *)((char *)e + files_at);
+  if (n_files) memcpy(e->files, files, n_files * sizeof(aib_file_identity));
+  e->named = name != NULL;
+  e->name_len = (uint32_t)name_len;
+  e->name = (uint8_t *)e + name_at;
+  if (name_len) memcpy(e->name, name, name_len);
+  if (e->named) e->name_hash = aib_hash_bytes(name, name_len);
+  aib_owner_ref(template_owner);
+  e->template_owner = template_owner;
+  pthread_mutex_lock(&r->mu);
+  e->id = r->next_id++;
+  if (r->limit == 0) { /* remembers nothing: the caller closes its template */
+    pthread_mutex_unlock(&r->mu);
+    free_entry(e);
+    return AIB_OK;
+  }
+  if (e->lingers) e->last_used = monotonic_now();
+  entry *previous = *find(r, message, length, e->hash);
+  if (previous != NULL) forget_locked(r, previous); /* two threads remembered the same message */
+  if (e->named) {
+    /* A name keeps one remembered message, the one it was last got with: a name republished with
+     * other data does not pin the old regions until eviction. */
+    entry *replaced = *find_name(r, e->name, e->name_len, e->name_hash);
+    if (replaced != NULL) forget_locked(r, replaced);
+    entry **named = find_name(r, e->name, e->name_len, e->name_hash);
+    e->name_next = *named;
+    *named = e;
+  }
+  entry **slot = find(r, message, length, e->hash);
+  e->next = *slot;
+  *slot = e;
+  lru_push_newest(r, e);
+  r->count++;
+  evict_over_limit_locked(r);
+  grow_locked(r);
+  *id_out = e->id;
+  pthread_mutex_unlock(&r->mu);
+  return AIB_OK;
+}
+
+/* Whether the received descriptors are the files the entry's template mapped, in order: identical
+ * message bytes say nothing about which file a host region lives in (its identity field is 0), the
+ * descriptors do. (st_dev, st_ino) of a file the template still maps cannot name another file. */
+static int same_files(const entry *e, const int *fds, uint32_t n_fds) {
+  if (e->any_fds) return 1;
+  if (e->n_files != n_fds) return 0;
+  for (uint32_t i = 0; i < n_fds; i++) {
+    struct stat st;
+    if (fstat(fds[i], &st) != 0 || !S_ISREG(st.st_mode)) return 0;
+    if ((uint64_t)st.st_dev != e->files[i].dev || (uint64_t)st.st_ino != e->files[i].ino) return 0;
+  }
+  return 1;
+}
+
+uint64_t aib_remembered_find(aib_remembered *r, const uint8_t *message, size_t length, const int *fds,
+                             uint32_t n_fds, uint64_t *event_out) {
+  uint64_t hash = aib_hash_bytes(message, length);
+  uint64_t id = 0;
+  pthread_mutex_lock(&r->mu);
+  entry *e = *find(r, message, length, hash);
+  if (e != NULL && same_files(e, fds, n_fds)) {
+    mark_used(r, e);
+    id = e->id;
+    *event_out = e->event;
+  }
+  pthread_mutex_unlock(&r->mu);
+  return id;
+}
+
+size_t aib_remembered_forget_name(aib_remembered *r, const uint8_t *name, size_t name_len, const uint8_t *unless,
+                                  size_t unless_len) {
+  uint64_t hash = aib_hash_bytes(name, name_len);
+  size_t n = 0;
+  pthread_mutex_lock(&r->mu);
+  entry *e = *find_name(r, name, name_len, hash);
+  if (e != NULL && !(unless != NULL && e->length == unless_len && memcmp(e->message, unless, unless_len) == 0)) {
+    forget_locked(r, e);
+    n = 1;
+  }
+  pthread_mutex_unlock(&r->mu);
+  return n;
+}
+
+size_t aib_remembered_forget_all(aib_remembered *r) {
+  pthread_mutex_lock(&r->mu);
+  size_t n = r->count;
+  while (r->oldest != NULL) forget_locked(r, r->oldest);
+  pthread_mutex_unlock(&r->mu);
+  return n;
+}
+
+double aib_remembered_expire(aib_remembered *r, double now, double linger) {
+  double next = -1.0;
+  pthread_mutex_lock(&r->mu);
+  for (entry *e = r->oldest; e != NULL;) {
+    entry *newer = e->newer;
+    if (e->lingers) {
+      if (now - e->last_used >= linger) forget_locked(r, e);
+      else if (next < 0 || e->last_used + linger < next) next = e->last_used + linger;
+    }
+    e = newer;
+  }
+  pthread_mutex_unlock(&r->mu);
+  return next;
+}
+
+uint64_t aib_remembered_take_forgotten(aib_remembered *r) {
+  pthread_mutex_lock(&r->mu);
+  entry *e = r->forgotten;
+  if (e != NULL) r->forgotten = e->next;
+  pthread_mutex_unlock(&r->mu);
+  if (e == NULL) return 0;
+  uint64_t id = e->id;
+  free_entry(e);
+  return id;
+}
+
+/* The lease owner for a remembered message, or NULL (not remembered, other files, or out of memory:
+ * the caller then takes the slow path, which reports errors properly). */
+static aib_owner *import_remembered(aib_remembered *r, const uint8_t *message, size_t length, const int *fds,
+                                    uint32_t n_fds, uint64_t token, aib_owner *keeper, uint64_t *id_out) {
+  uint64_t hash = aib_hash_bytes(message, length);
+  aib_owner *owner = NULL;
+  pthread_mutex_lock(&r->mu);
+  entry *e = *find(r, message, length, hash);
+  if (e != NULL && !same_files(e, fds, n_fds)) e = NULL;
+  if (e != NULL) {
+    /* Token set only once the owner is complete: one that fails dies quietly, and the slow path
+     * (which gets the same token) is the only one to report the lease's end. */
+    owner = aib_owner_new(0);
+    if (owner != NULL && (aib_owner_share_decoded(owner, e->template_owner) != AIB_OK ||
+                          aib_owner_add_dependency(owner, keeper) != AIB_OK)) {
+      aib_owner_unref(owner);
+      owner = NULL;
+    }
+    if (owner != NULL) {
+      aib_owner_set_token(owner, token);
+      *aib_owner_slot(owner) = e->event;
+      *id_out = e->id;
+      mark_used(r, e);
+    }
+  }
+  pthread_mutex_unlock(&r->mu);
+  return owner;
+}
+
+int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64_t timeout_ms,
+                    aib_remembered *remembered, uint64_t lease_tokens, aib_owner *keeper, aib_get_result *out,
+                    aib_frame *frame, aib_error *err) {
+  out->entry_id = 0;
+  out->owner = NULL;
+  out->owner_address = 0;
+  out->sync_slot = NULL;
+  int rc = aib_channel_request(ch, FRAME_GET, name, name_len, timeout_ms, frame, err);
+  if (rc) return rc;
+  if (frame->kind != FRAME_ITEM || frame->length < 8 || remembered == NULL || keeper == NULL) return AIB_OK;
+  const uint8_t *p = frame->payload;
+  uint64_t lease = aib_load_u64le(p);
+  /* The lease id rides in the owner's token (no Python registration per get); one that does not
+   * fit under the session's token base is left to the caller's path. */
+  if (lease == 0 || lease >> AIB_LEASE_ID_BITS) return AIB_OK;
+  aib_owner *owner = import_remembered(remembered, p + 8, (size_t)frame->length - 8, frame->fds, frame->n_fds,
+                                       lease_tokens | lease, keeper, &out->entry_id);
+  if (owner == NULL) {
+    /* Not remembered: imported here still when every region is open in this process already. */
+    owner = aib_import_new(p + 8, (size_t)frame->length - 8, frame->n_fds, lease_tokens | lease, keeper);
+    if (owner == NULL) return AIB_OK;
+    out->owner = owner;
+    out->owner_address = (uintptr_t)owner;
+    out->sync_slot = *aib_owner_slot(owner) != 0 ? aib_owner_slot(owner) : NULL;
+    return AIB_GET_IMPORTED_NEW;
+  }
+  /* The template maps these files already: the duplicates that came with the answer go. */
+  for (uint32_t i = 0; i < frame->n_fds; i++) close(frame->fds[i]);
+  frame->n_fds = 0;
+  out->owner = owner;
+  out->owner_address = (uintptr_t)owner;
+  out->sync_slot = *aib_owner_slot(owner) != 0 ? aib_owner_slot(owner) : NULL;
+  return AIB_GET_IMPORTED;
+}
