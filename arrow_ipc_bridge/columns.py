@@ -15,6 +15,7 @@ imported object. The per-column facts (name, type, length, address) come from on
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -198,9 +199,10 @@ def column_arrays(
             "or copy it with to_host()"
         )
     if library != "numpy" and device_type != DEVICE_CUDA:
+        why = "PyTorch has no read-only tensors; use like='numpy', or a copy (to_host())"
         raise BridgeError(
-            f"like={library!r} needs CUDA data and this is in host memory (read-only mappings)"
-            + (": PyTorch has no read-only tensors; use like='numpy', or a copy (to_host())" if library == "torch" else ": use like='numpy'")
+            f"like={library!r} needs CUDA data and this is in host memory (read-only mappings): "
+            + (why if library == "torch" else "use like='numpy'")
         )
     form = {"numpy": _AS_DLPACK_COLUMNS, "cupy": _AS_ADDRESSES, "torch": _AS_LEGACY_CAPSULES}[library]
     lease, event, facts, is_record_batch = _read_batch(imported, batch, form, None, None)
@@ -213,8 +215,7 @@ def column_arrays(
     if library == "cupy":
         return _cupy_arrays(chosen, lease, device_id)
     if library == "torch":
-        import torch
-
+        torch = importlib.import_module("torch")  # optional, and untyped here
         return {name: torch.from_dlpack(capsule) for name, _, _, _, capsule in chosen}
     import numpy
 
@@ -225,7 +226,8 @@ def column_arrays(
 def _check_imported(imported: object) -> None:
     if not isinstance(imported, ImportedArray | ImportedStream):
         raise TypeError(
-            f"expected data imported by the bridge (ImportedArray or ImportedStream), not {type(imported).__name__}"
+            "expected data imported by the bridge (ImportedArray or ImportedStream), "
+            f"not {type(imported).__name__}"
         )
     if imported.device_type not in (DEVICE_CPU, DEVICE_CUDA):
         raise BridgeError(f"column views support host and CUDA data, not device type {imported.device_type}")
@@ -242,7 +244,7 @@ def _read_batch(
     root is a record batch); ``select`` (an index, a name, None: all) says which columns get their
     capsule or DLPack column. ReleasedError when ``imported`` was released."""
     decoded = imported._live()  # the error that names the object; C checks again as it reads
-    return _ffi.batch_columns(  # type: ignore[no-any-return]
+    return _ffi.batch_columns(
         decoded,
         int(ffi.cast("uintptr_t", decoded.owner)),
         int(ffi.cast("uintptr_t", imported._bases)),
@@ -297,7 +299,9 @@ def _choose(facts: tuple[_Fact, ...], names: Sequence[str] | None) -> list[_Fact
 def _library_name(like: object) -> str:
     name = like if isinstance(like, str) else getattr(like, "__name__", None)
     if name not in _LIBRARIES:
-        raise ValueError(f"like must be one of {', '.join(map(repr, _LIBRARIES))} (or the module), not {like!r}")
+        raise ValueError(
+            f"like must be one of {', '.join(map(repr, _LIBRARIES))} (or the module), not {like!r}"
+        )
     return str(name)
 
 
@@ -328,8 +332,7 @@ def _wait_once(library: str, event: int, device: int, stream: int | None) -> Non
 
             stream = int(cupy.cuda.get_current_stream(device).ptr)
         else:
-            import torch
-
+            torch = importlib.import_module("torch")
             stream = int(torch.cuda.current_stream(device).cuda_stream)
     cuda.stream_wait_event(stream, event, device=device)
 

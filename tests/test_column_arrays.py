@@ -36,7 +36,9 @@ NUMERIC = {
 
 
 def _mixed_batch(rows: int = 6, start: int = 0) -> pa.RecordBatch:
-    columns: dict[str, pa.Array] = {name: pa.array(range(start, start + rows), t) for name, t in NUMERIC.items()}
+    columns: dict[str, pa.Array] = {
+        name: pa.array(range(start, start + rows), t) for name, t in NUMERIC.items()
+    }
     columns["text"] = pa.array([str(i) for i in range(rows)])
     columns["category"] = pa.array(["a", "b"] * (rows // 2)).dictionary_encode()
     return pa.record_batch(columns)
@@ -71,7 +73,9 @@ def test_names_pick_columns_and_order(publisher: aib.Publisher) -> None:
 def test_arrays_hold_the_lease_until_the_last_one_dies(publisher: aib.Publisher) -> None:
     """The arrays outlive the imported object and the publication; the producer's lease ends when the
     last array is dropped, not before (the session stays connected: closing it ends every lease)."""
-    publisher.publish("b", pa.record_batch({"x": pa.array(range(1000), pa.int64()), "y": pa.array([0.5] * 1000)}))
+    publisher.publish(
+        "b", pa.record_batch({"x": pa.array(range(1000), pa.int64()), "y": pa.array([0.5] * 1000)})
+    )
     with aib.connect(publisher.path) as session:
         imported = session.get("b")
         arrays = aib.column_arrays(imported, "numpy")
@@ -100,7 +104,9 @@ def test_tables_give_each_batch(publisher: aib.Publisher) -> None:
     with aib.connect(publisher.path) as session, session.get("t") as imported:
         assert isinstance(imported, aib.ImportedStream)
         for i in range(3):
-            assert aib.column_arrays(imported, "numpy", batch=i)["i64"].tolist() == [10 * i + j for j in range(4)]
+            assert aib.column_arrays(imported, "numpy", batch=i)["i64"].tolist() == [
+                10 * i + j for j in range(4)
+            ]
         with pytest.raises(aib.BridgeError, match="batch 3 out of range"):
             aib.column_arrays(imported, "numpy", batch=3)
 
@@ -117,7 +123,10 @@ def test_refusals_say_why(publisher: aib.Publisher) -> None:
             with pytest.raises(aib.BridgeError, match="'x' has nulls"):
                 aib.column_arrays(imported, "numpy")
             assert aib.column_arrays(imported, "numpy", names=["y"])["y"].tolist() == [1.0, 2.0]
-        with session.get("dup") as imported, pytest.raises(aib.BridgeError, match="two columns are named 'a'"):
+        with (
+            session.get("dup") as imported,
+            pytest.raises(aib.BridgeError, match="two columns are named 'a'"),
+        ):
             aib.column_arrays(imported, "numpy")
         with session.get("plain") as imported, pytest.raises(aib.BridgeError, match="use column_view"):
             aib.column_arrays(imported, "numpy")

@@ -162,6 +162,19 @@ def test_sliced_batches_show_their_rows() -> None:
         exported.close()
 
 
+def test_a_sliced_struct_root_offsets_its_columns() -> None:
+    """A struct array sliced at its root (the offset on the struct, not on its children) shows the
+    struct's rows of each child."""
+    struct = pa.StructArray.from_arrays([pa.array(range(10), pa.int16())], names=["x"]).slice(4, 3)
+    session, imported, exported = _import(struct)
+    try:
+        assert np.from_dlpack(aib.column_view(imported, "x")).tolist() == [4, 5, 6]
+        assert aib.column_arrays(imported, "numpy")["x"].tolist() == [4, 5, 6]
+    finally:
+        session.close()
+        exported.close()
+
+
 def test_tables_and_streams_are_viewed_batch_by_batch() -> None:
     """column_view of an ImportedStream takes a batch index; each batch shows its own rows; a batch out
     of range is refused."""
@@ -219,7 +232,7 @@ def test_column_view_needs_bridge_data() -> None:
 # ---------- DLPack: versioned and legacy capsules, refusals ------------------------------------------
 class _ManagedTensorVersioned(ctypes.Structure):
     # DLManagedTensorVersioned's head: version (major, minor), manager_ctx, deleter, flags
-    _fields_ = [  # noqa: RUF012 - ctypes wants a plain list
+    _fields_ = [
         ("major", ctypes.c_uint32),
         ("minor", ctypes.c_uint32),
         ("manager_ctx", ctypes.c_void_p),
