@@ -50,7 +50,7 @@ array_capsules: Callable[[object, int], tuple[object, object] | None]
 dlpack_capsule: Callable[[int, int, int, int, int, int, int], object]
 # (message, owner, bases, n_bases, device_type, device_id, sync_slot, batch, form, select, waiter)
 #   -> (lease, event, ((name, numeric, length, null_count, item), ...), is_record_batch)
-batch_columns: Callable[..., tuple[object, int, tuple[tuple[str, int, int, int, Any], ...], bool]]
+batch_columns: Callable[..., tuple[object, int, tuple[tuple[str, int, int, int, Any] | None, ...], bool]]
 DLPackColumn: type  # what batch_columns hands out for DLPack consumers (columns.ColumnView wraps it)
 if lib.aib_py_install(__name__.encode()) != 0:  # pragma: no cover - only out of memory
     raise BuildMismatchError("the C core could not install its Python functions (the error is printed above)")

@@ -37,6 +37,8 @@ _LIBRARIES = ("numpy", "cupy", "torch")
 Imported = ImportedArray | ImportedStream
 # (name, numeric type index or -1, length, null count (-1: unknown), address / capsule / column)
 _Fact = tuple[str, int, int, int, Any]
+# batch_columns gives None for columns a `select` left out
+_Facts = tuple[_Fact | None, ...]
 
 
 class ColumnView:
@@ -123,13 +125,13 @@ def column_view(
     _lease, event, facts, is_record_batch = _read_batch(imported, batch, _AS_DLPACK_COLUMNS, column, waiter)
     if not is_record_batch and column not in (0, None):
         raise BridgeError("a plain array has one column: 0")
-    if isinstance(column, str):
-        index = _index_of(facts, column)
-    else:
-        index = column
-        if not 0 <= index < len(facts):
-            raise BridgeError(f"no column {column!r} (the batch has {len(facts)})")
-    name, numeric, length, null_count, dlpack_column = facts[index]
+    # The C call gave the selected column only (the others are None).
+    fact = next((f for f in facts if f is not None), None)
+    if fact is None:
+        if isinstance(column, str):
+            raise BridgeError(f"no column named {column!r}")
+        raise BridgeError(f"no column {column!r} (the batch has {len(facts)})")
+    name, numeric, length, null_count, dlpack_column = fact
     _check_plain(name, numeric, null_count)
     if event:
         from arrow_ipc_bridge import cuda
@@ -239,10 +241,10 @@ def _read_batch(
     form: int,
     select: int | str | None,
     waiter: Callable[[int, int], None] | None,
-) -> tuple[object, int, tuple[_Fact, ...], bool]:
+) -> tuple[object, int, _Facts, bool]:
     """One C call: (lease, the producer's event if pending else 0, the batch's columns, whether the
     root is a record batch); ``select`` (an index, a name, None: all) says which columns get their
-    capsule or DLPack column. ReleasedError when ``imported`` was released."""
+    capsule or DLPack column (the others are None). ReleasedError when ``imported`` was released."""
     decoded = imported._live()  # the error that names the object; C checks again as it reads
     return _ffi.batch_columns(
         decoded,
@@ -259,13 +261,6 @@ def _read_batch(
     )
 
 
-def _index_of(facts: tuple[_Fact, ...], name: str) -> int:
-    for i, fact in enumerate(facts):
-        if fact[0] == name:
-            return i
-    raise BridgeError(f"no column named {name!r}")
-
-
 def _check_plain(name: str, numeric: int, null_count: int) -> None:
     if numeric < 0:
         raise BridgeError(f"column {name!r} has no plain-array equivalent (numbers only)")
@@ -275,14 +270,15 @@ def _check_plain(name: str, numeric: int, null_count: int) -> None:
         )
 
 
-def _choose(facts: tuple[_Fact, ...], names: Sequence[str] | None) -> list[_Fact]:
+def _choose(facts: _Facts, names: Sequence[str] | None) -> list[_Fact]:
     """The columns to make arrays of: the numeric ones, or ``names`` in their order."""
+    every = [fact for fact in facts if fact is not None]  # all of them: nothing was selected
     if names is None:
-        chosen = [fact for fact in facts if fact[1] >= 0]
+        chosen = [fact for fact in every if fact[1] >= 0]
     else:
         if isinstance(names, str):
             raise TypeError("names must be a sequence of column names, not one string")
-        by_name = {fact[0]: fact for fact in facts}
+        by_name = {fact[0]: fact for fact in every}
         missing = [name for name in names if name not in by_name]
         if missing:
             raise BridgeError(f"no column named {missing[0]!r}")
