@@ -148,3 +148,16 @@ def test_refusals_say_why(publisher: aib.Publisher) -> None:
             imported.release()
             with pytest.raises(aib.ReleasedError, match="released"):
                 aib.column_arrays(imported, "numpy")
+
+
+def test_address_form_refuses_nulls_too(publisher: aib.Publisher) -> None:
+    """The CuPy path reads addresses, which every column has: a numeric column with nulls is still
+    refused before any array is made (checked here on host data, where CuPy cannot run)."""
+    from arrow_ipc_bridge import columns
+
+    publisher.publish("nulls", pa.record_batch({"x": pa.array([1.0, None]), "y": pa.array([1.0, 2.0])}))
+    with aib.connect(publisher.path) as session, session.get("nulls") as imported:
+        _, _, facts, _ = columns._read_batch(imported, 0, columns._AS_ADDRESSES, None, None)
+        with pytest.raises(aib.BridgeError, match="'x' has nulls"):
+            columns._choose(facts, None)
+        assert [fact[0] for fact in columns._choose(facts, ["y"])] == ["y"]
