@@ -314,3 +314,11 @@ def test_unconsumed_versioned_capsule_is_freed() -> None:
     del capsule
     exported.close()
     assert _live() == before
+
+
+def test_dlpack_columns_are_made_by_the_bridge_only(imported: aib.ImportedArray) -> None:
+    """The C type behind a view cannot be made empty from Python, and __dlpack__ takes keywords only."""
+    with pytest.raises(TypeError):
+        _ffi.DLPackColumn()
+    with pytest.raises(TypeError, match="keyword arguments only"):
+        aib.column_view(imported, "f").__dlpack__(None)
