@@ -23,7 +23,7 @@ from arrow_ipc_bridge import _ffi
 from arrow_ipc_bridge._ffi import ffi
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.errors import BridgeError
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream
+from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, _ImportedBase
 
 __all__ = ["column_view", "column_arrays", "ColumnView"]
 
@@ -226,7 +226,9 @@ def column_arrays(
 
 # ---------- helpers ---------------------------------------------------------------------------------
 def _check_imported(imported: object) -> None:
-    if not isinstance(imported, ImportedArray | ImportedStream):
+    # Any imported object (arrays, tables, streams, and their subclasses): the facts come from what
+    # they all hold, the decoded message and the regions' bases.
+    if not isinstance(imported, _ImportedBase):
         raise TypeError(
             "expected data imported by the bridge (ImportedArray or ImportedStream), "
             f"not {type(imported).__name__}"
