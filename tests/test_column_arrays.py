@@ -9,6 +9,8 @@ struct nodes, mappings and threads return to what they were.
 from __future__ import annotations
 
 import gc
+import sys
+import types
 
 import numpy as np
 import pyarrow as pa
@@ -16,7 +18,8 @@ import pytest
 from helpers.session_rig import wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _reaper
+from arrow_ipc_bridge import _ffi, _reaper
+from arrow_ipc_bridge._ffi import lib
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -161,3 +164,81 @@ def test_address_form_refuses_nulls_too(publisher: aib.Publisher) -> None:
         with pytest.raises(aib.BridgeError, match="'x' has nulls"):
             columns._choose(facts, None)
         assert [fact[0] for fact in columns._choose(facts, ["y"])] == ["y"]
+
+
+# ---------- the CUDA branches, with stand-ins for CuPy and PyTorch -----------------------------------
+# The GPU tests (test_columns_gpu.py) run the real libraries; these check on any machine what
+# column_arrays hands them: every address, length, dtype and device, and an owner that keeps the
+# batch alive. The data is host memory labelled as CUDA data (nothing reads it as such).
+class _FakeCupy(types.ModuleType):
+    def __init__(self) -> None:
+        super().__init__("cupy")
+        self.dtype = np.dtype
+        self.cuda = types.SimpleNamespace(
+            UnownedMemory=lambda ptr, size, owner, device: {
+                "ptr": ptr,
+                "size": size,
+                "owner": owner,
+                "device": device,
+            },
+            MemoryPointer=lambda memory, offset: (memory, offset),
+        )
+        self.ndarray = lambda shape, dtype, memptr: {"shape": shape, "dtype": dtype, "memptr": memptr}
+
+
+def _as_cuda_data(imported: aib.ImportedArray) -> aib.ImportedArray:
+    from arrow_ipc_bridge.capsules import DEVICE_CUDA
+    from arrow_ipc_bridge.imported import imported_from
+    from arrow_ipc_bridge.metadata import Decoded
+
+    cuda_labelled = imported_from(
+        Decoded.sharing(imported._decoded), imported._bases, device_type=DEVICE_CUDA, device_id=3
+    )
+    assert isinstance(cuda_labelled, aib.ImportedArray)
+    return cuda_labelled
+
+
+def test_cupy_branch_wraps_every_address_with_the_batch_lease(
+    publisher: aib.Publisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """like="cupy": one UnownedMemory per column at the column's address and size, on the data's
+    device, owned by a batch lease that keeps the message alive until the arrays are gone."""
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy())
+    publisher.publish("b", _mixed_batch())
+    with aib.connect(publisher.path) as session, session.get("b") as imported:
+        expected = {name: np.from_dlpack(aib.column_view(imported, name)) for name in NUMERIC}
+        cuda_data = _as_cuda_data(imported)
+        arrays = aib.column_arrays(cuda_data, "cupy")
+        cuda_data.release()
+        assert list(arrays) == list(NUMERIC)
+        for name, array in arrays.items():
+            memory, offset = array["memptr"]
+            assert (array["shape"], array["dtype"], offset) == ((6,), expected[name].dtype, 0)
+            assert (memory["ptr"], memory["size"], memory["device"]) == (
+                expected[name].ctypes.data,
+                expected[name].nbytes,
+                3,
+            )
+            assert _ffi.capsule_name(memory["owner"]) == b"arrow_ipc_bridge.batch_lease"
+        owners = int(lib.aib_live_owners())
+        del arrays, expected, array, memory
+        gc.collect()
+        assert int(lib.aib_live_owners()) < owners  # the lease went with the last array
+
+
+def test_torch_branch_gets_legacy_capsules(publisher: aib.Publisher, monkeypatch: pytest.MonkeyPatch) -> None:
+    """like="torch": torch.from_dlpack gets one legacy capsule per numeric column (raw capsules:
+    the wait for the producer was made once for the batch)."""
+    seen: list[object] = []
+    fake_torch = types.ModuleType("torch")
+    fake_torch.from_dlpack = lambda capsule: seen.append(capsule) or capsule  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    publisher.publish("b", _mixed_batch())
+    with aib.connect(publisher.path) as session, session.get("b") as imported:
+        cuda_data = _as_cuda_data(imported)
+        tensors = aib.column_arrays(cuda_data, "torch", names=["f32", "u8"])
+        cuda_data.release()
+        assert list(tensors) == ["f32", "u8"]
+        assert [_ffi.capsule_name(capsule) for capsule in seen] == [b"dltensor", b"dltensor"]
+        del tensors
+        seen.clear()
