@@ -18,7 +18,8 @@ Every process-wide counter (bytes copied, regions mapped, imports by path, CUDA 
 """
 
 from arrow_ipc_bridge._version import __version__
-from arrow_ipc_bridge.device import column_view, from_cuda_array, from_cuda_arrays, to_device
+from arrow_ipc_bridge.columns import ColumnView, column_arrays, column_view
+from arrow_ipc_bridge.device import from_cuda_array, from_cuda_arrays, to_device
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -70,6 +71,8 @@ __all__ = [
     "from_cuda_array",
     "from_cuda_arrays",
     "column_view",
+    "column_arrays",
+    "ColumnView",
     # counters
     "stats",
     "BridgeStats",

@@ -7,7 +7,7 @@ misbehaving later. ``raise_for`` turns the core's error codes into the package's
 This is also the one way Python objects cross into the core. cffi passes C values only, so what takes
 or returns Python objects (every PyCapsule: made, read, destroyed) is C in ``cffi_build/py_capsules.c``
 that the core installs here at import as builtin functions (``aib_py_install``); ``capsules.py`` and
-``device.py`` call them.
+``device.py`` and ``columns.py`` call them.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ capsule_name: Callable[[object], bytes | None]
 device_array_capsules: Callable[[object, int], tuple[object, object] | None]
 array_capsules: Callable[[object, int], tuple[object, object] | None]
 dlpack_capsule: Callable[[int, int, int, int, int, int, int], object]
+# (message, owner, bases, n_bases, device_type, device_id, sync_slot, batch, form, select, waiter)
+#   -> (lease, event, ((name, numeric, length, null_count, item), ...), is_record_batch)
+batch_columns: Callable[..., tuple[object, int, tuple[tuple[str, int, int, int, Any] | None, ...], bool]]
+DLPackColumn: type  # what batch_columns hands out for DLPack consumers (columns.ColumnView wraps it)
 if lib.aib_py_install(__name__.encode()) != 0:  # pragma: no cover - only out of memory
     raise BuildMismatchError("the C core could not install its Python functions (the error is printed above)")
 
@@ -63,6 +67,8 @@ __all__ = [
     "device_array_capsules",
     "array_capsules",
     "dlpack_capsule",
+    "batch_columns",
+    "DLPackColumn",
 ]
 
 

@@ -3,11 +3,10 @@
 - :func:`to_device` uploads host Arrow data into the bridge's IPC-enabled memory pool, so what it
   returns is shared with other processes at pool-import cost;
 - :func:`from_cuda_array` / :func:`from_cuda_arrays` wrap CuPy / PyTorch / Numba arrays
-  (``__cuda_array_interface__``) or DLPack producers as Arrow columns without copying;
-- :func:`column_view` shows one numeric column of imported data to array libraries (DLPack,
-  ``__cuda_array_interface__``) without copying.
+  (``__cuda_array_interface__``) or DLPack producers as Arrow columns without copying.
 
-Copying imported data back to the host is :func:`arrow_ipc_bridge.imported.to_host`.
+Copying imported data back to the host is :func:`arrow_ipc_bridge.imported.to_host`; showing
+imported columns to array libraries is :mod:`arrow_ipc_bridge.columns`.
 """
 
 from __future__ import annotations
@@ -18,16 +17,14 @@ from typing import Any, Literal
 import pyarrow as pa
 
 from arrow_ipc_bridge import _reaper
-from arrow_ipc_bridge._ffi import dlpack_capsule, ffi, lib
+from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.capsules import (
     DEVICE_CPU,
     DEVICE_CUDA,
     ArrowInput,
     CapturedArray,
-    capsule_struct,
     capture,
     export_captured,
-    owner_address,
 )
 from arrow_ipc_bridge.errors import BridgeError, RegionError
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
@@ -40,7 +37,7 @@ from arrow_ipc_bridge.metadata import (
     process_region,
 )
 
-__all__ = ["to_device", "from_cuda_array", "from_cuda_arrays", "column_view", "ColumnView"]
+__all__ = ["to_device", "from_cuda_array", "from_cuda_arrays"]
 
 _ALIGN = 256  # cudaMalloc's alignment; columns placed at this alignment suit every consumer
 # The numeric types a plain array (``__cuda_array_interface__``, DLPack) can show:
@@ -59,7 +56,6 @@ _NUMERIC_TYPES = [
     ("g", "<f8", pa.float64()),
 ]
 _TYPESTRS = {typestr[1:]: arrow_type for _, typestr, arrow_type in _NUMERIC_TYPES}  # "f4" -> float32
-_FORMAT_TYPESTRS = {fmt: typestr for fmt, typestr, _ in _NUMERIC_TYPES}  # "f" -> "<f4"
 
 
 def to_device(
@@ -221,140 +217,3 @@ def from_cuda_arrays(columns: Mapping[str, Any]) -> CapturedArray:
         raise BridgeError(f"columns live on several devices {sorted(devices)}; a batch has one device")
     batch = pa.RecordBatch.from_arrays(arrays, names=list(columns))
     return _as_device(export_captured(capture(batch)), devices.pop() if devices else 0, streams)  # type: ignore[arg-type]
-
-
-_DLPACK_CODES = {"i": 0, "u": 1, "f": 2}  # kDLInt, kDLUInt, kDLFloat
-_DLPACK_CPU, _DLPACK_CUDA = 1, 2
-
-
-class ColumnView:
-    """A zero-copy view of one numeric column of imported data, for array libraries.
-
-    Made by :func:`column_view`. Speaks DLPack (``numpy.from_dlpack``, ``cupy.from_dlpack``,
-    ``torch.from_dlpack``) for host and CUDA data, and ``__cuda_array_interface__`` (v3) for CUDA
-    data. Every tensor handed out holds a reference on the imported message, so the data (and the
-    lease) live as long as the view or anything built from it.
-    """
-
-    def __init__(
-        self,
-        owner: Any,
-        pointer: int,
-        length: int,
-        *,
-        typestr: str,
-        device_type: int,
-        device_id: int,
-        event: int,
-    ) -> None:
-        self._owner = ffi.gc(owner, lib.aib_owner_unref)  # our own reference on the imported message
-        lib.aib_owner_ref(owner)
-        self._pointer = pointer
-        self._length = length
-        self._typestr = typestr
-        self._device_type = device_type
-        self._device_id = device_id
-        self._event = event  # producer's CUevent still to honour in __dlpack__(stream=...); 0: none
-        if device_type == DEVICE_CUDA:
-            self.__cuda_array_interface__ = {
-                "shape": (length,),
-                "typestr": typestr,
-                "data": (pointer, True),
-                "version": 3,
-                "strides": None,
-                "stream": None,  # ordering was settled by column_view (event wait or host sync)
-            }
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        if self._device_type == DEVICE_CUDA:
-            return (_DLPACK_CUDA, self._device_id)
-        return (_DLPACK_CPU, 0)
-
-    def __dlpack__(self, *, stream: int | None = None, **kwargs: object) -> object:
-        """A legacy ``dltensor`` capsule; with a CUDA ``stream``, that stream waits for the producer."""
-        for key, value in kwargs.items():
-            if key not in ("max_version", "dl_device", "copy") or (key == "copy" and value):
-                raise BufferError(f"column views do not support __dlpack__({key}={value!r})")
-        if self._event and stream not in (None, -1):
-            from arrow_ipc_bridge import cuda
-
-            cuda.stream_wait_event(stream, self._event, device=self._device_id)
-        typestr = self._typestr
-        return dlpack_capsule(
-            owner_address(self._owner),
-            self._pointer,
-            self.__dlpack_device__()[0],
-            self.__dlpack_device__()[1],
-            _DLPACK_CODES[typestr[1]],
-            int(typestr[2:]) * 8,
-            self._length,
-        )
-
-
-def column_view(imported: ImportedArray, column: int | str = 0, *, stream: int | None = None) -> ColumnView:
-    """A zero-copy view of a numeric column (int8..uint64, float16/32/64, no nulls) of imported data.
-
-    Parameters
-    ----------
-    imported
-        An imported record batch (or a numeric array: ``column=0``), in host memory or on a CUDA device.
-    column
-        Index or field name.
-    stream
-        CUDA data only: a stream (``cupy.cuda.Stream.ptr``, ``torch.cuda.Stream.cuda_stream``) that
-        should wait for the producer's writes before anything it runs reads the view; without one,
-        this call waits on the host until they are done.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> values = np.from_dlpack(aib.column_view(imported, "x"))  # doctest: +SKIP
-    >>> gpu = cupy.asarray(aib.column_view(imported_gpu, "x", stream=s.ptr))  # doctest: +SKIP
-    """
-    if imported.device_type not in (DEVICE_CPU, DEVICE_CUDA):
-        raise BridgeError(f"column views support host and CUDA data, not device type {imported.device_type}")
-    schema_capsule, array_capsule = imported.__arrow_c_device_array__()
-    schema = capsule_struct(schema_capsule, "schema")
-    device_array = capsule_struct(array_capsule, "device_array")
-    node, field = device_array.array, schema
-    if ffi.string(schema.format) == b"+s":
-        index = column if isinstance(column, int) else _field_index(schema, column)
-        if not 0 <= index < schema.n_children:
-            raise BridgeError(f"no column {column!r} (the batch has {schema.n_children})")
-        node, field = node.children[index], schema.children[index]
-    elif column not in (0, None):
-        raise BridgeError("a plain array has one column: 0")
-    fmt = ffi.string(field.format).decode()
-    typestr = _FORMAT_TYPESTRS.get(fmt)
-    if typestr is None or field.dictionary != ffi.NULL:
-        raise BridgeError(f"column format {fmt!r} has no plain-array equivalent (numbers only)")
-    if node.null_count != 0:
-        raise BridgeError("the column has nulls (or an unknown null count); a plain array cannot show them")
-    event = 0
-    if device_array.sync_event != ffi.NULL:
-        from arrow_ipc_bridge import cuda
-
-        event = cuda.event_value(device_array.sync_event)
-        if stream is None:
-            cuda.event_synchronize(event)
-        else:
-            cuda.stream_wait_event(stream, event, device=int(device_array.device_id))
-    itemsize = int(typestr[2:])
-    pointer = int(ffi.cast("uintptr_t", node.buffers[1])) + int(node.offset) * itemsize
-    return ColumnView(
-        imported._live().owner,
-        pointer,
-        int(node.length),
-        typestr=typestr,
-        device_type=imported.device_type,
-        device_id=int(device_array.device_id),
-        event=event,
-    )
-
-
-def _field_index(schema: Any, name: str) -> int:
-    for i in range(schema.n_children):
-        child = schema.children[i]
-        if child.name != ffi.NULL and ffi.string(child.name).decode() == name:
-            return i
-    raise BridgeError(f"no column named {name!r}")

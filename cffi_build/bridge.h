@@ -154,8 +154,8 @@ int aib_array_share(const struct ArrowArray *src, aib_owner *owner, struct Arrow
 int aib_device_stream_from_capture(aib_owner *owner, struct ArrowDeviceArrayStream *out, aib_error *err);
 int aib_stream_from_capture(aib_owner *owner, struct ArrowArrayStream *out, aib_error *err);
 
-/* ---------- DLPack (legacy "dltensor" capsules) for zero-copy column views -----------------------
- * The DLPack 0.8 ABI, enough for a 1-D contiguous tensor. The managed tensor holds a reference on
+/* ---------- DLPack ("dltensor" and "dltensor_versioned" capsules) for zero-copy column views -----
+ * The DLPack 0.8 and 1.0 ABIs, enough for a 1-D contiguous tensor. The managed tensor holds a reference on
  * the owner of the memory; its deleter drops it. */
 typedef struct DLDevice {
   int32_t device_type; /* kDLCPU = 1, kDLCUDA = 2 */
@@ -183,6 +183,24 @@ typedef struct DLManagedTensor {
   void *manager_ctx;
   void (*deleter)(struct DLManagedTensor *self);
 } DLManagedTensor;
+
+/* DLPack 1.x: the versioned managed tensor ("dltensor_versioned" capsules), which carries the ABI
+ * version and flags; we set READ_ONLY for host memory (the consumer's mappings are read-only). */
+#define AIB_DLPACK_MAJOR 1
+#define AIB_DLPACK_MINOR 0
+#define AIB_DLPACK_FLAG_READ_ONLY 1
+typedef struct DLPackVersion {
+  uint32_t major;
+  uint32_t minor;
+} DLPackVersion;
+
+typedef struct DLManagedTensorVersioned {
+  DLPackVersion version;
+  void *manager_ctx;
+  void (*deleter)(struct DLManagedTensorVersioned *self);
+  uint64_t flags;
+  DLTensor dl_tensor;
+} DLManagedTensorVersioned;
 
 
 /* ---------- layout rules ----------------------------------------------------------------------- */

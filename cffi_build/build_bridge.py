@@ -32,6 +32,7 @@ C_SOURCES = [
     "cuda_batch.c",
     "region_table.c",
     "sync_event.c",
+    "columns.c",
     "py_capsules.c",
     "host_system.c",
 ]

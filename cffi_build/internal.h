@@ -51,6 +51,31 @@ uint64_t aib_hash_bytes(const uint8_t *p, size_t n);
  * NULL when out of memory. py_capsules.c wraps it in a "dltensor" capsule. */
 DLManagedTensor *aib_dlpack_new(aib_owner *owner, uint64_t data, int32_t device_type, int32_t device_id,
                                 uint8_t code, uint8_t bits, int64_t length);
+/* The same in the versioned ABI (DLPack 1.x, "dltensor_versioned" capsules); flags are
+ * AIB_DLPACK_FLAG_* (READ_ONLY for memory the consumer must not write). */
+DLManagedTensorVersioned *aib_dlpack_versioned_new(aib_owner *owner, uint64_t data, int32_t device_type,
+                                                   int32_t device_id, uint8_t code, uint8_t bits, int64_t length,
+                                                   uint64_t flags);
+
+/* One top-level column of an imported batch, as a plain array sees it (columns.c). */
+typedef struct aib_column_fact {
+  const char *name; /* in the decode (not NUL-terminated: name_len bytes), valid while it lives */
+  size_t name_len;
+  int numeric;        /* index of its type in columns.c's numeric table (int8..float64), -1: none */
+  int64_t length;     /* rows */
+  int64_t null_count; /* -1: unknown, or the rows themselves have nulls */
+  uint64_t data;      /* address of the first value in this process; 0 when there is none (no rows) */
+} aib_column_fact;
+/* The columns of batch `batch` of a decode (a struct root's children, else the root alone), with
+ * the regions' bases in this process: AIB_E_STATE for a batch out of range or a column's region not
+ * mapped, AIB_E_LIMIT when there are more than capacity columns (*n_out is then 0). */
+/* Whether the root is a struct (a record batch: its children are the columns), and how many columns. */
+int aib_decoded_is_record_batch(const aib_decoded *d);
+size_t aib_decoded_column_count(const aib_decoded *d);
+int aib_decoded_columns(const aib_decoded *d, int64_t batch, const uint64_t *bases, size_t n_bases,
+                        aib_column_fact *out, size_t capacity, size_t *n_out, aib_error *err);
+/* The DLPack type (code, bits) of a numeric index from aib_decoded_columns; 0 when there is none. */
+int aib_numeric_dlpack_type(int numeric, uint8_t *code, uint8_t *bits);
 
 /* The driver's cuEventQuery as set by aib_cuda_set_driver (cuda_batch.c), or 0. */
 uintptr_t aib_cuda_event_query(void);

@@ -408,12 +408,21 @@ int aib_stream_from_decoded(aib_owner *owner, const uint64_t *region_bases, size
   return AIB_OK;
 }
 
-/* ---------- DLPack ------------------------------------------------------------------------------ */
+/* ---------- DLPack ------------------------------------------------------------------------------
+ * A 1-D tensor over memory the core does not copy, in either ABI: the legacy DLManagedTensor (0.x)
+ * or the versioned DLManagedTensorVersioned (1.x). One allocation holds the managed tensor, its
+ * shape and the owner reference its deleter drops. */
 typedef struct dlpack_block {
   DLManagedTensor tensor;
   int64_t shape[1];
   aib_owner *owner;
 } dlpack_block;
+
+typedef struct dlpack_versioned_block {
+  DLManagedTensorVersioned tensor;
+  int64_t shape[1];
+  aib_owner *owner;
+} dlpack_versioned_block;
 
 static void dlpack_delete(DLManagedTensor *self) {
   if (self == NULL) return;
@@ -423,23 +432,53 @@ static void dlpack_delete(DLManagedTensor *self) {
   aib_owner_unref(owner);
 }
 
+static void dlpack_versioned_delete(DLManagedTensorVersioned *self) {
+  if (self == NULL) return;
+  dlpack_versioned_block *b = (dlpack_versioned_block *)self;
+  aib_owner *owner = b->owner;
+  free(b);
+  aib_owner_unref(owner);
+}
+
+static void dlpack_fill(DLTensor *t, int64_t *shape, uint64_t data, int32_t device_type, int32_t device_id,
+                        uint8_t code, uint8_t bits, int64_t length) {
+  shape[0] = length;
+  t->data = (void *)(uintptr_t)data;
+  t->device.device_type = device_type;
+  t->device.device_id = device_id;
+  t->ndim = 1;
+  t->dtype.code = code;
+  t->dtype.bits = bits;
+  t->dtype.lanes = 1;
+  t->shape = shape;
+  t->strides = NULL; /* compact row-major */
+  t->byte_offset = 0;
+}
+
 DLManagedTensor *aib_dlpack_new(aib_owner *owner, uint64_t data, int32_t device_type, int32_t device_id,
                                 uint8_t code, uint8_t bits, int64_t length) {
   dlpack_block *b = calloc(1, sizeof(*b));
   if (b == NULL) return NULL;
-  b->shape[0] = length;
+  dlpack_fill(&b->tensor.dl_tensor, b->shape, data, device_type, device_id, code, bits, length);
   b->owner = owner;
   aib_owner_ref(owner);
-  b->tensor.dl_tensor.data = (void *)(uintptr_t)data;
-  b->tensor.dl_tensor.device.device_type = device_type;
-  b->tensor.dl_tensor.device.device_id = device_id;
-  b->tensor.dl_tensor.ndim = 1;
-  b->tensor.dl_tensor.dtype.code = code;
-  b->tensor.dl_tensor.dtype.bits = bits;
-  b->tensor.dl_tensor.dtype.lanes = 1;
-  b->tensor.dl_tensor.shape = b->shape;
-  b->tensor.dl_tensor.strides = NULL; /* compact row-major */
   b->tensor.manager_ctx = b;
   b->tensor.deleter = dlpack_delete;
+  return &b->tensor;
+}
+
+DLManagedTensorVersioned *aib_dlpack_versioned_new(aib_owner *owner, uint64_t data, int32_t device_type,
+                                                   int32_t device_id, uint8_t code, uint8_t bits, int64_t length,
+                                                   uint64_t flags) {
+  dlpack_versioned_block *b = calloc(1, sizeof(*b));
+  if (b == NULL) return NULL;
+  dlpack_fill(&b->tensor.dl_tensor, b->shape, data, device_type, device_id, code, bits, length);
+  b->owner = owner;
+  aib_owner_ref(owner);
+  b->tensor.version.major = AIB_DLPACK_MAJOR;
+  b->tensor.version.minor = AIB_DLPACK_MINOR;
+  b->tensor.flags = flags;
+  b->tensor.manager_ctx = b;
+  b->tensor.deleter = dlpack_versioned_delete;
   return &b->tensor;
 }
