@@ -24,7 +24,7 @@ from helpers.arrow_types import (
     kinds_in,
 )
 from helpers.arrow_values import arrays_of_type, arrow_arrays, arrow_schemas, record_batches, tables
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, assume, find, given, settings
 from hypothesis import strategies as st
 
 # Own settings only (the project-wide profile lives in conftest.py): no example database, no deadline.
@@ -641,10 +641,24 @@ def test_ipc_stream_round_trip_compares_equal(table: pa.Table) -> None:
     extension<dictionary storage> (the C data interface can), so pyarrow reads the former back as
     the latter, or fails for uuid/json/bool8 ("Invalid storage type ...").
     """
+    # pyarrow's IPC reader turns a dictionary whose values are a dictionary into one dictionary of
+    # the inner values (pyarrow 26, any length), so such types cannot come back equal.
+    assume(not any(_has_dictionary_of_dictionary(field.type) for field in table.schema))
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     assert_arrays_equal(pa.ipc.open_stream(sink.getvalue()).read_all(), table)
+
+
+def _has_dictionary_of_dictionary(dtype: pa.DataType) -> bool:
+    """Whether a dictionary type with dictionary values occurs anywhere inside ``dtype``."""
+    if pa.types.is_dictionary(dtype):
+        if pa.types.is_dictionary(dtype.value_type):
+            return True
+        return _has_dictionary_of_dictionary(dtype.value_type)
+    if isinstance(dtype, pa.ExtensionType):
+        return _has_dictionary_of_dictionary(dtype.storage_type)
+    return any(_has_dictionary_of_dictionary(dtype.field(i).type) for i in range(dtype.num_fields))
 
 
 @settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
