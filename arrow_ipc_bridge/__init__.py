@@ -41,6 +41,7 @@ from arrow_ipc_bridge.errors import (
     TransportError,
     UnreadAnswersError,
     UnsupportedFormatError,
+    WaitTimeoutError,
     WireFormatError,
 )
 from arrow_ipc_bridge.exporter import Exported, ExportStats, export
@@ -99,4 +100,5 @@ __all__ = [
     "TransportError",
     "UnsupportedFormatError",
     "WireFormatError",
+    "WaitTimeoutError",
 ]
