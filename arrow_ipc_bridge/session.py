@@ -136,6 +136,7 @@ class Session:
         self._timeout: float | None = None
         self._timeout_ms = -1
         self._closed = False
+        self._waiting: set[int] = set()  # threads in get_next / get(wait=): close() wakes them
         self.publisher_info: dict[str, object] = {}
         self.remembered_gets = 0
         """Gets answered with a remembered message and imported by the C core (the steady state)."""
@@ -562,16 +563,25 @@ class Session:
     def _get_version(self, name: str, *, after: int, timeout: float | None) -> Imported:
         """WAIT for a version over ``after`` (``waiting.py``), then import it like a GET's answer."""
         raw_name = protocol.encode_name(name)
-        channel = self._connection()
-        features = self.publisher_info.get("features")
-        if not isinstance(features, list) or "watch" not in features:
-            raise BridgeError(
-                'this publisher cannot wait for names or versions (it does not offer the "watch" '
-                "feature: an older version): upgrade it, or get without waiting"
+        me = threading.get_ident()
+        self._waiting.add(me)  # before the closed check: close() either sees us or we see it closed
+        try:
+            channel = self._connection()
+            features = self.publisher_info.get("features")
+            if not isinstance(features, list) or "watch" not in features:
+                raise BridgeError(
+                    'this publisher cannot wait for names or versions (it does not offer the "watch" '
+                    "feature: an older version): upgrade it, or get without waiting"
+                )
+            answer = waiting.wait_for_version(
+                channel, self._request_lock, raw_name, after=after, timeout=timeout, grace=self._timeout
             )
-        answer = waiting.wait_for_version(
-            channel, self._request_lock, raw_name, after=after, timeout=timeout, grace=self._timeout
-        )
+        finally:
+            self._waiting.discard(me)
+        return self._import_versioned(channel, answer, name)
+
+    def _import_versioned(self, channel: Channel, answer: waiting.Versioned, name: str) -> Imported:
+        """Import a wait's answer like a GET's ITEM (its lease given back when the import dies)."""
         frame = answer.frame
         try:
             lease = _Lease(channel, answer.lease_id)
@@ -668,6 +678,10 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        if self._waiting and self._channel is not None and self._pid == _process.pid:
+            # A wait held by the publisher holds the request lock for its whole time: end it now
+            # (it raises PeerClosedError). The publisher then ends this connection's leases at once.
+            self._channel.close()
         if self._pid != _process.pid:
             # A fork child's copy: the leases, the remembered messages and the connection are the
             # parent's (and its locks may have been held at the fork). Only our descriptor goes.

@@ -461,7 +461,9 @@ int aib_serve(aib_server_conn *c, int64_t idle_ms, aib_frame *out, aib_error *er
  * lock orders them with its other sends). lease_newer leases the entry published as name when its
  * version is over after and sends VERSIONED_ITEM (lease id, version, message; fds), setting
  * *version; AIB_SERVE_ABSENT (not published) and AIB_SERVE_NOT_NEWER send nothing, and so do the
- * limit returns above. send sends one frame without descriptors (an ERROR answering a wait). */
+ * limit returns above. send sends one frame without descriptors (an ERROR answering a wait). Both
+ * wait at most timeout_ms for the mutex too (AIB_E_TIMEOUT: the loop is stuck answering a client
+ * that does not read). */
 #define AIB_SERVE_ABSENT 105
 #define AIB_SERVE_NOT_NEWER 106
 int aib_server_conn_lease_newer(aib_server_conn *c, const uint8_t *name, size_t name_len, uint64_t after,

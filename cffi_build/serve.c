@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <sys/resource.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -435,9 +436,26 @@ int aib_serve(aib_server_conn *c, int64_t idle_ms, aib_frame *out, aib_error *er
   }
 }
 
+/* Takes c->mu within timeout_ms (< 0: no limit): the serve loop holds it while it sends an answer,
+ * which may wait for a client that does not read; a held wait's answer gives up instead. */
+static int lock_within(aib_server_conn *c, int64_t timeout_ms, aib_error *err) {
+  if (timeout_ms < 0) return pthread_mutex_lock(&c->mu) == 0 ? AIB_OK : aib_fail(err, AIB_E_STATE, "", "", "lock failed");
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += (time_t)(timeout_ms / 1000);
+  until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+  if (until.tv_nsec >= 1000000000L) {
+    until.tv_sec++;
+    until.tv_nsec -= 1000000000L;
+  }
+  int rc = pthread_mutex_timedlock(&c->mu, &until);
+  if (rc == 0) return AIB_OK;
+  return aib_fail(err, AIB_E_TIMEOUT, "", "", "the connection stayed busy answering (a client that does not read)");
+}
+
 int aib_server_conn_lease_newer(aib_server_conn *c, const uint8_t *name, size_t name_len, uint64_t after,
                                 int64_t timeout_ms, uint64_t *version, aib_error *err) {
-  pthread_mutex_lock(&c->mu);
+  if (lock_within(c, timeout_ms, err)) return AIB_E_TIMEOUT;
   entry *e = take(c->table, name, name_len);
   int rc;
   if (e == NULL) {
@@ -455,7 +473,7 @@ int aib_server_conn_lease_newer(aib_server_conn *c, const uint8_t *name, size_t 
 
 int aib_server_conn_send(aib_server_conn *c, uint32_t kind, const uint8_t *payload, size_t length,
                          int64_t timeout_ms, aib_error *err) {
-  pthread_mutex_lock(&c->mu);
+  if (lock_within(c, timeout_ms, err)) return AIB_E_TIMEOUT;
   int rc = aib_channel_send(c->ch, kind, payload, length, NULL, 0, NULL, 0, timeout_ms, err);
   pthread_mutex_unlock(&c->mu);
   return rc;

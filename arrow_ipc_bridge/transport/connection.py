@@ -188,9 +188,12 @@ def connect(
         try:
             return _connect_once(spath, timeout, deadline, max_payload)
         except TransportError as exc:
-            # Missing or refusing: a server may be on its way (it binds, then listens). Permission
-            # and other errors will not mend themselves.
-            if not isinstance(exc.__cause__, FileNotFoundError | ConnectionRefusedError):
+            # Missing, or a socket that refuses: a server may be on its way (it replaces a stale
+            # socket file, binds, then listens). Anything else (permission denied, a path that is
+            # not a socket, which no server would replace) will not mend itself.
+            if not isinstance(exc.__cause__, FileNotFoundError) and not (
+                isinstance(exc.__cause__, ConnectionRefusedError) and _is_socket(spath)
+            ):
                 raise
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -252,6 +255,13 @@ def _connect_once(spath: str, timeout: float, deadline: float, max_payload: int)
     except BaseException:
         sock.close()
         raise
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return True  # gone meanwhile: as good as missing, worth another try
 
 
 def _describe_refused(path: str) -> str:
