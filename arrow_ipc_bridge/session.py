@@ -593,7 +593,7 @@ class Session:
                     lease()
                 raise
         finally:
-            frame.close_fds()  # the mappings keep the files alive
+            frame.close_fds()  # the mappings hold the files open
         imported.version = answer.version
         publisher_id = self.publisher_info.get("publisher_id")
         imported.publisher_id = publisher_id if isinstance(publisher_id, str) else None

@@ -414,7 +414,6 @@ static int serve_one(aib_server_conn *c, aib_frame *out, aib_error *err) {
     return aib_channel_send(c->ch, FRAME_PONG, out->payload, (size_t)out->length, NULL, 0, NULL, 0,
                             c->send_timeout_ms, err);
   if (out->kind != FRAME_GET) return AIB_SERVE_FRAME;
-  if (c->max_leases >= 0 && (int64_t)c->count >= c->max_leases) return AIB_SERVE_LEASE_LIMIT;
   entry *e = take(c->table, out->payload, (size_t)out->length);
   if (e == NULL) return AIB_SERVE_FRAME; /* Python answers NotPublished (or a bad name) */
   return lease_and_send(c, e, 0, c->send_timeout_ms, err);

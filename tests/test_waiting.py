@@ -109,7 +109,7 @@ def test_connect_wait_for_publisher_arguments(sock_dir: str) -> None:
     path = os.path.join(sock_dir, "args.sock")
     with pytest.raises(TypeError, match="wait_for_publisher must be a bool"):
         aib.connect(path, wait_for_publisher=1)  # type: ignore[arg-type]
-    for bad in (-1.0, math.nan):
+    for bad in (-1.0, math.nan):  # the wait's bound must be a number >= 0
         with pytest.raises(ValueError, match="timeout must be"):
             aib.connect(path, timeout=bad, wait_for_publisher=True)
 
