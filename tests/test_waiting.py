@@ -461,7 +461,8 @@ def test_a_client_that_does_not_read_its_answer_is_disconnected(publisher: aib.P
                 time.sleep(0.01)
         started = time.monotonic()
         publisher.publish("flood", pa.array([1]))
-        assert time.monotonic() - started < SOON
+        # ~1 s (the answer gives up); the serving thread itself stays stuck for its 10 s send timeout.
+        assert time.monotonic() - started < 5.0
         ok = wait_for(lambda: publisher.held_waits == 0 and publisher.active_sessions == 0, SOON)
         assert ok, (publisher.held_waits, publisher.active_sessions, time.monotonic() - started)
     finally:
