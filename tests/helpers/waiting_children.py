@@ -1,4 +1,4 @@
-"""Children for tests/test_waiting.py and benchmarks/bench_watch.py, started with ``spawn``."""
+"""Children for tests/test_waiting.py, started with ``spawn``."""
 
 from __future__ import annotations
 
@@ -18,22 +18,4 @@ def late_publisher_main(conn: Any, path: str, delay: float) -> None:
         pub.publish("late", pa.array([1, 2, 3]))
         conn.send(("published", pub.publisher_id))
         conn.recv()  # "stop"
-    conn.send(("bye",))
-
-
-def stepping_publisher_main(conn: Any, path: str) -> None:
-    """A publisher that publishes "step" = [i] (a host array) each time it is sent ("publish", i),
-    answering ("published", perf_counter_ns before the publish, after it, the version); ("stop",)
-    ends it."""
-    with aib.Publisher(path) as pub:
-        conn.send(("ready", pub.publisher_id))
-        while True:
-            command = conn.recv()
-            if command[0] == "stop":
-                break
-            data = pa.array([command[1]], pa.int64())
-            started = time.perf_counter_ns()
-            pub.publish("step", data)
-            ended = time.perf_counter_ns()
-            conn.send(("published", started, ended, pub.version("step")))
     conn.send(("bye",))
