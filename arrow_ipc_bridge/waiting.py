@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 from arrow_ipc_bridge import protocol
 from arrow_ipc_bridge.channel import Channel, Frame
@@ -84,7 +85,7 @@ def wait_for_version(
         channel.send(protocol.WAIT, payload, timeout=grace)
         read_for = None if timeout is None or grace is None else timeout + grace
         try:
-            frame = channel.recv(timeout=read_for)
+            frame = _read_answer(channel, read_for)
         except BridgeTimeoutError as exc:
             channel.close()  # the publisher may still answer: that answer must not be misread
             raise BridgeTimeoutError(
@@ -92,6 +93,9 @@ def wait_for_version(
                 "(connection closed)",
                 timeout=read_for,
             ) from exc
+        except BaseException:
+            channel.close()  # interrupted (KeyboardInterrupt): the held wait's answer would be misread
+            raise
     if frame.kind == protocol.ERROR:
         frame.close_fds()
         protocol.raise_error(frame.payload)
@@ -106,3 +110,20 @@ def wait_for_version(
         channel.close()  # out of step with the publisher
         raise
     return Versioned(lease_id, version, message, frame)
+
+
+def _read_answer(channel: Channel, timeout: float | None) -> Frame:
+    """The answer, read in slices of at most :data:`_SLICE` seconds: the C receive does not return
+    for signals, and a wait may be long, so Python gets a chance to run its signal handlers (Ctrl-C)
+    between slices. A slice that ends before the answer's first byte leaves the channel in step."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = _SLICE if deadline is None else min(_SLICE, max(deadline - time.monotonic(), 0.0))
+        try:
+            return channel.recv(timeout=left)
+        except BridgeTimeoutError:
+            if channel.closed or (deadline is not None and time.monotonic() >= deadline):
+                raise
+
+
+_SLICE = 1.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import signal
 import socket
 import struct
 import threading
@@ -469,6 +470,33 @@ def test_a_client_that_does_not_read_its_answer_is_disconnected(publisher: aib.P
         flood.close()
         raw.close()
     assert wait_for(lambda: publisher.active_leases == 0, SOON)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_wait_without_limit_can_be_interrupted(publisher: aib.Publisher) -> None:
+    """A signal handler that raises (Ctrl-C's KeyboardInterrupt) ends a wait without a limit within
+    about a second; the connection is closed, since the publisher may still answer."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with aib.connect(publisher.path, timeout=5.0) as session:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            started = time.monotonic()
+            with pytest.raises(_Interrupted):
+                session.get_next("never", after=0, timeout=None)
+            assert time.monotonic() - started < SOON
+            assert session._channel is not None
+            assert session._channel.closed
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert wait_for(lambda: publisher.held_waits == 0, SOON)
 
 
 # ---------- older publishers and malformed frames -------------------------------------------------
