@@ -147,6 +147,23 @@ def test_get_waits_for_a_name_published_later(sock_dir: str) -> None:
         assert pub.held_waits == 0
 
 
+def test_waits_held_on_parked_connections(sock_dir: str) -> None:
+    """A wait longer than park_after: its connection parks (no serving thread) with the wait held,
+    the publish answers it there, and a parked waiter that disconnects takes its wait with it."""
+    pub = aib.Publisher(os.path.join(sock_dir, "park.sock"), park_after=0.1)
+    with pub, aib.connect(pub.path, timeout=5.0) as session:
+        publishing = _later(1.0, lambda: pub.publish("slow", pa.array([1])))
+        with session.get("slow", wait=30.0) as imported:
+            assert _values(imported) == [1]
+        publishing.join()
+        raw = transport.connect(pub.path, timeout=5.0)
+        raw_hello(raw)
+        raw.send(protocol.WAIT, protocol.encode_wait(pub.version("slow"), 60_000, b"slow"))
+        assert wait_for(lambda: pub.held_waits == 1 and pub.serving_sessions == 0, SOON)
+        raw.close()
+        assert wait_for(lambda: pub.held_waits == 0 and pub.active_sessions == 1, SOON)
+
+
 def test_get_wait_for_a_published_name_answers_at_once(publisher: aib.Publisher) -> None:
     publisher.publish("here", pa.array([1]))
     with aib.connect(publisher.path, timeout=5.0) as session:
