@@ -182,6 +182,7 @@ class Publisher:
             raise MemoryError("allocating a publication keeper")
         fds = list(exported.fds)
         err = new_error()
+        waiting: list[HeldWait] = []  # sessions' held waits this publish answers
         try:
             with self._lock:
                 if self._server.closed:  # closed while we exported
