@@ -79,6 +79,10 @@ class WaitingConnection:
         with self._lock:
             self._open = False
 
+    @property
+    def closed(self) -> bool:
+        return not self._open
+
     def answer(self, raw_name: bytes, after: int) -> str:
         """Lease and send the newest version of ``raw_name`` if it is over ``after``."""
         version = ffi.new("uint64_t *")
@@ -249,6 +253,10 @@ class Watch:
         when it was registered or answered."""
         error: BridgeError | None = None
         with self._lock:
+            if wait.conn.closed:
+                # Gone (Watch.forget ran or is about to: it closes the connection first, so a wait
+                # registered here before that would still be dropped by it).
+                return False
             if self._closed:
                 error = _closing()
             elif self._current.get(wait.raw_name, 0) > wait.after:
