@@ -382,6 +382,56 @@ def test_many_waiters_at_once(publisher: aib.Publisher) -> None:
     assert wait_for(lambda: publisher.active_leases == 0, 5.0)
 
 
+def test_waiters_follow_a_fast_publisher(publisher: aib.Publisher) -> None:
+    """Four consumers loop on get_next while a thread publishes as fast as it can, sometimes
+    unpublishing first: each consumer sees strictly growing versions, each the data that version
+    was published with, and nothing hangs or leaks."""
+    published: dict[int, int] = {}  # version -> value
+    stop = threading.Event()
+
+    def produce() -> None:
+        value = 0
+        while not stop.is_set():
+            value += 1
+            if value % 50 == 0:
+                publisher.unpublish("fast")
+            publisher.publish("fast", pa.array([value]))
+            published[publisher.version("fast")] = value
+
+    seen: dict[int, list[tuple[int, int]]] = {i: [] for i in range(4)}
+    failures: list[BaseException] = []
+
+    def consume(i: int) -> None:
+        try:
+            with aib.connect(publisher.path, timeout=10.0) as session:
+                after = 0
+                for _ in range(100):
+                    with session.get_next("fast", after=after, timeout=30.0) as item:
+                        assert item.version is not None
+                        seen[i].append((item.version, _values(item)[0]))
+                        after = item.version
+        except BaseException as exc:
+            failures.append(exc)
+
+    producer = threading.Thread(target=produce)
+    consumers = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
+    producer.start()
+    for thread in consumers:
+        thread.start()
+    for thread in consumers:
+        thread.join(60.0)
+    stop.set()
+    producer.join(SOON)
+    assert not failures, failures
+    for got in seen.values():
+        assert len(got) == 100
+        versions = [version for version, _ in got]
+        assert versions == sorted(set(versions))
+        assert all(published[version] == value for version, value in got)
+    assert publisher.held_waits == 0
+    assert wait_for(lambda: publisher.active_leases == 0, SOON)
+
+
 # ---------- the publisher closing, the consumer leaving -------------------------------------------
 def test_publisher_close_wakes_every_waiter_with_a_clear_error(sock_dir: str) -> None:
     pub = aib.Publisher(os.path.join(sock_dir, "closing.sock"))
