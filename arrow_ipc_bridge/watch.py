@@ -267,6 +267,7 @@ class Watch:
                 wait.held = True
                 self._waits.setdefault(wait.raw_name, []).append(wait)
                 if wait.deadline is not None:
+                    self._prune_deadlines()
                     heapq.heappush(self._deadlines, (wait.deadline, next(self._order), wait))
                     self._start_clock()
                 return False
@@ -292,7 +293,13 @@ class Watch:
     def held_waits(self) -> int:
         """Waits held now (all connections)."""
         with self._lock:
-            return sum(len(waits) for waits in self._waits.values())
+            return self._held_count()
+
+    @property
+    def pending_deadlines(self) -> int:
+        """Deadlines in the clock's heap, answered ones not yet pruned included (a diagnostic)."""
+        with self._lock:
+            return len(self._deadlines)
 
     # ---------- deadlines ---------------------------------------------------------------------------------
     def _start_clock(self) -> None:
@@ -324,6 +331,18 @@ class Watch:
                     self._clock_wakes.wait(self._deadlines[0][0] - now)
             for wait in expired:  # answered outside the lock
                 wait.conn.fail(wait.timed_out())
+
+    def _prune_deadlines(self) -> None:
+        """(Under the lock.) Waits answered before their deadline stay in the heap until it comes
+        up; a consumer looping on get_next with a long timeout would pile them up, so the heap is
+        rebuilt from the waits still held once most of it is stale (amortised O(1) per wait)."""
+        if len(self._deadlines) < 64 or len(self._deadlines) < 2 * self._held_count():
+            return
+        self._deadlines = [entry for entry in self._deadlines if entry[2].held]
+        heapq.heapify(self._deadlines)
+
+    def _held_count(self) -> int:
+        return sum(len(waits) for waits in self._waits.values())
 
     def _unhold(self, wait: HeldWait) -> None:
         """(Under the lock.) Take ``wait`` out of the book."""
