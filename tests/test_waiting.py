@@ -430,7 +430,34 @@ def test_waiters_follow_a_fast_publisher(publisher: aib.Publisher) -> None:
         assert all(published[version] == value for version, value in got)
     assert publisher.held_waits == 0
     assert wait_for(lambda: publisher.active_leases == 0, SOON)
-    # 400 waits with a 30 s deadline were answered at once: the clock's heap does not keep them all.
+
+
+def test_answered_waits_do_not_pile_up_in_the_deadline_heap(publisher: aib.Publisher) -> None:
+    """300 held waits with a 30 s deadline, each answered by a publish: the clock's heap is pruned of
+    the answered ones instead of keeping each until its deadline."""
+    publisher.publish("loop", pa.array([0]))
+    done = threading.Event()
+
+    def produce() -> None:
+        for value in range(1, 301):
+            if not wait_for(lambda: publisher.held_waits == 1 or done.is_set(), SOON):
+                return
+            publisher.publish("loop", pa.array([value]))
+            wait_for(lambda: publisher.held_waits == 0, SOON)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        with aib.connect(publisher.path, timeout=5.0) as session:
+            after = publisher.version("loop")
+            for value in range(1, 301):
+                with session.get_next("loop", after=after, timeout=30.0) as item:
+                    assert _values(item) == [value]
+                    assert item.version is not None
+                    after = item.version
+    finally:
+        done.set()
+        producer.join(SOON)
     assert publisher._watch.pending_deadlines <= 128
 
 
