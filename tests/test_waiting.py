@@ -433,17 +433,22 @@ def test_waiters_follow_a_fast_publisher(publisher: aib.Publisher) -> None:
 
 
 def test_answered_waits_do_not_pile_up_in_the_deadline_heap(publisher: aib.Publisher) -> None:
-    """300 held waits with a 30 s deadline, each answered by a publish: the clock's heap is pruned of
-    the answered ones instead of keeping each until its deadline."""
+    """300 held waits with a 30 s deadline, each answered by a publish, behind one that waits 60 s
+    (the heap's top, so the clock never reaches the answered ones): the heap is pruned of them
+    instead of keeping each until its deadline."""
     publisher.publish("loop", pa.array([0]))
     done = threading.Event()
+    raw = transport.connect(publisher.path, timeout=5.0)
+    raw_hello(raw)
+    raw.send(protocol.WAIT, protocol.encode_wait(0, 60_000, b"never"))
+    assert wait_for(lambda: publisher.held_waits == 1, SOON)
 
     def produce() -> None:
         for value in range(1, 301):
-            if not wait_for(lambda: publisher.held_waits == 1 or done.is_set(), SOON):
+            if not wait_for(lambda: publisher.held_waits == 2 or done.is_set(), SOON):
                 return
             publisher.publish("loop", pa.array([value]))
-            wait_for(lambda: publisher.held_waits == 0, SOON)
+            wait_for(lambda: publisher.held_waits == 1, SOON)
 
     producer = threading.Thread(target=produce)
     producer.start()
@@ -455,10 +460,11 @@ def test_answered_waits_do_not_pile_up_in_the_deadline_heap(publisher: aib.Publi
                     assert _values(item) == [value]
                     assert item.version is not None
                     after = item.version
+        assert publisher._watch.pending_deadlines <= 128
     finally:
         done.set()
         producer.join(SOON)
-    assert publisher._watch.pending_deadlines <= 128
+        raw.close()
 
 
 # ---------- the publisher closing, the consumer leaving -------------------------------------------
