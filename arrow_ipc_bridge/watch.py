@@ -135,8 +135,10 @@ class WaitingConnection:
                 finally:
                     send_lock.release()
         if failure is not None:
-            # Closed outside the locks: close() takes the channel's locks itself.
-            _log.warning("arrow_ipc_bridge: closing a waiting session: %s", failure)
+            # Closed outside the locks: close() takes the channel's locks itself. A client that
+            # left meanwhile is no news; one that stopped reading is.
+            level = logging.DEBUG if isinstance(failure, PeerClosedError) else logging.WARNING
+            _log.log(level, "arrow_ipc_bridge: closing a waiting session: %s", failure)
             self.channel.close()
         return rc
 

@@ -433,14 +433,14 @@ def test_waiters_follow_a_fast_publisher(publisher: aib.Publisher) -> None:
 
 
 def test_answered_waits_do_not_pile_up_in_the_deadline_heap(publisher: aib.Publisher) -> None:
-    """300 held waits with a 30 s deadline, each answered by a publish, behind one that waits 60 s
+    """300 held waits with a 60 s deadline, each answered by a publish, behind one that waits 30 s
     (the heap's top, so the clock never reaches the answered ones): the heap is pruned of them
     instead of keeping each until its deadline."""
     publisher.publish("loop", pa.array([0]))
     done = threading.Event()
     raw = transport.connect(publisher.path, timeout=5.0)
     raw_hello(raw)
-    raw.send(protocol.WAIT, protocol.encode_wait(0, 60_000, b"never"))
+    raw.send(protocol.WAIT, protocol.encode_wait(0, 30_000, b"never"))
     assert wait_for(lambda: publisher.held_waits == 1, SOON)
 
     def produce() -> None:
@@ -456,7 +456,7 @@ def test_answered_waits_do_not_pile_up_in_the_deadline_heap(publisher: aib.Publi
         with aib.connect(publisher.path, timeout=5.0) as session:
             after = publisher.version("loop")
             for value in range(1, 301):
-                with session.get_next("loop", after=after, timeout=30.0) as item:
+                with session.get_next("loop", after=after, timeout=60.0) as item:
                     assert _values(item) == [value]
                     assert item.version is not None
                     after = item.version
