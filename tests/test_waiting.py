@@ -502,6 +502,45 @@ def test_publisher_close_wakes_every_waiter_with_a_clear_error(sock_dir: str) ->
         pub.close()
 
 
+def test_recovering_from_a_publisher_restart(sock_dir: str) -> None:
+    """The recipe of docs/lifetime.md: a waiting consumer gets PeerClosedError when the publisher
+    closes, waits for the next one at the same path, and starts again from after=0 (a new
+    publisher_id, versions from 1); the pyarrow data it built before stays readable."""
+    path = os.path.join(sock_dir, "restart.sock")
+    first = aib.Publisher(path)
+    first.publish("state", pa.array([1]))
+    session = aib.connect(path, timeout=5.0)
+    old = session.get("state", wait=5.0)
+    assert old.publisher_id == first.publisher_id
+    kept = pa.array(old)  # pyarrow's own structs hold the mapping past the session's close
+    try:
+        closing = _later(0.2, first.close)
+        with pytest.raises(aib.PeerClosedError, match="publisher is closing"):
+            session.get_next("state", after=old.version or 0, timeout=30.0)
+        closing.join()
+        session.close()
+        holder: list[aib.Publisher] = []
+        starting = _later(0.5, lambda: holder.append(aib.Publisher(path)))
+        session = aib.connect(path, timeout=30.0, wait_for_publisher=True)
+        starting.join()
+        second = holder[0]
+        try:
+            assert session.publisher_info["publisher_id"] == second.publisher_id != first.publisher_id
+            _later(0.2, lambda: second.publish("state", pa.array([2]))).join()
+            with session.get_next("state", after=0, timeout=30.0) as new:
+                assert _values(new) == [2]
+                assert new.version == 1
+                assert new.publisher_id == second.publisher_id
+            assert kept.to_pylist() == [1]  # from the first publisher, still mapped
+        finally:
+            session.close()
+            second.close()
+    finally:
+        old.release()
+        session.close()
+        first.close()
+
+
 def test_a_consumer_leaving_while_its_wait_is_held_leaks_nothing(publisher: aib.Publisher) -> None:
     """A raw client sends WAIT and disconnects; a session closed from another thread while it waits
     raises PeerClosedError. The publisher drops both waits (the no_leaks fixture checks fds and
