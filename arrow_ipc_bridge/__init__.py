@@ -42,6 +42,7 @@ from arrow_ipc_bridge.errors import (
     TransportError,
     UnreadAnswersError,
     UnsupportedFormatError,
+    WaitTimeoutError,
     WireFormatError,
 )
 from arrow_ipc_bridge.exporter import Exported, ExportStats, export
@@ -102,4 +103,5 @@ __all__ = [
     "TransportError",
     "UnsupportedFormatError",
     "WireFormatError",
+    "WaitTimeoutError",
 ]

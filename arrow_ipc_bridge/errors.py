@@ -33,6 +33,7 @@ __all__ = [
     "UnreadAnswersError",
     "DescriptorsInFlightError",
     "HandshakeTimeoutError",
+    "WaitTimeoutError",
 ]
 
 
@@ -154,6 +155,11 @@ class HandshakeTimeoutError(TransportError, TimeoutError):
 
 class BridgeTimeoutError(BridgeError, TimeoutError):
     """A wait ran past its timeout."""
+
+
+class WaitTimeoutError(BridgeTimeoutError):
+    """A wait for a publisher, a published name or a newer version ran past its timeout. A wait the
+    publisher ended (a name or a version) leaves the session's connection usable."""
 
 
 class ForeignProcessError(BridgeError, RuntimeError):

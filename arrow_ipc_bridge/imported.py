@@ -38,6 +38,10 @@ class _ImportedBase(ArrowExporter):
     # Arrays build their capsule pairs in C from the owner's view; streams are rebuilt from the
     # bases they are given and need no view.
     _capsules_from_owner = False
+    # Set on objects got by waiting (Session.get(wait=...), Session.get_next): the publication's
+    # version and the publisher it came from (versions are per publisher); None otherwise.
+    version: int | None = None
+    publisher_id: str | None = None
 
     def __init__(
         self,

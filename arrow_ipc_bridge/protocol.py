@@ -19,11 +19,13 @@ from arrow_ipc_bridge.errors import (
     HandshakeTimeoutError,
     LeaseLimitError,
     NotPublishedError,
+    PeerClosedError,
     PeerRejectedError,
     ProtocolError,
     PublisherLimitError,
     RegionError,
     UnreadAnswersError,
+    WaitTimeoutError,
     WireFormatError,
 )
 
@@ -41,6 +43,9 @@ __all__ = [
     "PONG",
     "POOL_FD",
     "POOL",
+    "WAIT",
+    "VERSIONED_ITEM",
+    "WAIT_FOREVER",
     "MAX_PING",
     "POOL_IDENTITY_SIZE",
     "FEATURES",
@@ -52,6 +57,9 @@ __all__ = [
     "encode_lease",
     "decode_lease",
     "decode_pool_identity",
+    "encode_wait",
+    "decode_wait",
+    "decode_versioned_item",
     "encode_error",
     "raise_error",
 ]
@@ -70,6 +78,9 @@ PING = 9  # session -> publisher: 0 to MAX_PING bytes, echoed (publishers advert
 PONG = 10  # publisher -> session: the PING's payload
 POOL_FD = 11  # session -> publisher: a 24-byte IPC-pool identity (publishers advertising "pool_fd")
 POOL = 12  # publisher -> session: the same identity, the pool's fd attached
+# Feature "watch" (docs/protocol.md, "Waiting and versions"); kinds 20-23 belong to it.
+WAIT = 20  # session -> publisher: u64 after, u32 timeout ms, the name; answered once a version > after is out
+VERSIONED_ITEM = 21  # publisher -> session: u64 lease id, u64 version + message bytes; region fds attached
 
 MAX_PING = 64
 # An IPC pool's identity, the first bytes of a CUDA_POOL region's handle: the producer's 16-byte
@@ -77,12 +88,16 @@ MAX_PING = 64
 POOL_IDENTITY_SIZE = 24
 # What this side's publisher offers beyond protocol 1's first frames, advertised in WELCOME's
 # "features": a session checks before it uses one, so older publishers keep working with it.
-FEATURES = ("ping", "pool_fd")
+FEATURES = ("ping", "pool_fd", "watch")
 
 MAX_JSON = 1 << 20
 MAX_NAME = 4096
 _U64 = struct.Struct("<Q")
 _U16 = struct.Struct("<H")
+_WAIT = struct.Struct("<QI")  # after, timeout ms
+_VERSIONED = struct.Struct("<QQ")  # lease id, version
+WAIT_FOREVER = 0xFFFFFFFF
+"""A WAIT's timeout field for a wait without a limit (any other value is milliseconds)."""
 
 # Errors a publisher may report, by name; anything else arrives as BridgeError.
 _ERROR_TYPES: dict[str, type[BridgeError]] = {
@@ -92,6 +107,8 @@ _ERROR_TYPES: dict[str, type[BridgeError]] = {
     "RegionError": RegionError,
     "WireFormatError": WireFormatError,
     "PeerRejectedError": PeerRejectedError,
+    "PeerClosedError": PeerClosedError,
+    "WaitTimeoutError": WaitTimeoutError,
     "PublisherLimitError": PublisherLimitError,
     "ConnectionLimitError": ConnectionLimitError,
     "LeaseLimitError": LeaseLimitError,
@@ -161,6 +178,29 @@ def decode_pool_identity(payload: bytes) -> bytes:
     if len(payload) != POOL_IDENTITY_SIZE:
         raise ProtocolError(f"pool identity of {len(payload)} bytes, expected {POOL_IDENTITY_SIZE}")
     return bytes(payload)
+
+
+def encode_wait(after: int, timeout_ms: int, raw_name: bytes) -> bytes:
+    """A WAIT's payload; ``timeout_ms`` is :data:`WAIT_FOREVER` for no limit."""
+    return _WAIT.pack(after, timeout_ms) + raw_name
+
+
+def decode_wait(payload: bytes) -> tuple[int, int, str]:
+    """``(after, timeout ms, name)`` of a WAIT; :class:`ProtocolError` when malformed."""
+    if len(payload) < _WAIT.size:
+        raise ProtocolError(f"WAIT payload of {len(payload)} bytes, shorter than its {_WAIT.size}-byte start")
+    after, timeout_ms = _WAIT.unpack_from(payload)
+    return int(after), int(timeout_ms), decode_name(payload[_WAIT.size :])
+
+
+def decode_versioned_item(payload: bytes) -> tuple[int, int, bytes]:
+    """``(lease id, version, message)`` of a VERSIONED_ITEM; :class:`ProtocolError` when malformed."""
+    if len(payload) < _VERSIONED.size:
+        raise ProtocolError("VERSIONED_ITEM payload shorter than its lease id and version")
+    lease_id, version = _VERSIONED.unpack_from(payload)
+    if version == 0:
+        raise ProtocolError("VERSIONED_ITEM with version 0 (versions start at 1)")
+    return int(lease_id), int(version), payload[_VERSIONED.size :]
 
 
 def encode_error(exc: BaseException) -> bytes:

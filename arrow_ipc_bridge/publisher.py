@@ -39,6 +39,7 @@ from arrow_ipc_bridge.errors import (
     UnreadAnswersError,
 )
 from arrow_ipc_bridge.exporter import CopyPolicy, ExportStats, export
+from arrow_ipc_bridge.watch import HeldWait, WaitingConnection, Watch
 
 __all__ = ["Publisher"]
 
@@ -64,12 +65,13 @@ class _Served:
     """What the publisher keeps for one connection between its serving threads: the C channel and
     the C lease table (freed when the connection closes)."""
 
-    __slots__ = ("channel", "served", "welcomed")
+    __slots__ = ("channel", "served", "waiting", "welcomed")
 
     def __init__(self, channel: Channel, served: Any) -> None:
         self.channel = channel
         self.served = served
         self.welcomed = False
+        self.waiting = WaitingConnection(channel, served)  # its held waits' answers (watch.py)
 
 
 class Publisher:
@@ -147,6 +149,7 @@ class Publisher:
         self._table = ffi.gc(table, lib.aib_pubtable_unref)
         self._copy: CopyPolicy = copy
         self.publisher_id = os.urandom(16).hex()
+        self._watch = Watch("aib-publisher")  # versions and held waits (feature "watch")
         self._server = transport.Server(
             path,
             self._serve,
@@ -179,6 +182,7 @@ class Publisher:
             raise MemoryError("allocating a publication keeper")
         fds = list(exported.fds)
         err = new_error()
+        waiting: list[HeldWait] = []  # sessions' held waits this publish answers
         try:
             with self._lock:
                 if self._server.closed:  # closed while we exported
@@ -190,9 +194,13 @@ class Publisher:
                 if rc:
                     raise_for(rc, err, f"publishing {name!r}")
                 self._names.add(name)
+                version = int(lib.aib_pubtable_version(self._table, raw_name, len(raw_name)))
+                waiting = self._watch.published(raw_name, version)
         finally:
             lib.aib_owner_unref(keeper)  # the entry holds its own reference (or none: then it closes)
             _reaper.drain()  # a replaced object without leases is closed now, not later
+        if waiting:  # sessions waiting for this name (or a newer version of it) get it now
+            self._watch.deliver(waiting)
         return exported.stats
 
     def unpublish(self, name: str) -> None:
@@ -200,11 +208,29 @@ class Publisher:
         raw_name = protocol.encode_name(name)
         self._check_process()
         with self._lock:
+            self._watch.unpublished(raw_name)
             absent = lib.aib_pubtable_remove(self._table, raw_name, len(raw_name))
             self._names.discard(name)
         if absent:
             raise NotPublishedError(f"nothing is published as {name!r}")
         _reaper.drain()
+
+    def version(self, name: str) -> int:
+        """The version ``name`` is published at now, 0 when it is not published.
+
+        Every publish gets a new version, larger than every earlier one of this publisher (of any
+        name, also across unpublish and republish); a new publisher starts again at 1 (its
+        ``publisher_id`` differs). Sessions read it on objects got with ``wait=`` or
+        ``get_next`` (``imported.version``).
+        """
+        raw_name = protocol.encode_name(name)
+        self._check_process()
+        return int(lib.aib_pubtable_version(self._table, raw_name, len(raw_name)))
+
+    @property
+    def held_waits(self) -> int:
+        """Sessions' waits for a name or a newer version held open now (all connections together)."""
+        return self._watch.held_waits
 
     def names(self) -> list[str]:
         self._check_process()
@@ -252,7 +278,7 @@ class Publisher:
         channel = state.channel
         raw_frame = ffi.new("aib_frame *")
         err = new_error()
-        recv_lock, send_lock = channel.locked()
+        recv_lock, _ = channel.locked()
         while True:
             if state.welcomed:
                 wait_ms = self._park_after_ms
@@ -260,7 +286,10 @@ class Publisher:
                 deadline = self._server.handshake_deadline(conn)
                 wait_ms = -1 if deadline is None else millis(max(deadline - time.monotonic(), 0.0))
             # GET for published names, RELEASE and PING are answered in C; the rest comes back here.
-            with recv_lock, send_lock:
+            # The send lock is not held across the wait for a request: an answer to a held wait
+            # goes out from the publishing thread meanwhile (the C loop's sends and its lease table
+            # are ordered with it by the C connection's mutex; watch.py).
+            with recv_lock:
                 conn.check_open()
                 rc = lib.aib_serve(state.served, wait_ms, raw_frame, err)
                 if rc == lib.AIB_E_PEER_CLOSED:
@@ -268,7 +297,7 @@ class Publisher:
                 if rc == lib.AIB_SERVE_IDLE and state.welcomed:
                     return transport.PARK  # leases stay in the table meanwhile
                 if rc not in _HANDLED_HERE:
-                    raise channel.failed(rc, err, "serving a session", holding="both")
+                    raise channel.failed(rc, err, "serving a session", holding="recv")
                 frame = None if rc == lib.AIB_SERVE_IDLE else frame_from(raw_frame)
             if frame is None:  # silent until the handshake's deadline
                 timed_out = self._server.handshake_error()
@@ -314,6 +343,7 @@ class Publisher:
         state = self._served.pop(conn, None)
         if state is None:
             return
+        self._watch.forget(state.waiting)  # no answer to a held wait uses the lease table after this
         lib.aib_server_conn_free(state.served)  # gives this session's leases back
         _reaper.drain()
 
@@ -335,6 +365,9 @@ class Publisher:
             raise ProtocolError(f"frame kind {frame.kind} before HELLO (say HELLO first)")
         elif frame.kind == protocol.LIST:
             channel.send(protocol.NAMES, protocol.encode_json(self.names()), timeout=SEND_TIMEOUT)
+        elif frame.kind == protocol.WAIT:
+            after, timeout_ms, name = protocol.decode_wait(frame.payload)  # ProtocolError when malformed
+            self._watch.request(HeldWait(state.waiting, name.encode(), after, timeout_ms))
         elif frame.kind == protocol.POOL_FD:
             self._send_pool_fd(channel, protocol.decode_pool_identity(frame.payload))
         elif frame.kind == protocol.GET:
@@ -379,10 +412,13 @@ class Publisher:
 
         In a child of ``fork`` this only drops the child's copies of the descriptors: the socket
         file, the sessions and the published data stay the parent's."""
+        if self._pid == _process.pid:
+            self._watch.close()  # every held wait is answered: the publisher is closing
         self._server.close(timeout)  # every connection's on_close gave its leases back
         if self._pid != _process.pid:
             return
         with self._lock:
+            self._watch.cleared()
             lib.aib_pubtable_clear(self._table)
             self._names.clear()
         _reaper.drain()

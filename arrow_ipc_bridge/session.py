@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-from arrow_ipc_bridge import _process, _reaper, protocol, transport
+from arrow_ipc_bridge import _process, _reaper, protocol, transport, waiting
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.channel import Channel, Frame, millis
@@ -136,6 +136,7 @@ class Session:
         self._timeout: float | None = None
         self._timeout_ms = -1
         self._closed = False
+        self._waiting: set[int] = set()  # threads in get_next / get(wait=): close() wakes them
         self.publisher_info: dict[str, object] = {}
         self.remembered_gets = 0
         """Gets answered with a remembered message and imported by the C core (the steady state)."""
@@ -459,8 +460,15 @@ class Session:
             raise ProtocolError(f"expected PONG with the PING's payload, got frame kind {frame.kind}")
         return elapsed
 
-    def get(self, name: str) -> Imported:
+    def get(self, name: str, *, wait: float | None = None) -> Imported:
         """Import the object published as ``name`` under a lease.
+
+        ``wait``: seconds to wait for ``name`` to be published when it is not (yet); the publisher
+        answers as soon as it is (no polling), or
+        :class:`~arrow_ipc_bridge.errors.WaitTimeoutError` when the time is up (the session stays
+        usable). ``0`` does not wait but still answers with the version; the object's ``version``
+        and ``publisher_id`` say what was got (see :meth:`get_next`). Needs a publisher offering
+        ``"watch"``. Without ``wait`` (the default) an unknown name raises at once.
 
         The lease ends when the returned object is released (``release()``, the ``with`` block, or
         garbage collection) and every struct a consumer built from it is released too.
@@ -474,6 +482,8 @@ class Session:
         ``pool_linger`` seconds after the last get of the message, when the name is got with other
         data, on :meth:`forget`, or on :meth:`close`.
         """
+        if wait is not None:
+            return self._get_version(name, after=0, timeout=waiting.check_wait(wait, "wait"))
         raw_name = protocol.encode_name(name)
         channel = self._connection()
         fast: tuple[Decoded, RememberedMessage, int, Any] | None = None
@@ -532,6 +542,65 @@ class Session:
                 raise
         finally:
             frame.close_fds()  # the mappings keep the files alive
+
+    def get_next(self, name: str, *, after: int, timeout: float | None) -> Imported:
+        """Wait for a version of ``name`` newer than ``after`` and import the newest one.
+
+        ``after`` is the ``version`` of an object got before from this publisher (with ``wait=`` or
+        ``get_next``), or 0 for any version. The publisher answers as soon as it has a newer one
+        (it holds the request: no polling); versions published while the consumer was busy are
+        skipped, the newest is returned. ``timeout``: seconds (``None``: no limit); when it runs
+        out, :class:`~arrow_ipc_bridge.errors.WaitTimeoutError` and the session stays usable. The
+        returned object's ``version`` is the one to pass as ``after`` next time.
+
+        Versions are a publisher's own: after a reconnect to a new publisher (another
+        ``publisher_id``) they start again at 1, so wait with ``after=0`` there
+        (``docs/lifetime.md``, "Waiting and publisher restarts"). Needs a publisher offering
+        ``"watch"``. While a wait is held this session sends no other request (one at a time);
+        use another session to get other names meanwhile.
+        """
+        return self._get_version(
+            name, after=waiting.check_after(after), timeout=waiting.check_wait(timeout, "timeout")
+        )
+
+    def _get_version(self, name: str, *, after: int, timeout: float | None) -> Imported:
+        """WAIT for a version over ``after`` (``waiting.py``), then import it like a GET's answer."""
+        raw_name = protocol.encode_name(name)
+        me = threading.get_ident()
+        self._waiting.add(me)  # before the closed check: close() either sees us or we see it closed
+        try:
+            channel = self._connection()
+            features = self.publisher_info.get("features")
+            if not isinstance(features, list) or "watch" not in features:
+                raise BridgeError(
+                    'this publisher cannot wait for names or versions (it does not offer the "watch" '
+                    "feature: an older version): upgrade it, or get without waiting"
+                )
+            answer = waiting.wait_for_version(
+                channel, self._request_lock, raw_name, after=after, timeout=timeout, grace=self._timeout
+            )
+        finally:
+            self._waiting.discard(me)
+        return self._import_versioned(channel, answer, name)
+
+    def _import_versioned(self, channel: Channel, answer: waiting.Versioned, name: str) -> Imported:
+        """Import a wait's answer like a GET's ITEM (its lease given back when the import dies)."""
+        frame = answer.frame
+        try:
+            lease = _Lease(channel, answer.lease_id)
+            token = _reaper.register(lease)
+            try:
+                imported = self._import(answer.message, frame.fds, name=name, token=token)
+            except BaseException:
+                if _reaper.unregister(token):  # the owner never came to life: give the lease back
+                    lease()
+                raise
+        finally:
+            frame.close_fds()  # the mappings hold the files open
+        imported.version = answer.version
+        publisher_id = self.publisher_info.get("publisher_id")
+        imported.publisher_id = publisher_id if isinstance(publisher_id, str) else None
+        return imported
 
     def _adopt_new(self, imported_now: tuple[int, Any, int, Any], frame: Frame, name: str) -> Imported:
         """The import of a message the session had not seen, which the C core made because all its
@@ -612,6 +681,10 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        if self._waiting and self._channel is not None and self._pid == _process.pid:
+            # A wait held by the publisher holds the request lock for its whole time: end it now
+            # (it raises PeerClosedError). The publisher then ends this connection's leases at once.
+            self._channel.close()
         if self._pid != _process.pid:
             # A fork child's copy: the leases, the remembered messages and the connection are the
             # parent's (and its locks may have been held at the fork). Only our descriptor goes.
@@ -684,6 +757,7 @@ def connect(
     path: str | os.PathLike[str],
     *,
     timeout: float = 5.0,
+    wait_for_publisher: bool = False,
     pool_linger: float = 1.0,
     remembered_messages: int = 64,
     check: str | None = None,
@@ -695,7 +769,13 @@ def connect(
     path
         The publisher's socket file.
     timeout
-        Seconds for the connection and for every request after it.
+        Seconds for the connection and for every request after it. With ``wait_for_publisher``
+        it also bounds the wait for the publisher to appear.
+    wait_for_publisher
+        Wait for a publisher to appear at ``path`` (the socket file missing, or refusing: one that
+        is starting or restarting), retrying with a short backoff, instead of raising
+        :class:`~arrow_ipc_bridge.errors.TransportError` at once. When ``timeout`` passes first:
+        :class:`~arrow_ipc_bridge.errors.WaitTimeoutError`.
     pool_linger
         See :class:`Session`: how long a remembered IPC-pool message keeps its lease after its
         last get.
@@ -711,7 +791,9 @@ def connect(
     ...     table = pa.table(session.get("trades"))
     """
     session = Session(pool_linger=pool_linger, remembered_messages=remembered_messages, check=check)
-    conn = transport.connect(path, timeout=timeout)
+    if not isinstance(wait_for_publisher, bool):
+        raise TypeError(f"wait_for_publisher must be a bool, not {type(wait_for_publisher).__name__}")
+    conn = transport.connect(path, timeout=timeout, wait_for_server=wait_for_publisher)
     try:
         session._attach(conn, timeout)
     except BaseException:

@@ -445,6 +445,9 @@ int aib_pubtable_put(aib_pubtable *t, const uint8_t *name, size_t name_len, cons
                      size_t message_len, const int *fds, uint32_t n_fds, aib_owner *keeper, aib_error *err);
 int aib_pubtable_remove(aib_pubtable *t, const uint8_t *name, size_t name_len);
 int64_t aib_pubtable_leases(const aib_pubtable *t);
+/* The version of the entry published as name (the table's publish counter when it was put, so
+ * every put of any name gets a new, larger one); 0 when the name is not published. */
+uint64_t aib_pubtable_version(aib_pubtable *t, const uint8_t *name, size_t name_len);
 /* Descriptors sent in answers that peers may not have read yet, all connections together. */
 int64_t aib_pubtable_fds_unread(const aib_pubtable *t);
 /* One session's connection: its leases (given back by free) and the serve loop. Until
@@ -471,6 +474,20 @@ void aib_server_conn_welcome(aib_server_conn *c);
 void aib_server_conn_free(aib_server_conn *c);
 int64_t aib_server_conn_leases(const aib_server_conn *c);
 int aib_serve(aib_server_conn *c, int64_t idle_ms, aib_frame *out, aib_error *err);
+/* Held waits (feature "watch"), answered from any thread while aib_serve may run on another: the
+ * connection's mutex orders them with the loop's own lease table changes and sends (Python's send
+ * lock orders them with its other sends). lease_newer leases the entry published as name when its
+ * version is over after and sends VERSIONED_ITEM (lease id, version, message; fds), setting
+ * *version; AIB_SERVE_ABSENT (not published) and AIB_SERVE_NOT_NEWER send nothing, and so do the
+ * limit returns above. send sends one frame without descriptors (an ERROR answering a wait). Both
+ * wait at most timeout_ms for the mutex too (AIB_E_TIMEOUT: the loop is stuck answering a client
+ * that does not read). */
+#define AIB_SERVE_ABSENT 105
+#define AIB_SERVE_NOT_NEWER 106
+int aib_server_conn_lease_newer(aib_server_conn *c, const uint8_t *name, size_t name_len, uint64_t after,
+                                int64_t timeout_ms, uint64_t *version, aib_error *err);
+int aib_server_conn_send(aib_server_conn *c, uint32_t kind, const uint8_t *payload, size_t length,
+                         int64_t timeout_ms, aib_error *err);
 /* ---------- the session's remembered messages (remembered.c) ----------------------------------
  * The one record of a session's remembered messages (docs/lifetime.md 5a): lookup by message bytes
  * (and files), one message per name, the least-recently-used bound (limit; 0 remembers nothing) and

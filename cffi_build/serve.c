@@ -6,13 +6,17 @@
  * every lease one more; when the last goes, the keeper is unreferenced, its token reaches the reaper
  * and Python closes the export record (only then are the descriptors closed). Frames the loop does
  * not handle (HELLO, LIST, a GET for an unknown name, anything malformed) go back to Python, which
- * owns the protocol's rare paths and its error reporting. */
+ * owns the protocol's rare paths and its error reporting. Each entry carries a version, the table's
+ * publish counter when it was put, so a name's versions only grow (also across remove and put);
+ * a held wait for a newer version (frame WAIT, publisher.py and watch.py) is answered from another
+ * thread with aib_server_conn_lease_newer, under the connection's mutex. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <sys/resource.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -22,6 +26,7 @@
 #define FRAME_RELEASE 7
 #define FRAME_PING 9
 #define FRAME_PONG 10
+#define FRAME_VERSIONED_ITEM 21
 #define MAX_PING 64
 
 typedef struct entry {
@@ -32,6 +37,7 @@ typedef struct entry {
   uint8_t *message;
   size_t message_len;
   uint32_t n_fds;
+  uint64_t version; /* the table's publish counter when this entry was put (never reused) */
   aib_owner *keeper;
   struct entry *next; /* hash chain */
 } entry;
@@ -41,6 +47,7 @@ struct aib_pubtable {
   pthread_mutex_t mu;
   entry **buckets;
   size_t n_buckets, count;
+  uint64_t versions; /* publishes so far (under mu): the last entry's version */
   atomic_llong leases;
   /* Descriptors sent in answers that their peers may not have read yet, all connections together
    * (each connection's count is refreshed when it next sends descriptors; see fds_unread). */
@@ -152,6 +159,7 @@ int aib_pubtable_put(aib_pubtable *t, const uint8_t *name, size_t name_len, cons
   aib_owner_ref(keeper);
   e->keeper = keeper;
   pthread_mutex_lock(&t->mu);
+  e->version = ++t->versions;
   entry **slot = find_slot(t, name, name_len);
   entry *previous = *slot;
   if (previous != NULL) {
@@ -180,6 +188,14 @@ int aib_pubtable_remove(aib_pubtable *t, const uint8_t *name, size_t name_len) {
   return 0;
 }
 
+uint64_t aib_pubtable_version(aib_pubtable *t, const uint8_t *name, size_t name_len) {
+  pthread_mutex_lock(&t->mu);
+  entry *e = *find_slot(t, name, name_len);
+  uint64_t version = e != NULL ? e->version : 0;
+  pthread_mutex_unlock(&t->mu);
+  return version;
+}
+
 static entry *take(aib_pubtable *t, const uint8_t *name, size_t name_len) {
   pthread_mutex_lock(&t->mu);
   entry *e = *find_slot(t, name, name_len);
@@ -192,6 +208,10 @@ static entry *take(aib_pubtable *t, const uint8_t *name, size_t name_len) {
 struct aib_server_conn {
   aib_pubtable *table; /* one reference */
   aib_channel *ch;     /* borrowed */
+  /* Held while a frame is handled (never across the wait for one): the lease table and the sends of
+   * aib_serve against aib_server_conn_lease_newer / _send from other threads (a held wait answered
+   * when a name is published). */
+  pthread_mutex_t mu;
   uint64_t next_lease;
   uint64_t *keys; /* 0 = empty */
   entry **values;
@@ -220,6 +240,7 @@ aib_server_conn *aib_server_conn_new(aib_pubtable *t, aib_channel *ch) {
     return NULL;
   }
   atomic_fetch_add(&t->refs, 1);
+  pthread_mutex_init(&c->mu, NULL);
   c->table = t;
   c->ch = ch;
   c->next_lease = 1;
@@ -309,6 +330,7 @@ void aib_server_conn_free(aib_server_conn *c) {
   }
   free(c->keys);
   free(c->values);
+  pthread_mutex_destroy(&c->mu);
   aib_pubtable_unref(c->table);
   free(c);
 }
@@ -346,6 +368,57 @@ static void give_back(aib_server_conn *c, uint64_t lease) {
   }
 }
 
+/* Leases e (one reference, the caller's, moves into the table) to this connection and sends it:
+ * ITEM [lease] or, with a version, VERSIONED_ITEM [lease][version], the message and its fds. Called
+ * holding c->mu. AIB_SERVE_LEASE_LIMIT / AIB_SERVE_UNREAD_LIMIT / AIB_SERVE_FDS_BUSY: nothing leased
+ * (and nothing sent). */
+static int lease_and_send(aib_server_conn *c, entry *e, int versioned, int64_t timeout_ms, aib_error *err) {
+  if (c->max_leases >= 0 && (int64_t)c->count >= c->max_leases) {
+    entry_unref(e);
+    return AIB_SERVE_LEASE_LIMIT;
+  }
+  if (!may_send_fds(c, e->n_fds)) {
+    entry_unref(e);
+    return AIB_SERVE_UNREAD_LIMIT;
+  }
+  uint64_t lease = c->next_lease++;
+  if (lease_insert(c, lease, e) != AIB_OK) {
+    entry_unref(e);
+    return aib_fail(err, AIB_E_NOMEM, "", "", "no memory for a lease");
+  }
+  atomic_fetch_add(&c->table->leases, 1);
+  uint8_t prefix[16];
+  aib_store_u64le(prefix, lease);
+  aib_store_u64le(prefix + 8, e->version);
+  uint32_t n_fds = e->n_fds;
+  int rc = aib_channel_send(c->ch, versioned ? FRAME_VERSIONED_ITEM : FRAME_ITEM, prefix, versioned ? 16 : 8,
+                            e->message, e->message_len, e->fds, n_fds, timeout_ms, err);
+  if (rc == AIB_E_OS && err != NULL && err->errno_value == ETOOMANYREFS) {
+    /* sendmsg sent nothing: this answer only fails, and the connection goes on */
+    give_back(c, lease);
+    return AIB_SERVE_FDS_BUSY;
+  }
+  if (rc) return rc; /* the lease stays in the table; aib_server_conn_free gives it back */
+  c->fds_unread += n_fds;
+  atomic_fetch_add(&c->table->fds_unread, n_fds);
+  return AIB_OK;
+}
+
+/* One frame the loop answers itself (c->mu held); AIB_OK to go on receiving. */
+static int serve_one(aib_server_conn *c, aib_frame *out, aib_error *err) {
+  if (out->kind == FRAME_RELEASE && out->length == 8) {
+    give_back(c, aib_load_u64le(out->payload));
+    return AIB_OK;
+  }
+  if (out->kind == FRAME_PING && out->length <= MAX_PING)
+    return aib_channel_send(c->ch, FRAME_PONG, out->payload, (size_t)out->length, NULL, 0, NULL, 0,
+                            c->send_timeout_ms, err);
+  if (out->kind != FRAME_GET) return AIB_SERVE_FRAME;
+  entry *e = take(c->table, out->payload, (size_t)out->length);
+  if (e == NULL) return AIB_SERVE_FRAME; /* Python answers NotPublished (or a bad name) */
+  return lease_and_send(c, e, 0, c->send_timeout_ms, err);
+}
+
 int aib_serve(aib_server_conn *c, int64_t idle_ms, aib_frame *out, aib_error *err) {
   for (;;) {
     int rc = aib_channel_recv_idle(c->ch, idle_ms, out, err);
@@ -355,42 +428,52 @@ int aib_serve(aib_server_conn *c, int64_t idle_ms, aib_frame *out, aib_error *er
     for (uint32_t i = 0; i < out->n_fds; i++) close(out->fds[i]);
     out->n_fds = 0;
     if (!c->welcomed) return AIB_SERVE_FRAME; /* HELLO first: Python answers or refuses */
-    if (out->kind == FRAME_RELEASE && out->length == 8) {
-      give_back(c, aib_load_u64le(out->payload));
-      continue;
-    }
-    if (out->kind == FRAME_PING && out->length <= MAX_PING) {
-      rc = aib_channel_send(c->ch, FRAME_PONG, out->payload, (size_t)out->length, NULL, 0, NULL, 0,
-                            c->send_timeout_ms, err);
-      if (rc) return rc;
-      continue;
-    }
-    if (out->kind != FRAME_GET) return AIB_SERVE_FRAME;
-    if (c->max_leases >= 0 && (int64_t)c->count >= c->max_leases) return AIB_SERVE_LEASE_LIMIT;
-    entry *e = take(c->table, out->payload, (size_t)out->length);
-    if (e == NULL) return AIB_SERVE_FRAME; /* Python answers NotPublished (or a bad name) */
-    if (!may_send_fds(c, e->n_fds)) {
-      entry_unref(e);
-      return AIB_SERVE_UNREAD_LIMIT;
-    }
-    uint64_t lease = c->next_lease++;
-    if (lease_insert(c, lease, e) != AIB_OK) {
-      entry_unref(e);
-      return aib_fail(err, AIB_E_NOMEM, "", "", "no memory for a lease");
-    }
-    atomic_fetch_add(&c->table->leases, 1);
-    uint8_t lease_bytes[8];
-    aib_store_u64le(lease_bytes, lease);
-    uint32_t n_fds = e->n_fds;
-    rc = aib_channel_send(c->ch, FRAME_ITEM, lease_bytes, 8, e->message, e->message_len, e->fds, n_fds,
-                          c->send_timeout_ms, err);
-    if (rc == AIB_E_OS && err != NULL && err->errno_value == ETOOMANYREFS) {
-      /* sendmsg sent nothing: this answer only fails, and the connection goes on */
-      give_back(c, lease);
-      return AIB_SERVE_FDS_BUSY;
-    }
-    if (rc) return rc; /* the lease stays in the table; aib_server_conn_free gives it back */
-    c->fds_unread += n_fds;
-    atomic_fetch_add(&c->table->fds_unread, n_fds);
+    pthread_mutex_lock(&c->mu);
+    rc = serve_one(c, out, err);
+    pthread_mutex_unlock(&c->mu);
+    if (rc) return rc;
   }
+}
+
+/* Takes c->mu within timeout_ms (< 0: no limit): the serve loop holds it while it sends an answer,
+ * which may wait for a client that does not read; a held wait's answer gives up instead. */
+static int lock_within(aib_server_conn *c, int64_t timeout_ms, aib_error *err) {
+  if (timeout_ms < 0) return pthread_mutex_lock(&c->mu) == 0 ? AIB_OK : aib_fail(err, AIB_E_STATE, "", "", "lock failed");
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += (time_t)(timeout_ms / 1000);
+  until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+  if (until.tv_nsec >= 1000000000L) {
+    until.tv_sec++;
+    until.tv_nsec -= 1000000000L;
+  }
+  int rc = pthread_mutex_timedlock(&c->mu, &until);
+  if (rc == 0) return AIB_OK;
+  return aib_fail(err, AIB_E_TIMEOUT, "", "", "the connection stayed busy answering (a client that does not read)");
+}
+
+int aib_server_conn_lease_newer(aib_server_conn *c, const uint8_t *name, size_t name_len, uint64_t after,
+                                int64_t timeout_ms, uint64_t *version, aib_error *err) {
+  if (lock_within(c, timeout_ms, err)) return AIB_E_TIMEOUT;
+  entry *e = take(c->table, name, name_len);
+  int rc;
+  if (e == NULL) {
+    rc = AIB_SERVE_ABSENT;
+  } else if (e->version <= after) {
+    entry_unref(e);
+    rc = AIB_SERVE_NOT_NEWER;
+  } else {
+    *version = e->version;
+    rc = lease_and_send(c, e, 1, timeout_ms, err);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int aib_server_conn_send(aib_server_conn *c, uint32_t kind, const uint8_t *payload, size_t length,
+                         int64_t timeout_ms, aib_error *err) {
+  if (lock_within(c, timeout_ms, err)) return AIB_E_TIMEOUT;
+  int rc = aib_channel_send(c->ch, kind, payload, length, NULL, 0, NULL, 0, timeout_ms, err);
+  pthread_mutex_unlock(&c->mu);
+  return rc;
 }

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from types import TracebackType
 
 from arrow_ipc_bridge.channel import MAX_PAYLOAD, U32_MAX, Channel, Frame
-from arrow_ipc_bridge.errors import BridgeTimeoutError, TransportError, WireFormatError
+from arrow_ipc_bridge.errors import BridgeTimeoutError, TransportError, WaitTimeoutError, WireFormatError
 
 __all__ = ["Connection", "connect", "check_max_payload"]
 
@@ -139,7 +139,11 @@ class Connection:
 
 
 def connect(
-    path: str | os.PathLike[str], *, timeout: float = 5.0, max_payload: int = MAX_PAYLOAD
+    path: str | os.PathLike[str],
+    *,
+    timeout: float = 5.0,
+    max_payload: int = MAX_PAYLOAD,
+    wait_for_server: bool = False,
 ) -> Connection:
     """Connect to the :class:`Server` listening on ``path``.
 
@@ -148,9 +152,14 @@ def connect(
     path:
         The server's socket file.
     timeout:
-        Seconds to keep trying while the server's accept queue is full.
+        Seconds to keep trying while the server's accept queue is full (or, with
+        ``wait_for_server``, while no server is there).
     max_payload:
         Payload limit of the new connection, in bytes.
+    wait_for_server:
+        When nothing listens on ``path`` yet (no socket file, or one that refuses: a server
+        starting or restarting), try again with a short backoff until ``timeout`` instead of
+        raising at once.
 
     Returns
     -------
@@ -163,11 +172,42 @@ def connect(
         Nothing listens on ``path`` (the message says whether the file is missing, is not a socket, or is
         a stale socket left by a dead server), or access is denied.
     BridgeTimeoutError
-        The server did not take the connection within ``timeout``.
+        The server did not take the connection within ``timeout``;
+        :class:`~arrow_ipc_bridge.errors.WaitTimeoutError` when ``wait_for_server`` and no server
+        appeared within it.
     """
     max_payload = check_max_payload(max_payload)
+    if not timeout >= 0:  # also refuses NaN
+        raise ValueError(f"timeout must be a number of seconds >= 0, not {timeout!r}")
     spath = os.fspath(path)
-    deadline = time.monotonic() + max(timeout, 0.0)
+    deadline = time.monotonic() + timeout
+    if not wait_for_server:
+        return _connect_once(spath, timeout, deadline, max_payload)
+    delay = 0.001
+    while True:
+        try:
+            return _connect_once(spath, timeout, deadline, max_payload)
+        except TransportError as exc:
+            # Missing, or a socket that refuses: a server may be on its way (it replaces a stale
+            # socket file, binds, then listens). Anything else (permission denied, a path that is
+            # not a socket, which no server would replace) will not mend itself.
+            if not isinstance(exc.__cause__, FileNotFoundError) and not (
+                isinstance(exc.__cause__, ConnectionRefusedError) and _is_socket(spath)
+            ):
+                raise
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeoutError(
+                    f"no server appeared at {spath!r} within {timeout} s (last: {exc.message})",
+                    path=spath,
+                    timeout=timeout,
+                ) from exc
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 0.05)
+
+
+def _connect_once(spath: str, timeout: float, deadline: float, max_payload: int) -> Connection:
+    """One connect; waits (until ``deadline``) only while the server's accept queue is full."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         # Non-blocking: a Unix connect either completes at once or fails with EAGAIN when the server's
@@ -215,6 +255,13 @@ def connect(
     except BaseException:
         sock.close()
         raise
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return True  # gone meanwhile: as good as missing, worth another try
 
 
 def _describe_refused(path: str) -> str:

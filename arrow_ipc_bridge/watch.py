@@ -1,0 +1,377 @@
+"""The publisher's versions and held waits (feature ``"watch"``, docs/protocol.md "Waiting and versions").
+
+Every publish of a name gets a version from the C publication table (``serve.c``: the table's
+publish counter, so versions only grow, across names and across unpublish / republish, and are never
+reused while the publisher lives). A session's WAIT frame asks for the newest version of a name that
+is over ``after`` (0: any, i.e. "wait until it is published"); when there is none yet, the wait is
+*held*: the serving thread registers it here and goes back to serving, and whoever changes the name
+answers it. :class:`Watch` is that book:
+
+- ``publish`` (on the producer's thread) tells it the new version and answers every wait on the
+  name at once (:meth:`Watch.published` then :meth:`Watch.deliver`);
+- a clock thread, alive only while some held wait has a deadline, answers ERROR
+  :class:`~arrow_ipc_bridge.errors.WaitTimeoutError` when one runs out;
+- ``close`` answers every held wait with ERROR :class:`~arrow_ipc_bridge.errors.PeerClosedError`;
+- a connection that closes drops its waits (:meth:`Watch.forget`) before its lease table is freed.
+
+Answers go out on the waiting connection from a thread that is not its serving thread, so
+:class:`WaitingConnection` orders them with that thread's sends: Python's send lock for the frames
+Python sends, the C connection's mutex (``aib_server_conn_lease_newer``) for the ones the C serve
+loop sends and for its lease table, where the answer's lease lives like a GET's. An answer that
+cannot go out within :data:`ANSWER_SEND_TIMEOUT` (a client that stopped reading) closes that
+connection, so one slow client never holds up a publish for long.
+
+Lock order: the publisher's lock, then :class:`Watch`'s; a connection's answer lock, then the
+channel's send lock, then the C mutex. No answer is sent while :class:`Watch`'s lock is held.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+from arrow_ipc_bridge import protocol
+from arrow_ipc_bridge._ffi import ffi, lib, new_error
+from arrow_ipc_bridge.channel import Channel, error_for, millis
+from arrow_ipc_bridge.errors import (
+    BridgeError,
+    DescriptorsInFlightError,
+    LeaseLimitError,
+    PeerClosedError,
+    UnreadAnswersError,
+    WaitTimeoutError,
+)
+
+__all__ = ["ANSWER_SEND_TIMEOUT", "HeldWait", "Watch", "WaitingConnection"]
+
+_log = logging.getLogger("arrow_ipc_bridge")
+
+ANSWER_SEND_TIMEOUT = 1.0
+"""Seconds an answer to a held wait may take to go out (the session is blocked reading it, so its
+socket has room unless it broke the one-request-at-a-time rule); past it the connection is closed."""
+
+_ANSWERED = "answered"
+_NOT_DUE = "not due"  # the name changed under the answer (unpublished again): hold the wait again
+_GONE = "gone"  # the connection closed; nothing to answer
+
+
+class WaitingConnection:
+    """One connection's end of its held waits: answers them from any thread until :meth:`close`.
+
+    ``served`` is the connection's C lease table (``aib_server_conn``), which the publisher frees
+    only after :meth:`close` returned, so no answer uses it afterwards.
+    """
+
+    __slots__ = ("_lock", "_open", "channel", "served")
+
+    def __init__(self, channel: Channel, served: Any) -> None:
+        self.channel = channel
+        self.served = served
+        self._lock = threading.Lock()
+        self._open = True
+
+    def close(self) -> None:
+        """No answer from now on (waits for one in progress)."""
+        with self._lock:
+            self._open = False
+
+    @property
+    def closed(self) -> bool:
+        return not self._open
+
+    def answer(self, raw_name: bytes, after: int) -> str:
+        """Lease and send the newest version of ``raw_name`` if it is over ``after``."""
+        version = ffi.new("uint64_t *")
+        rc = self._call(
+            lambda err: lib.aib_server_conn_lease_newer(
+                self.served, raw_name, len(raw_name), after, millis(ANSWER_SEND_TIMEOUT), version, err
+            )
+        )
+        if rc is None:
+            return _GONE
+        if rc == lib.AIB_OK:
+            return _ANSWERED
+        if rc in (lib.AIB_SERVE_ABSENT, lib.AIB_SERVE_NOT_NEWER):
+            return _NOT_DUE
+        name = raw_name.decode("utf-8", "replace")
+        limit_error = _limit_error(rc, name)
+        if limit_error is None:
+            return _GONE  # _call closed the connection
+        self.fail(limit_error)
+        return _ANSWERED
+
+    def fail(self, error: BridgeError) -> None:
+        """Answer the held wait with ERROR ``error``."""
+        payload = protocol.encode_error(error)
+        self._call(
+            lambda err: lib.aib_server_conn_send(
+                self.served, protocol.ERROR, payload, len(payload), millis(ANSWER_SEND_TIMEOUT), err
+            )
+        )
+
+    def _call(self, send: Any) -> int | None:
+        """Run ``send(err)`` (a C call that may send on the connection) holding the answer lock and
+        the channel's send lock; None when the connection is closed, or was closed because the
+        call failed (out of step, or a client that does not read)."""
+        _, send_lock = self.channel.locked()
+        failure: BridgeError | None = None
+        with self._lock:
+            if not self._open or self.channel.closed:
+                return None
+            if not send_lock.acquire(timeout=ANSWER_SEND_TIMEOUT):
+                failure = BridgeError("answering a held wait: the connection's send lock stayed busy")
+                rc = None
+            else:
+                try:
+                    err = new_error()
+                    rc = int(send(err))
+                    if rc not in _ANSWER_RETURNS:
+                        failure = error_for(rc, err, "answering a held wait", ANSWER_SEND_TIMEOUT)
+                        rc = None
+                finally:
+                    send_lock.release()
+        if failure is not None:
+            # Closed outside the locks: close() takes the channel's locks itself. A client that
+            # left meanwhile is no news; one that stopped reading is.
+            level = logging.DEBUG if isinstance(failure, PeerClosedError) else logging.WARNING
+            _log.log(level, "arrow_ipc_bridge: closing a waiting session: %s", failure)
+            self.channel.close()
+        return rc
+
+
+def _limit_error(rc: int, name: str) -> BridgeError | None:
+    """The error for an answer the C core refused at a limit (nothing leased or sent), else None."""
+    if rc == lib.AIB_SERVE_LEASE_LIMIT:
+        return LeaseLimitError(
+            f"the wait for {name!r} ended: this connection holds as many leases as the publisher's "
+            "max_leases_per_connection; release some and wait again"
+        )
+    if rc == lib.AIB_SERVE_UNREAD_LIMIT:
+        return UnreadAnswersError(
+            f"the wait for {name!r} ended: this connection has not read answers carrying descriptors"
+        )
+    if rc == lib.AIB_SERVE_FDS_BUSY:
+        return DescriptorsInFlightError(
+            f"the wait for {name!r} ended: the kernel refused to pass its descriptors (ETOOMANYREFS); "
+            "nothing was leased, wait again"
+        )
+    return None
+
+
+_ANSWER_RETURNS = frozenset(
+    {
+        int(lib.AIB_OK),
+        int(lib.AIB_SERVE_ABSENT),
+        int(lib.AIB_SERVE_NOT_NEWER),
+        int(lib.AIB_SERVE_LEASE_LIMIT),
+        int(lib.AIB_SERVE_UNREAD_LIMIT),
+        int(lib.AIB_SERVE_FDS_BUSY),
+    }
+)
+
+
+class HeldWait:
+    """One WAIT: answer ``conn`` with the newest version of ``raw_name`` over ``after``, or with an
+    error at ``deadline`` (``time.monotonic()``; None: no limit)."""
+
+    __slots__ = ("after", "conn", "deadline", "held", "raw_name", "timeout_ms")
+
+    def __init__(self, conn: WaitingConnection, raw_name: bytes, after: int, timeout_ms: int) -> None:
+        self.conn = conn
+        self.raw_name = raw_name
+        self.after = after
+        self.timeout_ms = timeout_ms
+        self.deadline = None if timeout_ms == protocol.WAIT_FOREVER else time.monotonic() + timeout_ms / 1000
+        self.held = False  # registered in the Watch (under its lock)
+
+    def timed_out(self) -> WaitTimeoutError:
+        name = self.raw_name.decode("utf-8", "replace")
+        what = f"a version of {name!r} newer than {self.after}" if self.after else f"{name!r} to be published"
+        seconds = self.timeout_ms / 1000
+        return WaitTimeoutError(f"waited {seconds} s for {what}", timeout=seconds)
+
+
+class Watch:
+    """The publisher's book of published versions and held waits (see the module docstring)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._clock_wakes = threading.Condition(self._lock)
+        self._current: dict[bytes, int] = {}  # name -> version published now
+        self._waits: dict[bytes, list[HeldWait]] = {}
+        self._deadlines: list[tuple[float, int, HeldWait]] = []  # heap; entries no longer held are skipped
+        self._order = itertools.count()
+        self._clock: threading.Thread | None = None
+        self._closed = False
+
+    # ---------- the producer's side ---------------------------------------------------------------------
+    def published(self, raw_name: bytes, version: int) -> list[HeldWait]:
+        """``raw_name`` is published at ``version`` now (call it under the publisher's lock, right
+        after the C table took it); returns the waits to :meth:`deliver` (without that lock)."""
+        with self._lock:
+            self._current[raw_name] = version
+            due = [w for w in self._waits.get(raw_name, ()) if w.after < version]
+            if due:
+                left = [w for w in self._waits[raw_name] if w.after >= version]
+                if left:
+                    self._waits[raw_name] = left
+                else:
+                    del self._waits[raw_name]
+                for wait in due:
+                    wait.held = False
+            return due
+
+    def unpublished(self, raw_name: bytes) -> None:
+        """``raw_name`` is going away (call it under the publisher's lock, before the C table drops it)."""
+        with self._lock:
+            self._current.pop(raw_name, None)
+
+    def cleared(self) -> None:
+        with self._lock:
+            self._current.clear()
+
+    # ---------- a session's WAIT ----------------------------------------------------------------------------
+    def request(self, wait: HeldWait) -> None:
+        """A WAIT arrived: answer it now if a version over ``after`` is published, else hold it."""
+        self.deliver([wait], held=False)
+
+    def deliver(self, waits: list[HeldWait], *, held: bool = True) -> None:
+        """Answer each of ``waits`` (taken out of the book) with its name's newest version. One whose
+        name changed again before its answer went out (unpublished meanwhile) is held again."""
+        for wait in waits:
+            due = held
+            while not due or wait.conn.answer(wait.raw_name, wait.after) == _NOT_DUE:
+                if not self._hold(wait):
+                    break
+                due = True
+
+    def _hold(self, wait: HeldWait) -> bool:
+        """Register ``wait`` unless it is due now (True: answer it) or over (answered here); False
+        when it was registered or answered."""
+        error: BridgeError | None = None
+        with self._lock:
+            if wait.conn.closed:
+                # Gone (Watch.forget ran or is about to: it closes the connection first, so a wait
+                # registered here before that would still be dropped by it).
+                return False
+            if self._closed:
+                error = _closing()
+            elif self._current.get(wait.raw_name, 0) > wait.after:
+                return True
+            elif wait.deadline is not None and wait.deadline <= time.monotonic():
+                error = wait.timed_out()
+            else:
+                wait.held = True
+                self._waits.setdefault(wait.raw_name, []).append(wait)
+                if wait.deadline is not None:
+                    self._prune_deadlines()
+                    heapq.heappush(self._deadlines, (wait.deadline, next(self._order), wait))
+                    self._start_clock()
+                return False
+        wait.conn.fail(error)
+        return False
+
+    def forget(self, conn: WaitingConnection) -> None:
+        """``conn`` closed: drop its held waits (call it before its lease table is freed)."""
+        conn.close()
+        with self._lock:
+            for raw_name in list(self._waits):
+                kept = [w for w in self._waits[raw_name] if w.conn is not conn]
+                for wait in self._waits[raw_name]:
+                    if wait.conn is conn:
+                        wait.held = False
+                if kept:
+                    self._waits[raw_name] = kept
+                else:
+                    del self._waits[raw_name]
+            self._clock_wakes.notify()
+
+    @property
+    def held_waits(self) -> int:
+        """Waits held now (all connections)."""
+        with self._lock:
+            return self._held_count()
+
+    @property
+    def pending_deadlines(self) -> int:
+        """Deadlines in the clock's heap, answered ones not yet pruned included (a diagnostic)."""
+        with self._lock:
+            return len(self._deadlines)
+
+    # ---------- deadlines ---------------------------------------------------------------------------------
+    def _start_clock(self) -> None:
+        """(Under the lock.) The clock thread runs while some held wait has a deadline."""
+        if self._clock is None:
+            self._clock = threading.Thread(target=self._run_clock, name=f"{self._name}-watch", daemon=True)
+            self._clock.start()
+        else:
+            self._clock_wakes.notify()
+
+    def _run_clock(self) -> None:
+        while True:
+            with self._lock:
+                expired: list[HeldWait] = []
+                while True:
+                    while self._deadlines and not self._deadlines[0][2].held:
+                        heapq.heappop(self._deadlines)  # answered or dropped already
+                    if self._closed or not self._deadlines:
+                        self._clock = None
+                        return
+                    now = time.monotonic()
+                    while self._deadlines and self._deadlines[0][0] <= now:
+                        wait = heapq.heappop(self._deadlines)[2]
+                        if wait.held:
+                            self._unhold(wait)
+                            expired.append(wait)
+                    if expired:
+                        break
+                    self._clock_wakes.wait(self._deadlines[0][0] - now)
+            for wait in expired:  # answered outside the lock
+                wait.conn.fail(wait.timed_out())
+
+    def _prune_deadlines(self) -> None:
+        """(Under the lock.) Waits answered before their deadline stay in the heap until it comes
+        up; a consumer looping on get_next with a long timeout would pile them up, so the heap is
+        rebuilt from the waits still held once most of it is stale (amortised O(1) per wait)."""
+        if len(self._deadlines) < 64 or len(self._deadlines) < 2 * self._held_count():
+            return
+        self._deadlines = [entry for entry in self._deadlines if entry[2].held]
+        heapq.heapify(self._deadlines)
+
+    def _held_count(self) -> int:
+        return sum(len(waits) for waits in self._waits.values())
+
+    def _unhold(self, wait: HeldWait) -> None:
+        """(Under the lock.) Take ``wait`` out of the book."""
+        wait.held = False
+        waits = self._waits.get(wait.raw_name, [])
+        waits.remove(wait)
+        if not waits:
+            self._waits.pop(wait.raw_name, None)
+
+    # ---------- the publisher's close ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Answer every held wait with ERROR PeerClosedError (the publisher is closing); later WAITs
+        get the same answer at once."""
+        with self._lock:
+            self._closed = True
+            waits = [w for held in self._waits.values() for w in held]
+            self._waits.clear()
+            self._deadlines.clear()
+            for wait in waits:
+                wait.held = False
+            self._clock_wakes.notify()
+            clock = self._clock
+        for wait in waits:
+            wait.conn.fail(_closing())
+        if clock is not None and clock is not threading.current_thread():
+            clock.join()
+
+
+def _closing() -> PeerClosedError:
+    return PeerClosedError("the publisher is closing: connect again (wait_for_publisher=True) to a new one")

@@ -1,0 +1,21 @@
+"""Children for tests/test_waiting.py, started with ``spawn``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pyarrow as pa
+
+import arrow_ipc_bridge as aib
+
+
+def late_publisher_main(conn: Any, path: str, delay: float) -> None:
+    """Start a publisher at ``path`` after ``delay`` seconds, publish "late" = [1, 2, 3], say
+    ("published", publisher_id) and serve until told to stop."""
+    time.sleep(delay)
+    with aib.Publisher(path) as pub:
+        pub.publish("late", pa.array([1, 2, 3]))
+        conn.send(("published", pub.publisher_id))
+        conn.recv()  # "stop"
+    conn.send(("bye",))
