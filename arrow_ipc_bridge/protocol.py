@@ -23,6 +23,10 @@ from arrow_ipc_bridge.errors import (
     ProtocolError,
     PublisherLimitError,
     RegionError,
+    SlowConsumerError,
+    StreamError,
+    StreamFailedError,
+    StreamInterruptedError,
     UnreadAnswersError,
     WireFormatError,
 )
@@ -41,6 +45,10 @@ __all__ = [
     "PONG",
     "POOL_FD",
     "POOL",
+    "SUBSCRIBE",
+    "SUBSCRIBED",
+    "BATCH",
+    "STREAM_END",
     "MAX_PING",
     "POOL_IDENTITY_SIZE",
     "FEATURES",
@@ -70,6 +78,14 @@ PING = 9  # session -> publisher: 0 to MAX_PING bytes, echoed (publishers advert
 PONG = 10  # publisher -> session: the PING's payload
 POOL_FD = 11  # session -> publisher: a 24-byte IPC-pool identity (publishers advertising "pool_fd")
 POOL = 12  # publisher -> session: the same identity, the pool's fd attached
+# Live streams (publishers advertising "stream"; payloads in arrow_ipc_bridge/streams/frames.py).
+# A subscription has a connection of its own: after SUBSCRIBED the publisher pushes BATCH frames
+# and the session sends RELEASE (of a batch's lease: credit back) and nothing else.
+SUBSCRIBE = 13  # session -> publisher: u32 max_in_flight, then the stream's name, UTF-8
+SUBSCRIBED = 14  # publisher -> session: JSON {"max_in_flight", "policy", "next_sequence"}
+BATCH = 15  # publisher -> session: u64 sequence, u64 lease id, then the message; region fds attached
+STREAM_END = 16  # publisher -> session: JSON {"type", "message", "dropped"} (type null: a clean end)
+# 17-19 are kept for streams.
 
 MAX_PING = 64
 # An IPC pool's identity, the first bytes of a CUDA_POOL region's handle: the producer's 16-byte
@@ -77,7 +93,7 @@ MAX_PING = 64
 POOL_IDENTITY_SIZE = 24
 # What this side's publisher offers beyond protocol 1's first frames, advertised in WELCOME's
 # "features": a session checks before it uses one, so older publishers keep working with it.
-FEATURES = ("ping", "pool_fd")
+FEATURES = ("ping", "pool_fd", "stream")
 
 MAX_JSON = 1 << 20
 MAX_NAME = 4096
@@ -98,6 +114,10 @@ _ERROR_TYPES: dict[str, type[BridgeError]] = {
     "UnreadAnswersError": UnreadAnswersError,
     "DescriptorsInFlightError": DescriptorsInFlightError,
     "HandshakeTimeoutError": HandshakeTimeoutError,
+    "StreamError": StreamError,
+    "StreamFailedError": StreamFailedError,
+    "StreamInterruptedError": StreamInterruptedError,
+    "SlowConsumerError": SlowConsumerError,
     "BridgeError": BridgeError,
 }
 
