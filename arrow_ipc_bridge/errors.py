@@ -182,7 +182,9 @@ class StreamFailedError(StreamError):
 
 class StreamInterruptedError(StreamError, PeerClosedError):
     """The publisher went away mid-stream (closed, or its process died) without ending the stream.
-    Batches the consumer already holds stay valid."""
+    Batches the consumer already holds stay valid; ``received`` counts the batches that came."""
+
+    received: int
 
 
 class SlowConsumerError(StreamError):

@@ -125,6 +125,18 @@ class LiveStreamState:
             return sum(1 for s in self._subscribers if not s.ended)
 
     @property
+    def leases(self) -> int:
+        """Batches sent to subscribers and not released yet, all subscribers together."""
+        with self.cond:
+            return sum(len(s.leases) for s in self._subscribers)
+
+    @property
+    def queued(self) -> int:
+        """Batches queued for slow subscribers (policy ``"drop_oldest"``), not sent yet."""
+        with self.cond:
+            return sum(len(s.pending) for s in self._subscribers)
+
+    @property
     def next_sequence(self) -> int:
         with self.cond:
             return self._next_sequence

@@ -121,7 +121,10 @@ class HostSlot(StreamSlot):
         from arrow_ipc_bridge.host import allocate_shared
 
         offsets = []
-        total = 0
+        # Host messages name no file, so two slots laid out alike would encode to the same bytes,
+        # and a consumer remembers one message per byte string: each slot starts its columns at
+        # its own offset, so its message is its own and every slot stays remembered.
+        total = index * _ALIGN
         for f in layout.schema:
             offsets.append(total)
             total += -(-layout.rows * f.type.bit_width // 8 // _ALIGN) * _ALIGN

@@ -74,6 +74,11 @@ class StreamWriter:
         return self._state.subscribers
 
     @property
+    def leases(self) -> int:
+        """Batches subscribers hold (sent, not released yet); 0 once every consumer released all."""
+        return self._state.leases
+
+    @property
     def batches_written(self) -> int:
         """Batches committed so far (the next batch's sequence number)."""
         return self._state.next_sequence
