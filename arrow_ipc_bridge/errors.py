@@ -179,6 +179,8 @@ class StreamFailedError(StreamError):
     ``publish_stream`` raised). ``producer_error`` names the producer's exception type. Batches the
     consumer already holds stay valid."""
 
+    producer_error: str
+
 
 class StreamInterruptedError(StreamError, PeerClosedError):
     """The publisher went away mid-stream (closed, or its process died) without ending the stream.
