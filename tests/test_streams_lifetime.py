@@ -76,12 +76,17 @@ def test_a_killed_producer_gives_a_clear_error_and_held_batches_stay_valid(sock_
             value = pa.record_batch(held).column(0)[0].as_py()
             os.kill(child.pid, signal.SIGKILL)
             child.join(30)
-            with pytest.raises(aib.StreamInterruptedError, match="went away mid-stream") as info:
-                while True:  # what was in the socket first, then the error
+            error: BaseException | None = None
+            for _ in range(10):  # what was in the socket first (at most its window), then the error
+                try:
                     more = live.next_batch()
-                    assert more is not None
-                    more.release()
-            assert isinstance(info.value, aib.PeerClosedError)
+                except aib.StreamInterruptedError as exc:
+                    error = exc
+                    break
+                assert more is not None
+                more.release()
+            assert isinstance(error, aib.PeerClosedError)
+            assert "went away mid-stream" in str(error)
             # The held batch's memory is still mapped and unchanged.
             assert pa.record_batch(held).column(0).to_pylist() == [value] * 8
             held.release()

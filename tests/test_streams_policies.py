@@ -56,7 +56,7 @@ def test_block_timeout_raises_and_sends_nothing(publisher: aib.Publisher) -> Non
         writer.write(batch(0))
         held = take(live)
         started = time.monotonic()
-        with pytest.raises(aib.StreamBlockedError, match="waited 0.2 s") as info:
+        with pytest.raises(aib.StreamBlockedError, match=r"waited 0\.2 s") as info:
             writer.write(batch(1))
         assert time.monotonic() - started >= 0.15
         assert isinstance(info.value, aib.BridgeTimeoutError)
