@@ -311,3 +311,32 @@ def test_session_subscribe_uses_its_own_connection(publisher: aib.Publisher) -> 
         assert values(live) == [1]
     publisher.unpublish("t")
     assert os.path.exists(publisher.path)
+
+
+def test_reserved_host_slots_are_imported_as_remembered_messages(publisher: aib.Publisher) -> None:
+    """Each slot's message is sent again unchanged: after a slot's first batch the consumer imports
+    it as a message it remembers (no decode, no mapping), one remembered message per slot."""
+    schema = pa.schema([("i", pa.int32())])
+    writer = publisher.open_stream("r", max_in_flight=3, slots=aib.SlotLayout(schema, rows=4, count=3))
+    with aib.subscribe(publisher.path, "r", timeout=30) as live:
+        before = aib.stats().session
+        held: list[aib.ImportedArray] = []
+        used = set()
+        for i in range(30):
+            slot = writer.reserve(timeout=10)
+            used.add(slot.index)
+            slot.columns[0][:] = i
+            slot.commit()
+            imported = live.next_batch()
+            assert imported is not None
+            assert pa.record_batch(imported).column(0).to_pylist() == [i] * 4
+            held.append(imported)
+            if len(held) == 3:  # two stay held: the next reserve gets the third slot
+                held.pop(0).release()
+        for imported in held:
+            imported.release()
+        after = aib.stats().session
+        assert used == {0, 1, 2}
+        assert after.python_imports - before.python_imports <= 3  # each slot's first batch
+        assert after.python_remembered_imports - before.python_remembered_imports >= 27
+        writer.close()
