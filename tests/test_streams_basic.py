@@ -340,3 +340,39 @@ def test_reserved_host_slots_are_imported_as_remembered_messages(publisher: aib.
         assert after.python_imports - before.python_imports <= 3  # each slot's first batch
         assert after.python_remembered_imports - before.python_remembered_imports >= 27
         writer.close()
+
+
+def test_c_device_stream_get_next_end_and_last_error(publisher: aib.Publisher) -> None:
+    """The ArrowDeviceArrayStream's functions called as a C consumer would: a batch per get_next
+    (host device type, no event), then the producer's error as EIO and get_last_error."""
+    from arrow_ipc_bridge._ffi import ffi
+    from arrow_ipc_bridge.capsules import DEVICE_CPU, capsule_struct
+
+    writer = publisher.open_stream("d")
+    with aib.subscribe(publisher.path, "d", timeout=30) as live:
+        writer.write(batch(3))
+        writer.write(batch(4))
+        writer.fail(OSError("disk gone"))
+        capsule = live.__arrow_c_device_stream__()
+        stream = capsule_struct(capsule, "device_stream")
+        assert stream.device_type == DEVICE_CPU
+        schema = ffi.new("struct ArrowSchema *")
+        assert stream.get_schema(stream, schema) == 0
+        assert ffi.string(schema.format) == b"+s"
+        assert schema.n_children == 2
+        schema.release(schema)
+        got = []
+        for _ in range(2):
+            out = ffi.new("struct ArrowDeviceArray *")
+            assert stream.get_next(stream, out) == 0
+            assert out.sync_event == ffi.NULL
+            got.append(out.array.length)
+            out.array.release(ffi.addressof(out.array))  # ends the batch's lease
+        assert got == [4, 4]
+        out = ffi.new("struct ArrowDeviceArray *")
+        assert stream.get_next(stream, out) == 5  # EIO
+        error = ffi.string(stream.get_last_error(stream)).decode()
+        assert "StreamFailedError" in error
+        assert "disk gone" in error
+        del capsule  # releases the stream
+    assert writer.leases == 0

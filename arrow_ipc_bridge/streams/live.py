@@ -15,8 +15,6 @@ from collections.abc import Iterator
 from types import EllipsisType, TracebackType
 from typing import Any
 
-import pyarrow as pa
-
 from arrow_ipc_bridge import _reaper, protocol
 from arrow_ipc_bridge.capsules import DEVICE_CPU
 from arrow_ipc_bridge.errors import (
@@ -174,26 +172,32 @@ class LiveStream:
 
     # ---------- the Arrow C stream interface --------------------------------------------------------
     def __arrow_c_stream__(self, requested_schema: object | None = None) -> object:
-        """An ``ArrowArrayStream`` whose ``get_next`` waits for the next batch; the end of the
-        stream ends it, and an error (producer failure, publisher gone) is its ``get_last_error``.
-        Host data of record batches only (``pa.RecordBatchReader.from_stream(live)``)."""
+        """An ``ArrowArrayStream`` whose ``get_next`` waits for the next batch: the end of the
+        stream ends it, an error (producer failure, publisher gone) is its ``get_last_error``.
+        Host data (``pa.RecordBatchReader.from_stream(live)``); waits for the first batch, whose
+        schema it offers. ``requested_schema`` is not supported (None only)."""
+        return self._c_stream(requested_schema, device=False)
+
+    def __arrow_c_device_stream__(self, requested_schema: object | None = None, **kwargs: object) -> object:
+        """An ``ArrowDeviceArrayStream`` like :meth:`__arrow_c_stream__`, for host or CUDA data:
+        each ``ArrowDeviceArray`` carries its batch's ``sync_event`` while the producer's work on
+        it may be pending."""
+        return self._c_stream(requested_schema, device=True)
+
+    def _c_stream(self, requested_schema: object | None, *, device: bool) -> object:
+        from arrow_ipc_bridge.streams.c_stream import stream_capsule
+
+        if requested_schema is not None:
+            raise StreamError("a live stream offers its own schema: requested_schema must be None")
         first = self._peek()
         if first is None:
             raise StreamError(f"stream {self.name!r} ended before its first batch: no schema to offer")
-        if first.device_type != DEVICE_CPU:
+        if not device and first.device_type != DEVICE_CPU:
             raise StreamError(
-                f"stream {self.name!r} holds device data: iterate it (each batch has "
-                "__arrow_c_device_array__)"
+                f"stream {self.name!r} holds device data: use __arrow_c_device_stream__ or iterate it"
             )
-        schema = pa.record_batch(first).schema
-
-        def batches() -> Iterator[pa.RecordBatch]:
-            for imported in self:
-                with imported:  # the record batch holds the lease from here on
-                    yield pa.record_batch(imported)
-
-        reader = pa.RecordBatchReader.from_batches(schema, batches())
-        return reader.__arrow_c_stream__(requested_schema)
+        self._peeked = None  # the C stream hands it out first
+        return stream_capsule(self, first, device=device)
 
     def _peek(self) -> ImportedArray | None:
         if self._peeked is None:
