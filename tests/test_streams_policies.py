@@ -8,6 +8,7 @@ import time
 
 import pyarrow as pa
 import pytest
+from helpers.session_rig import wait_for
 
 import arrow_ipc_bridge as aib
 
@@ -98,6 +99,10 @@ def test_error_policy_ends_only_the_slow_consumer(publisher: aib.Publisher) -> N
         for i in range(6):
             writer.write(batch(i))
             got.append(first_value(take(fast)))
+            # Credit comes back when the publisher has read the RELEASE: wait for it, or the fast
+            # consumer could look slow too (the slow one holds what it was sent: at most 2).
+            held_by_slow = min(i + 1, 2)
+            assert wait_for(lambda n=held_by_slow: writer.leases == n, 10)
         assert got == list(range(6))
         held = [take(slow), take(slow)]  # it received its window, then was ended
         with pytest.raises(aib.SlowConsumerError, match="policy 'error'"):
