@@ -49,6 +49,7 @@ __all__ = [
     "SUBSCRIBED",
     "BATCH",
     "STREAM_END",
+    "RELEASE_MANY",
     "MAX_PING",
     "POOL_IDENTITY_SIZE",
     "FEATURES",
@@ -85,7 +86,8 @@ SUBSCRIBE = 13  # session -> publisher: u32 max_in_flight, then the stream's nam
 SUBSCRIBED = 14  # publisher -> session: JSON {"max_in_flight", "policy", "next_sequence"}
 BATCH = 15  # publisher -> session: u64 sequence, u64 lease id, then the message; region fds attached
 STREAM_END = 16  # publisher -> session: JSON {"type", "message", "dropped"} (type null: a clean end)
-# 17-19 are kept for streams.
+RELEASE_MANY = 17  # session -> publisher, on a subscription: 1 to 4096 u64 lease ids (no reply)
+# 18-19 are kept for streams.
 
 MAX_PING = 64
 # An IPC pool's identity, the first bytes of a CUDA_POOL region's handle: the producer's 16-byte

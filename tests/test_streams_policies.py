@@ -132,3 +132,24 @@ def test_a_consumer_asking_for_a_smaller_window_gets_it(publisher: aib.Publisher
         assert live.dropped == 1
         writer.close()
         assert live.next_batch() is None
+
+
+def test_credit_released_while_the_consumer_waits_goes_out_at_once(publisher: aib.Publisher) -> None:
+    """Releases are sent a few at a time (RELEASE_MANY), but never held back while the consumer
+    waits for a batch: here the producer waits for that very credit."""
+    writer = publisher.open_stream("c", max_in_flight=8, on_slow="block", block_timeout=30)
+    with aib.subscribe(publisher.path, "c", timeout=20) as live:
+        for i in range(8):
+            writer.write(batch(i))
+        held = [take(live) for _ in range(8)]
+        producer = threading.Thread(target=lambda: writer.write(batch(8)))
+        producer.start()  # blocked: the consumer holds its whole window
+        releaser = threading.Timer(0.3, held[0].release)  # one release, while next_batch waits
+        releaser.start()
+        assert first_value(take(live)) == 8
+        producer.join(10)
+        releaser.join()
+        for imported in held[1:]:
+            imported.release()
+        writer.close()
+        assert live.next_batch() is None

@@ -21,10 +21,12 @@ __all__ = [
     "StreamEnd",
     "Subscribed",
     "decode_batch_header",
+    "decode_release_many",
     "decode_stream_end",
     "decode_subscribe",
     "decode_subscribed",
     "encode_batch_header",
+    "encode_release_many",
     "encode_stream_end",
     "encode_subscribe",
     "encode_subscribed",
@@ -85,6 +87,20 @@ def decode_subscribed(payload: bytes, asked: int) -> Subscribed:
     if not _is_int(sequence) or not 0 <= sequence <= _U64_MAX:
         raise ProtocolError(f"SUBSCRIBED next_sequence {sequence!r} is not a u64")
     return Subscribed(int(window), str(policy), int(sequence))
+
+
+def encode_release_many(lease_ids: list[int]) -> bytes:
+    return struct.pack(f"<{len(lease_ids)}Q", *lease_ids)
+
+
+def decode_release_many(payload: bytes) -> tuple[int, ...]:
+    """The lease ids of a RELEASE_MANY (1 to :data:`MAX_IN_FLIGHT` of them)."""
+    count, rest = divmod(len(payload), 8)
+    if rest or not 1 <= count <= MAX_IN_FLIGHT:
+        raise ProtocolError(
+            f"RELEASE_MANY payload of {len(payload)} bytes (1 to {MAX_IN_FLIGHT} u64 lease ids)"
+        )
+    return struct.unpack(f"<{count}Q", payload)
 
 
 def encode_batch_header(sequence: int, lease_id: int, slot: int = NO_SLOT) -> bytes:

@@ -259,14 +259,19 @@ class LiveStreamState:
             self._subscribers.append(sub)
             return sub
 
-    def release(self, sub: _Subscriber, lease_id: int) -> None:
-        """RELEASE of a batch's lease: credit back; queued batches go out. An unknown or already
-        released lease is ignored (releasing twice is harmless, as for GET leases)."""
+    def release(self, sub: _Subscriber, lease_ids: tuple[int, ...]) -> None:
+        """RELEASE (or RELEASE_MANY) of batches' leases: credit back; queued batches go out. An
+        unknown or already released lease is ignored (releasing twice is harmless, as for GET
+        leases)."""
         with self.cond:
-            batch = sub.leases.pop(lease_id, None)
-            if batch is None:
+            released = False
+            for lease_id in lease_ids:
+                batch = sub.leases.pop(lease_id, None)
+                if batch is not None:
+                    batch.unref()
+                    released = True
+            if not released:
                 return
-            batch.unref()
             while sub.pending and sub.has_room and not sub.ended:
                 queued = sub.pending.popleft()
                 self._send(sub, queued)
@@ -338,13 +343,16 @@ class StreamHub:
             while True:
                 frame = channel.recv(timeout=None)
                 with frame:
-                    if frame.kind != protocol.RELEASE or frame.fds:
+                    if frame.kind not in (protocol.RELEASE, protocol.RELEASE_MANY) or frame.fds:
                         raise ProtocolError(
                             f"frame kind {frame.kind} with {len(frame.fds)} fds on a subscription "
-                            "(only RELEASE is allowed)"
+                            "(only RELEASE and RELEASE_MANY are allowed)"
                         )
-                    lease_id = protocol.decode_lease(frame.payload)
-                stream.release(sub, lease_id)
+                    if frame.kind == protocol.RELEASE:
+                        lease_ids: tuple[int, ...] = (protocol.decode_lease(frame.payload),)
+                    else:
+                        lease_ids = frames.decode_release_many(frame.payload)
+                stream.release(sub, lease_ids)
         except PeerClosedError:
             pass  # the consumer closed or died: what it held is let go below
         except ProtocolError as exc:

@@ -10,15 +10,22 @@ producer its credit and, for reserved slots, its memory back.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
+import threading
+import weakref
 from collections.abc import Iterator
 from types import EllipsisType, TracebackType
 from typing import Any
 
 from arrow_ipc_bridge import _reaper, protocol
+from arrow_ipc_bridge._ffi import lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU
+from arrow_ipc_bridge.channel import Channel
 from arrow_ipc_bridge.errors import (
     BridgeError,
+    BridgeTimeoutError,
     PeerClosedError,
     ProtocolError,
     SlowConsumerError,
@@ -32,6 +39,50 @@ from arrow_ipc_bridge.streams import frames
 __all__ = ["LiveStream", "subscribe"]
 
 _LEASE_LIMIT = 1 << _reaper.FAMILY_VALUE_BITS
+
+
+class _Credit:
+    """Gives batches' leases back, a few at a time (RELEASE_MANY): a released batch's lease waits
+    until half the window is released or this consumer is about to wait for a batch (then nothing
+    may stay held back: the producer could be waiting for that credit). One frame per few batches
+    spares both processes a wake-up per batch. Runs on any thread (the reaper's, a consumer's)."""
+
+    def __init__(self, channel: Channel, window: int) -> None:
+        self._channel = channel
+        self._lock = threading.Lock()
+        self._pending: list[int] = []
+        self._threshold = max(1, window // 2)
+        self._receiving = False
+
+    def released(self, lease_id: int) -> None:
+        """A batch's owner died (the reaper family's callback)."""
+        with self._lock:
+            self._pending.append(lease_id)
+            if not self._receiving and len(self._pending) < self._threshold:
+                return
+            ids, self._pending = self._pending, []
+        self._send(ids)
+
+    def waiting(self, waiting: bool) -> None:
+        """The consumer starts (True) or stops waiting for a batch; starting sends what is held back."""
+        with self._lock:
+            self._receiving = waiting
+            ids, self._pending = (self._pending, []) if waiting else ([], self._pending)
+        if ids:
+            self._send(ids)
+
+    def give_back(self, ids: list[int]) -> None:
+        """Send these leases' RELEASE now."""
+        self._send(ids)
+
+    def _send(self, ids: list[int]) -> None:
+        if self._channel.closed:
+            return  # the publisher ended this connection's leases when it closed
+        with contextlib.suppress(PeerClosedError, BridgeTimeoutError, OSError):
+            if len(ids) == 1:
+                self._channel.send(protocol.RELEASE, protocol.encode_lease(ids[0]), timeout=5.0)
+            else:
+                self._channel.send(protocol.RELEASE_MANY, frames.encode_release_many(ids), timeout=5.0)
 
 
 class LiveStream:
@@ -63,6 +114,13 @@ class LiveStream:
         self.last_sequence = -1
         """The sequence number of the last batch received (-1: none yet)."""
         self._slot_names = [f"{name}#batch"]
+        self._channel: Channel = session._connection()
+        self._credit = _Credit(self._channel, subscribed.max_in_flight)
+        # Leases are a reaper family of this stream's: a batch's owner dying gives its credit back.
+        self._lease_tokens = _reaper.register_family(self._credit.released)
+        weakref.finalize(self, _reaper.unregister_family, self._lease_tokens)
+        self._poll = select.poll()
+        self._poll.register(self._channel.fileno(), select.POLLIN)
 
     # ---------- receiving ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[ImportedArray]:
@@ -84,10 +142,21 @@ class LiveStream:
         if self._end is not None:
             self._finished()
             return None
-        channel = self._session._connection()
+        self._session._check_open()
+        channel = self._channel
         wait = self._timeout if isinstance(timeout, EllipsisType) else timeout
+        # Credit held back goes out before this consumer could wait (see _Credit); a frame already
+        # here (in the channel's buffer or the socket) is taken without that.
+        ready = lib.aib_channel_buffered(channel.raw) > 0 or bool(self._poll.poll(0))
         try:
-            frame = channel.recv(timeout=wait)
+            if ready:
+                frame = channel.recv(timeout=wait)
+            else:
+                self._credit.waiting(True)
+                try:
+                    frame = channel.recv(timeout=wait)
+                finally:
+                    self._credit.waiting(False)
         except PeerClosedError as exc:
             if getattr(exc, "closed_locally", False) or self._session.closed:
                 raise BridgeError(f"the live stream {self.name!r} is closed") from exc
@@ -121,9 +190,7 @@ class LiveStream:
             raise ProtocolError(f"BATCH lease id {lease_id} out of range")
         if sequence < self._expected:
             raise ProtocolError(f"BATCH sequence {sequence} after {self._expected - 1}: out of order")
-        from arrow_ipc_bridge.session import _send_release
-
-        token = session._lease_tokens | lease_id
+        token = self._lease_tokens | lease_id
         try:
             # The session's own import (decode, full check, map), under this batch's lease; one
             # remembered message per reserved slot, so a reused slot costs a lookup.
@@ -131,7 +198,7 @@ class LiveStream:
                 payload[frames.BATCH_HEADER_SIZE :], fds, name=self._slot_name(slot), token=token
             )
         except BaseException:
-            _send_release(session._connection(), lease_id)  # no owner came to life: give it back here
+            self._credit.give_back([lease_id])  # if no owner came to life, nobody else would
             raise
         if not isinstance(imported, ImportedArray):
             imported.release()
