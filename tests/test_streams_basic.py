@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 import pytest
+from helpers.session_rig import wait_for
 
 import arrow_ipc_bridge as aib
 
@@ -52,7 +53,7 @@ def test_write_then_iterate_in_order_until_the_end(publisher: aib.Publisher) -> 
         assert live.dropped == 0
         assert live.received == 300
         assert live.next_batch() is None  # the end, again
-    assert writer.leases == 0
+    assert wait_for(lambda: writer.leases == 0, 10)  # the publisher reads the close in its own time
 
 
 def test_ten_thousand_small_batches_arrive_in_order_and_intact(publisher: aib.Publisher) -> None:
@@ -375,4 +376,4 @@ def test_c_device_stream_get_next_end_and_last_error(publisher: aib.Publisher) -
         assert "StreamFailedError" in error
         assert "disk gone" in error
         del capsule  # releases the stream
-    assert writer.leases == 0
+    assert wait_for(lambda: writer.leases == 0, 10)  # the publisher reads the close in its own time

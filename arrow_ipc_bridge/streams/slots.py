@@ -19,7 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from arrow_ipc_bridge.errors import StreamSchemaError
+from arrow_ipc_bridge.errors import StreamError, StreamSchemaError
 from arrow_ipc_bridge.exporter import Exported, export
 
 __all__ = ["HostSlot", "SlotLayout", "StreamSlot", "make_slot"]
@@ -79,10 +79,12 @@ class StreamSlot:
         self.reserved = False
         self._writer: Any = None
 
-    def commit(self, rows: int | None = None) -> int:
+    def commit(self, rows: int | None = None, *, stream: Any = None) -> int:
         """Send the batch to every subscriber; returns its sequence number. ``rows``: how many of
         the rows to send (default all); more than the slot holds is a
-        :class:`~arrow_ipc_bridge.errors.StreamSchemaError` (the slot is not resized or copied)."""
+        :class:`~arrow_ipc_bridge.errors.StreamSchemaError` (the slot is not resized or copied).
+        ``stream`` (CUDA): the stream the columns were written on (default: CuPy's current
+        stream); consumers wait for the work queued on it so far."""
         if not self.reserved or self._writer is None:
             raise ValueError("commit of a slot that is not reserved (reserve() it again)")
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
@@ -92,7 +94,7 @@ class StreamSlot:
                 f"commit of {rows} rows into a slot reserved for {self.layout.rows}: a batch larger than "
                 "the reserved memory is refused (write() it instead, or reserve larger slots)"
             )
-        result: int = self._writer._commit_slot(self, self.layout.rows if rows is None else rows)
+        result: int = self._writer._commit_slot(self, self.layout.rows if rows is None else rows, stream)
         return result
 
     def abandon(self) -> None:
@@ -105,8 +107,11 @@ class StreamSlot:
 
     @property
     def fixed_message(self) -> tuple[bytes, list[int]] | None:
-        """The message sent for a full commit when it never changes (host slots)."""
+        """The message sent for every full commit (encoded once), and its descriptors."""
         return None
+
+    def before_send(self, stream: Any) -> None:
+        """Called by a full commit before the batch is sent (CUDA: record the event)."""
 
     def close(self) -> None:
         """Free the slot's memory (the stream ended and nobody holds it)."""
@@ -160,14 +165,21 @@ class HostSlot(StreamSlot):
 
 
 class CudaSlot(StreamSlot):
-    """A slot of CuPy arrays carved from kept slabs; exported at each commit (its event then)."""
+    """A slot of CuPy arrays carved from kept slabs. Its full-batch message is encoded once, with
+    the interprocess event the export made; each commit re-records that event on the producer's
+    stream, so consumers (who keep the event open with the remembered message) wait for exactly
+    the work queued before the commit. Re-recording is sound because a slot is reused only after
+    every consumer released its last batch."""
 
     def __init__(self, index: int, layout: SlotLayout, allocator: Any) -> None:
         import cupy
 
+        self._cupy = cupy
         with cupy.cuda.Device(layout.device_id), cupy.cuda.using_allocator(allocator):
             columns = [cupy.zeros(layout.rows, dtype=f.type.to_pandas_dtype()) for f in layout.schema]
         super().__init__(index, layout, columns)
+        self._full = self.export(layout.rows)
+        self._event = _local_event_of(self._full)
 
     def export(self, rows: int) -> Exported:
         from arrow_ipc_bridge.device import from_cuda_arrays
@@ -175,8 +187,49 @@ class CudaSlot(StreamSlot):
         cols = {f.name: c[:rows] for f, c in zip(self.layout.schema, self.columns, strict=True)}
         return export(from_cuda_arrays(cols), copy="never")
 
+    @property
+    def fixed_message(self) -> tuple[bytes, list[int]] | None:
+        return self._full.message, list(self._full.fds)
+
+    def before_send(self, stream: Any) -> None:
+        """Record the message's event after the producer's work on ``stream`` (None: CuPy's current
+        stream): consumers wait on it."""
+        cupy = self._cupy
+        with cupy.cuda.Device(self.layout.device_id):
+            ptr = cupy.cuda.get_current_stream().ptr if stream is None else _stream_pointer(stream)
+            cupy.cuda.runtime.eventRecord(self._event, ptr)
+
     def close(self) -> None:
+        self._full.close()
         self.columns = []  # the slab allocator takes the memory back when CuPy drops the arrays
+
+
+def _stream_pointer(stream: Any) -> int:
+    """A stream object's ``cudaStream_t`` (CuPy / PyTorch streams, or an int)."""
+    if isinstance(stream, int):
+        return stream
+    for attribute in ("ptr", "cuda_stream"):
+        value = getattr(stream, attribute, None)
+        if isinstance(value, int):
+            return value
+    raise TypeError(f"not a CUDA stream: {stream!r} (pass a CuPy or PyTorch stream, or its pointer)")
+
+
+def _local_event_of(exported: Exported) -> int:
+    """The ``CUevent`` behind the interprocess event an export's message names."""
+    from arrow_ipc_bridge.cuda import _state
+    from arrow_ipc_bridge.metadata import Decoded
+
+    decoded = Decoded(exported.message, len(exported.fds))
+    try:
+        sync = decoded.device().sync
+    finally:
+        decoded.close()
+    with _state.lock:
+        event = _state.local_events.get(sync)
+    if not sync or event is None:
+        raise StreamError("the slot's export carries no event of this process to re-record")
+    return event
 
 
 def make_slot(index: int, layout: SlotLayout, name: str, allocator: Any) -> StreamSlot:

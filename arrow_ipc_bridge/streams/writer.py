@@ -173,15 +173,16 @@ class StreamWriter:
             self._slots.append(slot)
         return slot
 
-    def _commit_slot(self, slot: StreamSlot, rows: int) -> int:
+    def _commit_slot(self, slot: StreamSlot, rows: int, stream: Any) -> int:
         self._check_writable()
         slot.reserved = False
         fixed = slot.fixed_message if rows == slot.layout.rows else None
         if fixed is not None:
+            slot.before_send(stream)
             message, fds = fixed
             batch = Batch(message, fds, lambda: self._slot_free(slot), slot.index)
         else:
-            exported = export_slot(slot, rows)
+            exported = slot.export(rows)
 
             def free() -> None:
                 exported.close()
@@ -236,10 +237,6 @@ class StreamWriter:
             self.fail(exc)
         else:
             self.close()
-
-
-def export_slot(slot: StreamSlot, rows: int) -> Any:
-    return slot.export(rows)
 
 
 def _message_field(message: bytes, n_fds: int) -> tuple[pa.Field, bool]:
