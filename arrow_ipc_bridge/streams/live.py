@@ -42,16 +42,18 @@ _LEASE_LIMIT = 1 << _reaper.FAMILY_VALUE_BITS
 
 
 class _Credit:
-    """Gives batches' leases back, a few at a time (RELEASE_MANY): a released batch's lease waits
-    until half the window is released or this consumer is about to wait for a batch (then nothing
-    may stay held back: the producer could be waiting for that credit). One frame per few batches
+    """Gives batches' leases back, a few at a time (RELEASE_MANY): under policy "block" a released
+    batch's lease waits until half the window is released or this consumer is about to wait for a
+    batch (then nothing may stay held back: the producer could be waiting for that credit). One frame per few batches
     spares both processes a wake-up per batch. Runs on any thread (the reaper's, a consumer's)."""
 
-    def __init__(self, channel: Channel, window: int) -> None:
+    def __init__(self, channel: Channel, window: int, policy: str) -> None:
         self._channel = channel
         self._lock = threading.Lock()
         self._pending: list[int] = []
-        self._threshold = max(1, window // 2)
+        # Only where the producer waits for credit: under "drop_oldest" and "error" a lease held
+        # back here would make a consumer that keeps up look slow (dropped batches, ended).
+        self._threshold = max(1, window // 2) if policy == "block" else 1
         self._receiving = False
 
     def released(self, lease_id: int) -> None:
@@ -115,7 +117,7 @@ class LiveStream:
         """The sequence number of the last batch received (-1: none yet)."""
         self._slot_names = [f"{name}#batch"]
         self._channel: Channel = session._connection()
-        self._credit = _Credit(self._channel, subscribed.max_in_flight)
+        self._credit = _Credit(self._channel, subscribed.max_in_flight, subscribed.policy)
         # Leases are a reaper family of this stream's: a batch's owner dying gives its credit back.
         self._lease_tokens = _reaper.register_family(self._credit.released)
         weakref.finalize(self, _reaper.unregister_family, self._lease_tokens)
