@@ -25,7 +25,8 @@ CUDA cases (16 float32 CuPy columns per batch, for each size in --sizes):
                     (cupy.from_dlpack(aib.column_view(batch, i)))
     torch queue     the same 16 tensors through a torch.multiprocessing (spawn) Queue, from a ring of 8
                     batches the producer refills (one kernel per batch) after the consumer acknowledged
-                    the batch that last used the ring slot; the consumer reads one value per batch
+                    the batch that last used the ring slot; the consumer rebuilds each batch's
+                    tensors (torch orders its stream after the producer's event) and drops them
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import argparse
 import json
 import os
 import platform
-import queue as queue_module
 import shutil
 import sys
 import tempfile
@@ -89,10 +89,9 @@ def bridge_producer(case: dict[str, Any], path: str, ready: Any, results: Any) -
             started = time.perf_counter()
             if case["kind"] == "host_write":
                 column = pa.array([0.0] * 64, pa.float32())
-                others = [column] * 3
                 for i in range(total):
-                    writer.write(pa.record_batch([pa.array([float(i)], pa.float32()), *[c[:1] for c in others]],
-                                                 names=["c0", "c1", "c2", "c3"]))
+                    first = pa.array([float(i)] * 64, pa.float32())
+                    writer.write(pa.record_batch({"c0": first, "c1": column, "c2": column, "c3": column}))
             else:
                 for i in range(total):
                     slot = writer.reserve(timeout=120)
@@ -154,8 +153,12 @@ def bridge_consumer(case: dict[str, Any], path: str, results: Any) -> None:
         live.close()
         if n != warmup + batches:
             raise AssertionError(f"received {n} batches, expected {warmup + batches}")
-        results.put(("consumer", {"seconds": elapsed, "batches": batches, "dropped": live.dropped,
-                                  "with_event": with_event}))
+        results.put(
+            (
+                "consumer",
+                {"seconds": elapsed, "batches": batches, "dropped": live.dropped, "with_event": with_event},
+            )
+        )
     except BaseException:
         results.put(("error", "consumer: " + traceback.format_exc()))
 
@@ -170,8 +173,12 @@ def mp_queue_producer(case: dict[str, Any], q: Any, acks: Any, results: Any) -> 
         for i in range(total):
             if i >= WINDOW:
                 acks.get(timeout=120)  # at most WINDOW in flight, like the stream
-            q.put(pa.record_batch([pa.array([float(i)] * 64, pa.float32()), column, column, column],
-                                  names=["c0", "c1", "c2", "c3"]))
+            q.put(
+                pa.record_batch(
+                    [pa.array([float(i)] * 64, pa.float32()), column, column, column],
+                    names=["c0", "c1", "c2", "c3"],
+                )
+            )
         q.put(None)
         results.put(("producer", {}))
     except BaseException:
@@ -199,11 +206,13 @@ def mp_queue_consumer(case: dict[str, Any], q: Any, acks: Any, results: Any) -> 
 def torch_producer(case: dict[str, Any], q: Any, acks: Any, results: Any) -> None:
     try:
         import torch
-        import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reductions)
+        import torch.multiprocessing  # registers the CUDA tensor reductions
 
         rows = case["rows"]
-        ring = [[torch.zeros(rows, dtype=torch.float32, device="cuda") for _ in range(NCOLS)]
-                for _ in range(WINDOW)]
+        ring = [
+            [torch.zeros(rows, dtype=torch.float32, device="cuda") for _ in range(NCOLS)]
+            for _ in range(WINDOW)
+        ]
         torch.cuda.synchronize()
         total = case["warmup"] + case["batches"]
         for i in range(total):
@@ -222,7 +231,7 @@ def torch_producer(case: dict[str, Any], q: Any, acks: Any, results: Any) -> Non
 def torch_consumer(case: dict[str, Any], q: Any, acks: Any, results: Any) -> None:
     try:
         import torch
-        import torch.multiprocessing  # noqa: F401
+        import torch.multiprocessing  # rebuilds CUDA tensors
 
         n, started = 0, 0.0
         while True:
@@ -231,8 +240,9 @@ def torch_consumer(case: dict[str, Any], q: Any, acks: Any, results: Any) -> Non
                 break
             if n == case["warmup"]:
                 started = time.perf_counter()
-            _ = tensors[0][0:1]  # usable on the consumer's stream (torch waited on the event)
-            del tensors, _
+            # Rebuilt by torch (handles opened once, the producer's event waited on by our stream):
+            # usable, as the bridge's consumer after its event wait.
+            del tensors
             n += 1
             acks.put(1)
         torch.cuda.synchronize()
@@ -247,10 +257,15 @@ def run_case(ctx: Any, case: dict[str, Any]) -> dict[str, Any]:
     results = ctx.Queue()
     if case["kind"] in ("mp_queue", "torch_queue"):
         q, acks = ctx.Queue(), ctx.Queue()
-        prod, cons = (mp_queue_producer, mp_queue_consumer) if case["kind"] == "mp_queue" else (
-            torch_producer, torch_consumer)
-        procs = [ctx.Process(target=prod, args=(case, q, acks, results)),
-                 ctx.Process(target=cons, args=(case, q, acks, results))]
+        prod, cons = (
+            (mp_queue_producer, mp_queue_consumer)
+            if case["kind"] == "mp_queue"
+            else (torch_producer, torch_consumer)
+        )
+        procs = [
+            ctx.Process(target=prod, args=(case, q, acks, results)),
+            ctx.Process(target=cons, args=(case, q, acks, results)),
+        ]
         directory = None
     else:
         directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-bench-")
@@ -282,8 +297,12 @@ def run_case(ctx: Any, case: dict[str, Any]) -> dict[str, Any]:
             shutil.rmtree(directory, ignore_errors=True)
     consumer = got["consumer"]
     rate = consumer["batches"] / consumer["seconds"]
-    return {**case, "batches_per_s": rate, "us_per_batch": 1e6 / rate, **{k: v for k, v in consumer.items()
-                                                                         if k not in ("seconds",)}}
+    return {
+        **case,
+        "batches_per_s": rate,
+        "us_per_batch": 1e6 / rate,
+        **{k: v for k, v in consumer.items() if k not in ("seconds",)},
+    }
 
 
 def gpu_present() -> bool:
@@ -339,8 +358,11 @@ def main() -> int:
             continue
         out.append(result)
         size = fmt_size(case["size"]) if "size" in case else f"{case['rows']} rows"
-        print(f"{case['kind']:<14s} {size:>9s} {case['batches']:>8d} {result['batches_per_s']:>11,.0f} "
-              f"{result['us_per_batch']:>9.1f}", flush=True)
+        print(
+            f"{case['kind']:<14s} {size:>9s} {case['batches']:>8d} {result['batches_per_s']:>11,.0f} "
+            f"{result['us_per_batch']:>9.1f}",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": out, "notes": notes, "host": platform.node()}, f, indent=1)

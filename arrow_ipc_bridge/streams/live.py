@@ -44,8 +44,9 @@ _LEASE_LIMIT = 1 << _reaper.FAMILY_VALUE_BITS
 class _Credit:
     """Gives batches' leases back, a few at a time (RELEASE_MANY): under policy "block" a released
     batch's lease waits until half the window is released or this consumer is about to wait for a
-    batch (then nothing may stay held back: the producer could be waiting for that credit). One frame per few batches
-    spares both processes a wake-up per batch. Runs on any thread (the reaper's, a consumer's)."""
+    batch (then nothing may stay held back: the producer could be waiting for that credit). One
+    frame per few batches spares both processes a wake-up per batch. Runs on any thread (the
+    reaper's, a consumer's)."""
 
     def __init__(self, channel: Channel, window: int, policy: str) -> None:
         self._channel = channel
