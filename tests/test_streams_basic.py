@@ -377,3 +377,25 @@ def test_c_device_stream_get_next_end_and_last_error(publisher: aib.Publisher) -
         assert "disk gone" in error
         del capsule  # releases the stream
     assert wait_for(lambda: writer.leases == 0, 10)  # the publisher reads the close in its own time
+
+
+class _DeviceStreamOnly:
+    """An Arrow producer offering only ``__arrow_c_device_stream__`` (as device libraries do)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+    def __arrow_c_device_stream__(self, requested_schema: object | None = None) -> object:
+        return self.inner.__arrow_c_device_stream__(requested_schema)  # type: ignore[attr-defined]
+
+
+def test_publish_stream_reads_a_device_stream_batch_by_batch(publisher: aib.Publisher) -> None:
+    table = pa.Table.from_batches([batch(i) for i in range(5)])
+    exported = aib.export(table)
+    with (
+        aib.Session() as local,
+        local.import_message(exported.message, exported.fds) as imported,
+        _subscribe_then_pump(publisher, "dev", _DeviceStreamOnly(imported)) as live,
+    ):
+        assert values(live) == list(range(5))
+    exported.close()

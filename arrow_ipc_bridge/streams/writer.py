@@ -98,7 +98,12 @@ class StreamWriter:
         when policy ``"block"`` waited ``block_timeout`` for a slow consumer (nothing sent), and
         :class:`~arrow_ipc_bridge.errors.StreamError` once the stream is closed.
         """
-        self._check_writable()
+        try:
+            self._check_writable()
+        except BaseException:
+            if isinstance(obj, CapturedData):  # ours to close (a batch of publish_stream's source)
+                obj.close()
+            raise
         # Pool fds attached (the default): a subscription's connection carries nothing but batches.
         if isinstance(obj, CapturedData):  # a batch of a C device stream (publish_stream)
             exported = export_captured(obj, copy=self._copy)
@@ -174,8 +179,12 @@ class StreamWriter:
         return slot
 
     def _commit_slot(self, slot: StreamSlot, rows: int, stream: Any) -> int:
-        self._check_writable()
         slot.reserved = False
+        try:
+            self._check_writable()
+        except BaseException:
+            self._abandon_slot(slot)  # the stream ended: the slot's memory goes now
+            raise
         fixed = slot.fixed_message if rows == slot.layout.rows else None
         if fixed is not None:
             slot.before_send(stream)
