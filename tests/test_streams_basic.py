@@ -56,10 +56,12 @@ def test_write_then_iterate_in_order_until_the_end(publisher: aib.Publisher) -> 
     assert wait_for(lambda: writer.leases == 0, 10)  # the publisher reads the close in its own time
 
 
-def test_ten_thousand_small_batches_arrive_in_order_and_intact(publisher: aib.Publisher) -> None:
+def test_hundred_thousand_small_batches_arrive_in_order_and_intact(publisher: aib.Publisher) -> None:
+    """The issue's count, in CI (about 6 s on the 2-core machine): reserved host slots cycled by
+    the producer, every value of every batch checked by the consumer."""
     schema = pa.schema([("i", pa.int64()), ("x", pa.float64())])
-    writer = publisher.open_stream("s", max_in_flight=8, slots=aib.SlotLayout(schema, rows=16))
-    n = 10_000
+    writer = publisher.open_stream("s", max_in_flight=8, slots=aib.SlotLayout(schema, rows=8))
+    n = 100_000
 
     def run() -> None:
         for i in range(n):
@@ -69,41 +71,19 @@ def test_ten_thousand_small_batches_arrive_in_order_and_intact(publisher: aib.Pu
             slot.commit()
         writer.close()
 
-    with aib.subscribe(publisher.path, "s", timeout=30) as live:
+    with aib.subscribe(publisher.path, "s", timeout=60) as live:
         thread = threading.Thread(target=run)
         thread.start()
         seen = 0
         for imported in live:
             with imported:
                 rb = pa.record_batch(imported)
-                assert rb.column(0).to_pylist() == [seen] * 16
-                assert rb.column(1)[15].as_py() == seen * 0.5
+                assert rb.column(0).to_pylist() == [seen] * 8
+                assert rb.column(1).to_pylist() == [seen * 0.5] * 8
             seen += 1
         thread.join()
+        assert live.dropped == 0
     assert seen == n
-
-
-@pytest.mark.slow
-def test_hundred_thousand_small_batches(publisher: aib.Publisher) -> None:
-    schema = pa.schema([("i", pa.int64())])
-    writer = publisher.open_stream("s", slots=aib.SlotLayout(schema, rows=8))
-    n = 100_000
-
-    def run() -> None:
-        for i in range(n):
-            slot = writer.reserve()
-            slot.columns[0][0] = i
-            slot.commit()
-        writer.close()
-
-    with aib.subscribe(publisher.path, "s", timeout=60) as live:
-        thread = threading.Thread(target=run)
-        thread.start()
-        for expected, imported in enumerate(live):
-            with imported:
-                assert pa.record_batch(imported).column(0)[0].as_py() == expected
-        thread.join()
-        assert live.received == n
 
 
 def test_publish_stream_pumps_an_iterable_and_a_reader(publisher: aib.Publisher) -> None:
