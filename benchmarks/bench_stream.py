@@ -22,7 +22,7 @@ CUDA cases (16 float32 CuPy columns per batch, for each size in --sizes):
                     value, then commits; the consumer takes each batch's device capsule, waits on its
                     sync_event on its stream (cudaStreamWaitEvent) and releases it
     cuda slots+cupy the same, and the consumer also makes the 16 columns CuPy arrays
-                    (cupy.from_dlpack(aib.column_view(batch, i)))
+                    (cupy.asarray(aib.column_view(batch, i, stream=s.ptr)), ordered on its stream)
     torch queue     the same 16 tensors through a torch.multiprocessing (spawn) Queue, from a ring of 8
                     batches the producer refills (one kernel per batch) after the consumer acknowledged
                     the batch that last used the ring slot; the consumer rebuilds each batch's
@@ -140,7 +140,11 @@ def bridge_consumer(case: dict[str, Any], path: str, results: Any) -> None:
                     with_event += 1
                     cupy.cuda.runtime.streamWaitEvent(stream.ptr, event_value(sync), 0)
                 if make_arrays:
-                    arrays = [cupy.from_dlpack(aib.column_view(imported, i)) for i in range(NCOLS)]
+                    # Views ordered on our stream (no host wait), as CuPy arrays through
+                    # __cuda_array_interface__.
+                    arrays = [
+                        cupy.asarray(aib.column_view(imported, i, stream=stream.ptr)) for i in range(NCOLS)
+                    ]
                     del arrays
                 del capsules
             else:
@@ -223,7 +227,10 @@ def torch_producer(case: dict[str, Any], q: Any, acks: Any, results: Any) -> Non
             q.put(tensors)
         q.put(None)
         results.put(("producer", {}))
-        acks.get(timeout=120)  # the consumer is done with every tensor before they are freed
+        # The acks of the last batches, then the consumer's "done": it dropped every tensor before
+        # the producer frees them.
+        for _ in range(min(total, WINDOW) + 1):
+            acks.get(timeout=120)
     except BaseException:
         results.put(("error", "torch producer: " + traceback.format_exc()))
 
