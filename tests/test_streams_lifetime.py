@@ -11,7 +11,7 @@ import threading
 import pyarrow as pa
 import pytest
 from helpers import stream_children
-from helpers.session_rig import SPAWN, wait_for
+from helpers.session_rig import SPAWN, fd_count, wait_for
 
 import arrow_ipc_bridge as aib
 
@@ -129,3 +129,40 @@ def test_batches_outlive_their_stream_and_subscription(publisher: aib.Publisher)
     live.close()
     assert rb.column(0).to_pylist() == [4, 4, 4]
     del rb
+
+
+def test_publisher_close_frees_the_slots_of_an_open_stream(sock_dir: str) -> None:
+    """Reserved slots (shared memory and their descriptors) go when the publisher closes with the
+    stream still open: free ones then, held ones when their consumer releases them, a reserved one
+    at its commit."""
+    base = fd_count()
+    pub = aib.Publisher(os.path.join(sock_dir, "p.sock"))
+    schema = pa.schema([("i", pa.int64())])
+    layout = aib.SlotLayout(schema, rows=4, count=4)
+    # drop_oldest: every release goes at once (never reached: the window is not exceeded)
+    writer = pub.open_stream("s", max_in_flight=4, on_slow="drop_oldest", slots=layout)
+    live = aib.subscribe(pub.path, "s", timeout=30)
+    try:
+        for i in range(3):
+            slot = writer.reserve(timeout=10)
+            slot.columns[0][:] = i
+            slot.commit()
+        reserved = writer.reserve(timeout=10)  # a fourth slot
+        first = live.next_batch()
+        assert first is not None
+        first.release()  # its slot is free again ...
+        assert wait_for(lambda: writer.leases == 2, 10)
+        second = live.next_batch()  # ... this one is held across the close
+        pub.close()
+        with pytest.raises(aib.BridgeError, match="closed"):
+            reserved.commit()
+        assert second is not None
+        assert pa.record_batch(second).column(0).to_pylist() == [1] * 4
+        second.release()
+        live.close()
+        # Every slot's memory and descriptor is gone while the writer object still lives.
+        assert wait_for(lambda: fd_count() == base, 10), f"{fd_count()} descriptors open, {base} before"
+        assert writer.closed
+    finally:
+        live.close()
+        pub.close()

@@ -118,6 +118,8 @@ class LiveStreamState:
         """Batches dropped for slow consumers (policy ``"drop_oldest"``), all consumers together."""
         self.slow_consumers_ended = 0
         """Subscriptions ended by the ``"error"`` policy."""
+        self.on_finished: Callable[[], None] | None = None
+        """Called once when the stream ends (the writer frees its reserved slots)."""
 
     @property
     def subscribers(self) -> int:
@@ -245,6 +247,8 @@ class LiveStreamState:
             for sub in self._subscribers:
                 self._end(sub, frames.StreamEnd(error_type, message, sub.dropped))
             self.cond.notify_all()
+        if self.on_finished is not None:
+            self.on_finished()
 
     # ---------- the subscriber's side ---------------------------------------------------------------
     def attach(self, channel: Channel, asked: int) -> _Subscriber:

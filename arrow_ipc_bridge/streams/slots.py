@@ -161,6 +161,10 @@ class HostSlot(StreamSlot):
 
     def close(self) -> None:
         self._full.close()
+        # The memory (and its descriptor) goes when nothing refers to it any more: the column
+        # arrays and buffers made over it hold it too.
+        self.columns = []
+        self._arrays = []
         self._buffer.close()
 
 

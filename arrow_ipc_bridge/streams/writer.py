@@ -52,6 +52,7 @@ class StreamWriter:
         self._slots: list[StreamSlot] = []
         self._free: list[StreamSlot] = []
         self._allocator: Any = None
+        state.on_finished = self._close_free_slots
         if slots is not None:
             slots.check()
             self._schema = pa.field("", pa.struct(list(slots.schema)), nullable=False)
@@ -230,7 +231,11 @@ class StreamWriter:
 
     def _end(self, error_type: str | None, message: str) -> None:
         self._hub.remove(self._state)
-        self._state.finish(error_type, message)
+        self._state.finish(error_type, message)  # then _close_free_slots
+
+    def _close_free_slots(self) -> None:
+        """The stream ended (closed, failed, or its publisher closed): free slots go now; slots
+        consumers still hold go when released, a reserved one at its commit or abandon."""
         with self._state.cond:
             for slot in self._free:
                 slot.close()
