@@ -21,7 +21,7 @@ from typing import Any
 
 from arrow_ipc_bridge import _reaper, protocol
 from arrow_ipc_bridge._ffi import lib
-from arrow_ipc_bridge.capsules import DEVICE_CPU
+from arrow_ipc_bridge.capsules import DEVICE_CPU, _check_kwargs
 from arrow_ipc_bridge.channel import Channel
 from arrow_ipc_bridge.errors import (
     BridgeError,
@@ -251,7 +251,8 @@ class LiveStream:
     def __arrow_c_device_stream__(self, requested_schema: object | None = None, **kwargs: object) -> object:
         """An ``ArrowDeviceArrayStream`` like :meth:`__arrow_c_stream__`, for host or CUDA data:
         each ``ArrowDeviceArray`` carries its batch's ``sync_event`` while the producer's work on
-        it may be pending."""
+        it may be pending. Keywords of later versions of the interface must be None."""
+        _check_kwargs(kwargs)
         return self._c_stream(requested_schema, device=True)
 
     def _c_stream(self, requested_schema: object | None, *, device: bool) -> object:
