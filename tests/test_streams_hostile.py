@@ -242,6 +242,21 @@ def test_a_scripted_stream_is_imported_and_released(
     assert sorted([pub.releases.get(timeout=5), pub.releases.get(timeout=5)]) == [5, 6]
 
 
+def test_a_slot_repeated_without_message_or_descriptors(
+    scripted: Callable[..., ScriptedStreamPublisher],
+) -> None:
+    again = (protocol.BATCH, frames.encode_batch_header(1, 8, 2, frames.FLAG_SLOT_AGAIN))
+    pub = scripted(pushed=[good_batch(0, 7, slot=2), again, (protocol.STREAM_END, _end(None))])
+    with aib.subscribe(pub.path, "s", timeout=10) as live:
+        got = []
+        for imported in live:
+            with imported:
+                got.append(pa.record_batch(imported).column(0)[0].as_py())
+        assert got == [0, 0]  # the slot's message, imported again from its kept descriptors
+        assert live.repeated == 1
+    assert sorted([pub.releases.get(timeout=5), pub.releases.get(timeout=5)]) == [7, 8]
+
+
 def _end(error_type: str | None, message: str = "end", dropped: int = 0) -> bytes:
     return protocol.encode_json({"type": error_type, "message": message, "dropped": dropped})
 
@@ -287,7 +302,27 @@ def _memfd() -> int:
     [
         pytest.param((protocol.BATCH, b"\x00" * 24), "BATCH payload of 24 bytes", id="no-message"),
         pytest.param(
-            (protocol.BATCH, struct.pack("<QQII", 0, 1, frames.NO_SLOT, 1) + b"x"), "flags", id="flags"
+            (protocol.BATCH, struct.pack("<QQII", 0, 1, frames.NO_SLOT, 2) + b"x"), "flags 0x2", id="flags"
+        ),
+        pytest.param(
+            (protocol.BATCH, frames.encode_batch_header(0, 1, frames.NO_SLOT, frames.FLAG_SLOT_AGAIN)),
+            "repeating its slot names a slot",
+            id="again-without-slot",
+        ),
+        pytest.param(
+            (protocol.BATCH, frames.encode_batch_header(0, 1, 3, frames.FLAG_SLOT_AGAIN) + b"x"),
+            "carries nothing after its header",
+            id="again-with-message",
+        ),
+        pytest.param(
+            (protocol.BATCH, frames.encode_batch_header(0, 1, 3, frames.FLAG_SLOT_AGAIN)),
+            "repeats slot 3, which this subscription never received",
+            id="again-unknown-slot",
+        ),
+        pytest.param(
+            (protocol.BATCH, frames.encode_batch_header(0, 1, 3, frames.FLAG_SLOT_AGAIN), [_memfd]),
+            "repeating its slot carries descriptors",
+            id="again-with-fd",
         ),
         pytest.param((protocol.BATCH, struct.pack("<QQII", 0, 1, 70000, 0) + b"x"), "slot 70000", id="slot"),
         pytest.param((protocol.BATCH, frames.encode_batch_header(0, 0) + b"x"), "lease id 0", id="lease-0"),

@@ -14,6 +14,7 @@ from arrow_ipc_bridge.errors import ProtocolError
 
 __all__ = [
     "BATCH_HEADER_SIZE",
+    "FLAG_SLOT_AGAIN",
     "MAX_IN_FLIGHT",
     "MAX_SLOTS",
     "NO_SLOT",
@@ -40,8 +41,10 @@ POLICIES = ("block", "drop_oldest", "error")
 """What a stream does when a consumer has ``max_in_flight`` batches unreleased (docs/streams.md)."""
 
 _SUBSCRIBE = struct.Struct("<I")
-_BATCH = struct.Struct("<QQII")  # sequence, lease id, slot, flags (0)
+_BATCH = struct.Struct("<QQII")  # sequence, lease id, slot, flags
 NO_SLOT = 0xFFFFFFFF
+FLAG_SLOT_AGAIN = 1
+"""BATCH flag: this slot's last message and descriptors to this subscriber, again (not re-sent)."""
 BATCH_HEADER_SIZE = _BATCH.size
 _U64_MAX = (1 << 64) - 1
 
@@ -103,24 +106,29 @@ def decode_release_many(payload: bytes) -> tuple[int, ...]:
     return struct.unpack(f"<{count}Q", payload)
 
 
-def encode_batch_header(sequence: int, lease_id: int, slot: int = NO_SLOT) -> bytes:
-    return _BATCH.pack(sequence, lease_id, slot, 0)
+def encode_batch_header(sequence: int, lease_id: int, slot: int = NO_SLOT, flags: int = 0) -> bytes:
+    return _BATCH.pack(sequence, lease_id, slot, flags)
 
 
-def decode_batch_header(payload: bytes) -> tuple[int, int, int]:
-    """(sequence, lease id, slot) of a BATCH; the message follows at :data:`BATCH_HEADER_SIZE`.
+def decode_batch_header(payload: bytes) -> tuple[int, int, int, bool]:
+    """(sequence, lease id, slot, again) of a BATCH; the message follows at
+    :data:`BATCH_HEADER_SIZE`, except when ``again`` (flag :data:`FLAG_SLOT_AGAIN`): the batch is
+    the message and descriptors of the slot's last BATCH to this subscriber, and nothing follows.
     ``slot`` (:data:`NO_SLOT`: none) says which reserved slot the batch reuses: the consumer keeps
-    one remembered message per slot. It is only a caching hint: the message is checked in full."""
-    if len(payload) <= _BATCH.size:
-        raise ProtocolError(
-            f"BATCH payload of {len(payload)} bytes ({_BATCH.size} header bytes, then a message)"
-        )
+    one remembered message per slot. The message is checked in full either way."""
+    if len(payload) < _BATCH.size:
+        raise ProtocolError(f"BATCH payload of {len(payload)} bytes (a {_BATCH.size}-byte header first)")
     sequence, lease_id, slot, flags = _BATCH.unpack_from(payload)
-    if flags:
-        raise ProtocolError(f"BATCH flags {flags:#x} (none defined)")
+    if flags & ~FLAG_SLOT_AGAIN:
+        raise ProtocolError(f"BATCH flags {flags:#x} (only {FLAG_SLOT_AGAIN:#x} is defined)")
     if slot != NO_SLOT and slot >= MAX_SLOTS:
         raise ProtocolError(f"BATCH names slot {slot} (at most {MAX_SLOTS})")
-    return int(sequence), int(lease_id), int(slot)
+    again = bool(flags & FLAG_SLOT_AGAIN)
+    if again and (slot == NO_SLOT or len(payload) != _BATCH.size):
+        raise ProtocolError("a BATCH repeating its slot names a slot and carries nothing after its header")
+    if not again and len(payload) == _BATCH.size:
+        raise ProtocolError(f"BATCH payload of {len(payload)} bytes (a header, then a message)")
+    return int(sequence), int(lease_id), int(slot), again
 
 
 @dataclass(frozen=True)

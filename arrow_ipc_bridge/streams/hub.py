@@ -51,12 +51,19 @@ class Batch:
     """One committed batch: the message (encoded once) and its descriptors, shared by every
     subscriber it is sent to. ``on_free`` runs when the last holder lets go."""
 
-    __slots__ = ("fds", "message", "on_free", "refs", "sequence", "slot")
+    __slots__ = ("fds", "fixed", "message", "on_free", "refs", "sequence", "slot")
 
     def __init__(
-        self, message: bytes, fds: list[int], on_free: Callable[[], None], slot: int = frames.NO_SLOT
+        self,
+        message: bytes,
+        fds: list[int],
+        on_free: Callable[[], None],
+        slot: int = frames.NO_SLOT,
+        *,
+        fixed: bool = False,
     ) -> None:
         self.slot = slot
+        self.fixed = fixed  # the slot's one message for full commits: sent once per subscriber
         self.message = message
         self.fds = fds
         self.on_free = on_free
@@ -84,6 +91,7 @@ class _Subscriber:
         "leases",
         "next_lease",
         "pending",
+        "sent_slots",
         "window",
     )
 
@@ -96,6 +104,7 @@ class _Subscriber:
         self.dropped = 0
         self.end: frames.StreamEnd | None = None  # to send once the queue is empty
         self.ended = False  # STREAM_END sent (or the connection is gone): nothing more goes out
+        self.sent_slots: set[int] = set()  # slots whose fixed message this subscriber has
 
     @property
     def has_room(self) -> bool:
@@ -207,9 +216,20 @@ class LiveStreamState:
     def _send(self, sub: _Subscriber, batch: Batch) -> None:
         lease_id = sub.next_lease
         sub.next_lease += 1
-        payload = frames.encode_batch_header(batch.sequence, lease_id, batch.slot) + batch.message
+        if batch.fixed and batch.slot in sub.sent_slots:
+            # The subscriber has this slot's message and descriptors: name the slot, send neither
+            # (no descriptor passing and no fstat of it for the consumer).
+            payload = frames.encode_batch_header(batch.sequence, lease_id, batch.slot, frames.FLAG_SLOT_AGAIN)
+            fds: list[int] = []
+        else:
+            payload = frames.encode_batch_header(batch.sequence, lease_id, batch.slot) + batch.message
+            fds = batch.fds
+            if batch.fixed:
+                sub.sent_slots.add(batch.slot)
+            else:  # another message for this slot (fewer rows): the next full one goes in full
+                sub.sent_slots.discard(batch.slot)
         try:
-            sub.channel.send(protocol.BATCH, payload, batch.fds, timeout=SEND_TIMEOUT)
+            sub.channel.send(protocol.BATCH, payload, fds, timeout=SEND_TIMEOUT)
         except (TransportError, BridgeTimeoutError) as exc:
             # Gone, or not reading for SEND_TIMEOUT: it gets nothing more. Its serving thread sees
             # the connection end and lets go of what it held.

@@ -22,12 +22,13 @@ from typing import Any
 from arrow_ipc_bridge import _reaper, protocol
 from arrow_ipc_bridge._ffi import lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU, _check_kwargs
-from arrow_ipc_bridge.channel import Channel
+from arrow_ipc_bridge.channel import Channel, close_fds
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
     PeerClosedError,
     ProtocolError,
+    RegionError,
     SlowConsumerError,
     StreamError,
     StreamFailedError,
@@ -116,7 +117,13 @@ class LiveStream:
         ``"drop_oldest"``)."""
         self.last_sequence = -1
         """The sequence number of the last batch received (-1: none yet)."""
+        self.repeated = 0
+        """Batches that came as a reserved slot's message again, without message or descriptors."""
         self._slot_names = [f"{name}#batch"]
+        # Each reserved slot's last message and copies of its descriptors, for BATCH frames that
+        # repeat the slot without them; closed with the stream (or when it is collected).
+        self._slots: dict[int, tuple[bytes, list[int]]] = {}
+        weakref.finalize(self, _close_kept, self._slots)
         self._channel: Channel = session._connection()
         self._credit = _Credit(self._channel, subscribed.max_in_flight, subscribed.policy)
         # Leases are a reaper family of this stream's: a batch's owner dying gives its credit back.
@@ -187,19 +194,29 @@ class LiveStream:
             frame.close_fds()  # the mappings keep what they need open
 
     def _import(self, payload: bytes, fds: list[int]) -> ImportedArray:
-        sequence, lease_id, slot = frames.decode_batch_header(payload)
+        sequence, lease_id, slot, again = frames.decode_batch_header(payload)
         session = self._session
         if not 0 < lease_id < _LEASE_LIMIT:
             raise ProtocolError(f"BATCH lease id {lease_id} out of range")
         if sequence < self._expected:
             raise ProtocolError(f"BATCH sequence {sequence} after {self._expected - 1}: out of order")
+        if again:
+            if fds:
+                raise ProtocolError("a BATCH repeating its slot carries descriptors")
+            kept = self._slots.get(slot)
+            if kept is None:
+                raise ProtocolError(f"a BATCH repeats slot {slot}, which this subscription never received")
+            message, fds = kept
+            self.repeated += 1
+        else:
+            message = payload[frames.BATCH_HEADER_SIZE :]
+            if slot != frames.NO_SLOT:  # kept for the repeats of this slot (FLAG_SLOT_AGAIN)
+                self._keep_slot(slot, message, fds)
         token = self._lease_tokens | lease_id
         try:
             # The session's own import (decode, full check, map), under this batch's lease; one
             # remembered message per reserved slot, so a reused slot costs a lookup.
-            imported = session._import(
-                payload[frames.BATCH_HEADER_SIZE :], fds, name=self._slot_name(slot), token=token
-            )
+            imported = session._import(message, fds, name=self._slot_name(slot), token=token)
         except BaseException:
             self._credit.give_back([lease_id])  # if no owner came to life, nobody else would
             raise
@@ -212,6 +229,22 @@ class LiveStream:
         self.last_sequence = sequence
         self.received += 1
         return imported
+
+    def _keep_slot(self, slot: int, message: bytes, fds: list[int]) -> None:
+        """Keep a slot's message with copies of its descriptors, replacing the slot's last."""
+        if len(self._slots) >= frames.MAX_SLOTS and slot not in self._slots:
+            raise ProtocolError(f"more than {frames.MAX_SLOTS} slots on one stream")
+        copies: list[int] = []
+        try:
+            for fd in fds:
+                copies.append(os.dup(fd))
+        except OSError as exc:
+            close_fds(copies)
+            raise RegionError(f"keeping a slot's descriptors: {exc}") from exc
+        old = self._slots.pop(slot, None)
+        self._slots[slot] = (message, copies)
+        if old is not None:
+            close_fds(old[1])
 
     def _slot_name(self, slot: int) -> str:
         if slot == frames.NO_SLOT:
@@ -288,6 +321,7 @@ class LiveStream:
             self._peeked.release()
             self._peeked = None
         self._session.close()
+        _close_kept(self._slots)
 
     def __enter__(self) -> LiveStream:
         return self
@@ -299,6 +333,12 @@ class LiveStream:
 
     def __repr__(self) -> str:
         return f"<LiveStream {self.name!r} received={self.received} dropped={self.dropped}>"
+
+
+def _close_kept(slots: dict[int, tuple[bytes, list[int]]]) -> None:
+    for _, fds in slots.values():
+        close_fds(fds)
+    slots.clear()
 
 
 def subscribe(

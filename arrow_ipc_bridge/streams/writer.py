@@ -190,7 +190,7 @@ class StreamWriter:
         if fixed is not None:
             slot.before_send(stream)
             message, fds = fixed
-            batch = Batch(message, fds, lambda: self._slot_free(slot), slot.index)
+            batch = Batch(message, fds, lambda: self._slot_free(slot), slot.index, fixed=True)
         else:
             exported = slot.export(rows)
 
@@ -198,7 +198,7 @@ class StreamWriter:
                 exported.close()
                 self._slot_free(slot)
 
-            batch = Batch(exported.message, list(exported.fds), free)
+            batch = Batch(exported.message, list(exported.fds), free, slot.index)
         return self._state.commit(batch)
 
     def _slot_free(self, slot: StreamSlot) -> None:
