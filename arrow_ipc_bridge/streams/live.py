@@ -99,6 +99,7 @@ class LiveStream:
     :class:`~arrow_ipc_bridge.errors.StreamFailedError`, a publisher gone mid-stream
     :class:`~arrow_ipc_bridge.errors.StreamInterruptedError`, and the ``"error"`` policy
     :class:`~arrow_ipc_bridge.errors.SlowConsumerError`. Batches already received stay valid.
+    Receive from one thread at a time; batches may be released from any thread.
     """
 
     def __init__(self, session: Any, name: str, subscribed: frames.Subscribed, timeout: float | None) -> None:
