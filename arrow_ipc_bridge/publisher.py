@@ -282,15 +282,19 @@ class Publisher:
         self._streams.add(state)
         return writer
 
-    def publish_stream(self, name: str, source: object, **options: Any) -> StreamWriter:
+    def publish_stream(
+        self, name: str, source: object, *, wait_for_subscribers: int = 0, **options: Any
+    ) -> StreamWriter:
         """Open the live stream ``name`` and pump ``source`` into it on a background thread: any
         Arrow stream (``__arrow_c_stream__``, ``__arrow_c_device_stream__``) or iterable of arrays /
         record batches, read one batch at a time (an infinite generator runs until the stream is
         closed). The stream ends when the source does, or fails with the source's error.
-        ``options``: those of :meth:`open_stream`. Returns the writer (``close()`` stops the pump).
+        ``wait_for_subscribers``: start reading the source once that many consumers subscribed
+        (subscribers get batches from the moment they join). ``options``: those of
+        :meth:`open_stream`. Returns the writer (``close()`` stops the pump).
         """
         writer = self.open_stream(name, **options)
-        pump(writer, source, name=name)
+        pump(writer, source, name=name, wait_for_subscribers=wait_for_subscribers)
         return writer
 
     def stream_names(self) -> list[str]:

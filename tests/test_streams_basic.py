@@ -97,14 +97,11 @@ def test_publish_stream_pumps_an_iterable_and_a_reader(publisher: aib.Publisher)
 
 
 class _subscribe_then_pump:
-    """Subscribe first (a stream delivers from now on), then start the pump."""
+    """publish_stream waiting for its subscriber (a stream delivers from the moment one joins)."""
 
     def __init__(self, publisher: aib.Publisher, name: str, source: object) -> None:
-        self.writer = publisher.open_stream(name)
+        self.writer = publisher.publish_stream(name, source, wait_for_subscribers=1)
         self.live = aib.subscribe(publisher.path, name, timeout=30)
-        from arrow_ipc_bridge.streams.writer import pump
-
-        pump(self.writer, source, name=name)
 
     def __enter__(self) -> aib.LiveStream:
         return self.live

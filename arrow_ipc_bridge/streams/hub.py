@@ -281,7 +281,15 @@ class LiveStreamState:
             answer = frames.Subscribed(sub.window, self.policy, self._next_sequence)
             channel.send(protocol.SUBSCRIBED, frames.encode_subscribed(answer), timeout=SEND_TIMEOUT)
             self._subscribers.append(sub)
+            self.cond.notify_all()  # a pump may wait for subscribers
             return sub
+
+    def wait_for_subscribers(self, count: int) -> bool:
+        """Wait until ``count`` consumers are subscribed; False if the stream ended first."""
+        with self.cond:
+            while not self.closed and sum(1 for s in self._subscribers if not s.ended) < count:
+                self.cond.wait()
+            return not self.closed
 
     def release(self, sub: _Subscriber, lease_ids: tuple[int, ...]) -> None:
         """RELEASE (or RELEASE_MANY) of batches' leases: credit back; queued batches go out. An

@@ -267,11 +267,16 @@ def _message_field(message: bytes, n_fds: int) -> tuple[pa.Field, bool]:
 
 
 # ---------- publish_stream: a background pump ---------------------------------------------------------
-def pump(writer: StreamWriter, source: object, *, name: str) -> threading.Thread:
+def pump(
+    writer: StreamWriter, source: object, *, name: str, wait_for_subscribers: int = 0
+) -> threading.Thread:
     """Start a daemon thread that writes every batch of ``source`` to ``writer``, then closes it
-    (or fails it with the source's error). An infinite source runs until the stream is closed."""
+    (or fails it with the source's error). An infinite source runs until the stream is closed.
+    ``wait_for_subscribers``: read nothing of the source before that many consumers subscribed."""
 
     def run() -> None:
+        if wait_for_subscribers and not writer._state.wait_for_subscribers(wait_for_subscribers):
+            return  # closed before they came
         try:
             for batch in batches_of(source):
                 if writer.closed:
