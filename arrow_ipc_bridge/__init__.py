@@ -39,6 +39,12 @@ from arrow_ipc_bridge.errors import (
     PublisherLimitError,
     RegionError,
     ReleasedError,
+    SlowConsumerError,
+    StreamBlockedError,
+    StreamError,
+    StreamFailedError,
+    StreamInterruptedError,
+    StreamSchemaError,
     TransportError,
     UnreadAnswersError,
     UnsupportedFormatError,
@@ -51,6 +57,7 @@ from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, to_host
 from arrow_ipc_bridge.process_stats import BridgeStats, CudaStats, HostStats, SessionStats, stats
 from arrow_ipc_bridge.publisher import Publisher
 from arrow_ipc_bridge.session import Session, connect
+from arrow_ipc_bridge.streams import LiveStream, SlotLayout, StreamSlot, StreamWriter, subscribe
 
 __all__ = [
     "__version__",
@@ -61,11 +68,16 @@ __all__ = [
     "ExportStats",
     "allocate_shared",
     "SharedHostBuffer",
+    "StreamWriter",
+    "StreamSlot",
+    "SlotLayout",
     # consumer
     "connect",
     "Session",
     "ImportedArray",
     "ImportedStream",
+    "subscribe",
+    "LiveStream",
     # devices
     "to_device",
     "to_host",
@@ -100,6 +112,12 @@ __all__ = [
     "HandshakeTimeoutError",
     "RegionError",
     "ReleasedError",
+    "StreamError",
+    "StreamFailedError",
+    "StreamInterruptedError",
+    "SlowConsumerError",
+    "StreamBlockedError",
+    "StreamSchemaError",
     "TransportError",
     "UnsupportedFormatError",
     "WireFormatError",

@@ -173,3 +173,38 @@ class NotPublishedError(BridgeError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return self.message
+
+
+# ---------- live streams (arrow_ipc_bridge.streams, docs/streams.md) ----------------------------------
+class StreamError(BridgeError):
+    """Base of the errors of live streams (``Publisher.open_stream`` / ``Session.subscribe``)."""
+
+
+class StreamFailedError(StreamError):
+    """The producer ended the stream with an error (``StreamWriter.fail``, or the source of
+    ``publish_stream`` raised). ``producer_error`` names the producer's exception type. Batches the
+    consumer already holds stay valid."""
+
+    producer_error: str
+
+
+class StreamInterruptedError(StreamError, PeerClosedError):
+    """The publisher went away mid-stream (closed, or its process died) without ending the stream.
+    Batches the consumer already holds stay valid; ``received`` counts the batches that came."""
+
+    received: int
+
+
+class SlowConsumerError(StreamError):
+    """This consumer fell ``max_in_flight`` batches behind a stream whose slow-consumer policy is
+    ``"error"``: the publisher ended its subscription (other consumers go on)."""
+
+
+class StreamBlockedError(StreamError, BridgeTimeoutError):
+    """A write to a stream with the ``"block"`` policy waited ``block_timeout`` seconds for a slow
+    consumer to give credit back; the batch was sent to nobody (retry, or fail the stream)."""
+
+
+class StreamSchemaError(StreamError, ValueError):
+    """A batch written to a stream does not have the stream's schema (set by its first batch), or
+    does not fit the reserved memory of a slot; nothing was sent."""

@@ -24,6 +24,10 @@ from arrow_ipc_bridge.errors import (
     ProtocolError,
     PublisherLimitError,
     RegionError,
+    SlowConsumerError,
+    StreamError,
+    StreamFailedError,
+    StreamInterruptedError,
     UnreadAnswersError,
     WaitTimeoutError,
     WireFormatError,
@@ -43,6 +47,11 @@ __all__ = [
     "PONG",
     "POOL_FD",
     "POOL",
+    "SUBSCRIBE",
+    "SUBSCRIBED",
+    "BATCH",
+    "STREAM_END",
+    "RELEASE_MANY",
     "WAIT",
     "VERSIONED_ITEM",
     "WAIT_FOREVER",
@@ -78,6 +87,15 @@ PING = 9  # session -> publisher: 0 to MAX_PING bytes, echoed (publishers advert
 PONG = 10  # publisher -> session: the PING's payload
 POOL_FD = 11  # session -> publisher: a 24-byte IPC-pool identity (publishers advertising "pool_fd")
 POOL = 12  # publisher -> session: the same identity, the pool's fd attached
+# Live streams (publishers advertising "stream"; payloads in arrow_ipc_bridge/streams/frames.py).
+# A subscription has a connection of its own: after SUBSCRIBED the publisher pushes BATCH frames
+# and the session sends RELEASE (of a batch's lease: credit back) and nothing else.
+SUBSCRIBE = 13  # session -> publisher: u32 max_in_flight, then the stream's name, UTF-8
+SUBSCRIBED = 14  # publisher -> session: JSON {"max_in_flight", "policy", "next_sequence"}
+BATCH = 15  # publisher -> session: u64 sequence, u64 lease id, then the message; region fds attached
+STREAM_END = 16  # publisher -> session: JSON {"type", "message", "dropped"} (type null: a clean end)
+RELEASE_MANY = 17  # session -> publisher, on a subscription: 1 to 4096 u64 lease ids (no reply)
+# 18-19 are kept for streams.
 # Feature "watch" (docs/protocol.md, "Waiting and versions"); kinds 20-23 belong to it.
 WAIT = 20  # session -> publisher: u64 after, u32 timeout ms, the name; answered once a version > after is out
 VERSIONED_ITEM = 21  # publisher -> session: u64 lease id, u64 version + message bytes; region fds attached
@@ -88,7 +106,7 @@ MAX_PING = 64
 POOL_IDENTITY_SIZE = 24
 # What this side's publisher offers beyond protocol 1's first frames, advertised in WELCOME's
 # "features": a session checks before it uses one, so older publishers keep working with it.
-FEATURES = ("ping", "pool_fd", "watch")
+FEATURES = ("ping", "pool_fd", "stream", "watch")
 
 MAX_JSON = 1 << 20
 MAX_NAME = 4096
@@ -115,6 +133,10 @@ _ERROR_TYPES: dict[str, type[BridgeError]] = {
     "UnreadAnswersError": UnreadAnswersError,
     "DescriptorsInFlightError": DescriptorsInFlightError,
     "HandshakeTimeoutError": HandshakeTimeoutError,
+    "StreamError": StreamError,
+    "StreamFailedError": StreamFailedError,
+    "StreamInterruptedError": StreamInterruptedError,
+    "SlowConsumerError": SlowConsumerError,
     "BridgeError": BridgeError,
 }
 

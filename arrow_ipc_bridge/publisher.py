@@ -39,6 +39,10 @@ from arrow_ipc_bridge.errors import (
     UnreadAnswersError,
 )
 from arrow_ipc_bridge.exporter import CopyPolicy, ExportStats, export
+from arrow_ipc_bridge.streams import frames as stream_frames
+from arrow_ipc_bridge.streams.hub import LiveStreamState, StreamHub
+from arrow_ipc_bridge.streams.slots import SlotLayout
+from arrow_ipc_bridge.streams.writer import StreamWriter, pump
 from arrow_ipc_bridge.watch import HeldWait, WaitingConnection, Watch
 
 __all__ = ["Publisher"]
@@ -148,6 +152,7 @@ class Publisher:
             raise MemoryError("allocating the publication table")
         self._table = ffi.gc(table, lib.aib_pubtable_unref)
         self._copy: CopyPolicy = copy
+        self._streams = StreamHub()  # live streams (docs/streams.md), a namespace of their own
         self.publisher_id = os.urandom(16).hex()
         self._watch = Watch("aib-publisher")  # versions and held waits (feature "watch")
         self._server = transport.Server(
@@ -261,6 +266,68 @@ class Publisher:
         if self._pid != _process.pid:
             raise _process.foreign("publisher", self._pid, "publish from a Publisher made here")
 
+    # ---------- live streams (docs/streams.md) -------------------------------------------------------
+    def open_stream(
+        self,
+        name: str,
+        *,
+        max_in_flight: int = 8,
+        on_slow: str = "block",
+        block_timeout: float | None = 10.0,
+        slots: SlotLayout | None = None,
+        copy: CopyPolicy | None = None,
+    ) -> StreamWriter:
+        """Open the live stream ``name`` and return its writer.
+
+        Subscribers (``Session.subscribe``) get every batch written after they subscribed, in
+        order. ``max_in_flight``: batches one consumer may hold unreleased (it may ask for fewer);
+        ``on_slow``: what a write does when a consumer holds that many: ``"block"`` waits up to
+        ``block_timeout`` seconds (None: forever) and then raises
+        :class:`~arrow_ipc_bridge.errors.StreamBlockedError`, sending nothing; ``"drop_oldest"``
+        queues up to ``max_in_flight`` more for that consumer and drops the oldest queued one past
+        that; ``"error"`` ends that consumer's subscription with
+        :class:`~arrow_ipc_bridge.errors.SlowConsumerError`. ``slots``: reserve batch memory
+        that ``StreamWriter.reserve`` hands out to fill in place. ``copy``: as for :meth:`publish`.
+        """
+        protocol.encode_name(name)
+        self._check_open()
+        if isinstance(max_in_flight, bool) or not 1 <= max_in_flight <= stream_frames.MAX_IN_FLIGHT:
+            raise ValueError(
+                f"max_in_flight must be 1 to {stream_frames.MAX_IN_FLIGHT}, not {max_in_flight!r}"
+            )
+        if on_slow not in stream_frames.POLICIES:
+            raise ValueError(f"on_slow must be one of {stream_frames.POLICIES}, not {on_slow!r}")
+        if block_timeout is not None and not block_timeout >= 0:
+            raise ValueError(f"block_timeout must be seconds >= 0 or None, not {block_timeout!r}")
+        state = LiveStreamState(
+            name, max_in_flight=max_in_flight, policy=on_slow, block_timeout=block_timeout
+        )
+        writer = StreamWriter(
+            state, self._streams, copy=copy or self._copy, slots=slots, check_open=self._check_open
+        )
+        self._streams.add(state)
+        return writer
+
+    def publish_stream(
+        self, name: str, source: object, *, wait_for_subscribers: int = 0, **options: Any
+    ) -> StreamWriter:
+        """Open the live stream ``name`` and pump ``source`` into it on a background thread: any
+        Arrow stream (``__arrow_c_stream__``, ``__arrow_c_device_stream__``) or iterable of arrays /
+        record batches, read one batch at a time (an infinite generator runs until the stream is
+        closed). The stream ends when the source does, or fails with the source's error.
+        ``wait_for_subscribers``: start reading the source once that many consumers subscribed
+        (subscribers get batches from the moment they join). ``options``: those of
+        :meth:`open_stream`. Returns the writer (``close()`` stops the pump).
+        """
+        writer = self.open_stream(name, **options)
+        pump(writer, source, name=name, wait_for_subscribers=wait_for_subscribers)
+        return writer
+
+    def stream_names(self) -> list[str]:
+        """Names of the live streams open now."""
+        self._check_process()
+        return self._streams.names()
+
     # ---------- serving one session -----------------------------------------------------------------
     def _serve(self, conn: transport.Connection) -> object:
         """Serve ``conn`` until it goes silent (then return ``transport.PARK``: the server calls this
@@ -304,6 +371,10 @@ class Publisher:
                 _log.warning("arrow_ipc_bridge: closing session pid %s: %s", conn.peer_pid, str(timed_out))
                 with contextlib.suppress(BridgeError):  # the client may be gone or not reading
                     _farewell(conn, timed_out)
+                return None
+            if frame.kind == protocol.SUBSCRIBE and state.welcomed:
+                # The connection is the subscription's from now on; it ends with it.
+                self._streams.serve_subscription(channel, frame.payload, conn.peer_pid)
                 return None
             try:
                 if rc in _LIMITS:
@@ -413,6 +484,7 @@ class Publisher:
         In a child of ``fork`` this only drops the child's copies of the descriptors: the socket
         file, the sessions and the published data stay the parent's."""
         if self._pid == _process.pid:
+            self._streams.close("the publisher closed while the stream was open")
             self._watch.close()  # every held wait is answered: the publisher is closing
         self._server.close(timeout)  # every connection's on_close gave its leases back
         if self._pid != _process.pid:

@@ -17,7 +17,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arrow_ipc_bridge import _process, _reaper, protocol, transport, waiting
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
@@ -44,6 +44,9 @@ from arrow_ipc_bridge.metadata import (
 )
 from arrow_ipc_bridge.process_stats import import_counters
 from arrow_ipc_bridge.remembered import RememberedMessage, RememberedMessages, needs_lease
+
+if TYPE_CHECKING:
+    from arrow_ipc_bridge.streams.live import LiveStream
 
 __all__ = ["Session", "connect"]
 
@@ -128,6 +131,7 @@ class Session:
         self._imported: weakref.WeakSet[ImportedArray | ImportedStream] = weakref.WeakSet()
         self._conn: transport.Connection | None = None
         self._channel: Channel | None = None  # the C side of the connection once the handshake is done
+        self._path: str | None = None  # the publisher's socket (connect), for subscriptions
         # Leases imported by the C core name their owner with token ``_lease_tokens | lease id`` (a
         # reaper family: no Python call per get) and hold _lease_keeper, whose death (this session
         # closed or collected, and every such lease ended) retires the family. Set in _attach.
@@ -642,6 +646,32 @@ class Session:
             )
         return imported
 
+    def subscribe(self, name: str, *, max_in_flight: int = 8, timeout: float | None = None) -> LiveStream:
+        """Subscribe to the publisher's live stream ``name`` from now on (docs/streams.md).
+
+        The subscription runs on a connection of its own to the same publisher, so its batches
+        never interleave with this session's requests. ``max_in_flight``: batches this consumer
+        may hold unreleased (the publisher may grant fewer); ``timeout``: seconds each batch is
+        waited for (None: forever). Raises :class:`~arrow_ipc_bridge.errors.NotPublishedError`
+        when no such stream is open.
+        """
+        from arrow_ipc_bridge.streams.live import subscribe
+
+        self._connection()
+        if self._path is None:
+            raise BridgeError(
+                "this session was not made by connect(): use arrow_ipc_bridge.subscribe(path, name)"
+            )
+        check = None if self._host_check == "full" and self._cuda_check == "none" else self._host_check
+        return subscribe(
+            self._path,
+            name,
+            max_in_flight=max_in_flight,
+            timeout=timeout,
+            connect_timeout=self._timeout if self._timeout is not None else 5.0,
+            check=check,
+        )
+
     def _connection(self) -> Channel:
         self._check_open()
         if self._channel is None:
@@ -790,9 +820,10 @@ def connect(
     >>> with aib.connect("/tmp/demo.sock") as session:  # doctest: +SKIP
     ...     table = pa.table(session.get("trades"))
     """
-    session = Session(pool_linger=pool_linger, remembered_messages=remembered_messages, check=check)
     if not isinstance(wait_for_publisher, bool):
         raise TypeError(f"wait_for_publisher must be a bool, not {type(wait_for_publisher).__name__}")
+    session = Session(pool_linger=pool_linger, remembered_messages=remembered_messages, check=check)
+    session._path = os.fspath(path)
     conn = transport.connect(path, timeout=timeout, wait_for_server=wait_for_publisher)
     try:
         session._attach(conn, timeout)

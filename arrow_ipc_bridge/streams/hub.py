@@ -1,0 +1,397 @@
+"""The publisher's side of live streams: each stream's subscribers, their credit, the slow-consumer
+policies and the batches' lifetime (docs/streams.md).
+
+A subscription has a connection of its own. After SUBSCRIBE the publisher's serving thread for that
+connection stays in :meth:`StreamHub.serve_subscription` for the subscription's life, reading the
+RELEASE frames that give credit back; BATCH frames are sent by whichever thread commits the batch
+(the producer's ``write``), or, for batches queued under ``"drop_oldest"``, by the serving thread
+when credit comes back. One condition per stream guards all of its state, so a subscriber's frames
+leave in sequence order and credit is counted exactly.
+
+A batch is held by the writer while it is committed and by every subscriber that has it queued or
+leased; when the last lets go its ``on_free`` runs (an export is closed, a reserved slot becomes
+free for reuse). A subscriber whose connection closes (cleanly, by a crash or SIGKILL) lets go of
+everything it held at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from arrow_ipc_bridge import protocol
+from arrow_ipc_bridge.channel import Channel
+from arrow_ipc_bridge.errors import (
+    BridgeError,
+    BridgeTimeoutError,
+    NotPublishedError,
+    PeerClosedError,
+    ProtocolError,
+    StreamBlockedError,
+    StreamError,
+    TransportError,
+)
+from arrow_ipc_bridge.streams import frames
+
+__all__ = ["Batch", "LiveStreamState", "StreamHub"]
+
+_log = logging.getLogger("arrow_ipc_bridge")
+
+SEND_TIMEOUT = 10.0
+"""Seconds a BATCH may wait for room in a consumer's socket. Credit bounds what a consumer has
+unreleased, so its socket holds at most ``max_in_flight`` frames: this fires only for a consumer
+that stopped reading altogether, which is then disconnected."""
+
+
+class Batch:
+    """One committed batch: the message (encoded once) and its descriptors, shared by every
+    subscriber it is sent to. ``on_free`` runs when the last holder lets go."""
+
+    __slots__ = ("fds", "fixed", "message", "on_free", "refs", "sequence", "slot")
+
+    def __init__(
+        self,
+        message: bytes,
+        fds: list[int],
+        on_free: Callable[[], None],
+        slot: int = frames.NO_SLOT,
+        *,
+        fixed: bool = False,
+    ) -> None:
+        self.slot = slot
+        self.fixed = fixed  # the slot's one message for full commits: sent once per subscriber
+        self.message = message
+        self.fds = fds
+        self.on_free = on_free
+        self.refs = 1  # the writer's, until its commit returns
+        self.sequence = -1
+
+    def unref(self) -> None:
+        """Called with the stream's condition held."""
+        self.refs -= 1
+        if self.refs == 0:
+            try:
+                self.on_free()
+            except Exception:  # a failing close must not break the stream for everyone else
+                _log.exception("arrow_ipc_bridge: freeing stream batch %d failed", self.sequence)
+
+
+class _Subscriber:
+    """One consumer's subscription: its connection, credit window, leases and queue."""
+
+    __slots__ = (
+        "channel",
+        "dropped",
+        "end",
+        "ended",
+        "leases",
+        "next_lease",
+        "pending",
+        "sent_slots",
+        "window",
+    )
+
+    def __init__(self, channel: Channel, window: int) -> None:
+        self.channel = channel
+        self.window = window
+        self.leases: dict[int, Batch] = {}  # sent and not released yet
+        self.pending: collections.deque[Batch] = collections.deque()  # "drop_oldest": not sent yet
+        self.next_lease = 1
+        self.dropped = 0
+        self.end: frames.StreamEnd | None = None  # to send once the queue is empty
+        self.ended = False  # STREAM_END sent (or the connection is gone): nothing more goes out
+        self.sent_slots: set[int] = set()  # slots whose fixed message this subscriber has
+
+    @property
+    def has_room(self) -> bool:
+        return len(self.leases) < self.window
+
+
+class LiveStreamState:
+    """The publisher's state of one live stream (made by ``Publisher.open_stream``)."""
+
+    def __init__(self, name: str, *, max_in_flight: int, policy: str, block_timeout: float | None) -> None:
+        self.name = name
+        self.max_in_flight = max_in_flight
+        self.policy = policy
+        self.block_timeout = block_timeout
+        self.cond = threading.Condition()
+        self._subscribers: list[_Subscriber] = []
+        self._next_sequence = 0
+        self.closed = False
+        self.dropped = 0
+        """Batches dropped for slow consumers (policy ``"drop_oldest"``), all consumers together."""
+        self.slow_consumers_ended = 0
+        """Subscriptions ended by the ``"error"`` policy."""
+        self.on_finished: Callable[[], None] | None = None
+        """Called once when the stream ends (the writer frees its reserved slots)."""
+
+    @property
+    def subscribers(self) -> int:
+        with self.cond:
+            return sum(1 for s in self._subscribers if not s.ended)
+
+    @property
+    def leases(self) -> int:
+        """Batches sent to subscribers and not released yet, all subscribers together."""
+        with self.cond:
+            return sum(len(s.leases) for s in self._subscribers)
+
+    @property
+    def queued(self) -> int:
+        """Batches queued for slow subscribers (policy ``"drop_oldest"``), not sent yet."""
+        with self.cond:
+            return sum(len(s.pending) for s in self._subscribers)
+
+    @property
+    def next_sequence(self) -> int:
+        with self.cond:
+            return self._next_sequence
+
+    # ---------- the producer's side -----------------------------------------------------------------
+    def commit(self, batch: Batch) -> int:
+        """Offer ``batch`` to every subscriber (under the stream's policy); returns its sequence.
+        The writer's reference on ``batch`` is given up here, sent or not."""
+        with self.cond:
+            try:
+                if self.closed:
+                    raise StreamError(f"the stream {self.name!r} is closed")
+                if self.policy == "block":
+                    self._wait_for_room()
+                batch.sequence = self._next_sequence
+                self._next_sequence += 1
+                for sub in list(self._subscribers):
+                    if not sub.ended:
+                        self._offer(sub, batch)
+                return batch.sequence
+            finally:
+                batch.unref()
+
+    def _wait_for_room(self) -> None:
+        deadline = None if self.block_timeout is None else time.monotonic() + self.block_timeout
+        while True:
+            slow = [s for s in self._subscribers if not s.ended and not s.has_room]
+            if not slow:
+                return
+            if self.closed:
+                raise StreamError(f"the stream {self.name!r} was closed while a write waited")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise StreamBlockedError(
+                    f"write to stream {self.name!r} waited {self.block_timeout} s for "
+                    f"{len(slow)} slow consumer(s) holding {slow[0].window} unreleased batches "
+                    "(policy 'block'); nothing was sent",
+                    timeout=self.block_timeout,
+                )
+            self.cond.wait(remaining)
+
+    def _offer(self, sub: _Subscriber, batch: Batch) -> None:
+        if sub.has_room and not sub.pending:
+            self._send(sub, batch)
+        elif self.policy == "drop_oldest":
+            batch.refs += 1
+            sub.pending.append(batch)
+            if len(sub.pending) > sub.window:  # the queue holds one window; the oldest goes
+                sub.pending.popleft().unref()
+                sub.dropped += 1
+                self.dropped += 1
+        elif self.policy == "error":
+            self.slow_consumers_ended += 1
+            self._end(
+                sub,
+                frames.StreamEnd(
+                    "SlowConsumerError",
+                    f"this consumer held {sub.window} unreleased batches of stream {self.name!r} "
+                    "when another was committed (policy 'error'): its subscription ended",
+                    sub.dropped,
+                ),
+            )
+        else:  # "block": _wait_for_room made room; a subscriber that joined meanwhile has room too
+            self._send(sub, batch)
+
+    def _send(self, sub: _Subscriber, batch: Batch) -> None:
+        lease_id = sub.next_lease
+        sub.next_lease += 1
+        if batch.fixed and batch.slot in sub.sent_slots:
+            # The subscriber has this slot's message and descriptors: name the slot, send neither
+            # (no descriptor passing and no fstat of it for the consumer).
+            payload = frames.encode_batch_header(batch.sequence, lease_id, batch.slot, frames.FLAG_SLOT_AGAIN)
+            fds: list[int] = []
+        else:
+            payload = frames.encode_batch_header(batch.sequence, lease_id, batch.slot) + batch.message
+            fds = batch.fds
+            if batch.fixed:
+                sub.sent_slots.add(batch.slot)
+            else:  # another message for this slot (fewer rows): the next full one goes in full
+                sub.sent_slots.discard(batch.slot)
+        try:
+            sub.channel.send(protocol.BATCH, payload, fds, timeout=SEND_TIMEOUT)
+        except (TransportError, BridgeTimeoutError) as exc:
+            # Gone, or not reading for SEND_TIMEOUT: it gets nothing more. Its serving thread sees
+            # the connection end and lets go of what it held.
+            _log.info("arrow_ipc_bridge: stream %r: dropping a consumer: %s", self.name, exc)
+            self._detach(sub)
+            sub.channel.close()
+            return
+        batch.refs += 1
+        sub.leases[lease_id] = batch
+
+    def _end(self, sub: _Subscriber, end: frames.StreamEnd) -> None:
+        """End ``sub``'s subscription with ``end``: now, or after the batches it still has queued."""
+        if sub.ended or sub.end is not None:
+            return
+        sub.end = end
+        if not sub.pending:
+            self._send_end(sub)
+
+    def _send_end(self, sub: _Subscriber) -> None:
+        end = sub.end
+        assert end is not None
+        sub.ended = True
+        if end.dropped != sub.dropped:
+            end = frames.StreamEnd(end.error_type, end.message, sub.dropped)
+        with contextlib.suppress(TransportError, BridgeTimeoutError):
+            sub.channel.send(protocol.STREAM_END, frames.encode_stream_end(end), timeout=SEND_TIMEOUT)
+        self.cond.notify_all()  # a blocked writer no longer waits for this one
+
+    def finish(self, error_type: str | None, message: str) -> None:
+        """End the stream for every subscriber (after what each has queued) and refuse new writes."""
+        with self.cond:
+            if self.closed:
+                return
+            self.closed = True
+            for sub in self._subscribers:
+                self._end(sub, frames.StreamEnd(error_type, message, sub.dropped))
+            self.cond.notify_all()
+        if self.on_finished is not None:
+            self.on_finished()
+
+    # ---------- the subscriber's side ---------------------------------------------------------------
+    def attach(self, channel: Channel, asked: int) -> _Subscriber:
+        """A new subscriber from now on (late join). SUBSCRIBED is sent under the condition, so no
+        BATCH precedes it."""
+        with self.cond:
+            if self.closed:
+                raise NotPublishedError(f"the stream {self.name!r} has ended")
+            sub = _Subscriber(channel, min(asked, self.max_in_flight))
+            answer = frames.Subscribed(sub.window, self.policy, self._next_sequence)
+            channel.send(protocol.SUBSCRIBED, frames.encode_subscribed(answer), timeout=SEND_TIMEOUT)
+            self._subscribers.append(sub)
+            self.cond.notify_all()  # a pump may wait for subscribers
+            return sub
+
+    def wait_for_subscribers(self, count: int) -> bool:
+        """Wait until ``count`` consumers are subscribed; False if the stream ended first."""
+        with self.cond:
+            while not self.closed and sum(1 for s in self._subscribers if not s.ended) < count:
+                self.cond.wait()
+            return not self.closed
+
+    def release(self, sub: _Subscriber, lease_ids: tuple[int, ...]) -> None:
+        """RELEASE (or RELEASE_MANY) of batches' leases: credit back; queued batches go out. An
+        unknown or already released lease is ignored (releasing twice is harmless, as for GET
+        leases)."""
+        with self.cond:
+            released = False
+            for lease_id in lease_ids:
+                batch = sub.leases.pop(lease_id, None)
+                if batch is not None:
+                    batch.unref()
+                    released = True
+            if not released:
+                return
+            while sub.pending and sub.has_room and not sub.ended:
+                queued = sub.pending.popleft()
+                self._send(sub, queued)
+                queued.unref()  # the queue's reference (the lease holds its own now)
+            if not sub.pending and sub.end is not None and not sub.ended:
+                self._send_end(sub)
+            self.cond.notify_all()
+
+    def _detach(self, sub: _Subscriber) -> None:
+        """``sub``'s connection is gone: let go of everything it held. Condition held."""
+        sub.ended = True
+        leases, sub.leases = sub.leases, {}
+        pending, sub.pending = sub.pending, collections.deque()
+        for batch in (*leases.values(), *pending):
+            batch.unref()
+        with contextlib.suppress(ValueError):
+            self._subscribers.remove(sub)
+        self.cond.notify_all()
+
+    def detach(self, sub: _Subscriber) -> None:
+        with self.cond:
+            self._detach(sub)
+
+
+class StreamHub:
+    """The publisher's live streams by name (a namespace of its own, beside published names)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._streams: dict[str, LiveStreamState] = {}
+
+    def add(self, stream: LiveStreamState) -> None:
+        with self._lock:
+            if stream.name in self._streams:
+                raise ValueError(f"a stream named {stream.name!r} is open already")
+            self._streams[stream.name] = stream
+
+    def remove(self, stream: LiveStreamState) -> None:
+        with self._lock:
+            if self._streams.get(stream.name) is stream:
+                del self._streams[stream.name]
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._streams)
+
+    def close(self, message: str) -> None:
+        """End every open stream (consumers raise StreamInterruptedError with ``message``)."""
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.finish("StreamInterruptedError", message)
+
+    def serve_subscription(self, channel: Channel, payload: bytes, peer_pid: int) -> None:
+        """Serve one subscription for its whole life (the connection's serving thread). Returns when
+        the consumer closes the connection or breaks the protocol; the caller then closes it."""
+        try:
+            name, asked = frames.decode_subscribe(payload)
+            with self._lock:
+                stream = self._streams.get(name)
+            if stream is None:
+                raise NotPublishedError(f"no stream is open as {name!r}")
+            sub = stream.attach(channel, asked)
+        except (NotPublishedError, ProtocolError) as exc:
+            with contextlib.suppress(BridgeError):
+                channel.send(protocol.ERROR, protocol.encode_error(exc), timeout=SEND_TIMEOUT)
+            return
+        try:
+            while True:
+                frame = channel.recv(timeout=None)
+                with frame:
+                    if frame.kind not in (protocol.RELEASE, protocol.RELEASE_MANY) or frame.fds:
+                        raise ProtocolError(
+                            f"frame kind {frame.kind} with {len(frame.fds)} fds on a subscription "
+                            "(only RELEASE and RELEASE_MANY are allowed)"
+                        )
+                    if frame.kind == protocol.RELEASE:
+                        lease_ids: tuple[int, ...] = (protocol.decode_lease(frame.payload),)
+                    else:
+                        lease_ids = frames.decode_release_many(frame.payload)
+                stream.release(sub, lease_ids)
+        except PeerClosedError:
+            pass  # the consumer closed or died: what it held is let go below
+        except ProtocolError as exc:
+            _log.warning("arrow_ipc_bridge: closing subscriber pid %s: %s", peer_pid, str(exc))
+            with contextlib.suppress(BridgeError):
+                channel.send(protocol.ERROR, protocol.encode_error(exc), timeout=SEND_TIMEOUT)
+        except BridgeError as exc:
+            _log.warning("arrow_ipc_bridge: subscriber pid %s: %s", peer_pid, str(exc))
+        finally:
+            stream.detach(sub)

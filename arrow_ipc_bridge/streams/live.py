@@ -1,0 +1,383 @@
+"""The consumer's side of a live stream: :class:`LiveStream` (``Session.subscribe``,
+``aib.subscribe``), docs/streams.md.
+
+A subscription has a connection (and a session) of its own, so the batches the publisher pushes
+never interleave with the replies of a session's requests. Each batch is imported as the session
+imports a GET's answer, under a lease of its own: releasing the batch (``release()``, the ``with``
+block, collection, and every struct built from it released) sends RELEASE, which gives the
+producer its credit and, for reserved slots, its memory back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import threading
+import weakref
+from collections.abc import Iterator
+from types import EllipsisType, TracebackType
+from typing import Any
+
+from arrow_ipc_bridge import _reaper, protocol
+from arrow_ipc_bridge._ffi import lib
+from arrow_ipc_bridge.capsules import DEVICE_CPU, _check_kwargs
+from arrow_ipc_bridge.channel import Channel, close_fds
+from arrow_ipc_bridge.errors import (
+    BridgeError,
+    BridgeTimeoutError,
+    PeerClosedError,
+    ProtocolError,
+    RegionError,
+    SlowConsumerError,
+    StreamError,
+    StreamFailedError,
+    StreamInterruptedError,
+)
+from arrow_ipc_bridge.imported import ImportedArray
+from arrow_ipc_bridge.streams import frames
+
+__all__ = ["LiveStream", "subscribe"]
+
+_LEASE_LIMIT = 1 << _reaper.FAMILY_VALUE_BITS
+
+
+class _Credit:
+    """Gives batches' leases back, a few at a time (RELEASE_MANY): under policy "block" a released
+    batch's lease waits until half the window is released or this consumer is about to wait for a
+    batch (then nothing may stay held back: the producer could be waiting for that credit). One
+    frame per few batches spares both processes a wake-up per batch. Runs on any thread (the
+    reaper's, a consumer's)."""
+
+    def __init__(self, channel: Channel, window: int, policy: str) -> None:
+        self._channel = channel
+        self._lock = threading.Lock()
+        self._pending: list[int] = []
+        # Only where the producer waits for credit: under "drop_oldest" and "error" a lease held
+        # back here would make a consumer that keeps up look slow (dropped batches, ended).
+        self._threshold = max(1, window // 2) if policy == "block" else 1
+        self._receiving = False
+
+    def released(self, lease_id: int) -> None:
+        """A batch's owner died (the reaper family's callback)."""
+        with self._lock:
+            self._pending.append(lease_id)
+            if not self._receiving and len(self._pending) < self._threshold:
+                return
+            ids, self._pending = self._pending, []
+        self._send(ids)
+
+    def waiting(self, waiting: bool) -> None:
+        """The consumer starts (True) or stops waiting for a batch; starting sends what is held back."""
+        with self._lock:
+            self._receiving = waiting
+            ids, self._pending = (self._pending, []) if waiting else ([], self._pending)
+        if ids:
+            self._send(ids)
+
+    def give_back(self, ids: list[int]) -> None:
+        """Send these leases' RELEASE now."""
+        self._send(ids)
+
+    def _send(self, ids: list[int]) -> None:
+        if self._channel.closed:
+            return  # the publisher ended this connection's leases when it closed
+        with contextlib.suppress(PeerClosedError, BridgeTimeoutError, OSError):
+            if len(ids) == 1:
+                self._channel.send(protocol.RELEASE, protocol.encode_lease(ids[0]), timeout=5.0)
+            else:
+                self._channel.send(protocol.RELEASE_MANY, frames.encode_release_many(ids), timeout=5.0)
+
+
+class LiveStream:
+    """A live stream of batches, as they are committed (made by :meth:`Session.subscribe`).
+
+    Iterate it (each item an :class:`~arrow_ipc_bridge.ImportedArray` holding its own lease: release
+    it, or use it in a ``with`` block, to give the producer its credit back), call
+    :meth:`next_batch`, or hand it to any Arrow consumer through ``__arrow_c_stream__`` (host
+    data). Iteration stops at the producer's clean end; a producer error raises
+    :class:`~arrow_ipc_bridge.errors.StreamFailedError`, a publisher gone mid-stream
+    :class:`~arrow_ipc_bridge.errors.StreamInterruptedError`, and the ``"error"`` policy
+    :class:`~arrow_ipc_bridge.errors.SlowConsumerError`. Batches already received stay valid.
+    Receive from one thread at a time; batches may be released from any thread.
+    """
+
+    def __init__(self, session: Any, name: str, subscribed: frames.Subscribed, timeout: float | None) -> None:
+        self._session = session  # private to this stream: its connection carries only this stream
+        self.name = name
+        self.max_in_flight = subscribed.max_in_flight
+        self.policy = subscribed.policy
+        self._expected = subscribed.next_sequence
+        self._timeout = timeout
+        self._end: frames.StreamEnd | None = None
+        self._peeked: ImportedArray | None = None
+        self.received = 0
+        """Batches received so far."""
+        self.dropped = 0
+        """Batches the producer dropped for this consumer (gaps in the sequence numbers; policy
+        ``"drop_oldest"``)."""
+        self.last_sequence = -1
+        """The sequence number of the last batch received (-1: none yet)."""
+        self.repeated = 0
+        """Batches that came as a reserved slot's message again, without message or descriptors."""
+        self._slot_names = [f"{name}#batch"]
+        # Each reserved slot's last message and copies of its descriptors, for BATCH frames that
+        # repeat the slot without them; closed with the stream (or when it is collected).
+        self._slots: dict[int, tuple[bytes, list[int]]] = {}
+        weakref.finalize(self, _close_kept, self._slots)
+        self._channel: Channel = session._connection()
+        self._credit = _Credit(self._channel, subscribed.max_in_flight, subscribed.policy)
+        # Leases are a reaper family of this stream's: a batch's owner dying gives its credit back.
+        self._lease_tokens = _reaper.register_family(self._credit.released)
+        weakref.finalize(self, _reaper.unregister_family, self._lease_tokens)
+        self._poll = select.poll()
+        self._poll.register(self._channel.fileno(), select.POLLIN)
+
+    # ---------- receiving ---------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[ImportedArray]:
+        return self
+
+    def __next__(self) -> ImportedArray:
+        batch = self.next_batch()
+        if batch is None:
+            raise StopIteration
+        return batch
+
+    def next_batch(self, timeout: float | EllipsisType | None = ...) -> ImportedArray | None:
+        """The next batch, waiting up to ``timeout`` seconds (default: the subscription's); None at
+        the stream's clean end. A wait past the timeout raises
+        :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` and the stream stays usable."""
+        if self._peeked is not None:
+            batch, self._peeked = self._peeked, None
+            return batch
+        if self._end is not None:
+            self._finished()
+            return None
+        self._session._check_open()
+        channel = self._channel
+        wait = self._timeout if isinstance(timeout, EllipsisType) else timeout
+        # Credit held back goes out before this consumer could wait (see _Credit); a frame already
+        # here (in the channel's buffer or the socket) is taken without that.
+        ready = lib.aib_channel_buffered(channel.raw) > 0 or bool(self._poll.poll(0))
+        try:
+            if ready:
+                frame = channel.recv(timeout=wait)
+            else:
+                self._credit.waiting(True)
+                try:
+                    frame = channel.recv(timeout=wait)
+                finally:
+                    self._credit.waiting(False)
+        except PeerClosedError as exc:
+            if getattr(exc, "closed_locally", False) or self._session.closed:
+                raise BridgeError(f"the live stream {self.name!r} is closed") from exc
+            raise StreamInterruptedError(
+                f"the publisher of stream {self.name!r} went away mid-stream (no end of stream) after "
+                f"{self.received} batches; batches received stay valid",
+                received=self.received,
+            ) from exc
+        try:
+            if frame.kind == protocol.BATCH:
+                return self._import(frame.payload, frame.fds)
+            if frame.fds:
+                raise ProtocolError(f"frame kind {frame.kind} with descriptors on a subscription")
+            if frame.kind == protocol.STREAM_END:
+                self._end = frames.decode_stream_end(frame.payload)
+                self._finished()
+                return None
+            if frame.kind == protocol.ERROR:
+                protocol.raise_error(frame.payload)
+            raise ProtocolError(f"frame kind {frame.kind} on a subscription (BATCH or STREAM_END expected)")
+        except ProtocolError:
+            channel.close()  # out of step with the publisher: this subscription is over
+            raise
+        finally:
+            frame.close_fds()  # the mappings keep what they need open
+
+    def _import(self, payload: bytes, fds: list[int]) -> ImportedArray:
+        sequence, lease_id, slot, again = frames.decode_batch_header(payload)
+        session = self._session
+        if not 0 < lease_id < _LEASE_LIMIT:
+            raise ProtocolError(f"BATCH lease id {lease_id} out of range")
+        if sequence < self._expected:
+            raise ProtocolError(f"BATCH sequence {sequence} after {self._expected - 1}: out of order")
+        if again:
+            if fds:
+                raise ProtocolError("a BATCH repeating its slot carries descriptors")
+            kept = self._slots.get(slot)
+            if kept is None:
+                raise ProtocolError(f"a BATCH repeats slot {slot}, which this subscription never received")
+            message, fds = kept
+            self.repeated += 1
+        else:
+            message = payload[frames.BATCH_HEADER_SIZE :]
+            if slot != frames.NO_SLOT:  # kept for the repeats of this slot (FLAG_SLOT_AGAIN)
+                self._keep_slot(slot, message, fds)
+        token = self._lease_tokens | lease_id
+        try:
+            # The session's own import (decode, full check, map), under this batch's lease; one
+            # remembered message per reserved slot, so a reused slot costs a lookup.
+            imported = session._import(message, fds, name=self._slot_name(slot), token=token)
+        except BaseException:
+            self._credit.give_back([lease_id])  # if no owner came to life, nobody else would
+            raise
+        if not isinstance(imported, ImportedArray):
+            imported.release()
+            raise ProtocolError("a stream's BATCH holds a table/stream message (one batch expected)")
+        imported.name = self.name
+        self.dropped += sequence - self._expected
+        self._expected = sequence + 1
+        self.last_sequence = sequence
+        self.received += 1
+        return imported
+
+    def _keep_slot(self, slot: int, message: bytes, fds: list[int]) -> None:
+        """Keep a slot's message with copies of its descriptors, replacing the slot's last."""
+        if len(self._slots) >= frames.MAX_SLOTS and slot not in self._slots:
+            raise ProtocolError(f"more than {frames.MAX_SLOTS} slots on one stream")
+        copies: list[int] = []
+        try:
+            for fd in fds:
+                copies.append(os.dup(fd))
+        except OSError as exc:
+            close_fds(copies)
+            raise RegionError(f"keeping a slot's descriptors: {exc}") from exc
+        old = self._slots.pop(slot, None)
+        self._slots[slot] = (message, copies)
+        if old is not None:
+            close_fds(old[1])
+
+    def _slot_name(self, slot: int) -> str:
+        if slot == frames.NO_SLOT:
+            return self._slot_names[0]
+        return f"{self.name}#slot{slot}"
+
+    def _finished(self) -> None:
+        """Raise the error the stream ended with, if any."""
+        end = self._end
+        assert end is not None
+        self.dropped = max(self.dropped, end.dropped)
+        if end.error_type is None:
+            return
+        text = f"stream {self.name!r}: {end.message}"
+        if end.error_type == "SlowConsumerError":
+            raise SlowConsumerError(text)
+        if end.error_type == "StreamInterruptedError":
+            raise StreamInterruptedError(text, received=self.received)
+        raise StreamFailedError(
+            f"stream {self.name!r} failed in the producer: {end.error_type}: {end.message}",
+            producer_error=end.error_type,
+        )
+
+    @property
+    def ended(self) -> bool:
+        """Whether the end of the stream (clean or not) has been received."""
+        return self._end is not None
+
+    # ---------- the Arrow C stream interface --------------------------------------------------------
+    def __arrow_c_stream__(self, requested_schema: object | None = None) -> object:
+        """An ``ArrowArrayStream`` whose ``get_next`` waits for the next batch: the end of the
+        stream ends it, an error (producer failure, publisher gone) is its ``get_last_error``.
+        Host data (``pa.RecordBatchReader.from_stream(live)``); waits for the first batch, whose
+        schema it offers. ``requested_schema`` is not supported (None only)."""
+        return self._c_stream(requested_schema, device=False)
+
+    def __arrow_c_device_stream__(self, requested_schema: object | None = None, **kwargs: object) -> object:
+        """An ``ArrowDeviceArrayStream`` like :meth:`__arrow_c_stream__`, for host or CUDA data:
+        each ``ArrowDeviceArray`` carries its batch's ``sync_event`` while the producer's work on
+        it may be pending. Keywords of later versions of the interface must be None."""
+        _check_kwargs(kwargs)
+        return self._c_stream(requested_schema, device=True)
+
+    def _c_stream(self, requested_schema: object | None, *, device: bool) -> object:
+        from arrow_ipc_bridge.streams.c_stream import stream_capsule
+
+        if requested_schema is not None:
+            raise StreamError("a live stream offers its own schema: requested_schema must be None")
+        first = self._peek()
+        if first is None:
+            raise StreamError(f"stream {self.name!r} ended before its first batch: no schema to offer")
+        if not device and first.device_type != DEVICE_CPU:
+            raise StreamError(
+                f"stream {self.name!r} holds device data: use __arrow_c_device_stream__ or iterate it"
+            )
+        self._peeked = None  # the C stream hands it out first
+        return stream_capsule(self, first, device=device)
+
+    def _peek(self) -> ImportedArray | None:
+        if self._peeked is None:
+            self._peeked = self.next_batch()
+        return self._peeked
+
+    # ---------- lifetime ----------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return bool(self._session.closed)
+
+    def close(self) -> None:
+        """Unsubscribe (idempotent): the batches handed out are released and the connection closes,
+        which ends this consumer's leases at the publisher. Structs consumers built from host batches
+        stay mapped; reserved slots may then be refilled by the producer."""
+        if self._peeked is not None:
+            self._peeked.release()
+            self._peeked = None
+        self._session.close()
+        _close_kept(self._slots)
+
+    def __enter__(self) -> LiveStream:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<LiveStream {self.name!r} received={self.received} dropped={self.dropped}>"
+
+
+def _close_kept(slots: dict[int, tuple[bytes, list[int]]]) -> None:
+    for _, fds in slots.values():
+        close_fds(fds)
+    slots.clear()
+
+
+def subscribe(
+    path: str | os.PathLike[str],
+    name: str,
+    *,
+    max_in_flight: int = 8,
+    timeout: float | None = None,
+    connect_timeout: float = 5.0,
+    check: str | None = None,
+) -> LiveStream:
+    """Subscribe to the live stream ``name`` of the publisher at ``path`` (from now on).
+
+    ``max_in_flight``: batches this consumer may hold unreleased (the publisher may grant fewer);
+    ``timeout``: seconds each batch is waited for (None: forever); ``check``: see
+    :class:`~arrow_ipc_bridge.Session`. Raises :class:`~arrow_ipc_bridge.errors.NotPublishedError`
+    when no such stream is open.
+    """
+    from arrow_ipc_bridge.session import connect  # imported here: session.py offers subscribe() in turn
+
+    if isinstance(max_in_flight, bool) or not 1 <= max_in_flight <= frames.MAX_IN_FLIGHT:
+        raise ValueError(f"max_in_flight must be 1 to {frames.MAX_IN_FLIGHT}, not {max_in_flight!r}")
+    session = connect(path, timeout=connect_timeout, remembered_messages=1024, check=check)
+    try:
+        features = session.publisher_info.get("features")
+        if not isinstance(features, list) or "stream" not in features:
+            raise BridgeError("this publisher does not serve live streams (an older version): upgrade it")
+        channel = session._connection()
+        frame = channel.request(
+            protocol.SUBSCRIBE, frames.encode_subscribe(name, max_in_flight), timeout=connect_timeout
+        )
+        frame.close_fds()
+        if frame.kind == protocol.ERROR:
+            protocol.raise_error(frame.payload)
+        if frame.kind != protocol.SUBSCRIBED:
+            raise ProtocolError(f"expected SUBSCRIBED, got frame kind {frame.kind}")
+        subscribed = frames.decode_subscribed(frame.payload, max_in_flight)
+    except BaseException:
+        session.close()
+        raise
+    return LiveStream(session, name, subscribed, timeout)

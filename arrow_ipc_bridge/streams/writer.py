@@ -1,0 +1,353 @@
+"""The producer's handle on a live stream: :class:`StreamWriter` (``Publisher.open_stream``) and the
+pump behind ``Publisher.publish_stream`` (docs/streams.md)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from types import TracebackType
+from typing import Any
+
+import pyarrow as pa
+
+from arrow_ipc_bridge._ffi import ffi, lib, new_error
+from arrow_ipc_bridge.capsules import ArrowInput, CapturedData, capsule_struct, new_capsule
+from arrow_ipc_bridge.errors import BridgeError, StreamBlockedError, StreamError, StreamSchemaError
+from arrow_ipc_bridge.exporter import CopyPolicy, export, export_captured
+from arrow_ipc_bridge.metadata import Decoded
+from arrow_ipc_bridge.streams.hub import Batch, LiveStreamState, StreamHub
+from arrow_ipc_bridge.streams.slots import SlotLayout, StreamSlot, make_slot
+
+__all__ = ["StreamWriter", "batches_of", "pump"]
+
+_log = logging.getLogger("arrow_ipc_bridge")
+
+
+class StreamWriter:
+    """Write batches to a live stream (made by :meth:`Publisher.open_stream`).
+
+    Every subscriber gets every batch committed after it subscribed, in order, each under a lease
+    of its own; the stream's policy says what happens when one has ``max_in_flight`` batches
+    unreleased. ``close()`` ends the stream cleanly, ``fail(exc)`` with an error; both let
+    consumers read what they already received first. Use it from one thread at a time.
+    """
+
+    def __init__(
+        self,
+        state: LiveStreamState,
+        hub: StreamHub,
+        *,
+        copy: CopyPolicy,
+        slots: SlotLayout | None,
+        check_open: Callable[[], None],
+    ) -> None:
+        self._state = state
+        self._hub = hub
+        self._copy: CopyPolicy = copy
+        self._check_open = check_open
+        self._schema: pa.Field | None = None
+        self._layout = slots
+        self._slots: list[StreamSlot] = []
+        self._free: list[StreamSlot] = []
+        self._allocator: Any = None
+        state.on_finished = self._close_free_slots
+        if slots is not None:
+            slots.check()
+            self._schema = pa.field("", pa.struct(list(slots.schema)), nullable=False)
+
+    @property
+    def name(self) -> str:
+        return self._state.name
+
+    @property
+    def policy(self) -> str:
+        return self._state.policy
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
+
+    @property
+    def subscribers(self) -> int:
+        """Consumers subscribed now."""
+        return self._state.subscribers
+
+    @property
+    def leases(self) -> int:
+        """Batches subscribers hold (sent, not released yet); 0 once every consumer released all."""
+        return self._state.leases
+
+    @property
+    def batches_written(self) -> int:
+        """Batches committed so far (the next batch's sequence number)."""
+        return self._state.next_sequence
+
+    @property
+    def dropped(self) -> int:
+        """Batches dropped for slow consumers (policy ``"drop_oldest"``), all consumers together."""
+        return self._state.dropped
+
+    # ---------- writing any Arrow object ------------------------------------------------------------
+    def write(self, obj: ArrowInput | CapturedData) -> int:
+        """Export ``obj`` (an array or record batch, any Arrow PyCapsule producer) and send it to
+        every subscriber; returns its sequence number.
+
+        Raises :class:`~arrow_ipc_bridge.errors.StreamSchemaError` when its schema differs from
+        the stream's (the first batch's), :class:`~arrow_ipc_bridge.errors.StreamBlockedError`
+        when policy ``"block"`` waited ``block_timeout`` for a slow consumer (nothing sent), and
+        :class:`~arrow_ipc_bridge.errors.StreamError` once the stream is closed.
+        """
+        try:
+            self._check_writable()
+        except BaseException:
+            if isinstance(obj, CapturedData):  # ours to close (a batch of publish_stream's source)
+                obj.close()
+            raise
+        # Pool fds attached (the default): a subscription's connection carries nothing but batches.
+        if isinstance(obj, CapturedData):  # a batch of a C device stream (publish_stream)
+            exported = export_captured(obj, copy=self._copy)
+        else:
+            exported = export(obj, copy=self._copy)
+        try:
+            self._check_schema(exported.message, len(exported.fds))
+        except BaseException:
+            exported.close()
+            raise
+        return self._state.commit(Batch(exported.message, list(exported.fds), exported.close))
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self._state.closed:
+            raise StreamError(f"the stream {self.name!r} is closed")
+
+    def _check_schema(self, message: bytes, n_fds: int) -> None:
+        field, is_stream = _message_field(message, n_fds)
+        if is_stream:
+            raise StreamSchemaError(
+                "a stream's batch is one array or record batch, not a table or stream (write its "
+                "batches one by one, or publish_stream it)"
+            )
+        if self._schema is None:
+            self._schema = field
+        elif not field.equals(self._schema, check_metadata=True):
+            raise StreamSchemaError(
+                f"batch schema {field.type} differs from the stream {self.name!r}'s {self._schema.type}: "
+                "a stream has one schema (open another stream for the new one); nothing was sent"
+            )
+
+    # ---------- reserved slots ----------------------------------------------------------------------
+    def reserve(self, timeout: float | None = None) -> StreamSlot:
+        """A free slot to fill in place (streams opened with ``slots=``). Waits up to ``timeout``
+        seconds (None: the stream's ``block_timeout``) until consumers released one; then
+        :class:`~arrow_ipc_bridge.errors.StreamBlockedError`."""
+        self._check_writable()
+        layout = self._layout
+        if layout is None:
+            raise StreamError(f"the stream {self.name!r} has no reserved slots (open it with slots=...)")
+        count = layout.count or 2 * self._state.max_in_flight
+        cond = self._state.cond
+        wait = self._state.block_timeout if timeout is None else timeout
+        deadline = None if wait is None else time.monotonic() + wait
+        with cond:
+            while not self._free and len(self._slots) >= count:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise StreamBlockedError(
+                        f"reserve on stream {self.name!r}: all {count} slots are held by consumers "
+                        f"after {wait} s",
+                        timeout=wait,
+                    )
+                cond.wait(remaining)
+                if self._state.closed:
+                    raise StreamError(f"the stream {self.name!r} was closed while reserve waited")
+            slot = self._free.pop() if self._free else None
+        if slot is None:
+            slot = self._new_slot(layout)
+        slot.reserved = True
+        slot._writer = self
+        return slot
+
+    def _new_slot(self, layout: SlotLayout) -> StreamSlot:
+        if layout.device == "cuda" and self._allocator is None:
+            from arrow_ipc_bridge.cuda.allocators import CupySlabAllocator
+
+            self._allocator = CupySlabAllocator(layout.device_id)
+        slot = make_slot(len(self._slots), layout, self.name, self._allocator)
+        with self._state.cond:
+            self._slots.append(slot)
+        return slot
+
+    def _commit_slot(self, slot: StreamSlot, rows: int, stream: Any) -> int:
+        slot.reserved = False
+        try:
+            self._check_writable()
+        except BaseException:
+            self._abandon_slot(slot)  # the stream ended: the slot's memory goes now
+            raise
+        fixed = slot.fixed_message if rows == slot.layout.rows else None
+        if fixed is not None:
+            slot.before_send(stream)
+            message, fds = fixed
+            batch = Batch(message, fds, lambda: self._slot_free(slot), slot.index, fixed=True)
+        else:
+            exported = slot.export(rows)
+
+            def free() -> None:
+                exported.close()
+                self._slot_free(slot)
+
+            batch = Batch(exported.message, list(exported.fds), free, slot.index)
+        return self._state.commit(batch)
+
+    def _slot_free(self, slot: StreamSlot) -> None:
+        """Every holder let go of the slot's batch (the stream's condition is held)."""
+        if self._state.closed and slot not in self._free:
+            slot.close()
+            return
+        self._free.append(slot)
+        self._state.cond.notify_all()
+
+    def _abandon_slot(self, slot: StreamSlot) -> None:
+        slot.reserved = False
+        with self._state.cond:
+            self._slot_free(slot)
+
+    # ---------- ending ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """End the stream cleanly (idempotent): subscribers get every batch sent or queued, then
+        the end (their iteration stops). New subscriptions are refused."""
+        self._end(None, "the producer closed the stream")
+
+    def fail(self, error: BaseException | str) -> None:
+        """End the stream with an error: subscribers raise
+        :class:`~arrow_ipc_bridge.errors.StreamFailedError` naming it, after the batches they
+        already received."""
+        if isinstance(error, BaseException):
+            self._end(type(error).__name__, str(error) or type(error).__name__)
+        else:
+            self._end("StreamFailedError", str(error))
+
+    def _end(self, error_type: str | None, message: str) -> None:
+        self._hub.remove(self._state)
+        self._state.finish(error_type, message)  # then _close_free_slots
+
+    def _close_free_slots(self) -> None:
+        """The stream ended (closed, failed, or its publisher closed): free slots go now; slots
+        consumers still hold go when released, a reserved one at its commit or abandon."""
+        with self._state.cond:
+            for slot in self._free:
+                slot.close()
+            self._free.clear()
+
+    def __enter__(self) -> StreamWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is not None and not isinstance(exc, GeneratorExit):
+            self.fail(exc)
+        else:
+            self.close()
+
+
+def _message_field(message: bytes, n_fds: int) -> tuple[pa.Field, bool]:
+    """The root field a message describes (a record batch's: a struct of its columns), and whether
+    it is a table/stream message. Read from the message, so every producer object is checked alike."""
+    decoded = Decoded(message, n_fds)
+    try:
+        capsule, out = new_capsule("schema")
+        decoded.rebuild_schema(out)
+        is_stream = bool(decoded.is_stream)
+    finally:
+        decoded.close()
+    return pa.Field._import_from_c_capsule(capsule), is_stream
+
+
+# ---------- publish_stream: a background pump ---------------------------------------------------------
+def pump(
+    writer: StreamWriter, source: object, *, name: str, wait_for_subscribers: int = 0
+) -> threading.Thread:
+    """Start a daemon thread that writes every batch of ``source`` to ``writer``, then closes it
+    (or fails it with the source's error). An infinite source runs until the stream is closed.
+    ``wait_for_subscribers``: read nothing of the source before that many consumers subscribed."""
+
+    def run() -> None:
+        if wait_for_subscribers and not writer._state.wait_for_subscribers(wait_for_subscribers):
+            return  # closed before they came
+        try:
+            for batch in batches_of(source):
+                if writer.closed:
+                    return
+                writer.write(batch)
+        except StreamError as exc:
+            if not writer.closed:
+                _log.warning("arrow_ipc_bridge: stream %r: %s", name, exc)
+                writer.fail(exc)
+            return
+        except BaseException as exc:
+            writer.fail(exc)
+            return
+        writer.close()
+
+    thread = threading.Thread(target=run, name=f"aib-stream-{name}", daemon=True)
+    thread.start()
+    return thread
+
+
+def batches_of(source: object) -> Iterator[ArrowInput | CapturedData]:
+    """One batch at a time from an Arrow stream (``__arrow_c_stream__`` through pyarrow,
+    ``__arrow_c_device_stream__`` through its C functions) or an iterable of Arrow objects."""
+    if hasattr(source, "__arrow_c_stream__"):
+        reader = pa.RecordBatchReader.from_stream(source)
+        yield from reader
+    elif hasattr(source, "__arrow_c_device_stream__"):
+        yield from _device_stream_batches(source.__arrow_c_device_stream__())
+    elif isinstance(source, Iterable):
+        yield from source
+    else:
+        raise TypeError(
+            f"publish_stream needs an Arrow stream (__arrow_c_stream__ / __arrow_c_device_stream__) or an "
+            f"iterable of arrays or record batches, not {type(source).__name__}"
+        )
+
+
+def _device_stream_batches(capsule: object) -> Iterator[CapturedData]:
+    """Each batch of a producer's C device stream as captured data, read as it comes."""
+    source = capsule_struct(capsule, "device_stream")
+    if source.release == ffi.NULL:
+        raise BridgeError("the device stream capsule was already consumed or released")
+    owned, stream = new_capsule("device_stream")
+    lib.aib_device_stream_move(source, stream)
+    schema = lib.aib_schema_alloc()
+    try:
+        _call(stream, stream.get_schema(stream, schema), "get_schema")
+        while True:
+            target = lib.aib_device_array_alloc()
+            try:
+                _call(stream, stream.get_next(stream, target), "get_next")
+            except BaseException:
+                lib.aib_device_array_free(target)
+                raise
+            if target.array.release == ffi.NULL:
+                lib.aib_device_array_free(target)
+                return
+            copy = lib.aib_schema_alloc()
+            err = new_error()
+            if lib.aib_schema_copy(schema, copy, err):
+                lib.aib_schema_free(copy)
+                lib.aib_device_array_free(target)
+                raise MemoryError("copying a stream's schema")
+            yield CapturedData(copy, [target], is_stream=False)
+    finally:
+        lib.aib_schema_free(schema)
+        del owned
+
+
+def _call(stream: Any, rc: int, what: str) -> None:
+    if rc != 0:
+        text = stream.get_last_error(stream)
+        detail = ffi.string(text).decode("utf-8", "replace") if text != ffi.NULL else "no message"
+        raise BridgeError(f"the source stream's {what} failed with errno {rc}: {detail}")

@@ -1,0 +1,380 @@
+#!/usr/bin/env python
+"""Sustained throughput of live streams (docs/streams.md) between two spawned processes.
+
+    python benchmarks/bench_stream.py [--mode host|cuda|all] [--quick] [--batches N]
+                                      [--sizes 1MiB,64MiB] [--json out.json]
+
+Every case spawns a fresh producer and a fresh consumer (``multiprocessing`` spawn context). The
+producer opens a stream, waits for the consumer's subscription, then commits warm-up + measured
+batches as fast as the stream's credit allows (policy "block", ``max_in_flight`` 8); the consumer
+times from the first measured batch to the last and reports batches per second. Each process shuts
+down cleanly (the stream ends, the consumer sees the end, both exit 0).
+
+Host cases (run anywhere):
+    host slots      reserved slots of 4 float32 columns x 64 rows, filled in place (one value per
+                    batch) and committed: no copy, the same message per slot; the consumer reads one
+                    value through pyarrow and releases the batch
+    host write      the same batch built by pyarrow and written (exported per batch: one sealed copy)
+    mp queue        the same pyarrow batch through a multiprocessing (spawn) Queue (pickle), for scale
+
+CUDA cases (16 float32 CuPy columns per batch, for each size in --sizes):
+    cuda slots      reserved CUDA slots (slab allocator), the producer launches a kernel writing one
+                    value, then commits; the consumer takes each batch's device capsule, waits on its
+                    sync_event on its stream (cudaStreamWaitEvent) and releases it
+    cuda slots+cupy the same, and the consumer also makes the 16 columns CuPy arrays
+                    (cupy.asarray(aib.column_view(batch, i, stream=s.ptr)), ordered on its stream)
+    torch queue     the same 16 tensors through a torch.multiprocessing (spawn) Queue, from a ring of 8
+                    batches the producer refills (one kernel per batch) after the consumer acknowledged
+                    the batch that last used the ring slot; the consumer rebuilds each batch's
+                    tensors (torch orders its stream after the producer's event) and drops them
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+SPAWN_TIMEOUT = 300.0
+NCOLS = 16
+WINDOW = 8
+
+
+def parse_size(text: str) -> int:
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "B": 1}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def fmt_size(n: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor:
+            return f"{n / factor:g} {unit}"
+    return f"{n} B"
+
+
+# ---------- bridge producer / consumer (children) -----------------------------------------------------
+def bridge_producer(case: dict[str, Any], path: str, ready: Any, results: Any) -> None:
+    try:
+        import pyarrow as pa
+
+        import arrow_ipc_bridge as aib
+
+        total = case["warmup"] + case["batches"]
+        with aib.Publisher(path) as pub:
+            if case["kind"] == "host_write":
+                writer = pub.open_stream("bench", max_in_flight=WINDOW, block_timeout=120)
+            else:
+                cuda = case["kind"].startswith("cuda")
+                ncols = NCOLS if cuda else 4
+                rows = case["rows"]
+                schema = pa.schema([(f"c{i}", pa.float32()) for i in range(ncols)])
+                layout = aib.SlotLayout(schema, rows=rows, count=2 * WINDOW, device="cuda" if cuda else "cpu")
+                writer = pub.open_stream("bench", max_in_flight=WINDOW, block_timeout=120, slots=layout)
+            ready.set()
+            deadline = time.monotonic() + 120
+            while writer.subscribers == 0:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no subscriber in 120 s")
+                time.sleep(0.001)
+            started = time.perf_counter()
+            if case["kind"] == "host_write":
+                column = pa.array([0.0] * 64, pa.float32())
+                for i in range(total):
+                    first = pa.array([float(i)] * 64, pa.float32())
+                    writer.write(pa.record_batch({"c0": first, "c1": column, "c2": column, "c3": column}))
+            else:
+                for i in range(total):
+                    slot = writer.reserve(timeout=120)
+                    # host: a store into shared memory; CUDA: a kernel on the current stream, which
+                    # the commit's event records
+                    slot.columns[0][0:1] = i
+                    slot.commit()
+            elapsed = time.perf_counter() - started
+            writer.close()
+            # Let the consumer read the end and release what it holds before the publisher goes.
+            deadline = time.monotonic() + 60
+            while writer.leases and time.monotonic() < deadline:
+                time.sleep(0.005)
+        results.put(("producer", {"seconds": elapsed, "batches": total}))
+    except BaseException:
+        results.put(("error", "producer: " + traceback.format_exc()))
+
+
+def bridge_consumer(case: dict[str, Any], path: str, results: Any) -> None:
+    try:
+        import pyarrow as pa
+
+        import arrow_ipc_bridge as aib
+
+        cuda = case["kind"].startswith("cuda")
+        if cuda:
+            import cupy
+
+            from arrow_ipc_bridge.capsules import capsule_struct
+            from arrow_ipc_bridge.cuda import event_value
+
+            stream = cupy.cuda.Stream(non_blocking=True)
+        make_arrays = case["kind"] == "cuda_cupy"
+        warmup, batches = case["warmup"], case["batches"]
+        live = aib.subscribe(path, "bench", max_in_flight=WINDOW, timeout=120)
+        n = 0
+        started = 0.0
+        with_event = 0
+        for imported in live:
+            if n == warmup:
+                started = time.perf_counter()
+            if cuda:
+                capsules = imported.__arrow_c_device_array__()
+                sync = capsule_struct(capsules[1], "device_array").sync_event
+                if sync:
+                    with_event += 1
+                    cupy.cuda.runtime.streamWaitEvent(stream.ptr, event_value(sync), 0)
+                if make_arrays:
+                    # Views ordered on our stream (no host wait), as CuPy arrays through
+                    # __cuda_array_interface__.
+                    arrays = [
+                        cupy.asarray(aib.column_view(imported, i, stream=stream.ptr)) for i in range(NCOLS)
+                    ]
+                    del arrays
+                del capsules
+            else:
+                value = pa.record_batch(imported).column(0)[0].as_py()
+                if value != n:
+                    raise AssertionError(f"batch {n} holds {value}")
+            imported.release()
+            n += 1
+        elapsed = time.perf_counter() - started
+        live.close()
+        if n != warmup + batches:
+            raise AssertionError(f"received {n} batches, expected {warmup + batches}")
+        results.put(
+            (
+                "consumer",
+                {"seconds": elapsed, "batches": batches, "dropped": live.dropped, "with_event": with_event},
+            )
+        )
+    except BaseException:
+        results.put(("error", "consumer: " + traceback.format_exc()))
+
+
+# ---------- peers ---------------------------------------------------------------------------------------
+def mp_queue_producer(case: dict[str, Any], q: Any, acks: Any, results: Any) -> None:
+    try:
+        import pyarrow as pa
+
+        total = case["warmup"] + case["batches"]
+        column = pa.array([0.0] * 64, pa.float32())
+        for i in range(total):
+            if i >= WINDOW:
+                acks.get(timeout=120)  # at most WINDOW in flight, like the stream
+            q.put(
+                pa.record_batch(
+                    [pa.array([float(i)] * 64, pa.float32()), column, column, column],
+                    names=["c0", "c1", "c2", "c3"],
+                )
+            )
+        q.put(None)
+        results.put(("producer", {}))
+    except BaseException:
+        results.put(("error", "mp producer: " + traceback.format_exc()))
+
+
+def mp_queue_consumer(case: dict[str, Any], q: Any, acks: Any, results: Any) -> None:
+    try:
+        n, started = 0, 0.0
+        while True:
+            item = q.get(timeout=120)
+            if item is None:
+                break
+            if n == case["warmup"]:
+                started = time.perf_counter()
+            if item.column(0)[0].as_py() != n:
+                raise AssertionError("out of order")
+            n += 1
+            acks.put(1)
+        results.put(("consumer", {"seconds": time.perf_counter() - started, "batches": case["batches"]}))
+    except BaseException:
+        results.put(("error", "mp consumer: " + traceback.format_exc()))
+
+
+def torch_producer(case: dict[str, Any], q: Any, acks: Any, results: Any) -> None:
+    try:
+        import torch
+        import torch.multiprocessing  # registers the CUDA tensor reductions
+
+        rows = case["rows"]
+        ring = [
+            [torch.zeros(rows, dtype=torch.float32, device="cuda") for _ in range(NCOLS)]
+            for _ in range(WINDOW)
+        ]
+        torch.cuda.synchronize()
+        total = case["warmup"] + case["batches"]
+        for i in range(total):
+            if i >= WINDOW:
+                acks.get(timeout=120)  # the batch that last used this ring slot was read
+            tensors = ring[i % WINDOW]
+            tensors[0][0:1].fill_(float(i))
+            q.put(tensors)
+        q.put(None)
+        results.put(("producer", {}))
+        # The acks of the last batches, then the consumer's "done": it dropped every tensor before
+        # the producer frees them.
+        for _ in range(min(total, WINDOW) + 1):
+            acks.get(timeout=120)
+    except BaseException:
+        results.put(("error", "torch producer: " + traceback.format_exc()))
+
+
+def torch_consumer(case: dict[str, Any], q: Any, acks: Any, results: Any) -> None:
+    try:
+        import torch
+        import torch.multiprocessing  # rebuilds CUDA tensors
+
+        n, started = 0, 0.0
+        while True:
+            tensors = q.get(timeout=120)
+            if tensors is None:
+                break
+            if n == case["warmup"]:
+                started = time.perf_counter()
+            # Rebuilt by torch (handles opened once, the producer's event waited on by our stream):
+            # usable, as the bridge's consumer after its event wait.
+            del tensors
+            n += 1
+            acks.put(1)
+        torch.cuda.synchronize()
+        results.put(("consumer", {"seconds": time.perf_counter() - started, "batches": case["batches"]}))
+        acks.put(1)
+    except BaseException:
+        results.put(("error", "torch consumer: " + traceback.format_exc()))
+
+
+# ---------- driver ------------------------------------------------------------------------------------
+def run_case(ctx: Any, case: dict[str, Any]) -> dict[str, Any]:
+    results = ctx.Queue()
+    if case["kind"] in ("mp_queue", "torch_queue"):
+        q, acks = ctx.Queue(), ctx.Queue()
+        prod, cons = (
+            (mp_queue_producer, mp_queue_consumer)
+            if case["kind"] == "mp_queue"
+            else (torch_producer, torch_consumer)
+        )
+        procs = [
+            ctx.Process(target=prod, args=(case, q, acks, results)),
+            ctx.Process(target=cons, args=(case, q, acks, results)),
+        ]
+        directory = None
+    else:
+        directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-bench-")
+        path = os.path.join(directory, "s.sock")
+        ready = ctx.Event()
+        procs = [ctx.Process(target=bridge_producer, args=(case, path, ready, results))]
+        procs[0].start()
+        if not ready.wait(SPAWN_TIMEOUT):
+            procs[0].kill()
+            raise RuntimeError("the producer did not start")
+        procs.append(ctx.Process(target=bridge_consumer, args=(case, path, results)))
+    for p in procs:
+        if not p.is_alive() and p.exitcode is None:
+            p.start()
+    got: dict[str, Any] = {}
+    try:
+        while len(got) < 2:
+            who, payload = results.get(timeout=SPAWN_TIMEOUT)
+            if who == "error":
+                raise RuntimeError(payload)
+            got[who] = payload
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if directory:
+            shutil.rmtree(directory, ignore_errors=True)
+    consumer = got["consumer"]
+    rate = consumer["batches"] / consumer["seconds"]
+    return {
+        **case,
+        "batches_per_s": rate,
+        "us_per_batch": 1e6 / rate,
+        **{k: v for k, v in consumer.items() if k not in ("seconds",)},
+    }
+
+
+def gpu_present() -> bool:
+    try:
+        import cupy
+
+        return bool(cupy.cuda.runtime.getDeviceCount() > 0)
+    except Exception:
+        return False
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=("host", "cuda", "all"), default="all")
+    parser.add_argument("--quick", action="store_true", help="fewer batches, for a smoke run")
+    parser.add_argument("--batches", type=int, default=None, help="measured batches per case")
+    parser.add_argument("--sizes", default="1MiB,64MiB", help="CUDA batch sizes (16 float32 columns)")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    batches = args.batches or (2_000 if args.quick else 50_000)
+    warmup = min(1_000, batches // 5)
+    cases: list[dict[str, Any]] = []
+    if args.mode in ("host", "all"):
+        cases += [
+            {"kind": "host_slots", "rows": 64, "batches": batches, "warmup": warmup},
+            {"kind": "host_write", "rows": 64, "batches": max(batches // 5, 200), "warmup": warmup // 5},
+            {"kind": "mp_queue", "rows": 64, "batches": max(batches // 5, 200), "warmup": warmup // 5},
+        ]
+    notes = []
+    if args.mode in ("cuda", "all"):
+        if not gpu_present():
+            notes.append("CUDA cases skipped: no GPU (or no CuPy) here")
+        else:
+            for size in (parse_size(s) for s in args.sizes.split(",")):
+                rows = size // (NCOLS * 4)
+                for kind in ("cuda_slots", "cuda_cupy", "torch_queue"):
+                    n = batches if kind != "torch_queue" else max(batches // 10, 200)
+                    cases.append({"kind": kind, "rows": rows, "size": size, "batches": n, "warmup": warmup})
+    out: list[dict[str, Any]] = []
+    print(f"# bench_stream on {platform.node()} ({os.cpu_count()} CPUs), python {sys.version.split()[0]}")
+    for note in notes:
+        print("#", note)
+    print(f"{'case':<14s} {'size':>9s} {'batches':>8s} {'batches/s':>11s} {'us/batch':>9s}")
+    for case in cases:
+        try:
+            result = run_case(ctx, case)
+        except Exception as exc:
+            print(f"{case['kind']:<14s} failed: {exc}")
+            out.append({**case, "error": str(exc)})
+            continue
+        out.append(result)
+        size = fmt_size(case["size"]) if "size" in case else f"{case['rows']} rows"
+        print(
+            f"{case['kind']:<14s} {size:>9s} {case['batches']:>8d} {result['batches_per_s']:>11,.0f} "
+            f"{result['us_per_batch']:>9.1f}",
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": out, "notes": notes, "host": platform.node()}, f, indent=1)
+    return 1 if any("error" in r for r in out) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
