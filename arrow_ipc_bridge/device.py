@@ -18,15 +18,15 @@ from typing import Any, Literal
 import pyarrow as pa
 
 from arrow_ipc_bridge import _reaper
-from arrow_ipc_bridge._ffi import dlpack_capsule, ffi, lib
+from arrow_ipc_bridge._ffi import dlpack_capsule, ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.capsules import (
     DEVICE_CPU,
     DEVICE_CUDA,
     ArrowInput,
     CapturedArray,
+    CapturedData,
     capsule_struct,
     capture,
-    export_captured,
     owner_address,
 )
 from arrow_ipc_bridge.errors import BridgeError, RegionError
@@ -125,11 +125,16 @@ def to_device(
     return imported_from(decoded, [0], device_type=DEVICE_CUDA, device_id=device)
 
 
-def _column(obj: Any) -> tuple[pa.Array, int, int | None]:
-    """A pyarrow array whose data buffer is the GPU array's memory (never read on the host), the
-    device it lives on, and the stream its producer announced (``__cuda_array_interface__`` v3)."""
-    from arrow_ipc_bridge import cuda
+_FORMAT_CODES = {typestr[1:]: code for code, (_, typestr, _) in enumerate(_NUMERIC_TYPES)}  # "f4" -> 9
+# Column names as C strings, per tuple of names: a step loop publishes the same columns each step.
+_C_NAMES: dict[tuple[str, ...], Any] = {}
+_C_NAMES_MAX = 64
 
+
+def _column_facts(obj: Any) -> tuple[Any, int, int, int, int | None]:
+    """What a column needs from a 1-D GPU array, read once from its ``__cuda_array_interface__``
+    (a DLPack producer is viewed through CuPy first): ``(array to keep alive, data pointer, length,
+    format code, announced stream)``. The pointer is checked later, for all columns at once."""
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is None and hasattr(obj, "__dlpack__"):
         import cupy
@@ -138,36 +143,112 @@ def _column(obj: Any) -> tuple[pa.Array, int, int | None]:
         cai = obj.__cuda_array_interface__
     if cai is None:
         raise BridgeError(f"{type(obj).__name__} has neither __cuda_array_interface__ nor __dlpack__")
-    shape = tuple(cai["shape"])
-    typestr = str(cai["typestr"])
+    shape = cai["shape"]
+    typestr = cai["typestr"]
     if len(shape) != 1:
-        raise BridgeError(f"only 1-D arrays become Arrow columns (got shape {shape})")
-    arrow_type = _TYPESTRS.get(typestr[1:])
-    if arrow_type is None or typestr[0] not in "<|":
+        raise BridgeError(f"only 1-D arrays become Arrow columns (got shape {tuple(shape)})")
+    code = _FORMAT_CODES.get(typestr[1:])
+    if code is None or typestr[0] not in "<|":
         raise BridgeError(
             f"array type {typestr!r} has no zero-copy Arrow equivalent (little-endian numbers only)"
         )
-    itemsize = arrow_type.bit_width // 8
     strides = cai.get("strides")
-    if strides is not None and tuple(strides) != (itemsize,):
+    if strides is not None and (len(strides) != 1 or strides[0] != int(typestr[2:])):
         raise BridgeError("the array is not contiguous: make it so (e.g. cupy.ascontiguousarray) first")
     if cai.get("mask") is not None:
         raise BridgeError("masked GPU arrays are not supported; build the validity bitmap yourself")
-    ptr = int(cai["data"][0])
-    length = shape[0]
-    device = 0
-    if length:
-        info = cuda.pointer_info(ptr)
-        if info is None or info.memory_type == "host":
-            raise RegionError(f"{type(obj).__name__} data at {ptr:#x} is not CUDA device memory")
-        device = info.device
-    stream = cai.get("stream")
-    buffer = pa.foreign_buffer(ptr, length * itemsize, base=obj)
-    return pa.Array.from_buffers(arrow_type, length, [None, buffer]), device, stream
+    return obj, cai["data"][0], shape[0], code, cai.get("stream")
+
+
+def _device_of(objects: list[Any], pointers: list[int], length: int) -> int:
+    """The one device all columns live on, in one C loop of attribute queries; raises for memory
+    that is not plain CUDA device memory (:func:`~arrow_ipc_bridge.cuda.pointer_info` says what it
+    is) and for columns on several devices."""
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge.cuda._driver import _api
+    from arrow_ipc_bridge.cuda.devices import _ctx
+
+    if length == 0:
+        return 0  # no memory to ask about (a zero-length column's pointer may be anything)
+    n = len(pointers)
+    devices = ffi.new("int32_t[]", n)
+    failed = ffi.new("size_t *")
+    _api()  # loads the driver, which hands its functions to the C core
+    with _ctx(None):
+        rc = lib.aib_cuda_devices_of(pointers, n, devices, failed)
+    if rc != 0:
+        i = int(failed[0]) if failed[0] < n else 0
+        info = cuda.pointer_info(pointers[i])  # raises the driver's error when the query failed
+        kind = "unknown to CUDA" if info is None else f"{info.memory_type} memory"
+        raise RegionError(
+            f"{type(objects[i]).__name__} data at {pointers[i]:#x} is not CUDA device memory ({kind})"
+        )
+    first = devices[0]
+    if any(devices[i] != first for i in range(1, n)):
+        found = sorted({int(devices[i]) for i in range(n)})
+        raise BridgeError(f"columns live on several devices {found}; a batch has one device")
+    return int(first)
+
+
+def _c_names(names: tuple[str, ...]) -> Any:
+    c_names = _C_NAMES.get(names)
+    if c_names is None:
+        encoded = [ffi.new("char[]", name.encode()) for name in names]
+        c_names = (ffi.new("char *[]", encoded), encoded)  # the array and what it points to
+        if len(_C_NAMES) >= _C_NAMES_MAX:
+            _C_NAMES.clear()
+        _C_NAMES[names] = c_names
+    return c_names[0]
+
+
+def _captured_columns(
+    names: tuple[str, ...] | None,
+    objects: list[Any],
+    pointers: list[int],
+    codes: list[int],
+    *,
+    length: int,
+    streams: set[int],
+) -> CapturedArray:
+    """Columns as captured CUDA data: structs built in one C call, the arrays kept alive until the
+    last consumer of the structs lets go."""
+    device = _device_of(objects, pointers, length)
+    schema = lib.aib_schema_alloc()
+    array = lib.aib_device_array_alloc()
+    err = new_error()
+    rc = lib.aib_columns_build(
+        len(pointers),
+        ffi.NULL if names is None else _c_names(names),
+        codes,
+        pointers,
+        length,
+        int(names is not None),
+        schema,
+        ffi.addressof(array, "array"),
+        err,
+    )
+    if rc:
+        lib.aib_schema_free(schema)
+        lib.aib_device_array_free(array)
+        raise_for(rc, err, "building the columns' Arrow structs")
+    array.device_type = DEVICE_CUDA
+    array.device_id = device
+    token = _reaper.register(objects.clear)  # the structs' owner holds the arrays until it dies
+    try:
+        captured = CapturedData(schema, [array], is_stream=False, token=token)
+    except BaseException:
+        _reaper.unregister(token)
+        raise
+    return _as_device(CapturedArray(captured), device, streams)
 
 
 def _as_device(captured_array: CapturedArray, device: int, streams: set[int]) -> CapturedArray:
-    """Mark captured structs as CUDA data and attach a sync event for the producer's stream(s)."""
+    """Mark captured structs as CUDA data and attach a sync event for the producer's stream(s).
+
+    The event comes from the bridge's pool of interprocess events and goes back to it when the
+    captured structs die (every export of them and every lease ended): the exporter sends this
+    event's handle itself instead of recording another one.
+    """
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge.cuda import placer
 
@@ -175,14 +256,12 @@ def _as_device(captured_array: CapturedArray, device: int, streams: set[int]) ->
     sync = ffi.NULL
     # CAI v3 stream values 1 and 2 mean the legacy and per-thread default streams; None/0: no
     # synchronisation needed. Work pending on a real stream becomes an event consumers wait on.
-    pending = {s for s in streams if s not in (None, 0)}
+    pending = sorted({s for s in streams if s not in (None, 0)})
     if pending:
-        for stream in sorted(pending)[1:]:
+        for stream in pending[1:]:
             cuda.stream_synchronize(stream, device=device)  # one event per batch: settle the others
-        events = placer.event_pool(device)
-        event = events.acquire()
-        event.record(sorted(pending)[0])
-        holder = lib.aib_owner_new(_reaper.register(lambda: events.release(event)))
+        event, release = placer.recorded_export_event(device, pending[0])
+        holder = lib.aib_owner_new(_reaper.register(release))
         lib.aib_owner_add_dependency(captured.owner, holder)
         lib.aib_owner_unref(holder)
         slot = lib.aib_owner_slot(captured.owner)
@@ -202,25 +281,43 @@ def from_cuda_array(obj: Any) -> CapturedArray:
     it. If the array announces a stream (``__cuda_array_interface__`` v3), an event recorded on that
     stream becomes the column's ``sync_event``: consumers wait for the producer's pending work.
     """
-    column, device, stream = _column(obj)
-    return _as_device(export_captured(capture(column)), device, {stream} if stream else set())  # type: ignore[arg-type]
+    keep, pointer, length, code, stream = _column_facts(obj)
+    return _captured_columns(
+        None, [keep], [pointer], [code], length=length, streams={stream} if stream else set()
+    )
 
 
 def from_cuda_arrays(columns: Mapping[str, Any]) -> CapturedArray:
-    """Wrap several 1-D GPU arrays of one length, on one device, as an Arrow record batch."""
-    arrays: list[pa.Array] = []
-    devices: set[int] = set()
+    """Wrap several 1-D GPU arrays of one length, on one device, as an Arrow record batch.
+
+    No copy, and no per-column work beyond reading each array's ``__cuda_array_interface__``: the
+    structs are built, and the pointers checked, in the C core. As for :func:`from_cuda_array`, one
+    event recorded on the announced stream (the others are synchronised first) is the batch's
+    ``sync_event``.
+    """
+    names = tuple(columns)
+    if not names:
+        raise BridgeError("from_cuda_arrays needs at least one column")
+    objects: list[Any] = []
+    pointers: list[int] = []
+    codes: list[int] = []
     streams: set[int] = set()
+    length = -1
     for value in columns.values():
-        column, device, stream = _column(value)
-        arrays.append(column)
-        devices.add(device)
+        keep, pointer, n, code, stream = _column_facts(value)
+        if n != length:
+            if length >= 0:
+                raise BridgeError(f"columns have different lengths ({length} and {n}); a batch has one")
+            length = n
+        objects.append(keep)
+        pointers.append(pointer)
+        codes.append(code)
         if stream:
             streams.add(stream)
-    if len(devices) > 1:
-        raise BridgeError(f"columns live on several devices {sorted(devices)}; a batch has one device")
-    batch = pa.RecordBatch.from_arrays(arrays, names=list(columns))
-    return _as_device(export_captured(capture(batch)), devices.pop() if devices else 0, streams)  # type: ignore[arg-type]
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"column names must be str, not {type(name).__name__}")
+    return _captured_columns(names, objects, pointers, codes, length=length, streams=streams)
 
 
 _DLPACK_CODES = {"i": 0, "u": 1, "f": 2}  # kDLInt, kDLUInt, kDLFloat

@@ -555,6 +555,34 @@ int aib_cuda_describe_buffers(const int *attributes, unsigned n_attributes, unsi
 /* Calls cuMemPoolExportPointer for each pointer, writing 64 bytes each to out. Returns 0, or the
  * first failing CUresult with *done the number exported before it. */
 int aib_cuda_export_pool_pointers(const uint64_t *pointers, size_t n, uint8_t *out, size_t *done);
+/* ---------- the producer's fast path for fresh device data (cuda_export.c) ------------------------
+ * aib_columns_build: the schema and array (no device wrapper) of n 1-D numeric columns at data[i],
+ * each `length` values of format_codes[i] (an index into "c s i l C S I L e f g"), without nulls:
+ * a struct "+s" record batch with children named names[i] when as_batch, else one plain array
+ * (n == 1, names unused). One allocation per tree; the structs own no data (the caller keeps it). */
+int aib_columns_build(size_t n, const char *const *names, const uint8_t *format_codes, const uint64_t *data,
+                      int64_t length, int as_batch, struct ArrowSchema *schema_out,
+                      struct ArrowArray *array_out, aib_error *err);
+/* The device ordinal of each address, one cuPointerGetAttributes each (the caller's context current).
+ * Returns 0; or, with *failed the first address that is not plain device memory (host, managed,
+ * unknown to the driver) or whose query failed, the CUresult (-1 for the kind of memory). */
+int aib_cuda_devices_of(const uint64_t *addresses, size_t n, int32_t *devices_out, size_t *failed);
+/* The producer's table of regions it made, keyed by CUDA buffer id (never reused in a process). */
+typedef struct aib_export_regions aib_export_regions;
+aib_export_regions *aib_export_regions_new(size_t capacity);
+void aib_export_regions_free(aib_export_regions *t);
+void aib_export_regions_clear(aib_export_regions *t);
+/* Remembers region for the allocation buffer_id on device (replacing an entry); a full table is
+ * cleared first. AIB_E_FORMAT for buffer id 0 or an over-long handle. */
+int aib_export_regions_put(aib_export_regions *t, uint64_t buffer_id, int32_t device, const aib_region *region);
+void aib_export_regions_stats(aib_export_regions *t, uint64_t *entries, uint64_t *hits, uint64_t *misses);
+/* Places every unplaced buffer of d when each lies in device memory of `device` whose allocation is in
+ * the table (pool regions only when pool_regions_allowed): one attribute query per allocation, the
+ * regions written to regions_out in order of first use (at most max_regions). Returns 0 with the slots
+ * placed, *n_regions and *n_buffers (buffers placed) set; 1 when any buffer misses, leaving d as it was
+ * (the caller's full placement path decides, and raises for memory it cannot share). */
+int aib_cuda_place_known(aib_export_regions *t, aib_described *d, int32_t device, int pool_regions_allowed,
+                         aib_region *regions_out, size_t max_regions, size_t *n_regions, size_t *n_buffers);
 /* ---------- sync events handed out only while pending (sync_event.c) -----------------------------
  * For the bridge's own imported data: sync_event (a pointer to a CUevent, as the C Device interface
  * has it) unless the driver says its recording completed, then NULL. Unchanged when no query

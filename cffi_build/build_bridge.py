@@ -30,6 +30,7 @@ C_SOURCES = [
     "serve.c",
     "import_cache.c",
     "cuda_batch.c",
+    "cuda_export.c",
     "region_table.c",
     "sync_event.c",
     "py_capsules.c",
