@@ -161,10 +161,9 @@ def _column_facts(obj: Any) -> tuple[Any, int, int, int, int | None]:
 
 
 def _device_of(objects: list[Any], pointers: list[int], length: int) -> int:
-    """The one device all columns live on, in one C loop of attribute queries; raises for memory
-    that is not plain CUDA device memory (:func:`~arrow_ipc_bridge.cuda.pointer_info` says what it
-    is) and for columns on several devices."""
-    from arrow_ipc_bridge import cuda
+    """The one device all columns live on, in one C loop of attribute queries; raises
+    :class:`RegionError` for memory that is not CUDA device or managed memory (pinned host memory,
+    addresses unknown to the driver) and :class:`BridgeError` for columns on several devices."""
     from arrow_ipc_bridge.cuda._driver import _api
     from arrow_ipc_bridge.cuda.devices import _ctx
 
@@ -177,17 +176,28 @@ def _device_of(objects: list[Any], pointers: list[int], length: int) -> int:
     with _ctx(None):
         rc = lib.aib_cuda_devices_of(pointers, n, devices, failed)
     if rc != 0:
-        i = int(failed[0]) if failed[0] < n else 0
-        info = cuda.pointer_info(pointers[i])  # raises the driver's error when the query failed
-        kind = "unknown to CUDA" if info is None else f"{info.memory_type} memory"
-        raise RegionError(
-            f"{type(objects[i]).__name__} data at {pointers[i]:#x} is not CUDA device memory ({kind})"
-        )
+        return _device_of_one_by_one(objects, pointers)
     first = devices[0]
     if any(devices[i] != first for i in range(1, n)):
         found = sorted({int(devices[i]) for i in range(n)})
         raise BridgeError(f"columns live on several devices {found}; a batch has one device")
     return int(first)
+
+
+def _device_of_one_by_one(objects: list[Any], pointers: list[int]) -> int:
+    """:func:`_device_of` where the C loop stopped: :func:`~arrow_ipc_bridge.cuda.pointer_info` per
+    column copes with memory for which the driver refuses an attribute, and says what the rest is."""
+    from arrow_ipc_bridge import cuda
+
+    devices: set[int] = set()
+    for obj, pointer in zip(objects, pointers, strict=True):
+        info = cuda.pointer_info(pointer)
+        if info is None or info.memory_type == "host":
+            raise RegionError(f"{type(obj).__name__} data at {pointer:#x} is not CUDA device memory")
+        devices.add(info.device)
+    if len(devices) > 1:
+        raise BridgeError(f"columns live on several devices {sorted(devices)}; a batch has one device")
+    return devices.pop()
 
 
 def _c_names(names: tuple[str, ...]) -> Any:

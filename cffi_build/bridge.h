@@ -564,8 +564,8 @@ int aib_columns_build(size_t n, const char *const *names, const uint8_t *format_
                       int64_t length, int as_batch, struct ArrowSchema *schema_out,
                       struct ArrowArray *array_out, aib_error *err);
 /* The device ordinal of each address, one cuPointerGetAttributes each (the caller's context current).
- * Returns 0; or, with *failed the first address that is not plain device memory (host, managed,
- * unknown to the driver) or whose query failed, the CUresult (-1 for the kind of memory). */
+ * Returns 0; or, with *failed the first address unknown to the driver, in pinned host memory, or whose
+ * query failed, the CUresult (-1 for the kind of memory). */
 int aib_cuda_devices_of(const uint64_t *addresses, size_t n, int32_t *devices_out, size_t *failed);
 /* The producer's table of regions it made, keyed by CUDA buffer id (never reused in a process). */
 typedef struct aib_export_regions aib_export_regions;

@@ -29,6 +29,7 @@
 #define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
 #define CU_POINTER_ATTRIBUTE_RANGE_START_ADDR 11
 #define CU_POINTER_ATTRIBUTE_RANGE_SIZE 12
+#define CU_MEMORYTYPE_HOST 1
 #define CU_MEMORYTYPE_DEVICE 2
 #define CUDA_ERROR_NOT_INITIALIZED 3
 #define UNPLACED UINT64_MAX /* a slot's region before placement (metadata.SLOT_UNPLACED) */
@@ -160,8 +161,9 @@ int aib_cuda_devices_of(const uint64_t *addresses, size_t n, int32_t *devices_ou
     uint64_t slots[3] = {0, 0, 0};
     void *data[3] = {&slots[0], &slots[1], &slots[2]};
     int rc = fn(3, attributes, data, addresses[i]);
-    /* Not device memory (host, managed, unknown) or a refused query: the caller's pointer_info says why. */
-    if (rc != 0 || (uint32_t)slots[0] != CU_MEMORYTYPE_DEVICE || slots[1] != 0) {
+    /* Unknown to the driver, pinned host memory, or a refused query: the caller's pointer_info
+     * decides. Managed memory passes: the placer copies it or refuses it by the copy policy. */
+    if (rc != 0 || (uint32_t)slots[0] == 0 || (uint32_t)slots[0] == CU_MEMORYTYPE_HOST) {
       *failed = i;
       return rc ? rc : -1;
     }
