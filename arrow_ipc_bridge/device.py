@@ -220,9 +220,26 @@ def _captured_columns(
     length: int,
     streams: set[int],
 ) -> CapturedArray:
-    """Columns as captured CUDA data: structs built in one C call, the arrays kept alive until the
-    last consumer of the structs lets go."""
+    """Columns as captured CUDA data: structs built in one C call, the arrays (and the sync event,
+    if any) kept until the last consumer of the structs lets go."""
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge.cuda import placer
+
     device = _device_of(objects, pointers, length)
+    # CAI v3 stream values 1 and 2 mean the legacy and per-thread default streams; None/0: no
+    # synchronisation needed. Work pending on a real stream becomes an event consumers wait on:
+    # a pooled interprocess event, which the exporter sends as it is (no second event).
+    pending = sorted({s for s in streams if s not in (None, 0)})
+    for stream in pending[1:]:
+        cuda.stream_synchronize(stream, device=device)  # one event per batch: settle the others
+    event, release_event = placer.recorded_export_event(device, pending[0]) if pending else (None, None)
+
+    def release() -> None:  # the structs' owner died: nobody reads the arrays or waits on the event
+        objects.clear()
+        if release_event is not None:
+            release_event()
+
+    token = _reaper.register(release)
     schema = lib.aib_schema_alloc()
     array = lib.aib_device_array_alloc()
     err = new_error()
@@ -237,51 +254,23 @@ def _captured_columns(
         ffi.addressof(array, "array"),
         err,
     )
-    if rc:
-        lib.aib_schema_free(schema)
-        lib.aib_device_array_free(array)
-        raise_for(rc, err, "building the columns' Arrow structs")
-    array.device_type = DEVICE_CUDA
-    array.device_id = device
-    token = _reaper.register(objects.clear)  # the structs' owner holds the arrays until it dies
     try:
-        captured = CapturedData(schema, [array], is_stream=False, token=token)
-    except BaseException:
-        _reaper.unregister(token)
-        raise
-    return _as_device(CapturedArray(captured), device, streams)
-
-
-def _as_device(captured_array: CapturedArray, device: int, streams: set[int]) -> CapturedArray:
-    """Mark captured structs as CUDA data and attach a sync event for the producer's stream(s).
-
-    The event comes from the bridge's pool of interprocess events and goes back to it when the
-    captured structs die (every export of them and every lease ended): the exporter sends this
-    event's handle itself instead of recording another one.
-    """
-    from arrow_ipc_bridge import cuda
-    from arrow_ipc_bridge.cuda import placer
-
-    captured = captured_array._captured
-    sync = ffi.NULL
-    # CAI v3 stream values 1 and 2 mean the legacy and per-thread default streams; None/0: no
-    # synchronisation needed. Work pending on a real stream becomes an event consumers wait on.
-    pending = sorted({s for s in streams if s not in (None, 0)})
-    if pending:
-        for stream in pending[1:]:
-            cuda.stream_synchronize(stream, device=device)  # one event per batch: settle the others
-        event, release = placer.recorded_export_event(device, pending[0])
-        holder = lib.aib_owner_new(_reaper.register(release))
-        lib.aib_owner_add_dependency(captured.owner, holder)
-        lib.aib_owner_unref(holder)
-        slot = lib.aib_owner_slot(captured.owner)
-        slot[0] = event.handle
-        sync = slot
-    for array in captured.arrays:
+        if rc:
+            lib.aib_schema_free(schema)
+            lib.aib_device_array_free(array)
+            raise_for(rc, err, "building the columns' Arrow structs")
         array.device_type = DEVICE_CUDA
         array.device_id = device
-        array.sync_event = sync
-    return captured_array
+        captured = CapturedData(schema, [array], is_stream=False, token=token)
+    except BaseException:
+        if _reaper.unregister(token):
+            release()
+        raise
+    if event is not None:
+        slot = lib.aib_owner_slot(captured.owner)  # lives as long as the structs
+        slot[0] = event.handle
+        array.sync_event = slot
+    return CapturedArray(captured)
 
 
 def from_cuda_array(obj: Any) -> CapturedArray:

@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal
 
-from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA, ArrowInput, CapturedData, capture
+from arrow_ipc_bridge.capsules import (
+    DEVICE_CPU,
+    DEVICE_CUDA,
+    ArrowInput,
+    CapturedData,
+    _CapturedSource,
+    capture,
+)
 from arrow_ipc_bridge.errors import BridgeError
 from arrow_ipc_bridge.host.placement import HostExport, export_host_buffers
 from arrow_ipc_bridge.metadata import (
@@ -230,4 +237,8 @@ def export(
     3
     >>> imported.release(); exported.close()
     """
+    if requested_schema is None and isinstance(obj, _CapturedSource):
+        # Data captured already (from_cuda_arrays, a capture served back out): share its record
+        # instead of a round of capsules, struct copies and a second capture of the same structs.
+        return export_captured(CapturedData.sharing(obj._live()), copy=copy, pool_fds=pool_fds)
     return export_captured(capture(obj, requested_schema=requested_schema), copy=copy, pool_fds=pool_fds)

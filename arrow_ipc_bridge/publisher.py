@@ -179,6 +179,9 @@ class Publisher:
             raise MemoryError("allocating a publication keeper")
         fds = list(exported.fds)
         err = new_error()
+        # The replaced object's death is delivered on this thread (the drain below), without waking
+        # the reaper thread to contend for the GIL with the publishing thread.
+        lib.aib_reaper_quiet(1)
         try:
             with self._lock:
                 if self._server.closed:  # closed while we exported
@@ -192,7 +195,10 @@ class Publisher:
                 self._names.add(name)
         finally:
             lib.aib_owner_unref(keeper)  # the entry holds its own reference (or none: then it closes)
-            _reaper.drain()  # a replaced object without leases is closed now, not later
+            try:
+                _reaper.drain()  # a replaced object without leases is closed now, not later
+            finally:
+                lib.aib_reaper_quiet(0)
         return exported.stats
 
     def unpublish(self, name: str) -> None:

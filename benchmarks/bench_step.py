@@ -104,6 +104,7 @@ def bridge_producer(cfg: dict[str, Any], out: Any) -> None:
             text = io.StringIO()
             stats = pstats.Stats(profiler, stream=text)
             stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(45)
             result["profile"] = text.getvalue()
         out.send(result)
 
