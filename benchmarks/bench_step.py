@@ -20,6 +20,8 @@ Peer, in the same run: torch.multiprocessing — the producer puts the same 16 t
 ``torch.multiprocessing`` Queue (spawn context; torch shares the CUDA storages and their event),
 the consumer gets them, reads one value the same way and answers: ``step`` as above.
 
+``--spin`` makes both sides of both methods wait for each other by polling instead of sleeping (a
+sleeping side wakes on a cold core, which slows the Python that follows it).
 ``--profile`` adds a cProfile of the producer's ``from_cuda_arrays`` + ``publish`` at each size.
 Producer and consumer are separate processes started with *spawn* (CUDA never crosses a fork).
 """
@@ -53,6 +55,16 @@ def _parse_size(text: str) -> int:
     return int(text)
 
 
+def _receive(connection: Any, spin: bool) -> bytes:
+    """The next message; with ``spin``, polled without sleeping (the waiting side keeps its core
+    awake, as a busy step loop does), else a blocking read."""
+    if spin:
+        while not connection.poll(0):
+            pass
+    data: bytes = connection.recv_bytes()
+    return data
+
+
 def _summary(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     return {
@@ -69,7 +81,7 @@ def bridge_producer(cfg: dict[str, Any], out: Any) -> None:
     import arrow_ipc_bridge as aib
 
     path, size, steps, go, answers = cfg["path"], cfg["size"], cfg["steps"], cfg["go"], cfg["answers"]
-    profile = cfg["profile"]
+    profile, spin = cfg["profile"], cfg["spin"]
     n = size // _COLUMNS // 4
     columns = {f"c{i}": cupy.zeros(n, dtype=cupy.float32) for i in range(_COLUMNS)}
     cupy.cuda.runtime.deviceSynchronize()
@@ -91,7 +103,7 @@ def bridge_producer(cfg: dict[str, Any], out: Any) -> None:
             if profiler is not None:
                 profiler.disable()
             go.send_bytes(struct.pack("<id", step, t1 - t0))
-            answer = answers.recv_bytes()
+            answer = _receive(answers, spin)
             t2 = time.perf_counter()
             if struct.unpack("<i", answer)[0] != step:
                 raise RuntimeError(f"step {step}: the consumer saw {answer!r}")
@@ -109,7 +121,7 @@ def bridge_producer(cfg: dict[str, Any], out: Any) -> None:
         out.send(result)
 
 
-def bridge_consumer(path: str, go: Any, answers: Any, out: Any) -> None:
+def bridge_consumer(path: str, go: Any, answers: Any, spin: bool, out: Any) -> None:
     import arrow_ipc_bridge as aib
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge._ffi import ffi
@@ -120,7 +132,7 @@ def bridge_consumer(path: str, go: Any, answers: Any, out: Any) -> None:
     handoffs: list[float] = []
     with aib.connect(path, timeout=60.0) as session:
         while True:
-            step, publish_s = struct.unpack("<id", go.recv_bytes())
+            step, publish_s = struct.unpack("<id", _receive(go, spin))
             if step < 0:
                 break
             t0 = time.perf_counter()
@@ -145,8 +157,10 @@ def bridge_consumer(path: str, go: Any, answers: Any, out: Any) -> None:
 
 
 # ---------- torch.multiprocessing -----------------------------------------------------------------
-def torch_producer(size: int, steps: int, queue: Any, answers: Any, out: Any) -> None:
+def torch_producer(run: tuple[int, int], queue: Any, answers: Any, spin: bool, out: Any) -> None:
     import torch
+
+    size, steps = run
 
     n = size // _COLUMNS // 4
     tensors = [torch.zeros(n, dtype=torch.float32, device="cuda") for _ in range(_COLUMNS)]
@@ -159,7 +173,7 @@ def torch_producer(size: int, steps: int, queue: Any, answers: Any, out: Any) ->
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         queue.put((step, tensors))
-        answer = answers.recv_bytes()
+        answer = _receive(answers, spin)
         t1 = time.perf_counter()
         if struct.unpack("<i", answer)[0] != step:
             raise RuntimeError(f"step {step}: the consumer saw {answer!r}")
@@ -170,12 +184,22 @@ def torch_producer(size: int, steps: int, queue: Any, answers: Any, out: Any) ->
     answers.recv_bytes()  # the consumer is done with every tensor: they may go now
 
 
-def torch_consumer(queue: Any, answers: Any, out: Any) -> None:
+def torch_consumer(queue: Any, answers: Any, spin: bool, out: Any) -> None:
+    import queue as queues
+
     import torch
 
     torch.cuda.init()
     while True:
-        step, tensors = queue.get()
+        if spin:
+            while True:
+                try:
+                    step, tensors = queue.get_nowait()
+                    break
+                except queues.Empty:
+                    pass
+        else:
+            step, tensors = queue.get()
         if step < 0:
             break
         value = float(tensors[_COLUMNS - 1][0].item())
@@ -219,7 +243,7 @@ def _run_pair(
                 process.join()
 
 
-def run_bridge(size: int, steps: int, profile: bool, timeout: float) -> dict[str, Any]:
+def run_bridge(size: int, steps: int, profile: bool, spin: bool, timeout: float) -> dict[str, Any]:
     path = os.path.join(tempfile.mkdtemp(dir="/tmp"), "step.sock")
     go_recv, go_send = _CTX.Pipe(duplex=False)
     ans_recv, ans_send = _CTX.Pipe(duplex=False)
@@ -236,19 +260,23 @@ def run_bridge(size: int, steps: int, profile: bool, timeout: float) -> dict[str
                 "profile": profile,
             },
         ),
-        (path, go_recv, ans_send),
+        (path, go_recv, ans_send, spin),
         timeout,
     )
     return {**produced, **consumed}
 
 
-def run_torch(size: int, steps: int, timeout: float) -> dict[str, Any]:
+def run_torch(size: int, steps: int, spin: bool, timeout: float) -> dict[str, Any]:
     import torch.multiprocessing as tmp
 
     queue = tmp.get_context("spawn").Queue()
     ans_recv, ans_send = _CTX.Pipe(duplex=False)
     produced, _ = _run_pair(
-        torch_producer, torch_consumer, (size, steps, queue, ans_recv), (queue, ans_send), timeout
+        torch_producer,
+        torch_consumer,
+        ((size, steps), queue, ans_recv, spin),
+        (queue, ans_send, spin),
+        timeout,
     )
     return produced
 
@@ -265,12 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--profile", action="store_true", help="cProfile the producer's publish")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.multiprocessing peer")
+    parser.add_argument(
+        "--spin", action="store_true", help="both sides of both methods wait by polling, not sleeping"
+    )
     args = parser.parse_args(argv)
     results: dict[str, Any] = {}
     for text in args.sizes.split(","):
         size = _parse_size(text)
-        bridge = run_bridge(size, args.steps, args.profile, args.timeout)
-        torch_result = None if args.no_torch else run_torch(size, args.steps, args.timeout)
+        bridge = run_bridge(size, args.steps, args.profile, args.spin, args.timeout)
+        torch_result = None if args.no_torch else run_torch(size, args.steps, args.spin, args.timeout)
         results[text] = {"bridge": bridge, "torch": torch_result}
         line = (
             f"{text:>7}: bridge publish {bridge['publish']['median_us']:7.1f} us, get+capsule "
