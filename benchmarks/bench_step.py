@@ -225,11 +225,17 @@ def _run_pair(
     cons = _CTX.Process(target=consumer, args=(*consumer_args, c_in))
     prod.start()
     try:
-        if not p_out.poll(120) or p_out.recv() != "ready":
+        deadline = time.monotonic() + 120
+        while not p_out.poll(0.5):
+            if prod.exitcode is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the producer did not start (exit code {prod.exitcode})")
+        if p_out.recv() != "ready":
             raise RuntimeError("the producer did not start")
         cons.start()
-        if not p_out.poll(timeout):
-            raise RuntimeError("the producer did not finish in time")
+        deadline = time.monotonic() + timeout
+        while not p_out.poll(0.5):
+            if prod.exitcode is not None or cons.exitcode is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the run did not finish (exit codes {prod.exitcode}, {cons.exitcode})")
         produced = p_out.recv()
         if not c_out.poll(60):
             raise RuntimeError("the consumer did not finish")
@@ -237,6 +243,8 @@ def _run_pair(
         return produced, consumed
     finally:
         for process in (prod, cons):
+            if process.pid is None:  # never started
+                continue
             process.join(30)
             if process.is_alive():
                 process.kill()
@@ -258,6 +266,7 @@ def run_bridge(size: int, steps: int, profile: bool, spin: bool, timeout: float)
                 "go": go_send,
                 "answers": ans_recv,
                 "profile": profile,
+                "spin": spin,
             },
         ),
         (path, go_recv, ans_send, spin),
