@@ -48,8 +48,11 @@ capsule_name: Callable[[object], bytes | None]
 device_array_capsules: Callable[[object, int], tuple[object, object] | None]
 array_capsules: Callable[[object, int], tuple[object, object] | None]
 dlpack_capsule: Callable[[int, int, int, int, int, int, int], object]
-if lib.aib_py_install(__name__.encode()) != 0:  # pragma: no cover - only out of memory
-    raise BuildMismatchError("the C core could not install its Python functions (the error is printed above)")
+read_cuda_columns: Callable[[list[Any], int, int], int]  # py_columns.c (from_cuda_arrays)
+if lib.aib_py_install(__name__.encode()) != 0 or lib.aib_py_install_columns(__name__.encode()) != 0:
+    raise BuildMismatchError(  # pragma: no cover - only out of memory
+        "the C core could not install its Python functions (the error is printed above)"
+    )
 
 __all__ = [
     "ffi",
@@ -63,6 +66,7 @@ __all__ = [
     "device_array_capsules",
     "array_capsules",
     "dlpack_capsule",
+    "read_cuda_columns",
 ]
 
 

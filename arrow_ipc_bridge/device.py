@@ -18,7 +18,7 @@ from typing import Any, Literal
 import pyarrow as pa
 
 from arrow_ipc_bridge import _reaper
-from arrow_ipc_bridge._ffi import dlpack_capsule, ffi, lib, new_error, raise_for
+from arrow_ipc_bridge._ffi import dlpack_capsule, ffi, lib, new_error, raise_for, read_cuda_columns
 from arrow_ipc_bridge.capsules import (
     DEVICE_CPU,
     DEVICE_CUDA,
@@ -160,28 +160,47 @@ def _column_facts(obj: Any) -> tuple[Any, int, int, int, int | None]:
     return obj, cai["data"][0], shape[0], code, cai.get("stream")
 
 
-def _device_of(objects: list[Any], pointers: list[int], length: int) -> int:
+def _read_columns(values: list[Any]) -> tuple[Any, list[Any]]:
+    """Every column's facts in an ``aib_cuda_column[]``, and the objects to keep alive: read in one C
+    call (``read_cuda_columns``); from the first column it cannot take (a DLPack-only producer, or
+    one to refuse) on, by :func:`_column_facts`, which views or raises."""
+    n = len(values)
+    columns = ffi.new("aib_cuda_column[]", n)
+    done = read_cuda_columns(values, int(ffi.cast("uintptr_t", columns)), n)
+    if done == n:
+        return columns, values
+    keep = values[:done]
+    for i in range(done, n):
+        obj, pointer, length, code, stream = _column_facts(values[i])
+        if i and length != columns[0].length:
+            raise BridgeError(
+                f"columns have different lengths ({columns[0].length} and {length}); a batch has one"
+            )
+        columns[i].data = pointer
+        columns[i].length = length
+        columns[i].code = code
+        columns[i].stream = stream or 0
+        keep.append(obj)
+    return columns, keep
+
+
+def _device_of(columns: Any, n: int, objects: list[Any]) -> int:
     """The one device all columns live on, in one C loop of attribute queries; raises
     :class:`RegionError` for memory that is not CUDA device or managed memory (pinned host memory,
     addresses unknown to the driver) and :class:`BridgeError` for columns on several devices."""
     from arrow_ipc_bridge.cuda._driver import _api
     from arrow_ipc_bridge.cuda.devices import _ctx
 
-    if length == 0:
+    if columns[0].length == 0:
         return 0  # no memory to ask about (a zero-length column's pointer may be anything)
-    n = len(pointers)
-    devices = ffi.new("int32_t[]", n)
+    device = ffi.new("int32_t *")
     failed = ffi.new("size_t *")
     _api()  # loads the driver, which hands its functions to the C core
     with _ctx(None):
-        rc = lib.aib_cuda_devices_of(pointers, n, devices, failed)
+        rc = lib.aib_cuda_devices_of(columns, n, device, failed)
     if rc != 0:
-        return _device_of_one_by_one(objects, pointers)
-    first = devices[0]
-    if any(devices[i] != first for i in range(1, n)):
-        found = sorted({int(devices[i]) for i in range(n)})
-        raise BridgeError(f"columns live on several devices {found}; a batch has one device")
-    return int(first)
+        return _device_of_one_by_one(objects, [int(columns[i].data) for i in range(n)])
+    return int(device[0])
 
 
 def _device_of_one_by_one(objects: list[Any], pointers: list[int]) -> int:
@@ -211,27 +230,24 @@ def _c_names(names: tuple[str, ...]) -> Any:
     return c_names[0]
 
 
-def _captured_columns(
-    names: tuple[str, ...] | None,
-    objects: list[Any],
-    pointers: list[int],
-    codes: list[int],
-    *,
-    length: int,
-    streams: set[int],
-) -> CapturedArray:
-    """Columns as captured CUDA data: structs built in one C call, the arrays (and the sync event,
-    if any) kept until the last consumer of the structs lets go."""
+def _captured_columns(names: tuple[str, ...] | None, values: list[Any]) -> CapturedArray:
+    """Columns as captured CUDA data: facts read and structs built in C calls over all columns, the
+    arrays (and the sync event, if any) kept until the last consumer of the structs lets go."""
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge.cuda import placer
 
-    device = _device_of(objects, pointers, length)
+    n = len(values)
+    columns, objects = _read_columns(values)
+    device = _device_of(columns, n, objects)
     # CAI v3 stream values 1 and 2 mean the legacy and per-thread default streams; None/0: no
     # synchronisation needed. Work pending on a real stream becomes an event consumers wait on:
     # a pooled interprocess event, which the exporter sends as it is (no second event).
-    pending = sorted({s for s in streams if s not in (None, 0)})
-    for stream in pending[1:]:
-        cuda.stream_synchronize(stream, device=device)  # one event per batch: settle the others
+    first = columns[0].stream
+    pending = [first] if first and all(columns[i].stream == first for i in range(1, n)) else None
+    if pending is None:  # several streams (rare): one event per batch, the others settled first
+        pending = sorted({int(columns[i].stream) for i in range(n)} - {0})
+        for stream in pending[1:]:
+            cuda.stream_synchronize(stream, device=device)
     event, release_event = placer.recorded_export_event(device, pending[0]) if pending else (None, None)
 
     def release() -> None:  # the structs' owner died: nobody reads the arrays or waits on the event
@@ -240,21 +256,14 @@ def _captured_columns(
             release_event()
 
     token = _reaper.register(release)
-    schema = lib.aib_schema_alloc()
-    array = lib.aib_device_array_alloc()
-    err = new_error()
-    rc = lib.aib_columns_build(
-        len(pointers),
-        ffi.NULL if names is None else _c_names(names),
-        codes,
-        pointers,
-        length,
-        int(names is not None),
-        schema,
-        ffi.addressof(array, "array"),
-        err,
-    )
     try:
+        schema = lib.aib_schema_alloc()
+        array = lib.aib_device_array_alloc()
+        err = new_error()
+        c_names = ffi.NULL if names is None else _c_names(names)
+        rc = lib.aib_columns_build(
+            n, c_names, columns, int(names is not None), schema, ffi.addressof(array, "array"), err
+        )
         if rc:
             lib.aib_schema_free(schema)
             lib.aib_device_array_free(array)
@@ -280,43 +289,23 @@ def from_cuda_array(obj: Any) -> CapturedArray:
     it. If the array announces a stream (``__cuda_array_interface__`` v3), an event recorded on that
     stream becomes the column's ``sync_event``: consumers wait for the producer's pending work.
     """
-    keep, pointer, length, code, stream = _column_facts(obj)
-    return _captured_columns(
-        None, [keep], [pointer], [code], length=length, streams={stream} if stream else set()
-    )
+    return _captured_columns(None, [obj])
 
 
 def from_cuda_arrays(columns: Mapping[str, Any]) -> CapturedArray:
     """Wrap several 1-D GPU arrays of one length, on one device, as an Arrow record batch.
 
-    No copy, and no per-column work beyond reading each array's ``__cuda_array_interface__``: the
-    structs are built, and the pointers checked, in the C core. As for :func:`from_cuda_array`, one
-    event recorded on the announced stream (the others are synchronised first) is the batch's
-    ``sync_event``.
+    No copy, and no per-column Python: each array's ``__cuda_array_interface__`` is read, the
+    pointers checked and the structs built in C calls over all columns. As for
+    :func:`from_cuda_array`, one event recorded on the announced stream (others are synchronised
+    first) is the batch's ``sync_event``.
     """
     names = tuple(columns)
     if not names:
         raise BridgeError("from_cuda_arrays needs at least one column")
-    objects: list[Any] = []
-    pointers: list[int] = []
-    codes: list[int] = []
-    streams: set[int] = set()
-    length = -1
-    for value in columns.values():
-        keep, pointer, n, code, stream = _column_facts(value)
-        if n != length:
-            if length >= 0:
-                raise BridgeError(f"columns have different lengths ({length} and {n}); a batch has one")
-            length = n
-        objects.append(keep)
-        pointers.append(pointer)
-        codes.append(code)
-        if stream:
-            streams.add(stream)
-    for name in names:
-        if not isinstance(name, str):
-            raise TypeError(f"column names must be str, not {type(name).__name__}")
-    return _captured_columns(names, objects, pointers, codes, length=length, streams=streams)
+    if not all(isinstance(name, str) for name in names):
+        raise TypeError("column names must be str")
+    return _captured_columns(names, list(columns.values()))
 
 
 _DLPACK_CODES = {"i": 0, "u": 1, "f": 2}  # kDLInt, kDLUInt, kDLFloat

@@ -555,18 +555,29 @@ int aib_cuda_describe_buffers(const int *attributes, unsigned n_attributes, unsi
 /* Calls cuMemPoolExportPointer for each pointer, writing 64 bytes each to out. Returns 0, or the
  * first failing CUresult with *done the number exported before it. */
 int aib_cuda_export_pool_pointers(const uint64_t *pointers, size_t n, uint8_t *out, size_t *done);
-/* ---------- the producer's fast path for fresh device data (cuda_export.c) ------------------------
- * aib_columns_build: the schema and array (no device wrapper) of n 1-D numeric columns at data[i],
- * each `length` values of format_codes[i] (an index into "c s i l C S I L e f g"), without nulls:
- * a struct "+s" record batch with children named names[i] when as_batch, else one plain array
- * (n == 1, names unused). One allocation per tree; the structs own no data (the caller keeps it). */
-int aib_columns_build(size_t n, const char *const *names, const uint8_t *format_codes, const uint64_t *data,
-                      int64_t length, int as_batch, struct ArrowSchema *schema_out,
-                      struct ArrowArray *array_out, aib_error *err);
-/* The device ordinal of each address, one cuPointerGetAttributes each (the caller's context current).
- * Returns 0; or, with *failed the first address unknown to the driver, in pinned host memory, or whose
- * query failed, the CUresult (-1 for the kind of memory). */
-int aib_cuda_devices_of(const uint64_t *addresses, size_t n, int32_t *devices_out, size_t *failed);
+/* ---------- the producer's fast path for fresh device data (cuda_export.c, py_columns.c) ---------
+ * One 1-D numeric column without nulls: `length` values of format `code` (an index into
+ * "c s i l C S I L e f g", i.e. int8..int64, uint8..uint64, float16/32/64) at device address `data`,
+ * and the stream its producer announced (0: none). */
+typedef struct aib_cuda_column {
+  uint64_t data;
+  int64_t length;
+  int64_t stream;
+  uint32_t code;
+  uint32_t reserved;
+} aib_cuda_column;
+/* Installs read_cuda_columns on the Python module module_name (py_columns.c); 0 or -1. */
+int aib_py_install_columns(const char *module_name);
+/* aib_columns_build: the schema and array (no device wrapper) of n columns of one length: a struct
+ * "+s" record batch with children named names[i] when as_batch, else one plain array (n == 1, names
+ * unused). One allocation per tree; the structs own no data (the caller keeps it alive). */
+int aib_columns_build(size_t n, const char *const *names, const aib_cuda_column *columns, int as_batch,
+                      struct ArrowSchema *schema_out, struct ArrowArray *array_out, aib_error *err);
+/* The one device ordinal of the columns' memory, one cuPointerGetAttributes each (the caller's context
+ * current). Returns 0; -2 when they live on several devices; or, with *failed the first column
+ * unknown to the driver, in pinned host memory, or whose query failed, the CUresult (-1 for the kind
+ * of memory). */
+int aib_cuda_devices_of(const aib_cuda_column *columns, size_t n, int32_t *device_out, size_t *failed);
 /* The producer's table of regions it made, keyed by CUDA buffer id (never reused in a process). */
 typedef struct aib_export_regions aib_export_regions;
 aib_export_regions *aib_export_regions_new(size_t capacity);

@@ -34,6 +34,7 @@ C_SOURCES = [
     "region_table.c",
     "sync_event.c",
     "py_capsules.c",
+    "py_columns.c",
 ]
 HEADERS = ["arrow_c_abi.h", "bridge.h"]
 _INTEGER_DEFINE = re.compile(r"^#define\s+\w+\s+-?\d+\s*(/\*.*\*/)?\s*$")

@@ -61,18 +61,21 @@ static void release_root_array(struct ArrowArray *a) {
   a->release = NULL;
 }
 
-int aib_columns_build(size_t n, const char *const *names, const uint8_t *format_codes, const uint64_t *data,
-                      int64_t length, int as_batch, struct ArrowSchema *schema_out,
-                      struct ArrowArray *array_out, aib_error *err) {
+int aib_columns_build(size_t n, const char *const *names, const aib_cuda_column *columns, int as_batch,
+                      struct ArrowSchema *schema_out, struct ArrowArray *array_out, aib_error *err) {
   if (schema_out->release != NULL || array_out->release != NULL)
     return aib_fail(err, AIB_E_STATE, "", "", "the destination structs are not released");
-  if (n == 0 || (!as_batch && n != 1) || n > (1u << 20) || length < 0)
+  if (n == 0 || (!as_batch && n != 1) || n > (1u << 20))
     return aib_fail(err, AIB_E_FORMAT, "n", "", "%zu columns (as_batch %d) cannot make an Arrow %s", n, as_batch,
                     as_batch ? "record batch" : "array");
-  for (size_t i = 0; i < n; i++)
-    if (format_codes[i] >= N_COLUMN_FORMATS)
-      return aib_fail(err, AIB_E_FORMAT, "format_codes", "", "column %zu: unknown format code %u", i,
-                      (unsigned)format_codes[i]);
+  int64_t length = columns[0].length;
+  for (size_t i = 0; i < n; i++) {
+    if (columns[i].code >= N_COLUMN_FORMATS)
+      return aib_fail(err, AIB_E_FORMAT, "code", "", "column %zu: unknown format code %u", i, columns[i].code);
+    if (columns[i].length != length || length < 0)
+      return aib_fail(err, AIB_E_FORMAT, "length", "", "column %zu: length %lld, column 0: %lld", i,
+                      (long long)columns[i].length, (long long)length);
+  }
   size_t n_children = as_batch ? n : 0;
   /* Schema block: child pointers, child structs, names (NUL-terminated). */
   size_t names_size = 0;
@@ -98,7 +101,7 @@ int aib_columns_build(size_t n, const char *const *names, const uint8_t *format_
       struct ArrowSchema *c = &child_structs[i];
       size_t len = strlen(names[i]);
       memcpy(cursor, names[i], len + 1);
-      c->format = column_formats[format_codes[i]];
+      c->format = column_formats[columns[i].code];
       c->name = cursor;
       c->flags = ARROW_FLAG_NULLABLE;
       c->release = release_child_schema;
@@ -110,7 +113,7 @@ int aib_columns_build(size_t n, const char *const *names, const uint8_t *format_
     schema_out->n_children = (int64_t)n;
     schema_out->children = children;
   } else {
-    schema_out->format = column_formats[format_codes[0]];
+    schema_out->format = column_formats[columns[0].code];
     schema_out->name = schema_block; /* "" */
     schema_out->flags = ARROW_FLAG_NULLABLE;
   }
@@ -126,7 +129,7 @@ int aib_columns_build(size_t n, const char *const *names, const uint8_t *format_
     buffers = root_buffers + 1;
     for (size_t i = 0; i < n; i++) {
       struct ArrowArray *c = &child_structs[i];
-      buffers[2 * i + 1] = (const void *)(uintptr_t)data[i];
+      buffers[2 * i + 1] = (const void *)(uintptr_t)columns[i].data;
       c->length = length;
       c->n_buffers = 2;
       c->buffers = &buffers[2 * i];
@@ -139,7 +142,7 @@ int aib_columns_build(size_t n, const char *const *names, const uint8_t *format_
     array_out->children = children;
   } else {
     buffers = (const void **)array_block;
-    buffers[1] = (const void *)(uintptr_t)data[0];
+    buffers[1] = (const void *)(uintptr_t)columns[0].data;
     array_out->n_buffers = 2;
     array_out->buffers = buffers;
   }
@@ -151,23 +154,27 @@ int aib_columns_build(size_t n, const char *const *names, const uint8_t *format_
 }
 
 /* ---------- which device each column lives on --------------------------------------------------- */
-int aib_cuda_devices_of(const uint64_t *addresses, size_t n, int32_t *devices_out, size_t *failed) {
+int aib_cuda_devices_of(const aib_cuda_column *columns, size_t n, int32_t *device_out, size_t *failed) {
   get_attributes_fn fn = (get_attributes_fn)aib_cuda_pointer_get_attributes();
-  static const int attributes[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_IS_MANAGED,
-                                   CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
+  static const int attributes[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
   *failed = n;
   if (fn == NULL) return CUDA_ERROR_NOT_INITIALIZED;
   for (size_t i = 0; i < n; i++) {
-    uint64_t slots[3] = {0, 0, 0};
-    void *data[3] = {&slots[0], &slots[1], &slots[2]};
-    int rc = fn(3, attributes, data, addresses[i]);
+    uint64_t slots[2] = {0, 0};
+    void *data[2] = {&slots[0], &slots[1]};
+    int rc = fn(2, attributes, data, columns[i].data);
     /* Unknown to the driver, pinned host memory, or a refused query: the caller's pointer_info
      * decides. Managed memory passes: the placer copies it or refuses it by the copy policy. */
     if (rc != 0 || (uint32_t)slots[0] == 0 || (uint32_t)slots[0] == CU_MEMORYTYPE_HOST) {
       *failed = i;
       return rc ? rc : -1;
     }
-    devices_out[i] = (int32_t)(uint32_t)slots[2];
+    int32_t device = (int32_t)(uint32_t)slots[1];
+    if (i == 0) *device_out = device;
+    if (device != *device_out) {
+      *failed = i;
+      return -2;
+    }
   }
   return 0;
 }

@@ -62,18 +62,24 @@ def test_objects_without_an_array_interface_are_refused() -> None:
         aib.from_cuda_arrays({"a": [1.0, 2.0]})
 
 
+def _columns(arrays: list[np.ndarray]) -> Any:
+    columns = ffi.new("aib_cuda_column[]", len(arrays))
+    for column, a in zip(columns, arrays, strict=True):
+        column.data = a.ctypes.data
+        column.length = len(a)
+        column.code = device._FORMAT_CODES[a.dtype.str[1:]]
+    return columns
+
+
 def _built(arrays: list[np.ndarray], names: tuple[str, ...] | None) -> CapturedData:
     """The C builder's structs over host arrays, as captured host data."""
     schema = lib.aib_schema_alloc()
     array = lib.aib_device_array_alloc()
     err = new_error()
-    codes = [device._FORMAT_CODES[a.dtype.str[1:]] for a in arrays]
     rc = lib.aib_columns_build(
         len(arrays),
         ffi.NULL if names is None else device._c_names(names),
-        codes,
-        [a.ctypes.data for a in arrays],
-        len(arrays[0]),
+        _columns(arrays),
         int(names is not None),
         schema,
         ffi.addressof(array, "array"),
@@ -120,19 +126,21 @@ def test_built_structs_free_every_node() -> None:
 def test_the_builder_refuses_bad_arguments() -> None:
     schema = lib.aib_schema_alloc()
     array = lib.aib_device_array_alloc()
+    two = [np.zeros(4, np.float32), np.zeros(4, np.float32)]
+    bad_code = _columns(two)
+    bad_code[1].code = 11
+    bad_length = _columns(two)
+    bad_length[1].length = 5
     try:
-        for n, codes, as_batch in ((0, [9], 1), (2, [9, 9], 0), (1, [11], 1)):
+        for n, columns, as_batch in (
+            (0, _columns(two), 1),
+            (2, _columns(two), 0),
+            (2, bad_code, 1),
+            (2, bad_length, 1),
+        ):
             err = new_error()
             rc = lib.aib_columns_build(
-                n,
-                device._c_names(("a", "b")),
-                codes,
-                [0x1000, 0x2000],
-                4,
-                as_batch,
-                schema,
-                ffi.addressof(array, "array"),
-                err,
+                n, device._c_names(("a", "b")), columns, as_batch, schema, ffi.addressof(array, "array"), err
             )
             assert rc == lib.AIB_E_FORMAT
             assert schema.release == ffi.NULL
@@ -140,6 +148,43 @@ def test_the_builder_refuses_bad_arguments() -> None:
     finally:
         lib.aib_schema_free(schema)
         lib.aib_device_array_free(array)
+
+
+def test_the_c_reader_takes_what_the_python_reader_takes() -> None:
+    """read_cuda_columns reads the same facts as _column_facts, and stops at the first column it
+    cannot take (no interface, a shape/type/stride/mask to refuse, another length), leaving that
+    column to the Python path and its errors."""
+    from arrow_ipc_bridge._ffi import read_cuda_columns
+
+    good = [
+        _FakeCudaArray(typestr=f"<{t}" if t[1] != "1" else f"|{t}", data=(0x1000 * (k + 1), False), stream=k)
+        for k, t in enumerate(_DTYPES)
+    ]
+    good.append(_FakeCudaArray(strides=(4,), stream=None))
+    columns = ffi.new("aib_cuda_column[]", len(good))
+    assert read_cuda_columns(good, int(ffi.cast("uintptr_t", columns)), len(good)) == len(good)
+    for column, value in zip(columns, good, strict=True):
+        _, pointer, length, code, stream = device._column_facts(value)
+        assert (column.data, column.length, column.code, column.stream) == (
+            pointer,
+            length,
+            code,
+            stream or 0,
+        )
+    for bad in (
+        [1.0],
+        _FakeCudaArray(shape=(2, 2)),
+        _FakeCudaArray(typestr=">f4"),
+        _FakeCudaArray(typestr="<c8"),
+        _FakeCudaArray(strides=(8,)),
+        _FakeCudaArray(mask=object()),
+        _FakeCudaArray(shape=(5,)),
+        _FakeCudaArray(data=(-1, False)),
+    ):
+        values = [_FakeCudaArray(), bad, _FakeCudaArray()]
+        assert read_cuda_columns(values, int(ffi.cast("uintptr_t", columns)), 3) == 1, bad
+    with pytest.raises(ValueError, match="list of n values"):
+        read_cuda_columns((_FakeCudaArray(),), int(ffi.cast("uintptr_t", columns)), 1)
 
 
 def test_the_export_region_table_places_nothing_it_was_not_told() -> None:
