@@ -81,7 +81,7 @@ def test_the_table_path_writes_the_full_paths_message(cupy: Any) -> None:
     full, fast, first, second = _export_twice(lambda: aib.from_cuda_arrays(columns))
     assert first["hits"] == 0
     assert first["misses"] >= 1
-    assert second["hits"] == 3
+    assert second["hits"] == len(full[1])  # one look-up per allocation (CuPy may carve two from one)
     assert second["misses"] == 0
     assert fast == full
 
@@ -224,6 +224,10 @@ def test_many_publishes_leak_no_event_handle_or_struct(publisher: aib.Publisher,
 
     columns = {f"c{i}": cupy.zeros(256, dtype=cupy.float32) for i in range(16)}
     events = placer.event_pool(0)
+    _reaper.drain()
+    # What earlier tests' publications still hold:
+    leased, recorded = events.leased, len(placer._recorded_events)
+    callbacks, nodes = _reaper.pending_callbacks(), lib.aib_live_nodes()
 
     def step(session: Any, i: int) -> None:
         for column in columns.values():
@@ -246,8 +250,8 @@ def test_many_publishes_leak_no_event_handle_or_struct(publisher: aib.Publisher,
         last.release()
     publisher.unpublish("t")
     _reaper.drain()
-    assert events.leased == 0
-    assert not placer._recorded_events
+    assert events.leased <= leased
+    assert len(placer._recorded_events) <= recorded
     assert publisher.active_leases == 0
-    assert _reaper.pending_callbacks() < 50
-    assert lib.aib_live_nodes() < 200
+    assert _reaper.pending_callbacks() <= callbacks + 5
+    assert lib.aib_live_nodes() <= nodes + 50
