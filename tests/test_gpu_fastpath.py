@@ -216,8 +216,9 @@ def _opens() -> int:
 
 
 def test_many_publishes_leak_no_event_handle_or_struct(publisher: aib.Publisher, cupy: Any) -> None:
-    """Thousands of publishes of in-place-updated columns, each got once: the event pool stops
-    growing, no event stays leased, no handle is opened again, every struct and owner is freed."""
+    """Thousands of publishes of in-place-updated columns (on a stream: each batch has its own
+    recorded event), each got once: the event pool stops growing, no event stays leased, no handle
+    is opened again, every struct and owner is freed."""
     from arrow_ipc_bridge import _reaper
     from arrow_ipc_bridge._ffi import lib
     from arrow_ipc_bridge.cuda import placer
@@ -229,10 +230,13 @@ def test_many_publishes_leak_no_event_handle_or_struct(publisher: aib.Publisher,
     leased, recorded = events.leased, len(placer._recorded_events)
     callbacks, nodes = _reaper.pending_callbacks(), lib.aib_live_nodes()
 
+    stream = cupy.cuda.Stream(non_blocking=True)  # announced: each batch carries a pooled event
+
     def step(session: Any, i: int) -> None:
-        for column in columns.values():
-            column += 1  # noqa: PLW2901 (in place: the same arrays each step)
-        publisher.publish("t", aib.from_cuda_arrays(columns))
+        with stream:
+            for column in columns.values():
+                column += 1  # noqa: PLW2901 (in place: the same arrays each step)
+            publisher.publish("t", aib.from_cuda_arrays(columns))
         with session.get("t") as imported:
             schema_capsule, array_capsule = imported.__arrow_c_device_array__()
             del schema_capsule, array_capsule
