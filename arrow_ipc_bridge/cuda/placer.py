@@ -132,8 +132,8 @@ def export_region_stats() -> dict[str, int]:
     return {"entries": int(out[0]), "hits": int(out[1]), "misses": int(out[2])}
 
 
-# The pooled events recorded for captured data (recorded_export_event), by CUevent: the exporter
-# sends such an event's handle instead of recording another event after it.
+# The pooled events recorded for captured data (recorded_export_event) and not exported yet, by
+# CUevent: the first export sends such an event's handle instead of recording another after it.
 _recorded_events: dict[int, Event] = {}
 
 
@@ -163,9 +163,11 @@ def recorded_export_event(device: int, stream: int) -> tuple[Event, Callable[[],
 
 def sync_handle_of(event_handle: int) -> bytes | None:
     """The interprocess handle of a pooled event :func:`recorded_export_event` recorded (still
-    leased), or None for any other event."""
+    leased), for the first export of its data only; None for any other event, and for a later
+    export of the same data (which then records an event of its own after it, as for any producer,
+    covering what the legacy default stream did since)."""
     with _state.lock:
-        event = _recorded_events.get(event_handle)
+        event = _recorded_events.pop(event_handle, None)
     if event is None:
         return None
     sync = event.ipc_handle()
