@@ -197,6 +197,23 @@ class CapturedData(DeferredClose):
         self.is_stream = is_stream
         self._finalizer = weakref.finalize(self, lib.aib_owner_unref, owner)
 
+    @classmethod
+    def sharing(cls, other: CapturedData) -> CapturedData:
+        """Another reference on ``other``'s record (the same structs, no copy, no capsule round):
+        the data lives until both are closed. ReleasedError when ``other`` is closed."""
+        other.borrow()
+        try:
+            lib.aib_owner_ref(other.owner)
+            shared = cls.__new__(cls)
+            shared.owner = other.owner
+            shared.schema = other.schema
+            shared.arrays = other.arrays
+            shared.is_stream = other.is_stream
+            shared._finalizer = weakref.finalize(shared, lib.aib_owner_unref, other.owner)
+        finally:
+            other.unborrow()
+        return shared
+
     @property
     def device_type(self) -> int:
         return int(self.arrays[0].device_type) if self.arrays else DEVICE_CPU

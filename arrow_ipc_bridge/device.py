@@ -17,14 +17,14 @@ from typing import Any, Literal
 import pyarrow as pa
 
 from arrow_ipc_bridge import _reaper
-from arrow_ipc_bridge._ffi import ffi, lib
+from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for, read_cuda_columns
 from arrow_ipc_bridge.capsules import (
     DEVICE_CPU,
     DEVICE_CUDA,
     ArrowInput,
     CapturedArray,
+    CapturedData,
     capture,
-    export_captured,
 )
 from arrow_ipc_bridge.errors import BridgeError, RegionError
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
@@ -121,11 +121,16 @@ def to_device(
     return imported_from(decoded, [0], device_type=DEVICE_CUDA, device_id=device)
 
 
-def _column(obj: Any) -> tuple[pa.Array, int, int | None]:
-    """A pyarrow array whose data buffer is the GPU array's memory (never read on the host), the
-    device it lives on, and the stream its producer announced (``__cuda_array_interface__`` v3)."""
-    from arrow_ipc_bridge import cuda
+_FORMAT_CODES = {typestr[1:]: code for code, (_, typestr, _) in enumerate(_NUMERIC_TYPES)}  # "f4" -> 9
+# Column names as C strings, per tuple of names: a step loop publishes the same columns each step.
+_C_NAMES: dict[tuple[str, ...], Any] = {}
+_C_NAMES_MAX = 64
 
+
+def _column_facts(obj: Any) -> tuple[Any, int, int, int, int | None]:
+    """What a column needs from a 1-D GPU array, read once from its ``__cuda_array_interface__``
+    (a DLPack producer is viewed through CuPy first): ``(array to keep alive, data pointer, length,
+    format code, announced stream)``. The pointer is checked later, for all columns at once."""
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is None and hasattr(obj, "__dlpack__"):
         import cupy
@@ -134,61 +139,143 @@ def _column(obj: Any) -> tuple[pa.Array, int, int | None]:
         cai = obj.__cuda_array_interface__
     if cai is None:
         raise BridgeError(f"{type(obj).__name__} has neither __cuda_array_interface__ nor __dlpack__")
-    shape = tuple(cai["shape"])
-    typestr = str(cai["typestr"])
+    shape = cai["shape"]
+    typestr = cai["typestr"]
     if len(shape) != 1:
-        raise BridgeError(f"only 1-D arrays become Arrow columns (got shape {shape})")
-    arrow_type = _TYPESTRS.get(typestr[1:])
-    if arrow_type is None or typestr[0] not in "<|":
+        raise BridgeError(f"only 1-D arrays become Arrow columns (got shape {tuple(shape)})")
+    code = _FORMAT_CODES.get(typestr[1:])
+    if code is None or typestr[0] not in "<|":
         raise BridgeError(
             f"array type {typestr!r} has no zero-copy Arrow equivalent (little-endian numbers only)"
         )
-    itemsize = arrow_type.bit_width // 8
     strides = cai.get("strides")
-    if strides is not None and tuple(strides) != (itemsize,):
+    if strides is not None and (len(strides) != 1 or strides[0] != int(typestr[2:])):
         raise BridgeError("the array is not contiguous: make it so (e.g. cupy.ascontiguousarray) first")
     if cai.get("mask") is not None:
         raise BridgeError("masked GPU arrays are not supported; build the validity bitmap yourself")
-    ptr = int(cai["data"][0])
-    length = shape[0]
-    device = 0
-    if length:
-        info = cuda.pointer_info(ptr)
+    return obj, cai["data"][0], shape[0], code, cai.get("stream")
+
+
+def _read_columns(values: list[Any]) -> tuple[Any, list[Any]]:
+    """Every column's facts in an ``aib_cuda_column[]``, and the objects to keep alive: read in one C
+    call (``read_cuda_columns``); from the first column it cannot take (a DLPack-only producer, or
+    one to refuse) on, by :func:`_column_facts`, which views or raises."""
+    n = len(values)
+    columns = ffi.new("aib_cuda_column[]", n)
+    done = read_cuda_columns(values, int(ffi.cast("uintptr_t", columns)), n)
+    if done == n:
+        return columns, values
+    keep = values[:done]
+    for i in range(done, n):
+        obj, pointer, length, code, stream = _column_facts(values[i])
+        if i and length != columns[0].length:
+            raise BridgeError(
+                f"columns have different lengths ({columns[0].length} and {length}); a batch has one"
+            )
+        columns[i].data = pointer
+        columns[i].length = length
+        columns[i].code = code
+        columns[i].stream = stream or 0
+        keep.append(obj)
+    return columns, keep
+
+
+def _device_of(columns: Any, n: int, objects: list[Any]) -> int:
+    """The one device all columns live on, in one C loop of attribute queries; raises
+    :class:`RegionError` for memory that is not CUDA device or managed memory (pinned host memory,
+    addresses unknown to the driver) and :class:`BridgeError` for columns on several devices."""
+    from arrow_ipc_bridge.cuda._driver import _api
+    from arrow_ipc_bridge.cuda.devices import _ctx
+
+    if columns[0].length == 0:
+        return 0  # no memory to ask about (a zero-length column's pointer may be anything)
+    device = ffi.new("int32_t *")
+    failed = ffi.new("size_t *")
+    _api()  # loads the driver, which hands its functions to the C core
+    with _ctx(None):
+        rc = lib.aib_cuda_devices_of(columns, n, device, failed)
+    if rc != 0:
+        return _device_of_one_by_one(objects, [int(columns[i].data) for i in range(n)])
+    return int(device[0])
+
+
+def _device_of_one_by_one(objects: list[Any], pointers: list[int]) -> int:
+    """:func:`_device_of` where the C loop stopped: :func:`~arrow_ipc_bridge.cuda.pointer_info` per
+    column copes with memory for which the driver refuses an attribute, and says what the rest is."""
+    from arrow_ipc_bridge import cuda
+
+    devices: set[int] = set()
+    for obj, pointer in zip(objects, pointers, strict=True):
+        info = cuda.pointer_info(pointer)
         if info is None or info.memory_type == "host":
-            raise RegionError(f"{type(obj).__name__} data at {ptr:#x} is not CUDA device memory")
-        device = info.device
-    stream = cai.get("stream")
-    buffer = pa.foreign_buffer(ptr, length * itemsize, base=obj)
-    return pa.Array.from_buffers(arrow_type, length, [None, buffer]), device, stream
+            raise RegionError(f"{type(obj).__name__} data at {pointer:#x} is not CUDA device memory")
+        devices.add(info.device)
+    if len(devices) > 1:
+        raise BridgeError(f"columns live on several devices {sorted(devices)}; a batch has one device")
+    return devices.pop()
 
 
-def _as_device(captured_array: CapturedArray, device: int, streams: set[int]) -> CapturedArray:
-    """Mark captured structs as CUDA data and attach a sync event for the producer's stream(s)."""
+def _c_names(names: tuple[str, ...]) -> Any:
+    c_names = _C_NAMES.get(names)
+    if c_names is None:
+        encoded = [ffi.new("char[]", name.encode()) for name in names]
+        c_names = (ffi.new("char *[]", encoded), encoded)  # the array and what it points to
+        if len(_C_NAMES) >= _C_NAMES_MAX:
+            _C_NAMES.clear()
+        _C_NAMES[names] = c_names
+    return c_names[0]
+
+
+def _captured_columns(names: tuple[str, ...] | None, values: list[Any]) -> CapturedArray:
+    """Columns as captured CUDA data: facts read and structs built in C calls over all columns, the
+    arrays (and the sync event, if any) kept until the last consumer of the structs lets go."""
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge.cuda import placer
 
-    captured = captured_array._captured
-    sync = ffi.NULL
+    n = len(values)
+    columns, objects = _read_columns(values)
+    device = _device_of(columns, n, objects)
     # CAI v3 stream values 1 and 2 mean the legacy and per-thread default streams; None/0: no
-    # synchronisation needed. Work pending on a real stream becomes an event consumers wait on.
-    pending = {s for s in streams if s not in (None, 0)}
-    if pending:
-        for stream in sorted(pending)[1:]:
-            cuda.stream_synchronize(stream, device=device)  # one event per batch: settle the others
-        events = placer.event_pool(device)
-        event = events.acquire()
-        event.record(sorted(pending)[0])
-        holder = lib.aib_owner_new(_reaper.register(lambda: events.release(event)))
-        lib.aib_owner_add_dependency(captured.owner, holder)
-        lib.aib_owner_unref(holder)
-        slot = lib.aib_owner_slot(captured.owner)
-        slot[0] = event.handle
-        sync = slot
-    for array in captured.arrays:
+    # synchronisation needed. Work pending on a real stream becomes an event consumers wait on:
+    # a pooled interprocess event, which the exporter sends as it is (no second event).
+    first = columns[0].stream
+    pending = [first] if first and all(columns[i].stream == first for i in range(1, n)) else None
+    if pending is None:  # several streams (rare): one event per batch, the others settled first
+        pending = sorted({int(columns[i].stream) for i in range(n)} - {0})
+        for stream in pending[1:]:
+            cuda.stream_synchronize(stream, device=device)
+    event, release_event = placer.recorded_export_event(device, pending[0]) if pending else (None, None)
+
+    def release() -> None:  # the structs' owner died: nobody reads the arrays or waits on the event
+        objects.clear()
+        if release_event is not None:
+            release_event()
+
+    token = _reaper.register(release)
+    try:
+        schema = lib.aib_schema_alloc()
+        array = lib.aib_device_array_alloc()
+        err = new_error()
+        c_names = ffi.NULL if names is None else _c_names(names)
+        rc = lib.aib_columns_build(
+            n, c_names, columns, int(names is not None), schema, ffi.addressof(array, "array"), err
+        )
+        if rc:
+            lib.aib_schema_free(schema)
+            lib.aib_device_array_free(array)
+            raise_for(rc, err, "building the columns' Arrow structs")
         array.device_type = DEVICE_CUDA
         array.device_id = device
-        array.sync_event = sync
-    return captured_array
+        captured = CapturedData(schema, [array], is_stream=False, token=token)
+    except BaseException:
+        if _reaper.unregister(token):
+            release()
+        raise
+    if event is not None:
+        slot = lib.aib_owner_slot(captured.owner)  # lives as long as the structs
+        slot[0] = event.handle
+        array.sync_event = slot
+    return CapturedArray(captured)
 
 
 def from_cuda_array(obj: Any) -> CapturedArray:
@@ -198,22 +285,20 @@ def from_cuda_array(obj: Any) -> CapturedArray:
     it. If the array announces a stream (``__cuda_array_interface__`` v3), an event recorded on that
     stream becomes the column's ``sync_event``: consumers wait for the producer's pending work.
     """
-    column, device, stream = _column(obj)
-    return _as_device(export_captured(capture(column)), device, {stream} if stream else set())  # type: ignore[arg-type]
+    return _captured_columns(None, [obj])
 
 
 def from_cuda_arrays(columns: Mapping[str, Any]) -> CapturedArray:
-    """Wrap several 1-D GPU arrays of one length, on one device, as an Arrow record batch."""
-    arrays: list[pa.Array] = []
-    devices: set[int] = set()
-    streams: set[int] = set()
-    for value in columns.values():
-        column, device, stream = _column(value)
-        arrays.append(column)
-        devices.add(device)
-        if stream:
-            streams.add(stream)
-    if len(devices) > 1:
-        raise BridgeError(f"columns live on several devices {sorted(devices)}; a batch has one device")
-    batch = pa.RecordBatch.from_arrays(arrays, names=list(columns))
-    return _as_device(export_captured(capture(batch)), devices.pop() if devices else 0, streams)  # type: ignore[arg-type]
+    """Wrap several 1-D GPU arrays of one length, on one device, as an Arrow record batch.
+
+    No copy, and no per-column Python: each array's ``__cuda_array_interface__`` is read, the
+    pointers checked and the structs built in C calls over all columns. As for
+    :func:`from_cuda_array`, one event recorded on the announced stream (others are synchronised
+    first) is the batch's ``sync_event``.
+    """
+    names = tuple(columns)
+    if not names:
+        raise BridgeError("from_cuda_arrays needs at least one column")
+    if not all(isinstance(name, str) for name in names):
+        raise TypeError("column names must be str")
+    return _captured_columns(names, list(columns.values()))

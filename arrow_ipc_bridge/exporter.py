@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal
 
-from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA, ArrowInput, CapturedData, capture
+from arrow_ipc_bridge.capsules import (
+    DEVICE_CPU,
+    DEVICE_CUDA,
+    ArrowInput,
+    CapturedData,
+    _CapturedSource,
+    capture,
+)
 from arrow_ipc_bridge.errors import BridgeError
 from arrow_ipc_bridge.host.placement import HostExport, export_host_buffers
 from arrow_ipc_bridge.metadata import (
@@ -148,7 +155,7 @@ def _export_host(captured: CapturedData, copy: CopyPolicy) -> Exported:
 
 def _export_cuda(captured: CapturedData, copy: CopyPolicy, pool_fds: bool) -> Exported:
     from arrow_ipc_bridge import cuda
-    from arrow_ipc_bridge.cuda.placer import CudaPlacer, event_pool, remember_local_event
+    from arrow_ipc_bridge.cuda.placer import CudaPlacer, event_pool, remember_local_event, sync_handle_of
 
     device = captured.device_id
     described = Described(captured)
@@ -157,26 +164,37 @@ def _export_cuda(captured: CapturedData, copy: CopyPolicy, pool_fds: bool) -> Ex
     placement = placer.place(described)
     closers: list[Callable[[], None]] = [placement.close]
     try:
-        # The consumer must not read before the producer's writes are done: our interprocess event
-        # waits on the producer's own sync event (if any) and travels with the message.
-        events = event_pool(device)
-        event = events.acquire()
-        closers.append(lambda: events.release(event))
+        # The consumer must not read before the producer's writes are done. Data from
+        # from_cuda_array(s) carries a pooled interprocess event recorded on the producer's stream:
+        # its handle travels as it is. Any other producer's sync event is waited on by one of ours,
+        # recorded after it.
         producer_event = captured.arrays[0].sync_event if captured.arrays else None
-        if producer_event:
-            cuda.stream_wait_event(0, cuda.event_value(producer_event), device=device)
-        event.record(0)
-        sync = event.ipc_handle()
-        remember_local_event(sync, event.handle)
+        producer_handle = cuda.event_value(producer_event) if producer_event else 0
+        sync = sync_handle_of(producer_handle) if producer_handle else None
+        if sync is None:
+            events = event_pool(device)
+            event = events.acquire()
+            closers.append(lambda: events.release(event))
+            if producer_handle:
+                cuda.stream_wait_event(0, producer_handle, device=device)
+            event.record(0)
+            sync = event.ipc_handle()
+            remember_local_event(sync, event.handle)
         info = DeviceInfo(device_type=DEVICE_CUDA, identity=cuda.device_uuid(device), sync=sync)
-        message = described.encode(info, placement.regions, n_fds=len(placement.fds))
+        if placement.region_array is not None:
+            message = described.encode_region_array(
+                info, placement.region_array, placement.region_count, n_fds=len(placement.fds)
+            )
+        else:
+            message = described.encode(info, placement.regions, n_fds=len(placement.fds))
     except BaseException:
         for close in closers:
             close()
         raise
+    n_regions = placement.region_count if placement.region_array is not None else len(placement.regions)
     stats = ExportStats(
-        regions=len(placement.regions),
-        zero_copy_regions=len(placement.regions) - len(placement.copies),
+        regions=n_regions,
+        zero_copy_regions=n_regions - len(placement.copies),
         copied_bytes=placement.copied_bytes,
         buffers=placement.buffers,
     )
@@ -219,4 +237,8 @@ def export(
     3
     >>> imported.release(); exported.close()
     """
+    if requested_schema is None and isinstance(obj, _CapturedSource):
+        # Data captured already (from_cuda_arrays, a capture served back out): share its record
+        # instead of a round of capsules, struct copies and a second capture of the same structs.
+        return export_captured(CapturedData.sharing(obj._live()), copy=copy, pool_fds=pool_fds)
     return export_captured(capture(obj, requested_schema=requested_schema), copy=copy, pool_fds=pool_fds)

@@ -180,9 +180,18 @@ class Described:
         if rc:
             raise_for(rc, err, "setting a buffer length")
 
+    @property
+    def buffer_count(self) -> int:
+        """Buffer slots in the tree."""
+        return int(lib.aib_described_buffer_count(self._d))
+
+    @property
+    def raw(self) -> Any:
+        """The C core's ``aib_described *`` (for region backends that place buffers in C)."""
+        return self._d
+
     def encode(self, device: DeviceInfo, regions: Sequence[Region], n_fds: int = 0) -> bytes:
         """The wire message (see docs/wire-format.md)."""
-        kind = MESSAGE_STREAM if self.is_stream else MESSAGE_ARRAY
         region_array = ffi.new("aib_region[]", max(len(regions), 1))
         for i, region in enumerate(regions):
             target = region_array[i]
@@ -196,6 +205,13 @@ class Described:
                 raise BridgeError("a region handle is over 128 bytes")
             target.handle_len = len(region.handle)
             ffi.memmove(target.handle, region.handle, len(region.handle))
+        return self.encode_region_array(device, region_array, len(regions), n_fds)
+
+    def encode_region_array(
+        self, device: DeviceInfo, region_array: Any, n_regions: int, n_fds: int = 0
+    ) -> bytes:
+        """:meth:`encode` with the regions already in an ``aib_region[]`` of the C core."""
+        kind = MESSAGE_STREAM if self.is_stream else MESSAGE_ARRAY
         info = _fill_device(device)
         err = new_error()
         out_len = ffi.new("size_t *")
@@ -203,7 +219,7 @@ class Described:
         while True:
             out = _uncleared("uint8_t[]", capacity)
             rc = lib.aib_encode(
-                self._d, kind, info, region_array, len(regions), n_fds, out, capacity, out_len, err
+                self._d, kind, info, region_array, n_regions, n_fds, out, capacity, out_len, err
             )
             if rc == lib.AIB_E_LIMIT and out_len[0] > capacity and out_len[0] <= MAX_MESSAGE_BYTES:
                 capacity = int(out_len[0])

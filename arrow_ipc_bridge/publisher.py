@@ -188,6 +188,9 @@ class Publisher:
         fds = list(exported.fds)
         err = new_error()
         waiting: list[HeldWait] = []  # sessions' held waits this publish answers
+        # The replaced object's death is delivered on this thread (the drain below), without waking
+        # the reaper thread to contend for the GIL with the publishing thread.
+        lib.aib_reaper_quiet(1)
         try:
             with self._lock:
                 if self._server.closed:  # closed while we exported
@@ -203,7 +206,10 @@ class Publisher:
                 waiting = self._watch.published(raw_name, version)
         finally:
             lib.aib_owner_unref(keeper)  # the entry holds its own reference (or none: then it closes)
-            _reaper.drain()  # a replaced object without leases is closed now, not later
+            try:
+                _reaper.drain()  # a replaced object without leases is closed now, not later
+            finally:
+                lib.aib_reaper_quiet(0)
         if waiting:  # sessions waiting for this name (or a newer version of it) get it now
             self._watch.deliver(waiting)
         return exported.stats

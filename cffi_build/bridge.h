@@ -627,6 +627,45 @@ int aib_cuda_describe_buffers(const int *attributes, unsigned n_attributes, unsi
 /* Calls cuMemPoolExportPointer for each pointer, writing 64 bytes each to out. Returns 0, or the
  * first failing CUresult with *done the number exported before it. */
 int aib_cuda_export_pool_pointers(const uint64_t *pointers, size_t n, uint8_t *out, size_t *done);
+/* ---------- the producer's fast path for fresh device data (cuda_export.c, py_columns.c) ---------
+ * One 1-D numeric column without nulls: `length` values of format `code` (an index into
+ * "c s i l C S I L e f g", i.e. int8..int64, uint8..uint64, float16/32/64) at device address `data`,
+ * and the stream its producer announced (0: none). */
+typedef struct aib_cuda_column {
+  uint64_t data;
+  int64_t length;
+  int64_t stream;
+  uint32_t code;
+  uint32_t reserved;
+} aib_cuda_column;
+/* Installs read_cuda_columns on the Python module module_name (py_columns.c); 0 or -1. */
+int aib_py_install_columns(const char *module_name);
+/* aib_columns_build: the schema and array (no device wrapper) of n columns of one length: a struct
+ * "+s" record batch with children named names[i] when as_batch, else one plain array (n == 1, names
+ * unused). One allocation per tree; the structs own no data (the caller keeps it alive). */
+int aib_columns_build(size_t n, const char *const *names, const aib_cuda_column *columns, int as_batch,
+                      struct ArrowSchema *schema_out, struct ArrowArray *array_out, aib_error *err);
+/* The one device ordinal of the columns' memory, one cuPointerGetAttributes each (the caller's context
+ * current). Returns 0; -2 when they live on several devices; or, with *failed the first column
+ * unknown to the driver, in pinned host memory, or whose query failed, the CUresult (-1 for the kind
+ * of memory). */
+int aib_cuda_devices_of(const aib_cuda_column *columns, size_t n, int32_t *device_out, size_t *failed);
+/* The producer's table of regions it made, keyed by CUDA buffer id (never reused in a process). */
+typedef struct aib_export_regions aib_export_regions;
+aib_export_regions *aib_export_regions_new(size_t capacity);
+void aib_export_regions_free(aib_export_regions *t);
+void aib_export_regions_clear(aib_export_regions *t);
+/* Remembers region for the allocation buffer_id on device (replacing an entry); a full table is
+ * cleared first. AIB_E_FORMAT for buffer id 0 or an over-long handle. */
+int aib_export_regions_put(aib_export_regions *t, uint64_t buffer_id, int32_t device, const aib_region *region);
+void aib_export_regions_stats(aib_export_regions *t, uint64_t *entries, uint64_t *hits, uint64_t *misses);
+/* Places every unplaced buffer of d when each lies in device memory of `device` whose allocation is in
+ * the table (pool regions only when pool_regions_allowed): one attribute query per allocation, the
+ * regions written to regions_out in order of first use (at most max_regions). Returns 0 with the slots
+ * placed, *n_regions and *n_buffers (buffers placed) set; 1 when any buffer misses, leaving d as it was
+ * (the caller's full placement path decides, and raises for memory it cannot share). */
+int aib_cuda_place_known(aib_export_regions *t, aib_described *d, int32_t device, int pool_regions_allowed,
+                         aib_region *regions_out, size_t max_regions, size_t *n_regions, size_t *n_buffers);
 /* ---------- sync events handed out only while pending (sync_event.c) -----------------------------
  * For the bridge's own imported data: sync_event (a pointer to a CUevent, as the C Device interface
  * has it) unless the driver says its recording completed, then NULL. Unchanged when no query

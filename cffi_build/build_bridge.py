@@ -30,11 +30,13 @@ C_SOURCES = [
     "serve.c",
     "remembered.c",
     "cuda_batch.c",
+    "cuda_export.c",
     "region_table.c",
     "sync_event.c",
     "columns.c",
     "py_capsules.c",
     "host_system.c",
+    "py_columns.c",
 ]
 HEADERS = ["arrow_c_abi.h", "bridge.h"]
 _INTEGER_DEFINE = re.compile(r"^#define\s+\w+\s+-?\d+\s*(/\*.*\*/)?\s*$")

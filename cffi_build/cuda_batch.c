@@ -41,6 +41,10 @@ void aib_cuda_set_driver(const aib_cuda_driver *driver) {
 
 uintptr_t aib_cuda_event_query(void) { return atomic_load_explicit(&event_query, memory_order_acquire); }
 
+uintptr_t aib_cuda_pointer_get_attributes(void) {
+  return atomic_load_explicit(&pointer_get_attributes, memory_order_acquire);
+}
+
 /* CUresult cuMemPoolImportPointer(CUdeviceptr *ptr_out, CUmemoryPool pool, CUmemPoolPtrExportData *data) */
 typedef int (*pool_import_fn)(uint64_t *ptr_out, void *pool, void *share_data);
 

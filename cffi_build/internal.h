@@ -79,6 +79,8 @@ int aib_numeric_dlpack_type(int numeric, uint8_t *code, uint8_t *bits);
 
 /* The driver's cuEventQuery as set by aib_cuda_set_driver (cuda_batch.c), or 0. */
 uintptr_t aib_cuda_event_query(void);
+/* The driver's cuPointerGetAttributes as set by aib_cuda_set_driver, or 0 (cuda_export.c). */
+uintptr_t aib_cuda_pointer_get_attributes(void);
 
 /* The owner takes decoded over and frees it with release when it dies (AIB_E_STATE when it holds
  * one already). wire_decode.c's aib_owner_attach_decoded passes the decoder's release, so that owner.c,

@@ -22,13 +22,16 @@ import contextlib
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from arrow_ipc_bridge._ffi import ffi as _core_ffi
+from arrow_ipc_bridge._ffi import lib as _core
 from arrow_ipc_bridge.cuda import _state
 from arrow_ipc_bridge.cuda._declarations import CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-from arrow_ipc_bridge.cuda.devices import synchronize
-from arrow_ipc_bridge.cuda.events import EventPool
+from arrow_ipc_bridge.cuda.devices import _ctx, synchronize
+from arrow_ipc_bridge.cuda.events import Event, EventPool
 from arrow_ipc_bridge.cuda.legacy_ipc import LegacyHandleCache
 from arrow_ipc_bridge.cuda.pointers import (
     PointerInfo,
@@ -61,8 +64,11 @@ __all__ = [
     "CudaPlacer",
     "bridge_pool",
     "event_pool",
+    "export_region_stats",
     "pool_fd_for",
+    "recorded_export_event",
     "remember_local_event",
+    "sync_handle_of",
 ]
 
 _log = logging.getLogger("arrow_ipc_bridge")
@@ -72,6 +78,15 @@ _legacy_handles = LegacyHandleCache()
 # The IPC pools this process named in a message (serial -> pool, weakly): the only ones whose fd
 # it hands to a session that asks (POOL_FD), and only while the pool object is alive.
 _named_pools: weakref.WeakValueDictionary[int, IpcMemoryPool] = weakref.WeakValueDictionary()
+# The regions this process made, by allocation (CUDA buffer id), in the C core: placing a message
+# whose allocations all have one is a single C call (see _place_known). Only regions that need no
+# per-message work go in: legacy handles, and pool export data (whose fd a session asks for once).
+_EXPORT_REGIONS_MAX = 1024
+_export_regions = _core_ffi.gc(
+    _core.aib_export_regions_new(_EXPORT_REGIONS_MAX), _core.aib_export_regions_free
+)
+if _export_regions == _core_ffi.NULL:
+    raise MemoryError("allocating the export region table")
 
 
 def remember_local_event(handle: bytes, event: int) -> None:
@@ -90,6 +105,74 @@ def _remember_local(handle: bytes, base: int) -> None:
         _state.local_exports.move_to_end(handle)
         while len(_state.local_exports) > _state.LOCAL_MAX:
             _state.local_exports.popitem(last=False)
+            # A region of the export table must stay findable by a consumer in this process (CUDA
+            # refuses to open our own handles): forgetting one forgets the table, which is rebuilt.
+            _core.aib_export_regions_clear(_export_regions)
+
+
+def _remember_region(info: PointerInfo, region: Region) -> None:
+    """Put a region the full path made into the export table, for the next messages over it."""
+    if len(region.handle) > 128:
+        return
+    raw = _core_ffi.new("aib_region *")
+    raw.kind = region.kind
+    raw.flags = region.flags
+    raw.size = region.size
+    raw.identity = region.identity
+    raw.fd_index = -1  # a pool's fd is never in the table: messages that carry it take the full path
+    raw.handle_len = len(region.handle)
+    _core_ffi.memmove(raw.handle, region.handle, len(region.handle))
+    _core.aib_export_regions_put(_export_regions, info.buffer_id, info.device, raw)
+
+
+def export_region_stats() -> dict[str, int]:
+    """The export region table: entries, and placements it served (hits) or sent to the full path."""
+    out = _core_ffi.new("uint64_t[3]")
+    _core.aib_export_regions_stats(_export_regions, out, out + 1, out + 2)
+    return {"entries": int(out[0]), "hits": int(out[1]), "misses": int(out[2])}
+
+
+# The pooled events recorded for captured data (recorded_export_event) and not exported yet, by
+# CUevent: the first export sends such an event's handle instead of recording another after it.
+_recorded_events: dict[int, Event] = {}
+
+
+def recorded_export_event(device: int, stream: int) -> tuple[Event, Callable[[], None]]:
+    """An event of the device's pool recorded on ``stream`` (the producer's), and what gives it back.
+
+    Call the second when nobody can wait on this recording any more (the captured data died).
+    """
+    events = event_pool(device)
+    event = events.acquire()
+    try:
+        event.record(stream)
+    except BaseException:
+        events.release(event)
+        raise
+    handle = event.handle
+    with _state.lock:
+        _recorded_events[handle] = event
+
+    def release() -> None:
+        with _state.lock:
+            _recorded_events.pop(handle, None)
+        events.release(event)
+
+    return event, release
+
+
+def sync_handle_of(event_handle: int) -> bytes | None:
+    """The interprocess handle of a pooled event :func:`recorded_export_event` recorded (still
+    leased), for the first export of its data only; None for any other event, and for a later
+    export of the same data (which then records an event of its own after it, as for any producer,
+    covering what the legacy default stream did since)."""
+    with _state.lock:
+        event = _recorded_events.pop(event_handle, None)
+    if event is None:
+        return None
+    sync = event.ipc_handle()
+    remember_local_event(sync, event_handle)
+    return sync
 
 
 def bridge_pool(device: int) -> IpcMemoryPool:
@@ -109,6 +192,10 @@ class CudaPlacement:
     fds: list[int]
     copied_bytes: int = 0
     buffers: int = 0
+    #: the regions as the C core's ``aib_region[]`` when the export table placed the message (then
+    #: ``regions`` is empty): ``region_count`` of them
+    region_array: Any = None
+    region_count: int = 0
     copies: list[tuple[IpcMemoryPool, int]] = field(default_factory=list)
     pool_fd_indexes: dict[int, int] = field(default_factory=dict)  # pool serial -> its fd's index
 
@@ -138,6 +225,42 @@ class CudaPlacer:
             described.set_length(slot, int.from_bytes(raw, "little", signed=True))
 
     def place(self, described: Described) -> CudaPlacement:
+        """Place every unplaced buffer: from the export table in one C call when every allocation
+        has a region there, else through the full path (which fills the table)."""
+        known = self._place_known(described)
+        if known is not None:
+            return known
+        return self._place_all(described)
+
+    def _place_known(self, described: Described) -> CudaPlacement | None:
+        n_slots = described.buffer_count
+        if n_slots == 0 or self.copy == "always":
+            return None
+        regions = _core_ffi.new("aib_region[]", n_slots)
+        n_regions = _core_ffi.new("size_t *")
+        n_buffers = _core_ffi.new("size_t *")
+        with _ctx(None):
+            miss = _core.aib_cuda_place_known(
+                _export_regions,
+                described.raw,
+                self.device,
+                int(not self.pool_fds),
+                regions,
+                n_slots,
+                n_regions,
+                n_buffers,
+            )
+        if miss:
+            return None
+        return CudaPlacement(
+            regions=[],
+            fds=[],
+            buffers=int(n_buffers[0]),
+            region_array=regions,
+            region_count=int(n_regions[0]),
+        )
+
+    def _place_all(self, described: Described) -> CudaPlacement:
         slots = described.slots()
         wanted = sorted(
             (i for i in range(0, len(slots), 4) if slots[i + 2] == SLOT_UNPLACED), key=lambda i: slots[i]
@@ -224,7 +347,7 @@ class CudaPlacer:
             _remember_local(handle, info.base)
             # A slab is never freed while this process lives: consumers may keep it imported.
             flags = REGION_FLAG_KEPT if kept_slab(info.base) is not None else 0
-            return Region(
+            region = Region(
                 REGION_CUDA_POOL,
                 size=info.size,
                 identity=info.buffer_id,
@@ -232,10 +355,14 @@ class CudaPlacer:
                 handle=handle,
                 flags=flags,
             )
+            _remember_region(info, region)
+            return region
         if info.legacy_ipc_capable:
             handle = _legacy_handles.get(info.base, info.buffer_id)
             _remember_local(handle, info.base)
-            return Region(REGION_CUDA_LEGACY, size=info.size, identity=info.buffer_id, handle=handle)
+            region = Region(REGION_CUDA_LEGACY, size=info.size, identity=info.buffer_id, handle=handle)
+            _remember_region(info, region)
+            return region
         fd_index = len(placement.fds)
         placement.fds.append(vmm_export_fd(info.base, device=self.device))
         handle = _NONCE + info.buffer_id.to_bytes(8, "little")

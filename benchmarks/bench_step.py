@@ -1,0 +1,337 @@
+#!/usr/bin/env python
+"""Lockstep step loop on the GPU: the cost of handing fresh device data to another process each step.
+
+    python benchmarks/bench_step.py [--sizes 1MiB,64MiB,1GiB] [--steps 400] [--json out.json] [--profile]
+
+Every step, for 16 float32 CUDA columns of the given total size:
+
+- the producer updates its columns in place (a CuPy kernel per column; synchronised, untimed: the
+  producer's kernels are not the hand-off) and hands them over;
+- the consumer takes them, makes its work ordered after the producer's (event wait), reads one value
+  (a 4-byte copy to the host) and checks it, gives them back, and answers the producer.
+
+Bridge: ``pub.publish("t", aib.from_cuda_arrays(columns))`` (timed on the producer: "publish"), a
+4-byte "go" to the consumer, ``session.get("t")`` -> ``__arrow_c_device_array__`` -> the struct's
+sync_event waited on (timed on the consumer: "get+capsule"), read, release, a 4-byte answer.
+``handoff`` = publish + get+capsule of the same step; ``step`` = the producer's time from before the
+publish to the answer (two notifications included).
+
+Peer, in the same run: torch.multiprocessing — the producer puts the same 16 tensors on a
+``torch.multiprocessing`` Queue (spawn context; torch shares the CUDA storages and their event),
+the consumer gets them, reads one value the same way and answers: ``step`` as above.
+
+``--spin`` makes both sides of both methods wait for each other by polling instead of sleeping (a
+sleeping side wakes on a cold core, which slows the Python that follows it).
+``--profile`` adds a cProfile of the producer's ``from_cuda_arrays`` + ``publish`` at each size.
+Producer and consumer are separate processes started with *spawn* (CUDA never crosses a fork).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import multiprocessing as mp
+import os
+import pstats
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from typing import Any
+
+_CTX = mp.get_context("spawn")
+_COLUMNS = 16
+_WARMUP = 50
+
+
+def _parse_size(text: str) -> int:
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def _receive(connection: Any, spin: bool) -> bytes:
+    """The next message; with ``spin``, polled without sleeping (the waiting side keeps its core
+    awake, as a busy step loop does), else a blocking read."""
+    if spin:
+        while not connection.poll(0):
+            pass
+    data: bytes = connection.recv_bytes()
+    return data
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {
+        "median_us": statistics.median(ordered) * 1e6,
+        "p10_us": ordered[len(ordered) // 10] * 1e6,
+        "p90_us": ordered[len(ordered) * 9 // 10] * 1e6,
+    }
+
+
+# ---------- bridge ------------------------------------------------------------------------------
+def bridge_producer(cfg: dict[str, Any], out: Any) -> None:
+    import cupy
+
+    import arrow_ipc_bridge as aib
+
+    path, size, steps, go, answers = cfg["path"], cfg["size"], cfg["steps"], cfg["go"], cfg["answers"]
+    profile, spin = cfg["profile"], cfg["spin"]
+    n = size // _COLUMNS // 4
+    columns = {f"c{i}": cupy.zeros(n, dtype=cupy.float32) for i in range(_COLUMNS)}
+    cupy.cuda.runtime.deviceSynchronize()
+    publish_times: list[float] = []
+    step_times: list[float] = []
+    profiler = cProfile.Profile() if profile else None
+    with aib.Publisher(path) as pub:
+        pub.publish("t", aib.from_cuda_arrays(columns))
+        out.send("ready")
+        for step in range(1, steps + _WARMUP + 1):
+            for column in columns.values():
+                cupy.add(column, 1, out=column)  # in place
+            cupy.cuda.runtime.deviceSynchronize()  # the producer's kernels are not the hand-off
+            if profiler is not None and step > _WARMUP:
+                profiler.enable()
+            t0 = time.perf_counter()
+            pub.publish("t", aib.from_cuda_arrays(columns))
+            t1 = time.perf_counter()
+            if profiler is not None:
+                profiler.disable()
+            go.send_bytes(struct.pack("<id", step, t1 - t0))
+            answer = _receive(answers, spin)
+            t2 = time.perf_counter()
+            if struct.unpack("<i", answer)[0] != step:
+                raise RuntimeError(f"step {step}: the consumer saw {answer!r}")
+            if step > _WARMUP:
+                publish_times.append(t1 - t0)
+                step_times.append(t2 - t0)
+        go.send_bytes(struct.pack("<id", -1, 0.0))
+        result: dict[str, Any] = {"publish": _summary(publish_times), "step": _summary(step_times)}
+        if profiler is not None:
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(45)
+            result["profile"] = text.getvalue()
+        out.send(result)
+
+
+def bridge_consumer(path: str, go: Any, answers: Any, spin: bool, out: Any) -> None:
+    import arrow_ipc_bridge as aib
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge._ffi import ffi
+    from arrow_ipc_bridge.capsules import capsule_struct
+
+    value = ffi.new("float *")
+    get_times: list[float] = []
+    handoffs: list[float] = []
+    with aib.connect(path, timeout=60.0) as session:
+        while True:
+            step, publish_s = struct.unpack("<id", _receive(go, spin))
+            if step < 0:
+                break
+            t0 = time.perf_counter()
+            imported = session.get("t")
+            schema_capsule, array_capsule = imported.__arrow_c_device_array__()
+            device_array = capsule_struct(array_capsule, "device_array")
+            if device_array.sync_event != ffi.NULL:
+                cuda.stream_wait_event(0, cuda.event_value(device_array.sync_event))
+            t1 = time.perf_counter()
+            column = device_array.array.children[_COLUMNS - 1]
+            pointer = int(ffi.cast("uintptr_t", column.buffers[1]))
+            cuda.memcpy_dtoh(int(ffi.cast("uintptr_t", value)), pointer, 4)  # after the event wait
+            if value[0] != float(step):
+                raise RuntimeError(f"step {step}: read {value[0]}")
+            del schema_capsule, array_capsule, device_array
+            imported.release()
+            answers.send_bytes(struct.pack("<i", step))
+            if step > _WARMUP:
+                get_times.append(t1 - t0)
+                handoffs.append(t1 - t0 + publish_s)
+    out.send({"get_capsule": _summary(get_times), "handoff": _summary(handoffs)})
+
+
+# ---------- torch.multiprocessing -----------------------------------------------------------------
+def torch_producer(run: tuple[int, int], queue: Any, answers: Any, spin: bool, out: Any) -> None:
+    import torch
+
+    size, steps = run
+
+    n = size // _COLUMNS // 4
+    tensors = [torch.zeros(n, dtype=torch.float32, device="cuda") for _ in range(_COLUMNS)]
+    torch.cuda.synchronize()
+    step_times: list[float] = []
+    out.send("ready")
+    for step in range(1, steps + _WARMUP + 1):
+        for tensor in tensors:
+            tensor.add_(1)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        queue.put((step, tensors))
+        answer = _receive(answers, spin)
+        t1 = time.perf_counter()
+        if struct.unpack("<i", answer)[0] != step:
+            raise RuntimeError(f"step {step}: the consumer saw {answer!r}")
+        if step > _WARMUP:
+            step_times.append(t1 - t0)
+    queue.put((-1, None))
+    out.send({"step": _summary(step_times)})
+    answers.recv_bytes()  # the consumer is done with every tensor: they may go now
+
+
+def torch_consumer(queue: Any, answers: Any, spin: bool, out: Any) -> None:
+    import queue as queues
+
+    import torch
+
+    torch.cuda.init()
+    while True:
+        if spin:
+            while True:
+                try:
+                    step, tensors = queue.get_nowait()
+                    break
+                except queues.Empty:
+                    pass
+        else:
+            step, tensors = queue.get()
+        if step < 0:
+            break
+        value = float(tensors[_COLUMNS - 1][0].item())
+        if value != float(step):
+            raise RuntimeError(f"step {step}: read {value}")
+        del tensors
+        answers.send_bytes(struct.pack("<i", step))
+    out.send("done")
+    answers.send_bytes(struct.pack("<i", -1))
+
+
+# ---------- driver ---------------------------------------------------------------------------------
+def _run_pair(
+    producer: Any,
+    consumer: Any,
+    producer_args: tuple[Any, ...],
+    consumer_args: tuple[Any, ...],
+    timeout: float,
+) -> tuple[Any, Any]:
+    p_out, p_in = _CTX.Pipe()
+    c_out, c_in = _CTX.Pipe()
+    prod = _CTX.Process(target=producer, args=(*producer_args, p_in))
+    cons = _CTX.Process(target=consumer, args=(*consumer_args, c_in))
+    prod.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not p_out.poll(0.5):
+            if prod.exitcode is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the producer did not start (exit code {prod.exitcode})")
+        if p_out.recv() != "ready":
+            raise RuntimeError("the producer did not start")
+        cons.start()
+        deadline = time.monotonic() + timeout
+        while not p_out.poll(0.5):
+            if prod.exitcode is not None or cons.exitcode is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the run did not finish (exit codes {prod.exitcode}, {cons.exitcode})")
+        produced = p_out.recv()
+        if not c_out.poll(60):
+            raise RuntimeError("the consumer did not finish")
+        consumed = c_out.recv()
+        return produced, consumed
+    finally:
+        for process in (prod, cons):
+            if process.pid is None:  # never started
+                continue
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def run_bridge(size: int, steps: int, profile: bool, spin: bool, timeout: float) -> dict[str, Any]:
+    path = os.path.join(tempfile.mkdtemp(dir="/tmp"), "step.sock")
+    go_recv, go_send = _CTX.Pipe(duplex=False)
+    ans_recv, ans_send = _CTX.Pipe(duplex=False)
+    produced, consumed = _run_pair(
+        bridge_producer,
+        bridge_consumer,
+        (
+            {
+                "path": path,
+                "size": size,
+                "steps": steps,
+                "go": go_send,
+                "answers": ans_recv,
+                "profile": profile,
+                "spin": spin,
+            },
+        ),
+        (path, go_recv, ans_send, spin),
+        timeout,
+    )
+    return {**produced, **consumed}
+
+
+def run_torch(size: int, steps: int, spin: bool, timeout: float) -> dict[str, Any]:
+    import torch.multiprocessing as tmp
+
+    queue = tmp.get_context("spawn").Queue()
+    ans_recv, ans_send = _CTX.Pipe(duplex=False)
+    produced, _ = _run_pair(
+        torch_producer,
+        torch_consumer,
+        ((size, steps), queue, ans_recv, spin),
+        (queue, ans_send, spin),
+        timeout,
+    )
+    return produced
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="1MiB,64MiB,1GiB", help="total sizes of the 16 float32 columns")
+    parser.add_argument(
+        "--steps", type=int, default=400, help="timed steps per size (after 50 warm-up steps)"
+    )
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--profile", action="store_true", help="cProfile the producer's publish")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch.multiprocessing peer")
+    parser.add_argument(
+        "--spin", action="store_true", help="both sides of both methods wait by polling, not sleeping"
+    )
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {}
+    for text in args.sizes.split(","):
+        size = _parse_size(text)
+        bridge = run_bridge(size, args.steps, args.profile, args.spin, args.timeout)
+        torch_result = None if args.no_torch else run_torch(size, args.steps, args.spin, args.timeout)
+        results[text] = {"bridge": bridge, "torch": torch_result}
+        line = (
+            f"{text:>7}: bridge publish {bridge['publish']['median_us']:7.1f} us, get+capsule "
+            f"{bridge['get_capsule']['median_us']:6.1f} us, handoff {bridge['handoff']['median_us']:7.1f} us "
+            f"(p90 {bridge['handoff']['p90_us']:.1f}), step {bridge['step']['median_us']:7.1f} us"
+        )
+        if torch_result is not None:
+            torch_step = torch_result["step"]["median_us"]
+            line += (
+                f" | torch.multiprocessing step {torch_step:8.1f} us: "
+                f"{torch_step / bridge['handoff']['median_us']:.1f}x the bridge's handoff, "
+                f"{torch_step / bridge['step']['median_us']:.1f}x its step"
+            )
+        print(line, flush=True)
+        if args.profile:
+            print(bridge["profile"], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

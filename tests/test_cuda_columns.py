@@ -1,0 +1,206 @@
+"""from_cuda_array(s) without a GPU: the checks made before any driver call, and the C builder of
+the columns' Arrow structs (exercised over host memory, which it never reads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import arrow_ipc_bridge as aib
+from arrow_ipc_bridge import device
+from arrow_ipc_bridge._ffi import ffi, lib, new_error
+from arrow_ipc_bridge.capsules import DEVICE_CPU, CapturedArray, CapturedData, capture
+from arrow_ipc_bridge.metadata import Described, DeviceInfo, process_region
+
+
+class _FakeCudaArray:
+    """An object announcing ``__cuda_array_interface__`` facts (never dereferenced by the checks)."""
+
+    def __init__(self, **overrides: Any) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (4,),
+            "typestr": "<f4",
+            "data": (0x1000, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+            **overrides,
+        }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"shape": (2, 2)}, "only 1-D arrays"),
+        ({"typestr": ">f4"}, "little-endian numbers only"),
+        ({"typestr": "<c8"}, "no zero-copy Arrow equivalent"),
+        ({"strides": (8,)}, "not contiguous"),
+        ({"mask": object()}, "masked GPU arrays"),
+    ],
+)
+def test_arrays_arrow_cannot_show_are_refused_before_the_driver(
+    overrides: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(aib.BridgeError, match=message):
+        aib.from_cuda_arrays({"x": _FakeCudaArray(**overrides)})
+    with pytest.raises(aib.BridgeError, match=message):
+        aib.from_cuda_array(_FakeCudaArray(**overrides))
+
+
+def test_a_batch_needs_columns_of_one_length_and_at_least_one() -> None:
+    with pytest.raises(aib.BridgeError, match="different lengths"):
+        aib.from_cuda_arrays({"a": _FakeCudaArray(), "b": _FakeCudaArray(shape=(5,))})
+    with pytest.raises(aib.BridgeError, match="at least one column"):
+        aib.from_cuda_arrays({})
+
+
+def test_objects_without_an_array_interface_are_refused() -> None:
+    with pytest.raises(aib.BridgeError, match="neither __cuda_array_interface__ nor __dlpack__"):
+        aib.from_cuda_arrays({"a": [1.0, 2.0]})
+
+
+def _columns(arrays: list[np.ndarray]) -> Any:
+    columns = ffi.new("aib_cuda_column[]", len(arrays))
+    for column, a in zip(columns, arrays, strict=True):
+        column.data = a.ctypes.data
+        column.length = len(a)
+        column.code = device._FORMAT_CODES[a.dtype.str[1:]]
+    return columns
+
+
+def _built(arrays: list[np.ndarray], names: tuple[str, ...] | None) -> CapturedData:
+    """The C builder's structs over host arrays, as captured host data."""
+    schema = lib.aib_schema_alloc()
+    array = lib.aib_device_array_alloc()
+    err = new_error()
+    rc = lib.aib_columns_build(
+        len(arrays),
+        ffi.NULL if names is None else device._c_names(names),
+        _columns(arrays),
+        int(names is not None),
+        schema,
+        ffi.addressof(array, "array"),
+        err,
+    )
+    assert rc == 0, ffi.string(err.message)
+    array.device_type = DEVICE_CPU
+    array.device_id = -1
+    return CapturedData(schema, [array], is_stream=False)
+
+
+def _message(captured: CapturedData) -> bytes:
+    described = Described(captured)
+    lib.aib_described_place_all(described.raw, 0, 0)
+    return described.encode(DeviceInfo(device_type=DEVICE_CPU), [process_region()])
+
+
+_DTYPES = ["i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8"]
+
+
+def test_built_structs_are_what_pyarrow_exports() -> None:
+    """Same schema, values and wire message as pyarrow's record batch (and plain array) of the
+    same buffers: consumers cannot tell the fast path from the old one."""
+    columns = {f"c_{dtype}": np.arange(7).astype(dtype) for dtype in _DTYPES}
+    reference = pa.RecordBatch.from_arrays([pa.array(v) for v in columns.values()], names=list(columns))
+    names = tuple(columns)
+    built = pa.record_batch(CapturedArray(_built(list(columns.values()), names)))
+    assert built.equals(reference)
+    assert built.schema.equals(reference.schema)
+    assert _message(_built(list(columns.values()), names)) == _message(capture(reference))
+    one = np.arange(5, dtype=np.float64)
+    assert pa.array(CapturedArray(_built([one], None))).equals(pa.array(one))
+    assert _message(_built([one], None)) == _message(capture(pa.array(one)))
+
+
+def test_built_structs_free_every_node() -> None:
+    before = lib.aib_live_nodes()
+    captured = _built([np.zeros(3, np.float32)] * 16, tuple(f"c{i}" for i in range(16)))
+    assert lib.aib_live_nodes() - before == 2 * 17
+    captured.close()
+    assert lib.aib_live_nodes() == before
+
+
+def test_the_builder_refuses_bad_arguments() -> None:
+    schema = lib.aib_schema_alloc()
+    array = lib.aib_device_array_alloc()
+    two = [np.zeros(4, np.float32), np.zeros(4, np.float32)]
+    bad_code = _columns(two)
+    bad_code[1].code = 11
+    bad_length = _columns(two)
+    bad_length[1].length = 5
+    try:
+        for n, columns, as_batch in (
+            (0, _columns(two), 1),
+            (2, _columns(two), 0),
+            (2, bad_code, 1),
+            (2, bad_length, 1),
+        ):
+            err = new_error()
+            rc = lib.aib_columns_build(
+                n, device._c_names(("a", "b")), columns, as_batch, schema, ffi.addressof(array, "array"), err
+            )
+            assert rc == lib.AIB_E_FORMAT
+            assert schema.release == ffi.NULL
+            assert array.array.release == ffi.NULL
+    finally:
+        lib.aib_schema_free(schema)
+        lib.aib_device_array_free(array)
+
+
+def test_the_c_reader_takes_what_the_python_reader_takes() -> None:
+    """read_cuda_columns reads the same facts as _column_facts, and stops at the first column it
+    cannot take (no interface, a shape/type/stride/mask to refuse, another length), leaving that
+    column to the Python path and its errors."""
+    from arrow_ipc_bridge._ffi import read_cuda_columns
+
+    good = [
+        _FakeCudaArray(typestr=f"<{t}" if t[1] != "1" else f"|{t}", data=(0x1000 * (k + 1), False), stream=k)
+        for k, t in enumerate(_DTYPES)
+    ]
+    good.append(_FakeCudaArray(strides=(4,), stream=None))
+    columns = ffi.new("aib_cuda_column[]", len(good))
+    assert read_cuda_columns(good, int(ffi.cast("uintptr_t", columns)), len(good)) == len(good)
+    for column, value in zip(columns, good, strict=True):
+        _, pointer, length, code, stream = device._column_facts(value)
+        assert (column.data, column.length, column.code, column.stream) == (
+            pointer,
+            length,
+            code,
+            stream or 0,
+        )
+    for bad in (
+        [1.0],
+        _FakeCudaArray(shape=(2, 2)),
+        _FakeCudaArray(typestr=">f4"),
+        _FakeCudaArray(typestr="<c8"),
+        _FakeCudaArray(strides=(8,)),
+        _FakeCudaArray(mask=object()),
+        _FakeCudaArray(shape=(5,)),
+        _FakeCudaArray(data=(-1, False)),
+    ):
+        values = [_FakeCudaArray(), bad, _FakeCudaArray()]
+        assert read_cuda_columns(values, int(ffi.cast("uintptr_t", columns)), 3) == 1, bad
+    with pytest.raises(ValueError, match="list of n values"):
+        read_cuda_columns((_FakeCudaArray(),), int(ffi.cast("uintptr_t", columns)), 1)
+
+
+def test_the_export_region_table_places_nothing_it_was_not_told() -> None:
+    """Without a driver (or with an empty table) every message misses: the full path decides."""
+    table = ffi.gc(lib.aib_export_regions_new(4), lib.aib_export_regions_free)
+    described = Described(capture(pa.array(np.arange(4, dtype=np.float32))))
+    regions = ffi.new("aib_region[]", 4)
+    n_regions = ffi.new("size_t *")
+    n_buffers = ffi.new("size_t *")
+    assert lib.aib_cuda_place_known(table, described.raw, 0, 1, regions, 4, n_regions, n_buffers) == 1
+    assert n_regions[0] == 0
+    region = ffi.new("aib_region *")
+    region.handle_len = 64
+    assert lib.aib_export_regions_put(table, 0, 0, region) == lib.AIB_E_FORMAT  # buffer id 0 is no id
+    for buffer_id in range(1, 100):  # a full table starts over rather than growing
+        assert lib.aib_export_regions_put(table, buffer_id, 0, region) == 0
+    stats = ffi.new("uint64_t[3]")
+    lib.aib_export_regions_stats(table, stats, stats + 1, stats + 2)
+    assert 0 < stats[0] <= 64

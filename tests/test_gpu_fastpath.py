@@ -1,0 +1,261 @@
+"""The producer's fast path for fresh device data (marker: gpu): from_cuda_array(s) built in C and
+messages placed from the export region table must say exactly what the full path says, keep the
+copy policy and the refusals, carry the producer's event, and leak nothing over many publishes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import arrow_ipc_bridge as aib
+from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, Decoded
+
+pytestmark = pytest.mark.gpu
+_CTX = mp.get_context("spawn")
+
+
+@pytest.fixture
+def cupy(cuda_device: int) -> Any:
+    return pytest.importorskip("cupy")
+
+
+@pytest.fixture
+def publisher(cuda_device: int) -> Iterator[aib.Publisher]:
+    with aib.Publisher(os.path.join(tempfile.mkdtemp(dir="/tmp"), "fast.sock")) as pub:
+        yield pub
+
+
+def _table_stats() -> dict[str, int]:
+    from arrow_ipc_bridge.cuda import placer
+
+    return placer.export_region_stats()
+
+
+def _forget_regions() -> None:
+    """Empty the export table: the next export of any allocation takes the full path."""
+    from arrow_ipc_bridge._ffi import lib
+    from arrow_ipc_bridge.cuda import placer
+
+    lib.aib_export_regions_clear(placer._export_regions)
+
+
+def _normalized(exported: aib.Exported) -> tuple[bytes, list[Any], list[Any]]:
+    """The message with its sync handle (which event carries it differs per export) zeroed, its
+    regions and buffer references as decoded."""
+    decoded = Decoded(exported.message, len(exported.fds))
+    try:
+        sync = decoded.device().sync
+        assert len(sync) == 64, "a CUDA message always carries an interprocess event"
+        return exported.message.replace(sync, bytes(64)), decoded.regions(), decoded.buffer_refs()
+    finally:
+        decoded.close()
+
+
+def _export_twice(make: Any, *, pool_fds: bool = False) -> tuple[Any, Any, dict[str, int], dict[str, int]]:
+    """Export the same arrays with an empty table (full path), then again (the table's path)."""
+    _forget_regions()
+    before = _table_stats()
+    with aib.export(make(), pool_fds=pool_fds) as first:
+        full = _normalized(first)
+    middle = _table_stats()
+    with aib.export(make(), pool_fds=pool_fds) as second:
+        fast = _normalized(second)
+    after = _table_stats()
+    return full, fast, {k: middle[k] - before[k] for k in before}, {k: after[k] - middle[k] for k in after}
+
+
+def test_the_table_path_writes_the_full_paths_message(cupy: Any) -> None:
+    """Legacy (cudaMalloc) allocations: the second export of the same arrays is placed by the C
+    table and its message is byte for byte the full path's (the event handle aside)."""
+    columns = {
+        "f32": cupy.arange(1000, dtype=cupy.float32),
+        "i64": cupy.arange(1000, dtype=cupy.int64),
+        "u8": cupy.ones(1000, dtype=cupy.uint8),
+    }
+    cupy.cuda.runtime.deviceSynchronize()
+    full, fast, first, second = _export_twice(lambda: aib.from_cuda_arrays(columns))
+    assert first["hits"] == 0
+    assert first["misses"] >= 1
+    assert second["hits"] == len(full[1])  # one look-up per allocation (CuPy may carve two from one)
+    assert second["misses"] == 0
+    assert fast == full
+
+
+def test_pool_regions_come_from_the_table_only_without_pool_fds(cupy: Any) -> None:
+    """IPC-pool allocations: placed by the table when the pool's fd stays out of the message (as a
+    publisher sends it); a message that must carry the fd takes the full path every time."""
+    from arrow_ipc_bridge import cuda
+
+    allocator = cuda.cupy_allocator(0)
+    with cupy.cuda.using_allocator(allocator):
+        values = cupy.arange(1 << 14, dtype=cupy.int32)
+    cupy.cuda.runtime.deviceSynchronize()
+    full, fast, _, second = _export_twice(lambda: aib.from_cuda_arrays({"v": values}))
+    assert second["hits"] == 1
+    assert fast == full
+    assert full[1][0].kind == REGION_CUDA_POOL
+    assert full[1][0].fd_index == -1
+    full, fast, _, second = _export_twice(lambda: aib.from_cuda_arrays({"v": values}), pool_fds=True)
+    assert second["hits"] == 0
+    assert second["misses"] == 1
+    assert fast == full
+
+
+def test_columns_in_one_allocation_are_one_region(cupy: Any) -> None:
+    block = cupy.arange(3000, dtype=cupy.float32)
+    columns = {"a": block[:1000], "b": block[1000:2000], "c": block[2000:]}
+    cupy.cuda.runtime.deviceSynchronize()
+    full, fast, _, second = _export_twice(lambda: aib.from_cuda_arrays(columns))
+    assert len(full[1]) == 1
+    assert second["hits"] == 1
+    assert fast == full
+
+
+def test_memory_ipc_cannot_share_is_refused_every_time(publisher: aib.Publisher, cupy: Any) -> None:
+    """Managed memory never enters the table: copy='never' refuses it each time, 'if_needed'
+    copies it each time (counted); pinned host memory is no column at all."""
+    memory = cupy.cuda.malloc_managed(1024 * 4)
+    values = cupy.ndarray((1024,), cupy.float32, memory)
+    values[:] = 1.0
+    cupy.cuda.runtime.deviceSynchronize()
+    for _ in range(3):
+        with pytest.raises(aib.CopyRequiredError):
+            publisher.publish("m", aib.from_cuda_arrays({"v": values}), copy="never")
+        assert publisher.publish("m", aib.from_cuda_arrays({"v": values})).copied_bytes == 1024 * 4
+    pinned = cupy.cuda.alloc_pinned_memory(4096)
+
+    class _Pinned:
+        __cuda_array_interface__ = {  # noqa: RUF012
+            "shape": (1024,),
+            "typestr": "<f4",
+            "data": (pinned.ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+    with pytest.raises(aib.RegionError, match="not CUDA device memory"):
+        aib.from_cuda_arrays({"v": _Pinned()})
+
+
+def test_torch_tensors_and_a_device_capsule_producer(publisher: aib.Publisher, cupy: Any) -> None:
+    """Torch tensors through from_cuda_arrays, and any ``__arrow_c_device_array__`` producer, read
+    right by a session (here in the same process)."""
+    torch = pytest.importorskip("torch")
+    tensors = {f"t{i}": torch.full((500,), float(i), device="cuda") for i in range(4)}
+    torch.cuda.synchronize()
+    inner = aib.from_cuda_arrays(tensors)
+
+    class _Producer:
+        def __arrow_c_device_array__(self, requested_schema: object = None, **kwargs: object) -> Any:
+            return inner.__arrow_c_device_array__(requested_schema, **kwargs)
+
+    with aib.connect(publisher.path, timeout=30.0) as session:
+        for round_ in range(3):
+            publisher.publish("torch", aib.from_cuda_arrays(tensors))
+            publisher.publish("capsule", _Producer())
+            for name in ("torch", "capsule"):
+                with session.get(name) as imported:
+                    table = imported.to_host()
+                assert table.column("t3").to_pylist() == [3.0] * 500, (name, round_)
+    assert _table_stats()["hits"] > 0
+
+
+def test_the_producers_event_is_honoured_on_the_table_path(publisher: aib.Publisher, cupy: Any) -> None:
+    """Publish once (the allocation enters the table), then publish while a kernel still writes
+    the column: the consumer waits on the event and reads the final values."""
+    from helpers import gpu_children
+
+    spin = cupy.RawKernel(
+        r"""
+        extern "C" __global__ void spin_then_fill(float *out, int n, long long cycles) {
+            long long start = clock64();
+            while (clock64() - start < cycles) { }
+            int i = blockIdx.x * blockDim.x + threadIdx.x;
+            if (i < n) out[i] = 7.0f;
+        }
+        """,
+        "spin_then_fill",
+    )
+    n = 4096
+    data = cupy.zeros(n, dtype=cupy.float32)
+    cupy.cuda.runtime.deviceSynchronize()
+    publisher.publish("slow", aib.from_cuda_arrays({"v": data}))
+    parent, child = _CTX.Pipe()
+    process = _CTX.Process(target=gpu_children.cudf_style_reader, args=(str(publisher.path), "slow", child))
+    process.start()
+    try:
+        assert parent.poll(120), "reader did not start"
+        assert parent.recv() == "ready"
+        hits = _table_stats()["hits"]
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            spin((n // 256,), (256,), (data, cupy.int32(n), cupy.int64(2_000_000_000)))  # ~1 s
+            publisher.publish("slow", aib.from_cuda_arrays({"v": data}))
+        assert _table_stats()["hits"] == hits + 1
+        parent.send("go")
+        assert parent.poll(120), "reader did not answer"
+        values, had_event = parent.recv()
+        assert had_event
+        assert values == [7.0] * n
+    finally:
+        parent.send("stop")
+        process.join(60)
+        if process.is_alive():
+            process.kill()
+    assert process.exitcode == 0
+
+
+def _opens() -> int:
+    cuda = aib.stats().cuda
+    return cuda.legacy_opens + cuda.pool_imports + cuda.pool_pointer_imports
+
+
+def test_many_publishes_leak_no_event_handle_or_struct(publisher: aib.Publisher, cupy: Any) -> None:
+    """Thousands of publishes of in-place-updated columns (on a stream: each batch has its own
+    recorded event), each got once: the event pool stops growing, no event stays leased, no handle
+    is opened again, every struct and owner is freed."""
+    from arrow_ipc_bridge import _reaper
+    from arrow_ipc_bridge._ffi import lib
+    from arrow_ipc_bridge.cuda import placer
+
+    columns = {f"c{i}": cupy.zeros(256, dtype=cupy.float32) for i in range(16)}
+    events = placer.event_pool(0)
+    _reaper.drain()
+    # What earlier tests' publications still hold:
+    leased, recorded = events.leased, len(placer._recorded_events)
+    callbacks, nodes = _reaper.pending_callbacks(), lib.aib_live_nodes()
+
+    stream = cupy.cuda.Stream(non_blocking=True)  # announced: each batch carries a pooled event
+
+    def step(session: Any, i: int) -> None:
+        with stream:
+            for column in columns.values():
+                column += 1  # noqa: PLW2901 (in place: the same arrays each step)
+            publisher.publish("t", aib.from_cuda_arrays(columns))
+        with session.get("t") as imported:
+            schema_capsule, array_capsule = imported.__arrow_c_device_array__()
+            del schema_capsule, array_capsule
+
+    with aib.connect(publisher.path, timeout=30.0) as session:
+        for i in range(50):
+            step(session, i)
+        created, opens = events.created, _opens()
+        for i in range(2000):
+            step(session, i)
+        assert events.created - created <= 2
+        assert _opens() == opens
+        last = session.get("t")
+        assert last.to_host().column("c15").to_pylist() == [2050.0] * 256
+        last.release()
+    publisher.unpublish("t")
+    _reaper.drain()
+    assert events.leased <= leased
+    assert len(placer._recorded_events) <= recorded
+    assert publisher.active_leases == 0
+    assert _reaper.pending_callbacks() <= callbacks + 5
+    assert lib.aib_live_nodes() <= nodes + 50
