@@ -56,8 +56,8 @@ from arrow_ipc_bridge.host import SharedHostBuffer, allocate_shared
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, to_host
 from arrow_ipc_bridge.process_stats import BridgeStats, CudaStats, HostStats, SessionStats, stats
 from arrow_ipc_bridge.publisher import Publisher
-from arrow_ipc_bridge.session import Session, connect
-from arrow_ipc_bridge.streams import LiveStream, SlotLayout, StreamSlot, StreamWriter, subscribe
+from arrow_ipc_bridge.session import Session, connect, subscribe
+from arrow_ipc_bridge.streams import LiveStream, SlotLayout, StreamSlot, StreamWriter
 
 __all__ = [
     "__version__",

@@ -17,7 +17,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from arrow_ipc_bridge import _process, _reaper, protocol, transport, waiting
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
@@ -44,11 +44,9 @@ from arrow_ipc_bridge.metadata import (
 )
 from arrow_ipc_bridge.process_stats import import_counters
 from arrow_ipc_bridge.remembered import RememberedMessage, RememberedMessages, needs_lease
+from arrow_ipc_bridge.streams.live import LiveStream, open_subscription
 
-if TYPE_CHECKING:
-    from arrow_ipc_bridge.streams.live import LiveStream
-
-__all__ = ["Session", "connect"]
+__all__ = ["Session", "connect", "subscribe"]
 
 Imported = ImportedArray | ImportedStream
 
@@ -655,8 +653,6 @@ class Session:
         waited for (None: forever). Raises :class:`~arrow_ipc_bridge.errors.NotPublishedError`
         when no such stream is open.
         """
-        from arrow_ipc_bridge.streams.live import subscribe
-
         self._connection()
         if self._path is None:
             raise BridgeError(
@@ -831,3 +827,28 @@ def connect(
         conn.close()
         raise
     return session
+
+
+def subscribe(
+    path: str | os.PathLike[str],
+    name: str,
+    *,
+    max_in_flight: int = 8,
+    timeout: float | None = None,
+    connect_timeout: float = 5.0,
+    check: str | None = None,
+) -> LiveStream:
+    """Subscribe to the live stream ``name`` of the publisher at ``path`` (from now on).
+
+    ``max_in_flight``: batches this consumer may hold unreleased (the publisher may grant fewer);
+    ``timeout``: seconds each batch is waited for (None: forever); ``check``: see
+    :class:`~arrow_ipc_bridge.Session`. Raises :class:`~arrow_ipc_bridge.errors.NotPublishedError`
+    when no such stream is open.
+    """
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
+        raise TypeError(f"max_in_flight must be an int, not {type(max_in_flight).__name__}")
+    # The subscription's own connection; remembered_messages: one per reserved slot of the stream.
+    session = connect(path, timeout=connect_timeout, remembered_messages=1024, check=check)
+    return open_subscription(
+        session, name, max_in_flight=max_in_flight, timeout=timeout, request_timeout=connect_timeout
+    )

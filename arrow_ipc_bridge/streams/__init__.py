@@ -8,8 +8,8 @@
 - :mod:`~arrow_ipc_bridge.streams.live`: the consumer's :class:`LiveStream`.
 """
 
-from arrow_ipc_bridge.streams.live import LiveStream, subscribe
+from arrow_ipc_bridge.streams.live import LiveStream
 from arrow_ipc_bridge.streams.slots import SlotLayout, StreamSlot
 from arrow_ipc_bridge.streams.writer import StreamWriter
 
-__all__ = ["LiveStream", "SlotLayout", "StreamSlot", "StreamWriter", "subscribe"]
+__all__ = ["LiveStream", "SlotLayout", "StreamSlot", "StreamWriter"]

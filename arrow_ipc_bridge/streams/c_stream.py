@@ -13,16 +13,23 @@ from __future__ import annotations
 
 import errno
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from arrow_ipc_bridge._ffi import ffi, lib, new_error
 from arrow_ipc_bridge.capsules import new_capsule
 
 if TYPE_CHECKING:
     from arrow_ipc_bridge.imported import ImportedArray
-    from arrow_ipc_bridge.streams.live import LiveStream
 
 __all__ = ["stream_capsule"]
+
+
+class BatchSource(Protocol):
+    """What a C stream reads from (a ``LiveStream``; named by what it does, so this module needs
+    nothing above it)."""
+
+    def next_batch(self) -> ImportedArray | None: ...
+
 
 # Streams handed out and not released yet: the callbacks (and what they use) must outlive any C
 # caller; release drops the entry.
@@ -33,7 +40,7 @@ _lock = threading.Lock()
 class _CStream:
     """What one C stream's callbacks work with."""
 
-    def __init__(self, live: LiveStream, first: ImportedArray, *, device: bool) -> None:
+    def __init__(self, live: BatchSource, first: ImportedArray, *, device: bool) -> None:
         self.live = live
         self.device = device
         self.first: ImportedArray | None = first  # peeked for the schema; handed out first
@@ -101,7 +108,7 @@ class _CStream:
             self.first = None
 
 
-def stream_capsule(live: LiveStream, first: ImportedArray, *, device: bool) -> object:
+def stream_capsule(live: BatchSource, first: ImportedArray, *, device: bool) -> object:
     """A capsule holding a C stream over ``live`` (``first``: its next batch, already received)."""
     state = _CStream(live, first, device=device)
     capsule, stream = new_capsule("device_stream" if device else "stream")

@@ -37,7 +37,7 @@ from arrow_ipc_bridge.errors import (
 from arrow_ipc_bridge.imported import ImportedArray
 from arrow_ipc_bridge.streams import frames
 
-__all__ = ["LiveStream", "subscribe"]
+__all__ = ["LiveStream", "open_subscription"]
 
 _LEASE_LIMIT = 1 << _reaper.FAMILY_VALUE_BITS
 
@@ -342,34 +342,23 @@ def _close_kept(slots: dict[int, tuple[bytes, list[int]]]) -> None:
     slots.clear()
 
 
-def subscribe(
-    path: str | os.PathLike[str],
-    name: str,
-    *,
-    max_in_flight: int = 8,
-    timeout: float | None = None,
-    connect_timeout: float = 5.0,
-    check: str | None = None,
+def open_subscription(
+    session: Any, name: str, *, max_in_flight: int, timeout: float | None, request_timeout: float
 ) -> LiveStream:
-    """Subscribe to the live stream ``name`` of the publisher at ``path`` (from now on).
-
-    ``max_in_flight``: batches this consumer may hold unreleased (the publisher may grant fewer);
-    ``timeout``: seconds each batch is waited for (None: forever); ``check``: see
-    :class:`~arrow_ipc_bridge.Session`. Raises :class:`~arrow_ipc_bridge.errors.NotPublishedError`
-    when no such stream is open.
-    """
-    from arrow_ipc_bridge.session import connect  # imported here: session.py offers subscribe() in turn
-
-    if isinstance(max_in_flight, bool) or not 1 <= max_in_flight <= frames.MAX_IN_FLIGHT:
-        raise ValueError(f"max_in_flight must be 1 to {frames.MAX_IN_FLIGHT}, not {max_in_flight!r}")
-    session = connect(path, timeout=connect_timeout, remembered_messages=1024, check=check)
+    """Turn ``session``, freshly connected and used for nothing else, into the subscription to the
+    live stream ``name`` (SUBSCRIBE, then SUBSCRIBED). The stream owns the session from then on; on
+    any failure the session is closed. Raises :class:`~arrow_ipc_bridge.errors.NotPublishedError`
+    when no such stream is open. (``Session.subscribe`` and ``arrow_ipc_bridge.subscribe`` connect;
+    this module stays below the session module.)"""
     try:
+        if isinstance(max_in_flight, bool) or not 1 <= max_in_flight <= frames.MAX_IN_FLIGHT:
+            raise ValueError(f"max_in_flight must be 1 to {frames.MAX_IN_FLIGHT}, not {max_in_flight!r}")
         features = session.publisher_info.get("features")
         if not isinstance(features, list) or "stream" not in features:
             raise BridgeError("this publisher does not serve live streams (an older version): upgrade it")
         channel = session._connection()
         frame = channel.request(
-            protocol.SUBSCRIBE, frames.encode_subscribe(name, max_in_flight), timeout=connect_timeout
+            protocol.SUBSCRIBE, frames.encode_subscribe(name, max_in_flight), timeout=request_timeout
         )
         frame.close_fds()
         if frame.kind == protocol.ERROR:
