@@ -86,6 +86,18 @@ def test_the_table_path_writes_the_full_paths_message(cupy: Any) -> None:
     assert fast == full
 
 
+def test_the_table_path_numbers_regions_as_the_full_path_does(cupy: Any) -> None:
+    """Columns named in another order than their addresses (as after CuPy's pool reused freed
+    blocks): the table's path numbers the regions by address, as the full path does, so the two
+    messages are the same bytes."""
+    arrays = [cupy.arange(1 << 12, dtype=cupy.float32) + k for k in range(4)]
+    columns = {f"c{k}": a for k, a in enumerate(sorted(arrays, key=lambda a: -a.data.ptr))}
+    cupy.cuda.runtime.deviceSynchronize()
+    full, fast, _, second = _export_twice(lambda: aib.from_cuda_arrays(columns))
+    assert second["misses"] == 0
+    assert fast == full
+
+
 def test_pool_regions_come_from_the_table_only_without_pool_fds(cupy: Any) -> None:
     """IPC-pool allocations: placed by the table when the pool's fd stays out of the message (as a
     publisher sends it); a message that must carry the fd takes the full path every time."""
