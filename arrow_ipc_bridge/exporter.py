@@ -169,7 +169,13 @@ def _export_cuda(
     captured: CapturedData, copy: CopyPolicy, pool_fds: bool, previous: Exported | None, share_event: bool
 ) -> Exported:
     from arrow_ipc_bridge import cuda
-    from arrow_ipc_bridge.cuda.placer import CudaPlacer, event_pool, remember_local_event, sync_handle_of
+    from arrow_ipc_bridge.cuda.placer import (
+        CudaPlacer,
+        event_pool,
+        recorded_on_legacy_stream,
+        remember_local_event,
+        sync_handle_of,
+    )
     from arrow_ipc_bridge.cuda.shared_event import SharedEvent
 
     device = captured.device_id
@@ -198,6 +204,10 @@ def _export_cuda(
         producer_event = captured.arrays[0].sync_event if captured.arrays else None
         producer_handle = cuda.event_value(producer_event) if producer_event else 0
         if share_event:
+            # A shared event is recorded on the legacy default stream: one recorded there already
+            # (CuPy's default stream) needs no wait before it.
+            if producer_handle and recorded_on_legacy_stream(producer_handle):
+                producer_handle = 0
             again = None if placement.fds else _send_again(previous, device, encode, producer_handle)
             if again is None:  # a message of its own, naming an event later versions may name again
                 events = event_pool(device)
