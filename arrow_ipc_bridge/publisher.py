@@ -176,7 +176,10 @@ class Publisher:
         """Publish ``obj`` as ``name`` (replacing an earlier object of that name).
 
         Sessions holding leases on the replaced object keep it until they release it. Returns what
-        the export cost (regions, bytes copied).
+        the export cost (regions, bytes copied). CUDA data naming exactly what the current
+        publication's message names (the same arrays, updated in place) is published with that
+        message's bytes again, its event re-recorded after the new work (``exporter.export_again``):
+        sessions import it from the message they remember.
         """
         raw_name = protocol.encode_name(name)  # validates the name
         self._check_open()
