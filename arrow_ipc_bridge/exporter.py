@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from arrow_ipc_bridge.capsules import (
     DEVICE_CPU,
@@ -33,7 +33,10 @@ from arrow_ipc_bridge.metadata import (
     Region,
 )
 
-__all__ = ["Exported", "ExportStats", "export", "export_captured", "CopyPolicy"]
+if TYPE_CHECKING:
+    from arrow_ipc_bridge.cuda.shared_event import SharedEvent
+
+__all__ = ["Exported", "ExportStats", "export", "export_again", "export_captured", "CopyPolicy"]
 
 CopyPolicy = Literal["never", "if_needed", "always"]
 
@@ -64,6 +67,9 @@ class Exported:
     _captured: CapturedData = field(repr=False)
     _closers: list[Callable[[], None]] = field(repr=False, default_factory=list)
     _closed: bool = field(default=False, repr=False)
+    #: CUDA data exported by :func:`export_again`: the event its message names, which a later
+    #: version of the same publication may name again
+    _shared_event: SharedEvent | None = field(default=None, repr=False)
 
     @property
     def closed(self) -> bool:
@@ -119,14 +125,20 @@ def _place_host_buffers(described: Described, copy: CopyPolicy) -> tuple[list[Re
 
 
 def export_captured(
-    captured: CapturedData, *, copy: CopyPolicy = "if_needed", pool_fds: bool = True
+    captured: CapturedData,
+    *,
+    copy: CopyPolicy = "if_needed",
+    pool_fds: bool = True,
+    previous: Exported | None = None,
+    share_event: bool = False,
 ) -> Exported:
-    """Export data already captured (takes ownership of ``captured``)."""
+    """Export data already captured (takes ownership of ``captured``); ``previous`` and
+    ``share_event`` as for :func:`export_again`."""
     try:
         if captured.device_type == DEVICE_CPU:
             return _export_host(captured, copy)
         if captured.device_type == DEVICE_CUDA:
-            return _export_cuda(captured, copy, pool_fds)
+            return _export_cuda(captured, copy, pool_fds, previous if share_event else None, share_event)
         raise BridgeError(
             f"exporting data on device type {captured.device_type} is not supported: "
             "host (CPU) and CUDA device memory are"
@@ -153,9 +165,18 @@ def _export_host(captured: CapturedData, copy: CopyPolicy) -> Exported:
     return Exported(message, host.fds(), described.is_stream, stats, captured, [host.close])
 
 
-def _export_cuda(captured: CapturedData, copy: CopyPolicy, pool_fds: bool) -> Exported:
+def _export_cuda(
+    captured: CapturedData, copy: CopyPolicy, pool_fds: bool, previous: Exported | None, share_event: bool
+) -> Exported:
     from arrow_ipc_bridge import cuda
-    from arrow_ipc_bridge.cuda.placer import CudaPlacer, event_pool, remember_local_event, sync_handle_of
+    from arrow_ipc_bridge.cuda.placer import (
+        CudaPlacer,
+        event_pool,
+        recorded_on_legacy_stream,
+        remember_local_event,
+        sync_handle_of,
+    )
+    from arrow_ipc_bridge.cuda.shared_event import SharedEvent
 
     device = captured.device_id
     described = Described(captured)
@@ -163,13 +184,59 @@ def _export_cuda(captured: CapturedData, copy: CopyPolicy, pool_fds: bool) -> Ex
     placer.resolve_pending_lengths(described)
     placement = placer.place(described)
     closers: list[Callable[[], None]] = [placement.close]
+    n_regions = placement.region_count if placement.region_array is not None else len(placement.regions)
+    stats = ExportStats(
+        regions=n_regions,
+        zero_copy_regions=n_regions - len(placement.copies),
+        copied_bytes=placement.copied_bytes,
+        buffers=placement.buffers,
+    )
+
+    def encode(sync: bytes) -> bytes:
+        info = DeviceInfo(device_type=DEVICE_CUDA, identity=cuda.device_uuid(device), sync=sync)
+        if placement.region_array is not None:
+            return described.encode_region_array(
+                info, placement.region_array, placement.region_count, n_fds=len(placement.fds)
+            )
+        return described.encode(info, placement.regions, n_fds=len(placement.fds))
+
     try:
+        producer_event = captured.arrays[0].sync_event if captured.arrays else None
+        producer_handle = cuda.event_value(producer_event) if producer_event else 0
+        if share_event:
+            # A shared event is recorded on the legacy default stream: one recorded there already
+            # (CuPy's default stream) needs no wait before it.
+            if producer_handle and recorded_on_legacy_stream(producer_handle):
+                producer_handle = 0
+            again = None if placement.fds else _send_again(previous, device, encode, producer_handle)
+            if again is None:  # a message of its own, naming an event later versions may name again
+                events = event_pool(device)
+                event = events.acquire()
+                try:
+                    shared = SharedEvent(events, event)
+                except BaseException:
+                    events.release(event)
+                    raise
+                closers.append(shared.drop)
+                shared.record_after(producer_handle)
+                remember_local_event(shared.handle, shared.event)
+                again = shared, encode(shared.handle)
+            else:  # the current version's message, its event re-recorded after the new work
+                closers.append(again[0].drop)
+            shared, message = again
+            return Exported(
+                message,
+                list(placement.fds),
+                described.is_stream,
+                stats,
+                captured,
+                closers,
+                _shared_event=shared,
+            )
         # The consumer must not read before the producer's writes are done. Data from
         # from_cuda_array(s) carries a pooled interprocess event recorded on the producer's stream:
         # its handle travels as it is. Any other producer's sync event is waited on by one of ours,
         # recorded after it.
-        producer_event = captured.arrays[0].sync_event if captured.arrays else None
-        producer_handle = cuda.event_value(producer_event) if producer_event else 0
         sync = sync_handle_of(producer_handle) if producer_handle else None
         if sync is None:
             events = event_pool(device)
@@ -180,25 +247,49 @@ def _export_cuda(captured: CapturedData, copy: CopyPolicy, pool_fds: bool) -> Ex
             event.record(0)
             sync = event.ipc_handle()
             remember_local_event(sync, event.handle)
-        info = DeviceInfo(device_type=DEVICE_CUDA, identity=cuda.device_uuid(device), sync=sync)
-        if placement.region_array is not None:
-            message = described.encode_region_array(
-                info, placement.region_array, placement.region_count, n_fds=len(placement.fds)
-            )
-        else:
-            message = described.encode(info, placement.regions, n_fds=len(placement.fds))
+        message = encode(sync)
     except BaseException:
         for close in closers:
             close()
         raise
-    n_regions = placement.region_count if placement.region_array is not None else len(placement.regions)
-    stats = ExportStats(
-        regions=n_regions,
-        zero_copy_regions=n_regions - len(placement.copies),
-        copied_bytes=placement.copied_bytes,
-        buffers=placement.buffers,
-    )
     return Exported(message, list(placement.fds), described.is_stream, stats, captured, closers)
+
+
+def _send_again(
+    previous: Exported | None, device: int, encode: Callable[[bytes], bytes], producer_handle: int
+) -> tuple[SharedEvent, bytes] | None:
+    """The shared event of ``previous`` (the publication this export replaces) and its message,
+    when the new message names exactly what ``previous``'s names (same regions, offsets, layout,
+    device, no descriptor): the event then has a reference for the new export and is recorded
+    after the producer's new work. None otherwise (nothing taken)."""
+    from arrow_ipc_bridge.cuda.placer import remember_local_event
+
+    shared = previous._shared_event if previous is not None else None
+    if previous is None or shared is None or previous.fds or shared.device != device or not shared.take():
+        return None
+    try:
+        if encode(shared.handle) != previous.message:
+            shared.drop()
+            return None
+        shared.record_after(producer_handle)
+        remember_local_event(shared.handle, shared.event)
+    except BaseException:
+        shared.drop()
+        raise
+    return shared, previous.message
+
+
+def export_again(
+    obj: ArrowInput, previous: Exported | None, *, copy: CopyPolicy = "if_needed", pool_fds: bool = True
+) -> Exported:
+    """:func:`export` for the next version of a publication whose current version is ``previous``
+    (None: the first). CUDA data gets an event that later versions may name again, and when its
+    message would name exactly what ``previous``'s names (the same arrays, updated in place) it is
+    ``previous.message``, the same bytes, with ``previous``'s event re-recorded after the producer's
+    new work (``cuda/shared_event.py`` says why that is sound): a consumer's get then finds the
+    message it remembers. Host data is exported as by :func:`export`."""
+    captured = CapturedData.sharing(obj._live()) if isinstance(obj, _CapturedSource) else capture(obj)
+    return export_captured(captured, copy=copy, pool_fds=pool_fds, previous=previous, share_event=True)
 
 
 def export(

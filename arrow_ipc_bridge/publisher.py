@@ -38,7 +38,7 @@ from arrow_ipc_bridge.errors import (
     RegionError,
     UnreadAnswersError,
 )
-from arrow_ipc_bridge.exporter import CopyPolicy, ExportStats, export
+from arrow_ipc_bridge.exporter import CopyPolicy, Exported, ExportStats, export_again
 from arrow_ipc_bridge.streams import frames as stream_frames
 from arrow_ipc_bridge.streams.hub import LiveStreamState, StreamHub
 from arrow_ipc_bridge.streams.slots import SlotLayout
@@ -147,6 +147,9 @@ class Publisher:
         self._pid = _process.pid  # a forked child inherits this object; it serves nothing there
         self._lock = threading.Lock()
         self._names: set[str] = set()
+        # name -> its current publication's export: the next version of the name may send the same
+        # message again (exporter.export_again), so consumers find the message they remember.
+        self._current: dict[str, Exported] = {}
         table = lib.aib_pubtable_new()
         if table == ffi.NULL:
             raise MemoryError("allocating the publication table")
@@ -173,13 +176,16 @@ class Publisher:
         """Publish ``obj`` as ``name`` (replacing an earlier object of that name).
 
         Sessions holding leases on the replaced object keep it until they release it. Returns what
-        the export cost (regions, bytes copied).
+        the export cost (regions, bytes copied). CUDA data naming exactly what the current
+        publication's message names (the same arrays, updated in place) is published with that
+        message's bytes again, its event re-recorded after the new work (``exporter.export_again``):
+        sessions import it from the message they remember.
         """
         raw_name = protocol.encode_name(name)  # validates the name
         self._check_open()
         # Pool fds stay out of the message: a session asks for each pool's fd once (POOL_FD), so
         # the hot answers carry no descriptor for pool data.
-        exported = export(obj, copy=copy or self._copy, pool_fds=False)
+        exported = export_again(obj, self._current.get(name), copy=copy or self._copy, pool_fds=False)
         # The entry's keeper: when the last of (publication, leases) lets go, the reaper closes it.
         keeper = lib.aib_owner_new(_reaper.register(exported.close))
         if keeper == ffi.NULL:
@@ -202,6 +208,7 @@ class Publisher:
                 if rc:
                     raise_for(rc, err, f"publishing {name!r}")
                 self._names.add(name)
+                self._current[name] = exported
                 version = int(lib.aib_pubtable_version(self._table, raw_name, len(raw_name)))
                 waiting = self._watch.published(raw_name, version)
         finally:
@@ -222,6 +229,7 @@ class Publisher:
             self._watch.unpublished(raw_name)
             absent = lib.aib_pubtable_remove(self._table, raw_name, len(raw_name))
             self._names.discard(name)
+            self._current.pop(name, None)
         if absent:
             raise NotPublishedError(f"nothing is published as {name!r}")
         _reaper.drain()
@@ -499,6 +507,7 @@ class Publisher:
             self._watch.cleared()
             lib.aib_pubtable_clear(self._table)
             self._names.clear()
+            self._current.clear()
         _reaper.drain()
 
     def __enter__(self) -> Publisher:

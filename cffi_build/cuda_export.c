@@ -318,6 +318,26 @@ int aib_cuda_place_known(aib_export_regions *t, aib_described *d, int32_t device
     sizes[count] = v[4];
     count++;
   }
+  if (!miss) {
+    /* The regions in the order of their allocations' addresses, as the full path numbers them (it
+     * walks the buffers sorted by address): the same arrays give byte-identical messages whichever
+     * path placed them, so a consumer's remembered message matches either. Slot order differs
+     * from address order whenever the allocator hands out a lower address later (CuPy's pool
+     * reusing freed blocks). Insertion sort: a message has few allocations. */
+    for (size_t k = 1; k < count; k++) {
+      uint64_t base = bases[k], size = sizes[k];
+      aib_region region = regions_out[k];
+      size_t j = k;
+      for (; j > 0 && bases[j - 1] > base; j--) {
+        bases[j] = bases[j - 1];
+        sizes[j] = sizes[j - 1];
+        regions_out[j] = regions_out[j - 1];
+      }
+      bases[j] = base;
+      sizes[j] = size;
+      regions_out[j] = region;
+    }
+  }
   if (!miss) { /* second pass: place */
     for (size_t i = 0; i < n_slots; i++) {
       aib_buffer_slot *s = &slots[i];

@@ -204,3 +204,53 @@ def test_the_export_region_table_places_nothing_it_was_not_told() -> None:
     stats = ffi.new("uint64_t[3]")
     lib.aib_export_regions_stats(table, stats, stats + 1, stats + 2)
     assert 0 < stats[0] <= 64
+
+
+def test_the_export_region_table_numbers_regions_by_address() -> None:
+    """The table's path numbers a message's regions in the order of their allocations' addresses,
+    as the full path does (it walks the buffers sorted by address), also when the columns come in
+    another order (an allocator that hands out a lower address later: CuPy's pool reusing a freed
+    block). Otherwise the same arrays give two different messages, depending on which path placed
+    them. No driver needed: a stand-in answers for host arrays posing as device allocations."""
+    from arrow_ipc_bridge.cuda import _driver
+
+    arrays = [np.arange(64, dtype=np.float32) + k for k in range(3)]
+    by_address = sorted(arrays, key=lambda a: a.ctypes.data)
+    # Slot order: highest address first, then lowest, then the middle one.
+    columns = {"high": by_address[2], "low": by_address[0], "middle": by_address[1]}
+    allocations = {int(a.ctypes.data): (int(a.nbytes), 100 + rank) for rank, a in enumerate(by_address)}
+
+    @ffi.callback("int(unsigned int, int *, void **, uint64_t)")
+    def get_attributes(n: int, attributes: Any, data: Any, address: int) -> int:
+        for base, (size, buffer_id) in allocations.items():
+            if base <= address < base + size:
+                answers = {2: 2, 8: 0, 9: 0, 11: base, 12: size, 7: buffer_id}  # device memory on device 0
+                for k in range(n):
+                    ffi.cast("uint64_t *", data[k])[0] = answers[attributes[k]]
+                return 0
+        return 1  # CUDA_ERROR_INVALID_VALUE
+
+    table = ffi.gc(lib.aib_export_regions_new(8), lib.aib_export_regions_free)
+    for size, buffer_id in allocations.values():
+        region = ffi.new("aib_region *", {"kind": 3, "size": size, "identity": buffer_id, "fd_index": -1})
+        region.handle_len = 64
+        assert lib.aib_export_regions_put(table, buffer_id, 0, region) == 0
+    described = Described(capture(pa.record_batch({name: pa.array(a) for name, a in columns.items()})))
+    regions = ffi.new("aib_region[]", 8)
+    n_regions = ffi.new("size_t *")
+    n_buffers = ffi.new("size_t *")
+    real = _driver._DRIVER.lib
+    lib.aib_cuda_set_driver(
+        ffi.new("aib_cuda_driver *", {"pointer_get_attributes": int(ffi.cast("uintptr_t", get_attributes))})
+    )
+    try:
+        assert lib.aib_cuda_place_known(table, described.raw, 0, 1, regions, 8, n_regions, n_buffers) == 0
+    finally:  # the driver's own functions (or none) back
+        restore = _driver.core_driver_table(real, _driver._DRIVER.ffi) if real is not None else None
+        lib.aib_cuda_set_driver(restore if restore is not None else ffi.new("aib_cuda_driver *"))
+    assert (n_regions[0], n_buffers[0]) == (3, 3)
+    assert [regions[k].identity for k in range(3)] == [100, 101, 102]  # by address
+    slots = described.slots()
+    placed = {slots[i]: (slots[i + 2], slots[i + 3]) for i in range(0, len(slots), 4) if slots[i + 1]}
+    for base, (_, buffer_id) in allocations.items():
+        assert placed[base] == (lib.AIB_REGION_FIRST + buffer_id - 100, 0)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 import arrow_ipc_bridge as aib
+from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, Decoded
 
 pytestmark = pytest.mark.gpu
@@ -82,6 +83,18 @@ def test_the_table_path_writes_the_full_paths_message(cupy: Any) -> None:
     assert first["hits"] == 0
     assert first["misses"] >= 1
     assert second["hits"] == len(full[1])  # one look-up per allocation (CuPy may carve two from one)
+    assert second["misses"] == 0
+    assert fast == full
+
+
+def test_the_table_path_numbers_regions_as_the_full_path_does(cupy: Any) -> None:
+    """Columns named in another order than their addresses (as after CuPy's pool reused freed
+    blocks): the table's path numbers the regions by address, as the full path does, so the two
+    messages are the same bytes."""
+    arrays = [cupy.arange(1 << 12, dtype=cupy.float32) + k for k in range(4)]
+    columns = {f"c{k}": a for k, a in enumerate(sorted(arrays, key=lambda a: -a.data.ptr))}
+    cupy.cuda.runtime.deviceSynchronize()
+    full, fast, _, second = _export_twice(lambda: aib.from_cuda_arrays(columns))
     assert second["misses"] == 0
     assert fast == full
 
@@ -219,7 +232,6 @@ def test_many_publishes_leak_no_event_handle_or_struct(publisher: aib.Publisher,
     """Thousands of publishes of in-place-updated columns (on a stream: each batch has its own
     recorded event), each got once: the event pool stops growing, no event stays leased, no handle
     is opened again, every struct and owner is freed."""
-    from arrow_ipc_bridge import _reaper
     from arrow_ipc_bridge._ffi import lib
     from arrow_ipc_bridge.cuda import placer
 
@@ -259,3 +271,99 @@ def test_many_publishes_leak_no_event_handle_or_struct(publisher: aib.Publisher,
     assert publisher.active_leases == 0
     assert _reaper.pending_callbacks() <= callbacks + 5
     assert lib.aib_live_nodes() <= nodes + 50
+
+
+# ---------- the same arrays published again: the same message, its event re-recorded ------------
+_SPIN_THEN_FILL = r"""
+extern "C" __global__ void spin_then_fill(float *out, int n, float value, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) out[i] = value;
+}
+"""
+
+
+def test_republished_arrays_keep_their_message_in_lockstep(publisher: aib.Publisher, cupy: Any) -> None:
+    """16 columns updated in place (on a stream) and published each step, got and read each step:
+    every version after the first sends the first's message bytes (one event, re-recorded), the
+    consumer imports it from its remembered message, and reads each version's values."""
+    from arrow_ipc_bridge.cuda import placer
+
+    columns = {f"c{i}": cupy.zeros(1 << 12, dtype=cupy.float32) for i in range(16)}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    events = placer.event_pool(0)
+    messages: set[bytes] = set()
+    with aib.connect(publisher.path, timeout=30.0) as session:
+        for step in range(1, 201):
+            with stream:
+                for column in columns.values():
+                    column += 1  # noqa: PLW2901 (in place)
+                publisher.publish("t", aib.from_cuda_arrays(columns))
+            messages.add(publisher._current["t"].message)
+            with session.get("t") as imported:
+                table = imported.to_host()  # waits on the message's event
+            assert table.column("c15").to_pylist() == [float(step)] * (1 << 12)
+            assert table.column("c0").to_pylist() == [float(step)] * (1 << 12)
+            if step == 3:
+                created, gets = events.created, session.remembered_gets
+        assert len(messages) == 1
+        assert session.remembered_gets - gets >= 190  # the consumer's steady state, not new imports
+        assert events.created - created <= 2
+    leased = events.leased
+    publisher.unpublish("t")
+    _reaper.drain()
+    assert events.leased < leased  # the shared event went back to the pool with the last version
+
+
+def test_other_arrays_get_a_message_and_an_event_of_their_own(publisher: aib.Publisher, cupy: Any) -> None:
+    """A publish of other arrays (other regions), or of the same arrays under another name, does
+    not send the current message again; the same arrays again after other ones neither."""
+    a = {"x": cupy.arange(4096, dtype=cupy.float32)}
+    b = {"x": cupy.arange(4096, dtype=cupy.float32) * 2}
+    cupy.cuda.runtime.deviceSynchronize()
+
+    def sync_of(message: bytes) -> bytes:
+        decoded = Decoded(message, 0)
+        try:
+            return bytes(decoded.device().sync)
+        finally:
+            decoded.close()
+
+    publisher.publish("n", aib.from_cuda_arrays(a))
+    first = publisher._current["n"].message
+    publisher.publish("n", aib.from_cuda_arrays(a))
+    assert publisher._current["n"].message == first
+    publisher.publish("n", aib.from_cuda_arrays(b))
+    other = publisher._current["n"].message
+    assert other != first
+    assert sync_of(other) != sync_of(first)  # first's event still serves its holders
+    publisher.publish("n", aib.from_cuda_arrays(a))
+    assert publisher._current["n"].message != other
+    publisher.publish("m", aib.from_cuda_arrays(a))
+    assert sync_of(publisher._current["m"].message) != sync_of(publisher._current["n"].message)
+    with aib.connect(publisher.path, timeout=30.0) as session:
+        for name, expected in (("n", a), ("m", a)):
+            with session.get(name) as imported:
+                assert imported.to_host().column("x").to_pylist() == expected["x"].get().tolist()
+
+
+def test_a_holder_of_an_older_version_waits_for_the_newer_record(publisher: aib.Publisher, cupy: Any) -> None:
+    """A consumer holding version 1 while the producer writes version 2 in place (a slow kernel)
+    and publishes it: waiting on version 1's event waits for version 2's record (the same event),
+    so it reads version 2's finished values, never a half-written column (over-waits, never less)."""
+    kernel = cupy.RawKernel(_SPIN_THEN_FILL, "spin_then_fill")
+    n = 1 << 16
+    values = cupy.zeros(n, dtype=cupy.float32)
+    cupy.cuda.runtime.deviceSynchronize()
+    publisher.publish("h", aib.from_cuda_arrays({"v": values}))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with aib.connect(publisher.path, timeout=30.0) as session:
+        older = session.get("h")
+        message = publisher._current["h"].message
+        with stream:
+            kernel((64,), (256,), (values, cupy.int32(n), cupy.float32(2.0), cupy.int64(500_000_000)))
+            publisher.publish("h", aib.from_cuda_arrays({"v": values}))
+        assert publisher._current["h"].message == message  # the same event, recorded again
+        seen = older.to_host().column("v").to_pylist()
+        older.release()
+        assert seen == [2.0] * n

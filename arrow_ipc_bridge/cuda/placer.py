@@ -135,6 +135,11 @@ def export_region_stats() -> dict[str, int]:
 # The pooled events recorded for captured data (recorded_export_event) and not exported yet, by
 # CUevent: the first export sends such an event's handle instead of recording another after it.
 _recorded_events: dict[int, Event] = {}
+# The same events, while their data lives (exported or not), by CUevent -> the stream recorded on.
+_recorded_streams: dict[int, int] = {}
+# CUDA's legacy default stream: 0 in the driver API, and CU_STREAM_LEGACY (1) where a
+# __cuda_array_interface__ names it (CuPy's default stream).
+_LEGACY_STREAMS = frozenset({0, 1})
 
 
 def recorded_export_event(device: int, stream: int) -> tuple[Event, Callable[[], None]]:
@@ -152,13 +157,23 @@ def recorded_export_event(device: int, stream: int) -> tuple[Event, Callable[[],
     handle = event.handle
     with _state.lock:
         _recorded_events[handle] = event
+        _recorded_streams[handle] = stream
 
     def release() -> None:
         with _state.lock:
             _recorded_events.pop(handle, None)
+            _recorded_streams.pop(handle, None)
         events.release(event)
 
     return event, release
+
+
+def recorded_on_legacy_stream(event_handle: int) -> bool:
+    """Whether ``event_handle`` is a pooled event :func:`recorded_export_event` recorded on the
+    legacy default stream (its data still alive): work recorded on that stream later runs after it,
+    with no wait to add."""
+    with _state.lock:
+        return _recorded_streams.get(event_handle, -1) in _LEGACY_STREAMS
 
 
 def sync_handle_of(event_handle: int) -> bytes | None:
