@@ -35,6 +35,7 @@ from arrow_ipc_bridge.errors import (
     StreamInterruptedError,
 )
 from arrow_ipc_bridge.imported import ImportedArray
+from arrow_ipc_bridge.process_stats import stream_counters
 from arrow_ipc_bridge.streams import frames
 
 __all__ = ["LiveStream", "open_subscription"]
@@ -229,6 +230,7 @@ class LiveStream:
         self._expected = sequence + 1
         self.last_sequence = sequence
         self.received += 1
+        next(stream_counters.batches_received)
         return imported
 
     def _keep_slot(self, slot: int, message: bytes, fds: list[int]) -> None:
