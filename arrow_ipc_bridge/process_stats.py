@@ -57,7 +57,8 @@ class SessionStats:
     """How this process's sessions imported what they received, by path, since import."""
 
     remembered_gets: int = 0  # gets of a remembered message, imported by the C core (the steady state)
-    new_message_gets: int = 0  # gets of a message not remembered, imported by the C core all the same
+    # gets (and live-stream batches) of a message not remembered, imported by the C core all the same
+    new_message_gets: int = 0
     python_imports: int = 0  # imports decoded and mapped (or opened) in Python: first sight of a message
     python_remembered_imports: int = 0  # imports in Python that reused a remembered decode and mapping
 

@@ -412,7 +412,7 @@ class Session:
                 fast = Decoded.adopt(owner, hit.template), hit, address, sync_slot
         if imported_now is not None and imported_now[0] == 0:
             assert frame is not None
-            return self._adopt_new(imported_now, frame, name)
+            return self._adopt_new(imported_now, frame.payload[8:], name)
         if fast is not None:
             self.remembered_gets += 1
             next(import_counters.remembered_gets)
@@ -506,14 +506,28 @@ class Session:
         imported.publisher_id = publisher_id if isinstance(publisher_id, str) else None
         return imported
 
-    def _adopt_new(self, imported_now: tuple[int, Any, int, Any], frame: Frame, name: str) -> Imported:
+    def _import_new_in_c(self, message: bytes, token: int, name: str) -> Imported | None:
+        """``message`` (no descriptors), imported by the C core under the lease ``token`` when every
+        region it names is open in this process, as a GET's answer is (``aib_import_new``: CUDA
+        data carved out of allocations opened before); None when it cannot be (anything else: the
+        caller takes :meth:`_import`, which reports errors properly). A live stream's fresh
+        batches come here."""
+        if self._lease_keeper == ffi.NULL:
+            return None  # not connected: no lease family to hold
+        owner = lib.aib_import_new(message, len(message), 0, token, self._lease_keeper)
+        if owner == ffi.NULL:
+            return None
+        slot = lib.aib_owner_slot(owner)
+        address = int(ffi.cast("uintptr_t", owner))
+        return self._adopt_new((0, owner, address, slot if slot[0] else None), message, name)
+
+    def _adopt_new(self, imported_now: tuple[int, Any, int, Any], message: bytes, name: str) -> Imported:
         """The import of a message the session had not seen, which the C core made because all its
         regions are open in this process (``aib_import_new``): its owner carries the decode, the
-        view and the lease token; wrap it."""
+        view and the lease token; wrap it. ``message``: the bytes the C core decoded."""
         _, owner, address, sync_slot = imported_now
-        # The C core checked the ITEM (lease id, then the message it decoded).
-        decoded = Decoded.adopt_owned(owner, frame.payload[8:])  # owns the reference from here on
-        message = decoded.message
+        # The C core checked the message it decoded (and a GET's lease id).
+        decoded = Decoded.adopt_owned(owner, message)  # owns the reference from here on
         found = ffi.new("const uint64_t **")
         device_id = ffi.new("int64_t *")
         n = lib.aib_owner_view_bases(owner, found, device_id)
