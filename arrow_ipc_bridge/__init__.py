@@ -45,6 +45,7 @@ from arrow_ipc_bridge.errors import (
     StreamFailedError,
     StreamInterruptedError,
     StreamSchemaError,
+    SubscriptionLimitError,
     TransportError,
     UnreadAnswersError,
     UnsupportedFormatError,
@@ -54,7 +55,15 @@ from arrow_ipc_bridge.errors import (
 from arrow_ipc_bridge.exporter import Exported, ExportStats, export
 from arrow_ipc_bridge.host import SharedHostBuffer, allocate_shared
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, to_host
-from arrow_ipc_bridge.process_stats import BridgeStats, CudaStats, HostStats, SessionStats, stats
+from arrow_ipc_bridge.process_stats import (
+    BridgeStats,
+    CudaStats,
+    HostStats,
+    SessionStats,
+    StreamStats,
+    WaitStats,
+    stats,
+)
 from arrow_ipc_bridge.publisher import Publisher
 from arrow_ipc_bridge.session import Session, connect, subscribe
 from arrow_ipc_bridge.streams import LiveStream, SlotLayout, StreamSlot, StreamWriter
@@ -92,6 +101,8 @@ __all__ = [
     "HostStats",
     "CudaStats",
     "SessionStats",
+    "StreamStats",
+    "WaitStats",
     # errors
     "BridgeError",
     "BridgeTimeoutError",
@@ -118,6 +129,7 @@ __all__ = [
     "SlowConsumerError",
     "StreamBlockedError",
     "StreamSchemaError",
+    "SubscriptionLimitError",
     "TransportError",
     "UnsupportedFormatError",
     "WireFormatError",

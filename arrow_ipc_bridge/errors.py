@@ -208,3 +208,9 @@ class StreamBlockedError(StreamError, BridgeTimeoutError):
 class StreamSchemaError(StreamError, ValueError):
     """A batch written to a stream does not have the stream's schema (set by its first batch), or
     does not fit the reserved memory of a slot; nothing was sent."""
+
+
+class SubscriptionLimitError(PublisherLimitError, StreamError):
+    """The publisher serves ``max_subscriptions`` live-stream subscriptions already (each holds one
+    of its threads for its whole life): this SUBSCRIBE was refused and its connection closed.
+    Close subscriptions that are not needed, or raise the publisher's limit."""

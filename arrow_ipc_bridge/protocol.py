@@ -28,6 +28,7 @@ from arrow_ipc_bridge.errors import (
     StreamError,
     StreamFailedError,
     StreamInterruptedError,
+    SubscriptionLimitError,
     UnreadAnswersError,
     WaitTimeoutError,
     WireFormatError,
@@ -137,6 +138,7 @@ _ERROR_TYPES: dict[str, type[BridgeError]] = {
     "StreamFailedError": StreamFailedError,
     "StreamInterruptedError": StreamInterruptedError,
     "SlowConsumerError": SlowConsumerError,
+    "SubscriptionLimitError": SubscriptionLimitError,
     "BridgeError": BridgeError,
 }
 

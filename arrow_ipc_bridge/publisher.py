@@ -40,7 +40,7 @@ from arrow_ipc_bridge.errors import (
 )
 from arrow_ipc_bridge.exporter import CopyPolicy, Exported, ExportStats, export_again
 from arrow_ipc_bridge.streams import frames as stream_frames
-from arrow_ipc_bridge.streams.hub import LiveStreamState, StreamHub
+from arrow_ipc_bridge.streams.hub import MAX_SUBSCRIPTIONS, LiveStreamState, StreamHub
 from arrow_ipc_bridge.streams.slots import SlotLayout
 from arrow_ipc_bridge.streams.writer import StreamWriter, pump
 from arrow_ipc_bridge.watch import HeldWait, WaitingConnection, Watch
@@ -113,6 +113,10 @@ class Publisher:
     park_after
         Seconds a connection may stay silent before its thread is given back (5); it keeps its
         leases and gets a thread again when it sends.
+    max_subscriptions
+        Live-stream subscriptions served at once (128). Each holds one publisher thread and one
+        connection (counted in ``max_connections`` too) for its whole life and is never parked;
+        one more gets ERROR :class:`~arrow_ipc_bridge.errors.SubscriptionLimitError` and is closed.
 
     Examples
     --------
@@ -131,10 +135,12 @@ class Publisher:
         max_leases_per_connection: int = MAX_LEASES_PER_CONNECTION,
         max_unread_fds: int = MAX_UNREAD_FDS,
         park_after: float = PARK_AFTER,
+        max_subscriptions: int = MAX_SUBSCRIPTIONS,
     ) -> None:
         for what, value, least in (
             ("max_leases_per_connection", max_leases_per_connection, 1),
             ("max_unread_fds", max_unread_fds, MAX_FDS),
+            ("max_subscriptions", max_subscriptions, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{what} must be an int >= {least}, not {value!r}")
@@ -155,7 +161,8 @@ class Publisher:
             raise MemoryError("allocating the publication table")
         self._table = ffi.gc(table, lib.aib_pubtable_unref)
         self._copy: CopyPolicy = copy
-        self._streams = StreamHub()  # live streams (docs/streams.md), a namespace of their own
+        # Live streams (docs/streams.md), a namespace of their own.
+        self._streams = StreamHub(max_subscriptions)
         self.publisher_id = os.urandom(16).hex()
         self._watch = Watch("aib-publisher")  # versions and held waits (feature "watch")
         self._server = transport.Server(

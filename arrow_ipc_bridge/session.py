@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-from arrow_ipc_bridge import _process, _reaper, protocol, transport, waiting
+from arrow_ipc_bridge import _process, _reaper, protocol, region_import, transport, waiting
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.channel import Channel, Frame, millis
@@ -34,16 +34,10 @@ from arrow_ipc_bridge.errors import (
 from arrow_ipc_bridge.host.mappings import HostMappingCache
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
 from arrow_ipc_bridge.metadata import (
-    REGION_CUDA_LEGACY,
-    REGION_CUDA_POOL,
-    REGION_FLAG_ZERO_COPY,
-    REGION_HOST_FD,
     Decoded,
-    DeviceInfo,
-    Region,
 )
 from arrow_ipc_bridge.process_stats import import_counters
-from arrow_ipc_bridge.remembered import RememberedMessage, RememberedMessages, needs_lease
+from arrow_ipc_bridge.remembered import RememberedMessage, RememberedMessages
 from arrow_ipc_bridge.streams.live import LiveStream, open_subscription
 
 __all__ = ["Session", "connect", "subscribe"]
@@ -154,7 +148,7 @@ class Session:
         Raises :class:`WireFormatError` for a malformed message and :class:`RegionError` when a
         region cannot be mapped; nothing is leaked either way.
         """
-        return self._import(message, _checked_fds(fds), name=name, token=0)
+        return self._import(message, region_import.checked_fds(fds), name=name, token=0)
 
     def _import(self, message: bytes, fds: Sequence[int], *, name: str | None, token: int) -> Imported:
         self._check_open()
@@ -162,7 +156,7 @@ class Session:
         if found is not None:
             hit, decoded, event = found
             return self._import_remembered(decoded, hit, event, name)
-        files = _file_identities(fds)  # what a remembered message will be matched by (in C)
+        files = region_import.file_identities(fds)  # what a remembered message will be matched by (in C)
         template = Decoded(message, len(fds))
         lease_owner: Any = None
         try:
@@ -192,7 +186,7 @@ class Session:
         template_kept = False
         try:
             if device.device_type == DEVICE_CPU:
-                bases = self._map_host_regions(decoded, fds, template)
+                bases = region_import.map_host_regions(self._cache, decoded, fds, template)
                 # After mapping, before anything is handed out; a re-get of these bytes with these
                 # files (remembered below) is not checked again (wire-format.md says why).
                 check_content(decoded, ffi.new("uint64_t[]", bases or [0]), self._host_check)
@@ -204,8 +198,17 @@ class Session:
                     self._remembered.remember(template, base_array, DEVICE_CPU, -1, 0, files=files, name=name)
                     template_kept = True
             elif device.device_type == DEVICE_CUDA:
-                imported, template_kept = self._open_cuda_regions(
-                    template, decoded, regions, fds, device, name=name, lease_owner=lease_owner
+                imported, template_kept = region_import.open_cuda_regions(
+                    template,
+                    decoded,
+                    regions,
+                    fds,
+                    device,
+                    name=name,
+                    lease_owner=lease_owner,
+                    remembered=self._remembered,
+                    cuda_check=self._cuda_check,
+                    fetch_pool_fd=self._fetch_pool_fd if self._channel is not None else None,
                 )
             else:
                 raise RegionError(
@@ -250,107 +253,6 @@ class Session:
         self._imported.add(imported)
         next(import_counters.python_remembered_imports)
         return imported
-
-    def _map_host_regions(self, decoded: Decoded, fds: Sequence[int], template: Decoded) -> list[int]:
-        """Maps every region; ``decoded`` (the import) and ``template`` (kept if the message is
-        remembered) each hold every mapping."""
-        bases: list[int] = []
-        for region in decoded.regions():
-            if region.kind != REGION_HOST_FD or region.fd_index < 0:
-                raise RegionError(f"region kind {region.kind} cannot be imported into host memory")
-            mapped = self._cache.map(
-                fds[region.fd_index], region, cacheable=bool(region.flags & REGION_FLAG_ZERO_COPY)
-            )
-            _hold(mapped.owner, decoded, template)
-            bases.append(mapped.base)
-        return bases
-
-    def _open_cuda_regions(
-        self,
-        template: Decoded,
-        decoded: Decoded,
-        regions: list[Region],
-        fds: Sequence[int],
-        device: DeviceInfo,
-        *,
-        name: str | None,
-        lease_owner: Any,
-    ) -> tuple[Imported, bool]:
-        """Opens the regions (held by ``decoded``'s owner). Messages whose regions can stay open are
-        also remembered, with ``template`` holding them: all-legacy ones, and IPC-pool ones when
-        ``lease_owner`` (this get's lease, see RememberedMessages.keeps_pool_lease) is given, which
-        the template then keeps too. Returns the import and whether the template was kept."""
-        from arrow_ipc_bridge import cuda
-        from arrow_ipc_bridge.cuda import opener as cuda_regions  # the consumer's side of CUDA regions
-
-        # The producer's GPU, by UUID, in this process's numbering (CUDA_VISIBLE_DEVICES may differ).
-        ordinal = cuda.ordinal_for_uuid(device.identity)
-        opener = cuda_regions.opener()
-        fd_list = list(fds)
-        bases = [0] * len(regions)
-        # Legacy handles and kept pool slabs stay open beyond a lease (the opener's LRUs); other
-        # pool imports only under a lease.
-        pool_indexes = [i for i, r in enumerate(regions) if r.kind == REGION_CUDA_POOL]
-        remember = all(r.kind in (REGION_CUDA_LEGACY, REGION_CUDA_POOL) for r in regions) and (
-            not needs_lease(regions) or lease_owner is not None
-        )
-        if pool_indexes:  # imported together: per buffer this is near the driver's own cost
-            pool_bases, pool_owner = opener.open_pool_regions(
-                [regions[i] for i in pool_indexes],
-                fd_list,
-                ordinal,
-                self._fetch_pool_fd if self._channel is not None else None,
-            )
-            if lease_owner is not None:
-                try:
-                    # The lease's owner holds the imports, so they are freed (reaper order: its
-                    # dependencies first) before the lease is given back and the producer may free.
-                    if lib.aib_owner_add_dependency(lease_owner, pool_owner):
-                        raise MemoryError("adding an owner dependency")
-                    template.depend_on(lease_owner)
-                finally:
-                    lib.aib_owner_unref(pool_owner)
-            else:  # kept slabs only, when remembered: held like legacy handles
-                _hold(pool_owner, decoded, template if remember else None)
-            for i, base in zip(pool_indexes, pool_bases, strict=True):
-                bases[i] = base
-        legacy_indexes = [i for i, r in enumerate(regions) if r.kind == REGION_CUDA_LEGACY]
-        if legacy_indexes:  # opened together, held by one owner
-            legacy_bases, legacy_owner = opener.open_legacy_regions(
-                [regions[i] for i in legacy_indexes], ordinal
-            )
-            _hold(legacy_owner, decoded, template if remember else None)
-            for i, base in zip(legacy_indexes, legacy_bases, strict=True):
-                bases[i] = base
-        for i, region in enumerate(regions):
-            if region.kind in (REGION_CUDA_POOL, REGION_CUDA_LEGACY):
-                continue
-            opened = opener.open(region, fd_list, ordinal)
-            _hold(opened.owner, decoded, template if remember else None)
-            bases[i] = opened.base
-        base_array = ffi.new("uint64_t[]", bases or [0])
-        if self._cuda_check != "none":  # reads device memory: only when asked for
-            check_content(decoded, base_array, self._cuda_check, cuda_reader(ordinal))
-        event = cuda_regions.open_event(device.sync, ordinal) if device.sync else 0
-        if remember:
-            self._remembered.remember(
-                template,
-                base_array,
-                DEVICE_CUDA,
-                ordinal,
-                event,
-                files=None,  # the regions are named by the message; pool fds matter only once
-                name=name,
-                lingers=lease_owner is not None,
-            )
-        sync = None
-        if event:
-            sync = cuda_regions.owner_slot(decoded.owner)
-            sync[0] = event
-        imported = imported_from(
-            decoded, base_array, device_type=DEVICE_CUDA, device_id=ordinal, sync_event=sync, name=name
-        )
-        return imported, remember
 
     def forget(self, name: str | None = None) -> int:
         """Forget remembered messages: the one last got as ``name``, or all of them (None).
@@ -510,7 +412,7 @@ class Session:
                 fast = Decoded.adopt(owner, hit.template), hit, address, sync_slot
         if imported_now is not None and imported_now[0] == 0:
             assert frame is not None
-            return self._adopt_new(imported_now, frame, name)
+            return self._adopt_new(imported_now, frame.payload[8:], name)
         if fast is not None:
             self.remembered_gets += 1
             next(import_counters.remembered_gets)
@@ -604,14 +506,28 @@ class Session:
         imported.publisher_id = publisher_id if isinstance(publisher_id, str) else None
         return imported
 
-    def _adopt_new(self, imported_now: tuple[int, Any, int, Any], frame: Frame, name: str) -> Imported:
+    def _import_new_in_c(self, message: bytes, token: int, name: str) -> Imported | None:
+        """``message`` (no descriptors), imported by the C core under the lease ``token`` when every
+        region it names is open in this process, as a GET's answer is (``aib_import_new``: CUDA
+        data carved out of allocations opened before); None when it cannot be (anything else: the
+        caller takes :meth:`_import`, which reports errors properly). A live stream's fresh
+        batches come here."""
+        if self._lease_keeper == ffi.NULL:
+            return None  # not connected: no lease family to hold
+        owner = lib.aib_import_new(message, len(message), 0, token, self._lease_keeper)
+        if owner == ffi.NULL:
+            return None
+        slot = lib.aib_owner_slot(owner)
+        address = int(ffi.cast("uintptr_t", owner))
+        return self._adopt_new((0, owner, address, slot if slot[0] else None), message, name)
+
+    def _adopt_new(self, imported_now: tuple[int, Any, int, Any], message: bytes, name: str) -> Imported:
         """The import of a message the session had not seen, which the C core made because all its
         regions are open in this process (``aib_import_new``): its owner carries the decode, the
-        view and the lease token; wrap it."""
+        view and the lease token; wrap it. ``message``: the bytes the C core decoded."""
         _, owner, address, sync_slot = imported_now
-        # The C core checked the ITEM (lease id, then the message it decoded).
-        decoded = Decoded.adopt_owned(owner, frame.payload[8:])  # owns the reference from here on
-        message = decoded.message
+        # The C core checked the message it decoded (and a GET's lease id).
+        decoded = Decoded.adopt_owned(owner, message)  # owns the reference from here on
         found = ffi.new("const uint64_t **")
         device_id = ffi.new("int64_t *")
         n = lib.aib_owner_view_bases(owner, found, device_id)
@@ -737,38 +653,6 @@ class Session:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-def _hold(owner: Any, decoded: Decoded, template: Decoded | None) -> None:
-    """Make the import (and the template that remembers the message, if any) hold ``owner``, what
-    keeps a region open; the caller's reference goes."""
-    try:
-        decoded.depend_on(owner)
-        if template is not None:
-            template.depend_on(owner)
-    finally:
-        lib.aib_owner_unref(owner)
-
-
-def _checked_fds(fds: Sequence[int]) -> Sequence[int]:
-    """``fds`` when each is a descriptor number: ``TypeError`` for anything but an int,
-    :class:`RegionError` for a number no descriptor can have."""
-    for fd in fds:
-        if isinstance(fd, bool) or not isinstance(fd, int):
-            raise TypeError(f"file descriptors must be ints, not {type(fd).__name__}")
-        if not 0 <= fd < 2**31:
-            raise RegionError(f"{fd} is not a file descriptor number")
-    return fds
-
-
-def _file_identities(fds: Sequence[int]) -> tuple[tuple[int, int], ...] | None:
-    """(st_dev, st_ino) of each descriptor; None when one cannot be examined (then nothing matches,
-    and the import reports the descriptor)."""
-    try:
-        stats = [os.fstat(fd) for fd in fds]
-    except OSError:
-        return None
-    return tuple((st.st_dev, st.st_ino) for st in stats)
 
 
 def _send_release(channel: Channel, lease_id: int) -> None:

@@ -24,6 +24,7 @@ import time
 from arrow_ipc_bridge import protocol
 from arrow_ipc_bridge.channel import Channel, Frame
 from arrow_ipc_bridge.errors import BridgeError, BridgeTimeoutError, ProtocolError
+from arrow_ipc_bridge.process_stats import wait_counters
 
 __all__ = ["MAX_WAIT", "Versioned", "check_after", "check_wait", "wait_for_version"]
 
@@ -83,6 +84,7 @@ def wait_for_version(
     payload = protocol.encode_wait(after, timeout_ms, raw_name)
     with request_lock:
         channel.send(protocol.WAIT, payload, timeout=grace)
+        next(wait_counters.waits_sent)
         read_for = None if timeout is None or grace is None else timeout + grace
         try:
             frame = _read_answer(channel, read_for)

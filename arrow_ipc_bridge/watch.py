@@ -45,6 +45,7 @@ from arrow_ipc_bridge.errors import (
     UnreadAnswersError,
     WaitTimeoutError,
 )
+from arrow_ipc_bridge.process_stats import wait_counters
 
 __all__ = ["ANSWER_SEND_TIMEOUT", "HeldWait", "Watch", "WaitingConnection"]
 
@@ -266,6 +267,7 @@ class Watch:
             elif wait.deadline is not None and wait.deadline <= time.monotonic():
                 error = wait.timed_out()
             else:
+                next(wait_counters.waits_held)
                 wait.held = True
                 self._waits.setdefault(wait.raw_name, []).append(wait)
                 if wait.deadline is not None:

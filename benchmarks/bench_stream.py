@@ -21,8 +21,11 @@ CUDA cases (16 float32 CuPy columns per batch, for each size in --sizes):
     cuda slots      reserved CUDA slots (slab allocator), the producer launches a kernel writing one
                     value, then commits; the consumer takes each batch's device capsule, waits on its
                     sync_event on its stream (cudaStreamWaitEvent) and releases it
-    cuda slots+cupy the same, and the consumer also makes the 16 columns CuPy arrays
-                    (cupy.asarray(aib.column_view(batch, i, stream=s.ptr)), ordered on its stream)
+    cuda slots+cupy the consumer makes each batch's 16 columns usable as CuPy arrays in one call,
+                    aib.column_arrays(batch, "cupy", stream=s.ptr) (which orders its stream after the
+                    batch's event, no host wait), instead of taking the device capsule; it reads
+                    column c0's first value back (a stream sync) on every warm-up batch and every
+                    CHECK_EVERY-th measured one, and fails on a wrong value
     torch queue     the same 16 tensors through a torch.multiprocessing (spawn) Queue, from a ring of 8
                     batches the producer refills (one kernel per batch) after the consumer acknowledged
                     the batch that last used the ring slot; the consumer rebuilds each batch's
@@ -45,6 +48,7 @@ from typing import Any
 SPAWN_TIMEOUT = 300.0
 NCOLS = 16
 WINDOW = 8
+CHECK_EVERY = 1024  # measured CUDA batches between two value read-backs (each syncs the stream)
 
 
 def parse_size(text: str) -> int:
@@ -130,22 +134,27 @@ def bridge_consumer(case: dict[str, Any], path: str, results: Any) -> None:
         n = 0
         started = 0.0
         with_event = 0
+        checked = 0
         for imported in live:
             if n == warmup:
                 started = time.perf_counter()
-            if cuda:
+            if make_arrays:
+                # The 16 columns as CuPy arrays in one call, ordered on our stream (no host wait).
+                arrays = aib.column_arrays(imported, "cupy", stream=stream.ptr)
+                if len(arrays) != NCOLS:
+                    raise AssertionError(f"batch {n}: {len(arrays)} arrays, expected {NCOLS}")
+                if n < warmup or n % CHECK_EVERY == 0:
+                    value = float(arrays["c0"][0:1].get(stream=stream)[0])  # waits for the batch
+                    if value != n:
+                        raise AssertionError(f"batch {n} holds {value}")
+                    checked += 1
+                del arrays
+            elif cuda:
                 capsules = imported.__arrow_c_device_array__()
                 sync = capsule_struct(capsules[1], "device_array").sync_event
                 if sync:
                     with_event += 1
                     cupy.cuda.runtime.streamWaitEvent(stream.ptr, event_value(sync), 0)
-                if make_arrays:
-                    # Views ordered on our stream (no host wait), as CuPy arrays through
-                    # __cuda_array_interface__.
-                    arrays = [
-                        cupy.asarray(aib.column_view(imported, i, stream=stream.ptr)) for i in range(NCOLS)
-                    ]
-                    del arrays
                 del capsules
             else:
                 value = pa.record_batch(imported).column(0)[0].as_py()
@@ -160,7 +169,13 @@ def bridge_consumer(case: dict[str, Any], path: str, results: Any) -> None:
         results.put(
             (
                 "consumer",
-                {"seconds": elapsed, "batches": batches, "dropped": live.dropped, "with_event": with_event},
+                {
+                    "seconds": elapsed,
+                    "batches": batches,
+                    "dropped": live.dropped,
+                    "with_event": with_event,
+                    "values_checked": checked,
+                },
             )
         )
     except BaseException:

@@ -6,13 +6,17 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 
 import pyarrow as pa
 import pytest
+from helpers.session_rig import wait_for
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge.cuda import cuda_stats
-from arrow_ipc_bridge.process_stats import import_counters
+from arrow_ipc_bridge.process_stats import import_counters, wait_counters
+
+EXPORT_REGION_FIELDS = ["export_region_entries", "export_region_hits", "export_region_misses"]
 
 
 def delta(before: object, after: object) -> dict[str, int]:
@@ -31,11 +35,13 @@ def test_record_is_frozen_typed_and_counts_only_ints() -> None:
     assert isinstance(snapshot.host, aib.HostStats)
     assert isinstance(snapshot.cuda, aib.CudaStats)
     assert isinstance(snapshot.session, aib.SessionStats)
+    assert isinstance(snapshot.streams, aib.StreamStats)
+    assert isinstance(snapshot.waits, aib.WaitStats)
     with pytest.raises(dataclasses.FrozenInstanceError):
         snapshot.host = snapshot.host  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         snapshot.host.copied_bytes = 0  # type: ignore[misc]
-    for section in (snapshot.host, snapshot.cuda, snapshot.session):
+    for section in (snapshot.host, snapshot.cuda, snapshot.session, snapshot.streams, snapshot.waits):
         for field in dataclasses.fields(section):
             value = getattr(section, field.name)
             assert type(value) is int, (field.name, value)
@@ -48,8 +54,76 @@ def test_session_section_reads_every_import_counter() -> None:
 
 
 def test_cuda_section_has_every_cuda_counter() -> None:
-    """The typed section and cuda_stats() (its builder) name the same counters: none dropped or invented."""
-    assert [f.name for f in dataclasses.fields(aib.CudaStats)] == list(cuda_stats())
+    """The typed section names the counters of cuda_stats() and then the export region table's
+    (cuda/placer.export_region_stats): none dropped or invented."""
+    from arrow_ipc_bridge.cuda.placer import export_region_stats
+
+    assert [f.name for f in dataclasses.fields(aib.CudaStats)] == list(cuda_stats()) + EXPORT_REGION_FIELDS
+    assert [f"export_region_{key}" for key in export_region_stats()] == EXPORT_REGION_FIELDS
+
+
+def test_wait_section_reads_every_wait_counter() -> None:
+    assert wait_counters._fields == tuple(f.name for f in dataclasses.fields(aib.WaitStats))
+
+
+def test_stream_counters_move_with_batches_sent_received_and_dropped(sock_dir: str) -> None:
+    """Two subscribers of a "drop_oldest" stream: one reads every batch, one holds its window and
+    falls behind. The publisher counts a BATCH per subscriber sent and each drop; the subscriptions
+    count what they received; subscriptions count while open."""
+    before = aib.stats().streams
+    with aib.Publisher(os.path.join(sock_dir, "p.sock")) as pub:
+        writer = pub.open_stream("s", max_in_flight=2, on_slow="drop_oldest")
+        with (
+            aib.subscribe(pub.path, "s", timeout=30) as fast,
+            aib.subscribe(pub.path, "s", timeout=30) as slow,
+        ):
+            assert aib.stats().streams.subscriptions_open - before.subscriptions_open == 2
+            for i in range(6):
+                writer.write(pa.record_batch({"i": [i]}))
+                batch = fast.next_batch()
+                assert batch is not None
+                batch.release()
+            # slow: 2 batches sent (its window, unreleased), then a queue of 2; 2 dropped from it
+            held = [slow.next_batch(), slow.next_batch()]
+            middle = aib.stats().streams
+            for batch in held:
+                assert batch is not None
+                batch.release()
+            queued = [slow.next_batch(), slow.next_batch()]
+            assert slow.dropped == 2
+            for batch in queued:
+                assert batch is not None
+                batch.release()
+            writer.close()
+        assert delta(before, middle) == {
+            "batches_sent": 8,
+            "batches_received": 8,
+            "batches_dropped": 2,
+            "subscriptions": 2,
+            "subscriptions_open": 2,
+        }
+    # The publisher's serving threads see the ends in their own time.
+    assert wait_for(lambda: aib.stats().streams.subscriptions_open == before.subscriptions_open, 10)
+    moved = delta(before, aib.stats().streams)
+    assert moved == {"batches_sent": 10, "batches_received": 10, "batches_dropped": 2, "subscriptions": 2}
+
+
+def test_wait_counters_count_waits_sent_and_held(sock_dir: str) -> None:
+    """A wait the publisher can answer at once is sent, not held; one for a name not published yet is held."""
+    before = aib.stats().waits
+    with aib.Publisher(os.path.join(sock_dir, "p.sock")) as pub:
+        pub.publish("now", pa.array([1]))
+        with aib.connect(pub.path) as session:
+            session.get("now", wait=5).release()
+            middle = aib.stats().waits
+            publishing = threading.Timer(0.3, lambda: pub.publish("later", pa.array([2])))
+            publishing.start()
+            try:
+                session.get("later", wait=30).release()
+            finally:
+                publishing.join()
+    assert delta(before, middle) == {"waits_sent": 1}
+    assert delta(middle, aib.stats().waits) == {"waits_sent": 1, "waits_held": 1}
 
 
 def test_heap_export_with_a_copy_counts_the_copied_bytes() -> None:

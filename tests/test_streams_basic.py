@@ -377,3 +377,34 @@ def test_publish_stream_reads_a_device_stream_batch_by_batch(publisher: aib.Publ
     ):
         assert values(live) == list(range(5))
     exported.close()
+
+
+def test_a_slot_used_as_a_context_manager_is_given_back_unless_committed(publisher: aib.Publisher) -> None:
+    """A reserved slot the producer does not commit (an exception while filling it, a refused
+    commit, or no commit at all) goes back to the stream at the end of its ``with`` block instead of
+    staying reserved; one committed in the block is the stream's (not freed twice)."""
+    schema = pa.schema([("x", pa.float32())])
+    writer = publisher.open_stream("cm", max_in_flight=2, slots=aib.SlotLayout(schema, rows=4, count=1))
+    with aib.subscribe(publisher.path, "cm", timeout=30) as live:
+        with pytest.raises(RuntimeError, match="while filling"), writer.reserve() as slot:
+            raise RuntimeError("while filling")
+        assert not slot.reserved
+        with writer.reserve(timeout=5) as again:  # the only slot: it was given back
+            assert again is slot
+            with pytest.raises(aib.StreamSchemaError):
+                again.commit(rows=5)  # refused: still reserved, given back at the block's end
+        with writer.reserve(timeout=5) as slot:
+            slot.columns[0][:] = 7
+            slot.commit()
+        assert not slot.reserved
+        with pytest.raises(aib.StreamBlockedError, match="slots are held"):
+            writer.reserve(timeout=0.2)  # committed: the consumer holds it, the block gave nothing back
+        got = live.next_batch()
+        assert got is not None
+        with got:
+            assert pa.record_batch(got).column(0).to_pylist() == [7.0] * 4
+        with writer.reserve(timeout=10) as slot:
+            slot.abandon()  # abandoned in the block: the block's end does nothing more
+        assert writer._free == [slot]  # once, not twice
+        writer.close()
+        assert live.next_batch() is None

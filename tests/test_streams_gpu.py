@@ -64,6 +64,15 @@ def test_a_cuda_stream_is_never_seen_half_written(cuda_device: int, sock_path: s
             # The slots' messages are remembered after their first batch (4 slots): the rest are
             # imported with nothing opened.
             assert after.session.python_imports - before.session.python_imports <= 4
+        else:
+            # Fresh CuPy arrays per batch come out of CuPy's pool, whose allocations (legacy
+            # handles) and the producer's pooled events this process opened for earlier batches:
+            # those batches are imported by the C core (aib_import_new), as a GET's new message is,
+            # and their values were checked above like the others'.
+            assert after.cuda.c_imports > before.cuda.c_imports, (before.cuda, after.cuda)
+            assert after.session.new_message_gets - before.session.new_message_gets == (
+                after.cuda.c_imports - before.cuda.c_imports
+            )
     finally:
         done.set()
         child.join(60)

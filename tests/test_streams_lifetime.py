@@ -166,3 +166,38 @@ def test_publisher_close_frees_the_slots_of_an_open_stream(sock_dir: str) -> Non
     finally:
         live.close()
         pub.close()
+
+
+def test_subscriptions_past_max_subscriptions_are_refused_clearly(sock_dir: str) -> None:
+    """Each subscription holds a publisher thread for its whole life: past ``max_subscriptions`` a
+    SUBSCRIBE gets SubscriptionLimitError (a PublisherLimitError and a StreamError), its connection
+    is closed, and the publisher's GETs and other subscriptions go on; a closed subscription frees
+    its place."""
+    with pytest.raises(ValueError, match="max_subscriptions"):
+        aib.Publisher(os.path.join(sock_dir, "bad.sock"), max_subscriptions=0)
+    with aib.Publisher(os.path.join(sock_dir, "p.sock"), max_subscriptions=2) as pub:
+        writer = pub.open_stream("s", max_in_flight=2)
+        pub.publish("t", pa.array([1, 2]))
+        first = aib.subscribe(pub.path, "s", timeout=30)
+        second = aib.subscribe(pub.path, "s", timeout=30)
+        refused_before = aib.stats().streams.subscriptions_refused
+        with pytest.raises(aib.SubscriptionLimitError, match="max_subscriptions") as refused:
+            aib.subscribe(pub.path, "s", timeout=30)
+        assert isinstance(refused.value, aib.PublisherLimitError)
+        assert isinstance(refused.value, aib.StreamError)
+        assert aib.stats().streams.subscriptions_refused == refused_before + 1
+        with aib.connect(pub.path) as session, session.get("t") as got:  # GETs are served as before
+            assert pa.array(got).to_pylist() == [1, 2]
+        writer.write(batch(1))
+        for live in (first, second):
+            got_batch = live.next_batch()
+            assert got_batch is not None
+            got_batch.release()
+        first.close()
+        # Its serving thread gives its place back once it has seen the connection end.
+        assert wait_for(lambda: pub._streams.subscriptions == 1, 10)
+        third = aib.subscribe(pub.path, "s", timeout=30)  # the closed one's place
+        writer.close()
+        assert third.next_batch() is None
+        third.close()
+        second.close()

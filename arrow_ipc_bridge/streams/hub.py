@@ -33,11 +33,13 @@ from arrow_ipc_bridge.errors import (
     ProtocolError,
     StreamBlockedError,
     StreamError,
+    SubscriptionLimitError,
     TransportError,
 )
+from arrow_ipc_bridge.process_stats import stream_counters
 from arrow_ipc_bridge.streams import frames
 
-__all__ = ["Batch", "LiveStreamState", "StreamHub"]
+__all__ = ["MAX_SUBSCRIPTIONS", "Batch", "LiveStreamState", "StreamHub"]
 
 _log = logging.getLogger("arrow_ipc_bridge")
 
@@ -45,6 +47,9 @@ SEND_TIMEOUT = 10.0
 """Seconds a BATCH may wait for room in a consumer's socket. Credit bounds what a consumer has
 unreleased, so its socket holds at most ``max_in_flight`` frames: this fires only for a consumer
 that stopped reading altogether, which is then disconnected."""
+MAX_SUBSCRIPTIONS = 128
+"""Default ``max_subscriptions``: live-stream subscriptions a publisher serves at once (each holds
+one of its threads and one of its ``max_connections``)."""
 
 
 class Batch:
@@ -199,6 +204,7 @@ class LiveStreamState:
                 sub.pending.popleft().unref()
                 sub.dropped += 1
                 self.dropped += 1
+                next(stream_counters.batches_dropped)
         elif self.policy == "error":
             self.slow_consumers_ended += 1
             self._end(
@@ -239,6 +245,7 @@ class LiveStreamState:
             return
         batch.refs += 1
         sub.leases[lease_id] = batch
+        next(stream_counters.batches_sent)
 
     def _end(self, sub: _Subscriber, end: frames.StreamEnd) -> None:
         """End ``sub``'s subscription with ``end``: now, or after the batches it still has queued."""
@@ -329,11 +336,22 @@ class LiveStreamState:
 
 
 class StreamHub:
-    """The publisher's live streams by name (a namespace of its own, beside published names)."""
+    """The publisher's live streams by name (a namespace of its own, beside published names), and
+    the count of subscriptions served now, bounded by ``max_subscriptions``: each holds a serving
+    thread for its whole life (it waits for its consumer's RELEASEs and is never parked), so the
+    bound keeps streams from taking every thread the publisher's GETs need."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_subscriptions: int = MAX_SUBSCRIPTIONS) -> None:
         self._lock = threading.Lock()
         self._streams: dict[str, LiveStreamState] = {}
+        self._max_subscriptions = max_subscriptions
+        self._subscriptions = 0  # served now (under _lock)
+
+    @property
+    def subscriptions(self) -> int:
+        """Subscriptions served now (all streams)."""
+        with self._lock:
+            return self._subscriptions
 
     def add(self, stream: LiveStreamState) -> None:
         with self._lock:
@@ -360,17 +378,35 @@ class StreamHub:
     def serve_subscription(self, channel: Channel, payload: bytes, peer_pid: int) -> None:
         """Serve one subscription for its whole life (the connection's serving thread). Returns when
         the consumer closes the connection or breaks the protocol; the caller then closes it."""
+        counted = False
         try:
             name, asked = frames.decode_subscribe(payload)
             with self._lock:
                 stream = self._streams.get(name)
+                if stream is not None and self._subscriptions >= self._max_subscriptions:
+                    raise SubscriptionLimitError(
+                        f"the publisher serves {self._subscriptions} subscriptions already (its "
+                        f"max_subscriptions): subscribing to {name!r} was refused"
+                    )
+                if stream is not None:
+                    self._subscriptions += 1
+                    counted = True
+                    next(stream_counters.subscriptions_started)  # before SUBSCRIBED goes out
             if stream is None:
                 raise NotPublishedError(f"no stream is open as {name!r}")
             sub = stream.attach(channel, asked)
-        except (NotPublishedError, ProtocolError) as exc:
+        except (NotPublishedError, ProtocolError, SubscriptionLimitError) as exc:
+            if counted:
+                self._uncount()
+            if isinstance(exc, SubscriptionLimitError):
+                next(stream_counters.subscriptions_refused)
             with contextlib.suppress(BridgeError):
                 channel.send(protocol.ERROR, protocol.encode_error(exc), timeout=SEND_TIMEOUT)
             return
+        except BaseException:
+            if counted:
+                self._uncount()
+            raise
         try:
             while True:
                 frame = channel.recv(timeout=None)
@@ -395,3 +431,9 @@ class StreamHub:
             _log.warning("arrow_ipc_bridge: subscriber pid %s: %s", peer_pid, str(exc))
         finally:
             stream.detach(sub)
+            self._uncount()
+
+    def _uncount(self) -> None:
+        with self._lock:
+            self._subscriptions -= 1
+        next(stream_counters.subscriptions_ended)

@@ -35,6 +35,7 @@ from arrow_ipc_bridge.errors import (
     StreamInterruptedError,
 )
 from arrow_ipc_bridge.imported import ImportedArray
+from arrow_ipc_bridge.process_stats import stream_counters
 from arrow_ipc_bridge.streams import frames
 
 __all__ = ["LiveStream", "open_subscription"]
@@ -215,9 +216,16 @@ class LiveStream:
                 self._keep_slot(slot, message, fds)
         token = self._lease_tokens | lease_id
         try:
-            # The session's own import (decode, full check, map), under this batch's lease; one
-            # remembered message per reserved slot, so a reused slot costs a lookup.
-            imported = session._import(message, fds, name=self._slot_name(slot), token=token)
+            imported = None
+            if slot == frames.NO_SLOT and not fds:
+                # A written batch, new each time: when it is CUDA data carved out of allocations
+                # this process has open already (legacy handles, kept slabs), the C core imports it
+                # as it does a GET's new message, without the Python decode and opens.
+                imported = session._import_new_in_c(message, token, self._slot_names[0])
+            if imported is None:
+                # The session's own import (decode, full check, map), under this batch's lease; one
+                # remembered message per reserved slot, so a reused slot costs a lookup.
+                imported = session._import(message, fds, name=self._slot_name(slot), token=token)
         except BaseException:
             self._credit.give_back([lease_id])  # if no owner came to life, nobody else would
             raise
@@ -229,6 +237,7 @@ class LiveStream:
         self._expected = sequence + 1
         self.last_sequence = sequence
         self.received += 1
+        next(stream_counters.batches_received)
         return imported
 
     def _keep_slot(self, slot: int, message: bytes, fds: list[int]) -> None:

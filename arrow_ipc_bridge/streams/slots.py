@@ -15,6 +15,7 @@ once every consumer released the batch last committed from it, so the producer c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import pyarrow as pa
@@ -69,7 +70,16 @@ class SlotLayout:
 class StreamSlot:
     """One reserved batch: fill :attr:`columns` in place, then :meth:`commit` it (or
     :meth:`abandon` it). After a commit the slot belongs to the stream again until consumers
-    released the batch; writing its columns then would change data they read."""
+    released the batch; writing its columns then would change data they read.
+
+    A slot neither committed nor abandoned stays reserved: the stream counts it among its slots
+    (a later ``reserve`` may wait for it) and keeps its memory until the writer itself is
+    collected. Use it as a context manager to give it back whatever happens::
+
+        with writer.reserve() as slot:
+            slot.columns[0][:] = values  # an exception here abandons the slot
+            slot.commit()
+    """
 
     def __init__(self, index: int, layout: SlotLayout, columns: list[Any]) -> None:
         self.index = index
@@ -98,9 +108,20 @@ class StreamSlot:
         return result
 
     def abandon(self) -> None:
-        """Give the slot back unsent."""
+        """Give the slot back unsent (nothing when it is not reserved: committed, or abandoned
+        already)."""
         if self.reserved and self._writer is not None:
             self._writer._abandon_slot(self)
+
+    def __enter__(self) -> StreamSlot:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # Not committed in the block (an exception, a commit refused, or simply none): the slot
+        # goes back to the stream's free slots now instead of staying reserved.
+        self.abandon()
 
     def export(self, rows: int) -> Exported:  # pragma: no cover - overridden
         raise NotImplementedError
