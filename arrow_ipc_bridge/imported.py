@@ -379,7 +379,7 @@ def device_label(device_type: int, device_id: int) -> str:
 def _describe_root(is_stream: bool, root_format: str, batches: int) -> str:
     if is_stream:
         return f"table of {batches} batch{'es' if batches != 1 else ''}"
-    return "record batch" if root_format == "+s" else f"array (format {root_format!r})"
+    return "record batch" if root_format == "+s" else "array"
 
 
 def message_schema(decoded: Decoded) -> pa.Schema:
