@@ -210,8 +210,9 @@ class _ImportedBase(ArrowExporter):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of shared memory the data's buffers span: the sum of every distinct buffer range
-        the message references (a range shared by several arrays counts once). Nothing is read."""
+        """Bytes of shared memory the data's buffers span: the union of the byte ranges the
+        message's buffers reference (memory shared by several batches or arrays counts once).
+        Nothing is read."""
         decoded = self._borrow()
         try:
             return referenced_bytes(decoded)
@@ -405,12 +406,25 @@ def batch_lengths(decoded: Decoded, bases: Any) -> list[int]:
 
 
 def referenced_bytes(decoded: Decoded) -> int:
-    """The sum of the lengths of every distinct buffer range the message references in its
-    regions (null and empty buffers take no memory)."""
-    ranges = {
-        (code, offset, length) for code, offset, length in decoded.buffer_refs() if code >= SLOT_FIRST_REGION
-    }
-    return sum(length for _code, _offset, length in ranges)
+    """Bytes of region memory the message's buffers span: the union of the byte ranges every buffer
+    references, per region, so that buffers shared or overlapping between batches (slices of one
+    array) count once; null and empty buffers take no memory."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for code, offset, length in decoded.buffer_refs():
+        if code >= SLOT_FIRST_REGION and length:
+            spans.setdefault(code, []).append((offset, offset + length))
+    total = 0
+    for ranges in spans.values():
+        ranges.sort()
+        start, end = ranges[0]
+        for lo, hi in ranges[1:]:
+            if lo > end:  # a gap: the run so far is done
+                total += end - start
+                start, end = lo, hi
+            else:
+                end = max(end, hi)
+        total += end - start
+    return total
 
 
 # ---------- copies to the host ----------------------------------------------------------------------

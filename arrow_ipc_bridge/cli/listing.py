@@ -60,7 +60,7 @@ def list_names(socket_path: str, *, timeout: float, as_json: bool = False) -> in
     try:
         session = aib.connect(socket_path, timeout=timeout)
     except (BridgeError, OSError) as exc:
-        raise CommandError(f"cannot connect to {socket_path}: {exc}") from None
+        raise CommandError(str(exc)) from None
     with session:
         try:
             rows = [_facts(session, name) for name in sorted(session.list())]
