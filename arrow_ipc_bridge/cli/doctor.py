@@ -344,3 +344,9 @@ def doctor(
         if check.advice:
             print(f"{'':4s}  {'':{width}s}  -> {check.advice}")
     return 1 if failed else 0
+
+
+def _gpu_usable() -> bool:
+    from arrow_ipc_bridge import cuda
+
+    return cuda.driver_available() and cuda.device_count() > 0
