@@ -175,8 +175,8 @@ def _namespace_checks() -> list[Check]:
                 "info",
                 f"probably inside a container ({', '.join(hints)})",
                 "host data travels as fds over the socket: producer and consumer need the socket (a "
-                "shared volume), not --ipc=host; pool and VMM CUDA handles are fds too, legacy CUDA IPC "
-                "handles need the GPU visible in both containers",
+                "shared volume), not --ipc=host; pool and VMM CUDA handles are fds too; legacy CUDA IPC "
+                "handles may also need a shared IPC namespace (--ipc=host or --ipc=container:NAME)",
             )
         )
     return checks
@@ -202,7 +202,7 @@ _KIND_ADVICE = {
     "pool": "the IPC memory pool (POSIX fd export) failed: it needs a driver >= 11.2 with memory pools "
     'and POSIX fd handle support; to_device(allocation="legacy") avoids it',
     "vmm": "VMM POSIX fd handles (cuMemExportToShareableHandle) failed: the device must report "
-    "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED; data in VMM memory is copied instead",
+    "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED and both processes the same GPU",
 }
 _ROWS = 4096
 
