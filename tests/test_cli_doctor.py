@@ -69,7 +69,7 @@ def test_doctor_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_a_low_open_file_limit_is_a_warning_with_advice() -> None:
     """Run under ``ulimit -n 1024``: the limit is named, with how to raise it."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1024:
         pytest.skip(f"the hard limit here ({hard}) is below the limit this test sets")
     env = dict(os.environ, PYTHONPATH=str(REPO))

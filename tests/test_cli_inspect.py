@@ -119,7 +119,8 @@ def test_inspect_checks_the_descriptor_count(capsys: pytest.CaptureFixture[str])
     """A message naming fd 0 inspected as if no descriptor travelled with it is invalid."""
     code, _, err = _inspect(capsys, str(GOLDEN / "primitive_batch.bin"), "--fds", "0")
     assert code == 1
-    assert "invalid message" in err and "fd" in err
+    assert "invalid message" in err
+    assert "fd" in err
 
 
 @pytest.mark.parametrize("make", ["missing", "directory"])
@@ -140,5 +141,6 @@ def test_a_missing_file_as_a_user_runs_it() -> None:
     result = run_cli("inspect", "/nonexistent/message.bin")
     assert result.returncode == 1
     assert result.stderr == (
-        "python -m arrow_ipc_bridge inspect: cannot read /nonexistent/message.bin: No such file or directory\n"
+        "python -m arrow_ipc_bridge inspect: cannot read /nonexistent/message.bin: "
+        "No such file or directory\n"
     )

@@ -129,7 +129,8 @@ def inspect(path: str, n_fds: int, *, as_json: bool = False) -> int:
         return 0
     print(
         f"{path}: {facts['message_bytes']} bytes, wire {facts['wire_version']}, {facts['root']}, "
-        f"{facts['rows']} rows, {human_bytes(facts['data_bytes'])} of data, {facts['schema_nodes']} schema nodes"
+        f"{facts['rows']} rows, {human_bytes(facts['data_bytes'])} of data, "
+        f"{facts['schema_nodes']} schema nodes"
     )
     device = facts["device"]
     extra = f", GPU {device['identity']}" if device["identity"] else ""
