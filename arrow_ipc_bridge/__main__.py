@@ -1,4 +1,4 @@
-"""``python -m arrow_ipc_bridge`` (see cli.py)."""
+"""``python -m arrow_ipc_bridge`` (see cli/)."""
 
 import sys
 

@@ -26,12 +26,22 @@ from arrow_ipc_bridge.capsules import (
     call_borrowed,
     capsule_struct,
     device_array_capsules,
+    new_capsule,
     owner_address,
 )
 from arrow_ipc_bridge.errors import BridgeError, ReleasedError
 from arrow_ipc_bridge.metadata import SLOT_FIRST_REGION, Decoded
 
-__all__ = ["ImportedArray", "ImportedStream", "imported_from", "to_host"]
+__all__ = [
+    "ImportedArray",
+    "ImportedStream",
+    "batch_lengths",
+    "device_label",
+    "imported_from",
+    "message_schema",
+    "referenced_bytes",
+    "to_host",
+]
 
 
 class _ImportedBase(ArrowExporter):
@@ -42,6 +52,9 @@ class _ImportedBase(ArrowExporter):
     # version and the publisher it came from (versions are per publisher); None otherwise.
     version: int | None = None
     publisher_id: str | None = None
+    # The row count, worked out on first use (the message never changes); a class default so that
+    # the hot-path constructor (adopt) sets nothing more.
+    _num_rows: int | None = None
 
     def __init__(
         self,
@@ -157,6 +170,55 @@ class _ImportedBase(ArrowExporter):
     def batch_count(self) -> int:
         return self._live().batch_count
 
+    @property
+    def device(self) -> str:
+        """Where the data lives, as a label: ``"cpu"``, ``"cuda:N"`` (this process's ordinal)."""
+        return device_label(self._device_type, self._device_id)
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The data's schema as pyarrow: the columns of a record batch, table or stream; a plain
+        array's root as the one field of a schema (``type`` is that field's type). No data is read."""
+        decoded = self._borrow()
+        try:
+            return message_schema(decoded)
+        finally:
+            decoded.unborrow()
+
+    @property
+    def type(self) -> pa.DataType:
+        """The root's Arrow type (a struct for record batches and tables)."""
+        decoded = self._borrow()
+        try:
+            capsule, out = new_capsule("schema")
+            decoded.rebuild_schema(out)
+            return pa.DataType._import_from_c_capsule(capsule)
+        finally:
+            decoded.unborrow()
+
+    @property
+    def num_rows(self) -> int:
+        """Rows over every batch (the root arrays' lengths), read from the message: no data is read
+        or copied."""
+        if self._num_rows is None:
+            decoded = self._borrow()
+            try:
+                self._num_rows = sum(batch_lengths(decoded, self._bases))
+            finally:
+                decoded.unborrow()
+        return self._num_rows
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of shared memory the data's buffers span: the union of the byte ranges the
+        message's buffers reference (memory shared by several batches or arrays counts once).
+        Nothing is read."""
+        decoded = self._borrow()
+        try:
+            return referenced_bytes(decoded)
+        finally:
+            decoded.unborrow()
+
     def _sync_event(self) -> Any:
         """The ``sync_event`` for a struct built now: the producer's event while its work is
         pending, NULL once the driver says it completed (``sync_event.c``)."""
@@ -229,10 +291,17 @@ class _ImportedBase(ArrowExporter):
         )
 
     def __repr__(self) -> str:
-        state = (
-            "released" if self.released else f"device_type={self._device_type}, device_id={self._device_id}"
-        )
-        return f"<{type(self).__name__} {self.name or ''} {state}>"
+        label = f" {self.name!r}" if self.name is not None else ""
+        if self.released:
+            return f"<{type(self).__name__}{label} released>"
+        try:
+            schema = self.schema
+            what = _describe_root(self._decoded.is_stream, self.root_format, self.batch_count)
+            columns = ", ".join(f"{field.name}: {field.type}" for field in schema)
+            facts = f"{what}, {self.num_rows} rows, {self.nbytes} bytes, {self.device}, [{columns}]"
+        except BridgeError:  # released by another thread meanwhile: a repr never raises
+            facts = "released"
+        return f"<{type(self).__name__}{label} {facts}>"
 
 
 class ImportedArray(_ImportedBase, ArrowArrayExporter):
@@ -296,6 +365,66 @@ def imported_from(
         name=name,
         on_release=on_release,
     )
+
+
+# ---------- facts read from a message (also what ``inspect`` prints) ---------------------------------
+def device_label(device_type: int, device_id: int) -> str:
+    """``"cpu"``, ``"cuda:N"``, or the C Device interface's numbers for another device."""
+    if device_type == DEVICE_CPU:
+        return "cpu"
+    if device_type == DEVICE_CUDA:
+        return f"cuda:{device_id}"
+    return f"device_type {device_type}:{device_id}"
+
+
+def _describe_root(is_stream: bool, root_format: str, batches: int) -> str:
+    if is_stream:
+        return f"table of {batches} batch{'es' if batches != 1 else ''}"
+    return "record batch" if root_format == "+s" else "array"
+
+
+def message_schema(decoded: Decoded) -> pa.Schema:
+    """The message's schema: a struct root's children, or a plain array's root as its one field."""
+    capsule, out = new_capsule("schema")
+    decoded.rebuild_schema(out)
+    if ffi.string(out.format) == b"+s":
+        return pa.Schema._import_from_c_capsule(capsule)
+    return pa.schema([pa.Field._import_from_c_capsule(capsule)])
+
+
+def batch_lengths(decoded: Decoded, bases: Any) -> list[int]:
+    """The root length of every batch. Each batch's structs are rebuilt over ``bases`` (a
+    ``uint64_t[]``) and released at once; only the lengths are read, never a buffer, so any nonzero
+    bases do for a message whose regions are not mapped here (``inspect``)."""
+    lengths = []
+    for batch in range(decoded.batch_count):
+        capsule, out = new_capsule("array")  # the capsule releases the rebuilt structs
+        decoded.rebuild_array(batch, bases, out)
+        lengths.append(int(out.length))
+        del capsule
+    return lengths
+
+
+def referenced_bytes(decoded: Decoded) -> int:
+    """Bytes of region memory the message's buffers span: the union of the byte ranges every buffer
+    references, per region, so that buffers shared or overlapping between batches (slices of one
+    array) count once; null and empty buffers take no memory."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for code, offset, length in decoded.buffer_refs():
+        if code >= SLOT_FIRST_REGION and length:
+            spans.setdefault(code, []).append((offset, offset + length))
+    total = 0
+    for ranges in spans.values():
+        ranges.sort()
+        start, end = ranges[0]
+        for lo, hi in ranges[1:]:
+            if lo > end:  # a gap: the run so far is done
+                total += end - start
+                start, end = lo, hi
+            else:
+                end = max(end, hi)
+        total += end - start
+    return total
 
 
 # ---------- copies to the host ----------------------------------------------------------------------

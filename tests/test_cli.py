@@ -1,100 +1,109 @@
-"""The command line (``python -m arrow_ipc_bridge``): doctor, inspect and demo, each run as a user
-would, in a subprocess with a timeout."""
+"""The command line's frame: one help text, ``--version``, hidden internal subcommands, the
+program's name, argument checks, and ``demo`` run as a user would (``inspect``, ``list`` and
+``doctor`` have files of their own)."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers.cli_runner import run_cli
 
-GOLDEN = Path(__file__).parent / "golden"
-REPO = Path(__file__).parent.parent
-TIMEOUT_S = 120  # generous: CI runs on 2 busy cores
-
-
-def run_cli(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return subprocess.run(
-        [sys.executable, "-m", "arrow_ipc_bridge", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
-
-
-def test_doctor_reports_versions_and_devices() -> None:
-    """doctor prints the package and wire versions, pyarrow's, /dev/shm and the CUDA state; exit 0."""
-    from arrow_ipc_bridge import __version__
-    from arrow_ipc_bridge._ffi import WIRE_VERSION
-
-    result = run_cli("doctor")
-    assert result.returncode == 0, result.stderr
-    first = result.stdout.splitlines()[0]
-    assert first.startswith(
-        f"arrow_ipc_bridge {__version__}, wire format {WIRE_VERSION[0]}.{WIRE_VERSION[1]}"
-    )
-    assert "pyarrow " in first
-    assert re.search(r"/dev/shm (present|missing)", result.stdout)
-    assert re.search(r"CUDA driver(: not found| present, \d+ device\(s\))", result.stdout)
-
-
-@pytest.mark.parametrize(
-    ("golden", "kind", "batches", "fields"),
-    [
-        ("primitive_batch.bin", "array", 1, ["i: int32", "f: double"]),
-        ("table_two_batches.bin", "stream", 2, ["v: int64", "origin: 'golden'"]),
-        ("nested_struct_sliced.bin", "array", 1, ["s: string", "l: list<item: int16> not null"]),
-        ("wide_16_float32.bin", "array", 1, ["c0: float", "c15: float"]),
-    ],
-)
-def test_inspect_prints_a_golden_message(golden: str, kind: str, batches: int, fields: list[str]) -> None:
-    """inspect decodes a message file and prints its size, wire version, kind, batch count, device,
-    regions and schema (record-batch and stream roots)."""
-    path = GOLDEN / golden
-    result = run_cli("inspect", str(path))
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    size = path.stat().st_size
-    assert re.match(
-        rf"{size} bytes, wire \d+\.\d+, {kind}, {batches} batch\(es\), \d+ schema nodes$", lines[0]
-    )
-    assert lines[1].startswith("device: DeviceInfo(device_type=1")
-    assert lines[2].startswith("region 0: Region(kind=2")
-    for field in fields:
-        assert field in lines
-    assert result.stderr == ""
-
-
-def test_inspect_reports_an_invalid_message(tmp_path: Path) -> None:
-    """A corrupted message is reported as invalid with the decoder's reason; exit 1, no traceback."""
-    data = bytearray((GOLDEN / "primitive_batch.bin").read_bytes())
-    data[0] ^= 0xFF  # the magic
-    path = tmp_path / "corrupt.bin"
-    path.write_bytes(bytes(data))
-    result = run_cli("inspect", str(path))
-    assert result.returncode == 1
-    assert result.stdout.startswith("invalid: ")
-    assert "Traceback" not in result.stderr
-
-
-def test_inspect_checks_the_descriptor_count() -> None:
-    """A message naming fd 0 inspected as if no descriptor travelled with it is invalid."""
-    result = run_cli("inspect", str(GOLDEN / "primitive_batch.bin"), "--fds", "0")
-    assert result.returncode == 1
-    assert result.stdout.startswith("invalid: ")
+from arrow_ipc_bridge import __version__
+from arrow_ipc_bridge._ffi import WIRE_VERSION
+from arrow_ipc_bridge.cli import main
 
 
 def test_a_subcommand_is_required() -> None:
     result = run_cli()
     assert result.returncode == 2
     assert "required" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_lists_the_public_subcommands_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """--help names demo, list, inspect and doctor; the internal _producer/_consumer stay hidden."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("demo", "list", "inspect", "doctor"):
+        assert re.search(rf"^\s+{command}\s", out, re.MULTILINE), command
+    assert "_producer" not in out
+    assert "_consumer" not in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == (
+        f"arrow_ipc_bridge {__version__} (wire format {WIRE_VERSION[0]}.{WIRE_VERSION[1]})"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv0", "prog"),
+    [
+        ("/x/lib/python3/site-packages/arrow_ipc_bridge/__main__.py", "python -m arrow_ipc_bridge"),
+        ("/x/bin/arrow-ipc-bridge", "arrow-ipc-bridge"),
+    ],
+)
+def test_the_program_names_itself_as_it_was_called(
+    argv0: str, prog: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", [argv0])
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert capsys.readouterr().out.startswith(f"usage: {prog} ")
+
+
+def test_the_console_script_names_itself() -> None:
+    """The installed ``arrow-ipc-bridge`` script says ``arrow-ipc-bridge`` in its usage line."""
+    script = shutil.which("arrow-ipc-bridge", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("the console script is not installed next to this interpreter")
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: arrow-ipc-bridge ")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--columns", "0"], "argument --columns: must be at least 1, got 0"),
+        (["--rows", "-5"], "argument --rows: must be at least 1, got -5"),
+        (["--rows", "0"], "argument --rows: must be at least 1, got 0"),
+        (["--rows", "many"], "argument --rows: expected a whole number, got 'many'"),
+    ],
+)
+def test_demo_refuses_bad_options(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A usage error (exit 2) naming the option, before any process starts."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["inspect", "x.bin", "--fds", "-1"], "argument --fds: must not be negative, got -1"),
+        (["list", "x.sock", "--timeout", "0"], "argument --timeout: must be a positive number of seconds"),
+        (["list", "x.sock", "--timeout", "nan"], "argument --timeout: must be a positive number of seconds"),
+    ],
+)
+def test_other_options_are_checked(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_demo_shares_a_table_between_two_processes() -> None:

@@ -1,21 +1,19 @@
-"""``python -m arrow_ipc_bridge``: demo, doctor, inspect.
+"""``demo``: a producer process publishes a table and a consumer process imports it and reports
+what it got and how long it took (the README's first command).
 
-``demo`` is the main job of the README: a producer process publishes a table and a consumer process
-imports it and reports what it got and how long it took.
+The two processes are this command line's hidden ``_producer`` and ``_consumer`` subcommands.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["demo", "run_consumer", "run_producer"]
 
 
 def _demo_table(rows: int, columns: int) -> Any:
@@ -42,7 +40,7 @@ def _gpu_present() -> bool:
     return cuda.driver_available() and cuda.device_count() > 0
 
 
-def _run_producer(socket_path: str, rows: int, columns: int, shm_dir: str) -> int:
+def run_producer(socket_path: str, rows: int, columns: int, shm_dir: str) -> int:
     import arrow_ipc_bridge as aib
 
     with aib.Publisher(socket_path) as pub:
@@ -80,7 +78,7 @@ def _timed_gets(session: Any, name: str, use: Any, repeat: int = 20) -> list[flo
     return sorted(timings)
 
 
-def _run_consumer(socket_path: str) -> int:
+def run_consumer(socket_path: str) -> int:
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -157,84 +155,3 @@ def demo(rows: int, columns: int) -> int:
                 producer.stdin.close()
             producer.wait(timeout=30)
     return consumer.returncode or producer.returncode
-
-
-def doctor() -> int:
-    """Print what this machine supports."""
-    import pyarrow as pa
-
-    from arrow_ipc_bridge import __version__, cuda
-    from arrow_ipc_bridge._ffi import WIRE_VERSION
-
-    print(
-        f"arrow_ipc_bridge {__version__}, wire format {WIRE_VERSION[0]}.{WIRE_VERSION[1]}, "
-        f"pyarrow {pa.__version__}"
-    )
-    print(
-        f"python {sys.version.split()[0]}, /dev/shm {'present' if os.path.isdir('/dev/shm') else 'missing'}"
-    )
-    if cuda.driver_available():
-        count = cuda.device_count()
-        print(f"CUDA driver present, {count} device(s)")
-        for i in range(count):
-            print(f"  {i}: {cuda.device_name(i)} uuid {cuda.device_uuid(i).hex()}")
-    else:
-        print("CUDA driver: not found (host memory only)")
-    return 0
-
-
-def inspect(path: str, n_fds: int) -> int:
-    """Decode a message file and print what it holds (validation errors are printed, exit 1)."""
-    import pyarrow as pa
-
-    from arrow_ipc_bridge.capsules import new_capsule
-    from arrow_ipc_bridge.errors import WireFormatError
-    from arrow_ipc_bridge.metadata import Decoded
-
-    data = Path(path).read_bytes()
-    try:
-        decoded = Decoded(data, n_fds)
-    except WireFormatError as exc:
-        print(f"invalid: {exc}")
-        return 1
-    capsule, schema = new_capsule("schema")
-    decoded.rebuild_schema(schema)
-    kind = "stream" if decoded.is_stream else "array"
-    print(
-        f"{len(data)} bytes, wire {data[4]}.{data[5]}, {kind}, {decoded.batch_count} batch(es), "
-        f"{decoded.node_count} schema nodes"
-    )
-    print(f"device: {decoded.device()}")
-    for i, region in enumerate(decoded.regions()):
-        print(f"region {i}: {region}")
-    print(pa.Schema._import_from_c_capsule(capsule))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m arrow_ipc_bridge", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_demo = sub.add_parser("demo", help="a producer and a consumer process sharing a table")
-    p_demo.add_argument("--rows", type=int, default=1_000_000)
-    p_demo.add_argument("--columns", type=int, default=16)
-    sub.add_parser("doctor", help="what this machine supports")
-    p_inspect = sub.add_parser("inspect", help="decode and print a message file")
-    p_inspect.add_argument("path")
-    p_inspect.add_argument("--fds", type=int, default=1, help="how many fds travelled with it")
-    p_prod = sub.add_parser("_producer")
-    p_prod.add_argument("socket")
-    p_prod.add_argument("rows", type=int)
-    p_prod.add_argument("columns", type=int)
-    p_prod.add_argument("shm_dir")
-    p_cons = sub.add_parser("_consumer")
-    p_cons.add_argument("socket")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        return demo(args.rows, args.columns)
-    if args.command == "doctor":
-        return doctor()
-    if args.command == "inspect":
-        return inspect(args.path, args.fds)
-    if args.command == "_producer":
-        return _run_producer(args.socket, args.rows, args.columns, args.shm_dir)
-    return _run_consumer(args.socket)

@@ -1,0 +1,91 @@
+"""``list SOCKET``: the names a running publisher serves, with kind, rows, device and size.
+
+The LIST frame carries names only, so each name is fetched (``Session.get``) and released at once to
+read its facts from the message: a get per name, which a diagnostic command can afford. Live streams
+are not listed: the publisher answers LIST with its publications alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from arrow_ipc_bridge.cli._output import CommandError, human_bytes, print_json, print_table
+
+__all__ = ["list_names"]
+
+
+def _facts(session: Any, name: str) -> dict[str, Any]:
+    """One publication's facts, or the reason it could not be read (unpublished since the LIST,
+    device data this process cannot open, ...)."""
+    from arrow_ipc_bridge.errors import BridgeError
+
+    try:
+        with session.get(name) as imported:
+            return {
+                "name": name,
+                "kind": "table" if _is_stream(imported) else _array_kind(imported),
+                "rows": imported.num_rows,
+                "device": imported.device,
+                "bytes": imported.nbytes,
+                "columns": len(imported.schema),
+                "error": None,
+            }
+    except BridgeError as exc:
+        return {
+            "name": name,
+            "kind": None,
+            "rows": None,
+            "device": None,
+            "bytes": None,
+            "columns": None,
+            "error": f"{type(exc).__name__}: {exc}",
+        }
+
+
+def _is_stream(imported: Any) -> bool:
+    from arrow_ipc_bridge.imported import ImportedStream
+
+    return isinstance(imported, ImportedStream)
+
+
+def _array_kind(imported: Any) -> str:
+    return "record batch" if imported.root_format == "+s" else "array"
+
+
+def list_names(socket_path: str, *, timeout: float, as_json: bool = False) -> int:
+    """Print what the publisher at ``socket_path`` serves; exit 1 when it cannot be reached."""
+    import arrow_ipc_bridge as aib
+    from arrow_ipc_bridge.errors import BridgeError
+
+    try:
+        session = aib.connect(socket_path, timeout=timeout)
+    except (BridgeError, OSError) as exc:
+        raise CommandError(str(exc)) from None
+    with session:
+        try:
+            rows = [_facts(session, name) for name in sorted(session.list())]
+        except BridgeError as exc:
+            raise CommandError(f"{socket_path}: {exc}") from None
+    if as_json:
+        print_json(rows)
+        return 0
+    if not rows:
+        print(f"{socket_path}: no publications")
+        return 0
+    print_table(
+        ["NAME", "KIND", "ROWS", "COLUMNS", "DEVICE", "SIZE"],
+        [
+            [row["name"], "?", "", "", "", row["error"]]
+            if row["error"]
+            else [
+                row["name"],
+                row["kind"],
+                str(row["rows"]),
+                str(row["columns"]),
+                row["device"],
+                human_bytes(row["bytes"]),
+            ]
+            for row in rows
+        ],
+    )
+    return 0
