@@ -243,3 +243,42 @@ def test_example_pandas_zero_copy() -> None:
         )
         assert low <= float(found.group(1)) <= high, found.group(0)
     line_matching(run, r"^producer: done, 0 leases still held$")
+
+
+def test_example_live_stream() -> None:
+    """Every frame arrives in order, none dropped, the checksum matches the producer's; under
+    ``on_slow="block"`` the consumer never held more than its max_in_flight of 4."""
+    run = run_example("live_stream.py")
+    line_matching(run, r"^consumer: received 200 frames in order, 0 dropped, checksum \d+$")
+    got = line_matching(run, r"checksum (\d+)$").group(1)
+    assert line_matching(run, r"^producer: expected checksum (\d+)$").group(1) == got
+    most = line_matching(run, r"^producer: 200 frames in [\d.]+ s, at most (\d+) unreleased at once")
+    assert 1 <= int(most.group(1)) <= 4, most.group(0)
+
+
+def test_example_next_version() -> None:
+    """The consumer waited for the publisher and the name, then followed get_next to the last step,
+    versions only increasing (how many it skipped depends on timing)."""
+    run = run_example("next_version.py")
+    line_matching(run, r"^consumer: waiting for the publisher$")
+    found = line_matching(
+        run, r"^consumer: got (\d+) versions, steps increasing: True, last step 29, (\d+) skipped while busy$"
+    )
+    assert int(found.group(1)) + int(found.group(2)) == 30
+    line_matching(run, r"^producer: published 30 versions, the last is 30$")
+
+
+def test_example_own_socket() -> None:
+    run = run_example("own_socket.py")
+    line_matching(run, r"^producer: exported \d+ bytes of metadata and 1 fd\(s\)")
+    line_matching(
+        run, r"^consumer: received \d+ bytes and 1 fd\(s\), imported 3000 rows \['symbol', 'qty'\]$"
+    )
+    line_matching(run, r"^consumer: total qty 4498500, symbols \['AAPL', 'MSFT', 'NVDA'\]$")
+    line_matching(run, r"^producer: the consumer said 'done'$")
+
+
+def test_example_own_multiprocessing() -> None:
+    run = run_example("own_multiprocessing.py")
+    line_matching(run, r"^consumer: imported 1000000 rows from 1 fd\(s\), sum of x 499999500000$")
+    line_matching(run, r"^producer: the consumer's sum 499999500000, expected 499999500000$")
