@@ -282,3 +282,32 @@ def test_example_own_multiprocessing() -> None:
     run = run_example("own_multiprocessing.py")
     line_matching(run, r"^consumer: imported 1000000 rows from 1 fd\(s\), sum of x 499999500000$")
     line_matching(run, r"^producer: the consumer's sum 499999500000, expected 499999500000$")
+
+
+# --- GPU examples (run where there is a GPU: scripts/gpu-check.sh) -----------------------------------------
+
+
+@pytest.mark.gpu
+def test_example_cupy_to_torch(cuda_device: int) -> None:
+    pytest.importorskip("cupy", reason="the CuPy producer needs cupy (pip install arrow_ipc_bridge[cuda12])")
+    torch = pytest.importorskip("torch", reason="the PyTorch consumer needs torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch was built without CUDA")
+    run = run_example("cupy_to_torch.py")
+    line_matching(run, r"^producer: published 1048576 rows on GPU \d+, 0 bytes copied$")
+    line_matching(
+        run, r"^consumer: tensors on cuda:\d+: x torch\.int64 \(1048576,\), y torch\.float64 \(1048576,\)$"
+    )
+    got = line_matching(run, r"^consumer: sum\(x\) (\d+), sum\(y\) ([\d.]+)$")
+    expected = line_matching(run, r"^producer: expected sum\(x\) (\d+), sum\(y\) ([\d.]+)$")
+    assert got.groups() == expected.groups() == ("549755289600", "274877644800.0")
+
+
+@pytest.mark.gpu
+def test_example_pylibcudf_consumer(cuda_device: int) -> None:
+    pytest.importorskip("pylibcudf", reason="the pylibcudf consumer needs cuDF's pylibcudf (RAPIDS)")
+    run = run_example("pylibcudf_consumer.py")
+    line_matching(run, r"^producer: published 1048576 rows on the GPU$")
+    line_matching(run, r"^consumer: pylibcudf table of 1048576 rows x 2 columns$")
+    got = line_matching(run, r"^consumer: sum\(id\) on the GPU (\d+)$").group(1)
+    assert got == line_matching(run, r"^producer: expected sum\(id\) (\d+)$").group(1) == "549755289600"
