@@ -57,7 +57,7 @@ def main() -> int:
                 f"producer: published {ROWS} rows on GPU {x.device.id}, {stats.copied_bytes} bytes copied",
                 flush=True,
             )
-            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,))
+            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,), daemon=True)
             child.start()
             child.join(timeout=120)
             if child.is_alive():

@@ -42,19 +42,22 @@ def consumer(path: str) -> None:
     """The other process: run SQL over the published "trades"."""
     import duckdb  # only the consumer needs DuckDB
 
-    with aib.connect(path, timeout=10.0) as session, session.get("trades") as trades:
+    with (
+        aib.connect(path, timeout=10.0) as session,
+        session.get("trades") as trades,
+        duckdb.connect() as connection,
+    ):
         # A replacement scan: `trades` in the SQL is the local Python variable above.
-        rows = duckdb.sql(
+        rows = connection.execute(
             "SELECT symbol, count(*) AS n, sum(qty * price) AS notional "
             "FROM trades GROUP BY symbol ORDER BY symbol"
         ).fetchall()
         for symbol, count, notional in rows:
             print(f"consumer: {symbol}: {count} trades, notional {notional:.1f}", flush=True)
-        # Or give it a name on a connection of your own; each query reads the data afresh.
-        with duckdb.connect() as connection:
-            connection.register("t", trades)
-            [(largest,)] = connection.sql("SELECT max(qty) FROM t WHERE symbol = 'NVDA'").fetchall()
-            print(f"consumer: largest NVDA trade {largest}", flush=True)
+        # Or give it a name of its own; each query reads the data afresh.
+        connection.register("t", trades)
+        [(largest,)] = connection.execute("SELECT max(qty) FROM t WHERE symbol = 'NVDA'").fetchall()
+        print(f"consumer: largest NVDA trade {largest}", flush=True)
 
 
 def main() -> int:
@@ -64,7 +67,7 @@ def main() -> int:
         with aib.Publisher(path) as publisher:
             publisher.publish("trades", trades_table(ROWS))
             print(f"producer: published {ROWS} trades", flush=True)
-            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,))
+            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,), daemon=True)
             child.start()
             child.join(timeout=60)
             if child.is_alive():

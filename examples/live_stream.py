@@ -74,7 +74,7 @@ def main() -> int:
                 block_timeout=30.0,
                 slots=aib.SlotLayout(SCHEMA, rows=ROWS),
             )
-            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,))
+            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,), daemon=True)
             child.start()
             # Late join is "from now on": wait for the subscriber before the first frame.
             deadline = time.monotonic() + 60

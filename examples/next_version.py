@@ -47,7 +47,9 @@ def evaluator(path: str) -> None:
                 step = batch.column("step")[0].as_py()
                 if not np.all(np.asarray(batch.column("w")) == step):
                     raise RuntimeError(f"version {item.version} mixes steps")
-                version = item.version
+                version = item.version  # set on objects got by waiting (None after a plain get)
+                if version is None:
+                    raise RuntimeError("a waited-for object has no version")
                 del batch
             seen.append(step)
             if step == STEPS - 1:
@@ -66,7 +68,7 @@ def evaluator(path: str) -> None:
 def main() -> int:
     directory = tempfile.mkdtemp(prefix="aib-example-")
     path = os.path.join(directory, "publisher.sock")
-    child = multiprocessing.get_context("spawn").Process(target=evaluator, args=(path,))
+    child = multiprocessing.get_context("spawn").Process(target=evaluator, args=(path,), daemon=True)
     child.start()  # before the publisher exists
     try:
         time.sleep(0.5)  # the trainer takes a while to start

@@ -52,7 +52,7 @@ def consumer(connection: Connection) -> None:
 def main() -> int:
     batch = pa.record_batch({"x": np.arange(ROWS, dtype=np.int64), "y": np.ones(ROWS)})
     ours, theirs = multiprocessing.Pipe()
-    child = multiprocessing.get_context("spawn").Process(target=consumer, args=(theirs,))
+    child = multiprocessing.get_context("spawn").Process(target=consumer, args=(theirs,), daemon=True)
     child.start()
     theirs.close()  # the child has its own copy of this end
     try:

@@ -76,7 +76,7 @@ def main() -> int:
             server.bind(path)
             os.chmod(path, 0o600)  # only this user may connect
             server.listen(1)
-            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,))
+            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,), daemon=True)
             child.start()
             server.settimeout(60)
             connection, _ = server.accept()

@@ -95,7 +95,7 @@ def main() -> int:
         with aib.Publisher(path) as publisher:
             publisher.publish("wide", table)
             print(f"producer: published {table.nbytes / MIB:.0f} MiB", flush=True)
-            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,))
+            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,), daemon=True)
             child.start()
             child.join(timeout=60)
             if child.is_alive():

@@ -67,7 +67,7 @@ def main() -> int:
                 "shared memory)",
                 flush=True,
             )
-            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,))
+            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,), daemon=True)
             child.start()
             child.join(timeout=60)
             if child.is_alive():

@@ -67,7 +67,9 @@ def main() -> int:
             print(f"producer: prices published, {zero_copy.copied_bytes} bytes copied", flush=True)
             print(f"producer: trades published, {copied.copied_bytes} bytes copied once", flush=True)
 
-            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,))
+            # spawn: a fresh interpreter (a fork would inherit the publisher's threads and sockets);
+            # daemon: ended with this process should anything here fail.
+            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,), daemon=True)
             child.start()
             child.join(timeout=60)
             if child.is_alive():

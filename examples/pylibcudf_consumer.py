@@ -62,7 +62,7 @@ def main() -> int:
         with aib.Publisher(path) as publisher:
             publisher.publish("events", on_gpu)
             print(f"producer: published {ROWS} rows on the GPU", flush=True)
-            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,))
+            child = multiprocessing.get_context("spawn").Process(target=consumer, args=(path,), daemon=True)
             child.start()
             child.join(timeout=120)
             if child.is_alive():
