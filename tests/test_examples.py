@@ -51,6 +51,25 @@ class ExampleRun:
         return self.stdout.splitlines()
 
 
+def _is_zombie(pid: int) -> bool:
+    """True when ``pid`` has exited and waits for its parent to reap it (FileNotFoundError: gone)."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        return stat.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+
+
+def _gone_within(pid: int, timeout: float) -> bool:
+    """True once ``pid`` has exited (gone, or a zombie) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if _is_zombie(pid):
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def _processes_with(marker: str) -> dict[int, str]:
     """Live processes (not zombies) whose environment holds ``MARKER=marker``: pid -> command line."""
     needle = f"{MARKER}={marker}".encode()
@@ -62,9 +81,8 @@ def _processes_with(marker: str) -> dict[int, str]:
             with open(f"/proc/{entry}/environ", "rb") as environ:
                 if needle not in environ.read().split(b"\0"):
                     continue
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                if stat.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue  # exited, waiting for its parent to reap it
+            if _is_zombie(int(entry)):
+                continue  # exited, waiting for its parent to reap it
             with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
                 found[int(entry)] = cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except (FileNotFoundError, ProcessLookupError, PermissionError):
@@ -166,21 +184,7 @@ def test_the_leak_checks_catch_a_leaky_script(tmp_path: Path) -> None:
     assert "time.sleep(60)" in run.stray_processes[0]
     assert time.monotonic() - started < 30  # the stray was killed, not waited for
     pid = int(run.stray_processes[0].split()[0])
-    assert _processes_with_pid_gone(pid)
-
-
-def _processes_with_pid_gone(pid: int, timeout: float = 10.0) -> bool:
-    """True once ``pid`` is gone or a zombie (the killed stray of the test above)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as stat:
-                if stat.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
+    assert _gone_within(pid, 10.0)
 
 
 def test_every_example_has_a_test_and_a_readme_entry() -> None:
@@ -234,8 +238,8 @@ def test_example_pandas_zero_copy() -> None:
     line_matching(run, r"^consumer: 1048576 rows x 8 columns, 64 MiB$")
     expected_sum = r"4398071676928"  # 8 * sum(range(2**20)) + 2**20 * sum(range(8))
     for way, low, high in (
-        (r"split_blocks=True", 0, 16),
-        (r"types_mapper=pd\.ArrowDtype", 0, 16),
+        (r"split_blocks=True", -64, 16),  # it may shrink a little: freed pages go back meanwhile
+        (r"types_mapper=pd\.ArrowDtype", -64, 16),
         (r"default \(copies\)", 48, 1024),
     ):
         found = line_matching(
