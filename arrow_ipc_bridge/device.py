@@ -162,7 +162,10 @@ def _read_columns(values: list[Any]) -> tuple[Any, list[Any]]:
     one to refuse) on, by :func:`_column_facts`, which views or raises."""
     n = len(values)
     columns = ffi.new("aib_cuda_column[]", n)
-    done = read_cuda_columns(values, int(ffi.cast("uintptr_t", columns)), n)
+    first_type = type(values[0])
+    # CuPy arrays after the first are read from their own attributes (py_columns.c says why).
+    is_cupy = first_type.__name__ == "ndarray" and first_type.__module__.partition(".")[0] == "cupy"
+    done = read_cuda_columns(values, int(ffi.cast("uintptr_t", columns)), n, first_type if is_cupy else None)
     if done == n:
         return columns, values
     keep = values[:done]
@@ -275,7 +278,10 @@ def _captured_columns(names: tuple[str, ...] | None, values: list[Any]) -> Captu
         slot = lib.aib_owner_slot(captured.owner)  # lives as long as the structs
         slot[0] = event.handle
         array.sync_event = slot
-    return CapturedArray(captured)
+    result = CapturedArray(captured)
+    # The columns' facts as read (zero-filled struct array, so the bytes are deterministic).
+    result.column_signature = (device, names, bytes(ffi.buffer(columns)))
+    return result
 
 
 def from_cuda_array(obj: Any) -> CapturedArray:
