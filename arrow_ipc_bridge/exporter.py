@@ -334,11 +334,13 @@ def record_in_place(current: Exported, obj: ArrowInput, copy: CopyPolicy) -> boo
 
     shared = current._shared_event
     assert shared is not None  # a signature is kept only with a shared event (export_again)
-    captured = obj._live()
-    producer_event = captured.arrays[0].sync_event if captured.arrays else None
-    producer_handle = cuda.event_value(producer_event) if producer_event else 0
-    if producer_handle and recorded_on_legacy_stream(producer_handle):
-        producer_handle = 0  # the shared event's record on the same stream comes after it
+    producer_handle = 0
+    if not getattr(obj, "needs_no_event", False):  # from_cuda_arrays' columns on a real stream
+        captured = obj._live()
+        producer_event = captured.arrays[0].sync_event if captured.arrays else None
+        producer_handle = cuda.event_value(producer_event) if producer_event else 0
+        if producer_handle and recorded_on_legacy_stream(producer_handle):
+            producer_handle = 0  # the shared event's record on the same stream comes after it
     shared.record_after(producer_handle)
     remember_local_event(shared.handle, shared.event)
     return True
