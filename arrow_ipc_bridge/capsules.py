@@ -566,6 +566,11 @@ class _CapturedSource(ArrowExporter):
 class CapturedArray(_CapturedSource, ArrowArrayExporter):
     """Captured single array or record batch, served back out."""
 
+    #: What :func:`~arrow_ipc_bridge.from_cuda_arrays` read of its columns (device, names, and each
+    #: column's pointer, length, type and announced stream), for a publisher to see that a new
+    #: version names exactly the memory of the current one; None for other captured data.
+    column_signature: tuple[int, tuple[str, ...] | None, bytes] | None = None
+
 
 class CapturedStream(_CapturedSource):
     """Captured stream (table, chunked array, reader), served back out as a stream."""

@@ -11,6 +11,7 @@ imported columns to array libraries is :mod:`arrow_ipc_bridge.columns`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -162,7 +163,10 @@ def _read_columns(values: list[Any]) -> tuple[Any, list[Any]]:
     one to refuse) on, by :func:`_column_facts`, which views or raises."""
     n = len(values)
     columns = ffi.new("aib_cuda_column[]", n)
-    done = read_cuda_columns(values, int(ffi.cast("uintptr_t", columns)), n)
+    first_type = type(values[0])
+    # CuPy arrays after the first are read from their own attributes (py_columns.c says why).
+    is_cupy = first_type.__name__ == "ndarray" and first_type.__module__.partition(".")[0] == "cupy"
+    done = read_cuda_columns(values, int(ffi.cast("uintptr_t", columns)), n, first_type if is_cupy else None)
     if done == n:
         return columns, values
     keep = values[:done]
@@ -227,17 +231,75 @@ def _c_names(names: tuple[str, ...]) -> Any:
 
 
 def _captured_columns(names: tuple[str, ...] | None, values: list[Any]) -> CapturedArray:
-    """Columns as captured CUDA data: facts read and structs built in C calls over all columns, the
-    arrays (and the sync event, if any) kept until the last consumer of the structs lets go."""
+    """Columns read and checked in C calls over all columns (facts, one device), their Arrow structs
+    built when first asked for (:class:`_CudaColumns`)."""
+    n = len(values)
+    columns, objects = _read_columns(values)
+    return _CudaColumns(names, columns, objects, _device_of(columns, n, objects))
+
+
+# CAI v3 stream values: 0 (the key absent or None) asks no synchronisation, 1 is the legacy
+# default stream; 2 (per-thread default) and real streams need an event recorded on them.
+_NO_EVENT_STREAMS = frozenset({0, 1})
+
+
+class _CudaColumns(CapturedArray):
+    """What :func:`from_cuda_arrays` returns: columns read and checked at once (facts, device), the
+    Arrow structs and the event on the announced stream made when they are first asked for (a
+    capsule, an export). A publisher that finds the columns are the current version's, updated in
+    place, never asks (``Publisher.publish``, ``exporter.record_in_place``): it re-records the
+    publication's own event instead, and the columns cost it one C read and a signature.
+
+    The event is recorded when the structs are made, so it covers the producer's work announced on
+    the stream up to then: never less than at the call, possibly more (consumers may wait longer,
+    never read earlier)."""
+
+    def __init__(self, names: tuple[str, ...] | None, columns: Any, objects: list[Any], device: int) -> None:
+        self._names = names
+        self._columns = columns
+        self._objects = objects
+        self._device = device
+        self._built: CapturedData | None = None
+        self._build_lock = threading.Lock()
+        # The columns' facts as read (a zero-filled struct array: the bytes are deterministic).
+        self.column_signature = (device, names, bytes(ffi.buffer(columns)))
+
+    @property
+    def _captured(self) -> CapturedData:  # the base class's attribute, made on first use
+        built = self._built
+        if built is None:
+            with self._build_lock:
+                if self._built is None:
+                    self._built = _build_columns(self._names, self._columns, self._objects, self._device)
+                built = self._built
+        return built
+
+    @_captured.setter
+    def _captured(self, captured: CapturedData) -> None:
+        self._built = captured
+
+    @property
+    def needs_no_event(self) -> bool:
+        """Whether the structs are not made yet and every column announced the legacy default
+        stream or none: work recorded on the legacy default stream after now is ordered after the
+        producer's (nothing to wait for, no event to make)."""
+        if self._built is not None:
+            return False
+        columns = self._columns
+        return all(columns[i].stream in _NO_EVENT_STREAMS for i in range(len(self._objects)))
+
+
+def _build_columns(
+    names: tuple[str, ...] | None, columns: Any, objects: list[Any], device: int
+) -> CapturedData:
+    """The columns' Arrow structs, built in one C call, and the event on their announced stream;
+    the arrays (and the event) kept until the last consumer of the structs lets go."""
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge.cuda import placer
 
-    n = len(values)
-    columns, objects = _read_columns(values)
-    device = _device_of(columns, n, objects)
-    # CAI v3 stream values 1 and 2 mean the legacy and per-thread default streams; None/0: no
-    # synchronisation needed. Work pending on a real stream becomes an event consumers wait on:
-    # a pooled interprocess event, which the exporter sends as it is (no second event).
+    n = len(objects)
+    # Work pending on a real stream becomes an event consumers wait on: a pooled interprocess
+    # event, which the exporter sends as it is (no second event).
     first = columns[0].stream
     pending = [first] if first and all(columns[i].stream == first for i in range(1, n)) else None
     if pending is None:  # several streams (rare): one event per batch, the others settled first
@@ -275,7 +337,7 @@ def _captured_columns(names: tuple[str, ...] | None, values: list[Any]) -> Captu
         slot = lib.aib_owner_slot(captured.owner)  # lives as long as the structs
         slot[0] = event.handle
         array.sync_event = slot
-    return CapturedArray(captured)
+    return captured
 
 
 def from_cuda_array(obj: Any) -> CapturedArray:
@@ -283,7 +345,9 @@ def from_cuda_array(obj: Any) -> CapturedArray:
 
     No copy: the column's data buffer is the array's memory, kept alive as long as any consumer holds
     it. If the array announces a stream (``__cuda_array_interface__`` v3), an event recorded on that
-    stream becomes the column's ``sync_event``: consumers wait for the producer's pending work.
+    stream becomes the column's ``sync_event``: consumers wait for the producer's pending work. The
+    array is read and checked now; the Arrow structs and the event are made when first asked for (a
+    capsule, an export), so the event covers the stream's work up to then.
     """
     return _captured_columns(None, [obj])
 

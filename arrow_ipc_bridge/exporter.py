@@ -16,6 +16,7 @@ from arrow_ipc_bridge.capsules import (
     DEVICE_CPU,
     DEVICE_CUDA,
     ArrowInput,
+    CapturedArray,
     CapturedData,
     _CapturedSource,
     capture,
@@ -36,7 +37,15 @@ from arrow_ipc_bridge.metadata import (
 if TYPE_CHECKING:
     from arrow_ipc_bridge.cuda.shared_event import SharedEvent
 
-__all__ = ["Exported", "ExportStats", "export", "export_again", "export_captured", "CopyPolicy"]
+__all__ = [
+    "Exported",
+    "ExportStats",
+    "export",
+    "export_again",
+    "export_captured",
+    "record_in_place",
+    "CopyPolicy",
+]
 
 CopyPolicy = Literal["never", "if_needed", "always"]
 
@@ -70,6 +79,9 @@ class Exported:
     #: CUDA data exported by :func:`export_again`: the event its message names, which a later
     #: version of the same publication may name again
     _shared_event: SharedEvent | None = field(default=None, repr=False)
+    #: ``CapturedArray.column_signature`` of what was exported, when its message names those
+    #: columns' own memory (no copy, no descriptor): :func:`record_in_place` compares with it
+    _column_signature: tuple[int, tuple[str, ...] | None, bytes] | None = field(default=None, repr=False)
 
     @property
     def closed(self) -> bool:
@@ -289,7 +301,49 @@ def export_again(
     new work (``cuda/shared_event.py`` says why that is sound): a consumer's get then finds the
     message it remembers. Host data is exported as by :func:`export`."""
     captured = CapturedData.sharing(obj._live()) if isinstance(obj, _CapturedSource) else capture(obj)
-    return export_captured(captured, copy=copy, pool_fds=pool_fds, previous=previous, share_event=True)
+    exported = export_captured(captured, copy=copy, pool_fds=pool_fds, previous=previous, share_event=True)
+    signature = obj.column_signature if isinstance(obj, CapturedArray) else None
+    # Only a message naming the columns' own memory (no policy copy, no descriptor) stands for a
+    # later in-place version of them (record_in_place).
+    names_own_memory = not exported.fds and exported.stats.copied_bytes == 0
+    if signature is not None and exported._shared_event is not None and names_own_memory:
+        exported._column_signature = signature
+    return exported
+
+
+def record_in_place(current: Exported, obj: ArrowInput, copy: CopyPolicy) -> bool:
+    """Whether ``obj`` is a new version of ``current`` updated in place: columns from
+    :func:`~arrow_ipc_bridge.from_cuda_arrays` whose facts (device, names, pointers, lengths, types,
+    announced streams) are those ``current`` was exported from, with no copy asked for. Then
+    ``current``'s message names exactly ``obj``'s memory, as :func:`export_again` would find after
+    placing and encoding it all: the memory ``current`` names is alive (``current`` holds its arrays),
+    so the same pointers are the same allocations. When True, ``current``'s shared event has been
+    re-recorded after ``obj``'s pending work and ``current`` stands for ``obj`` (the publisher
+    renews the entry's version); ``obj`` itself is not kept. False: nothing was done."""
+    signature = current._column_signature
+    if (
+        signature is None
+        or copy == "always"
+        or current.closed
+        or not isinstance(obj, CapturedArray)
+        or obj.column_signature != signature
+    ):
+        return False
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge.cuda.placer import recorded_on_legacy_stream, remember_local_event
+
+    shared = current._shared_event
+    assert shared is not None  # a signature is kept only with a shared event (export_again)
+    producer_handle = 0
+    if not getattr(obj, "needs_no_event", False):  # from_cuda_arrays' columns on a real stream
+        captured = obj._live()
+        producer_event = captured.arrays[0].sync_event if captured.arrays else None
+        producer_handle = cuda.event_value(producer_event) if producer_event else 0
+        if producer_handle and recorded_on_legacy_stream(producer_handle):
+            producer_handle = 0  # the shared event's record on the same stream comes after it
+    shared.record_after(producer_handle)
+    remember_local_event(shared.handle, shared.event)
+    return True
 
 
 def export(

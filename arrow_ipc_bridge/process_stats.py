@@ -26,6 +26,7 @@ __all__ = [
     "import_counters",
     "stream_counters",
     "wait_counters",
+    "in_place_publishes",
 ]
 
 
@@ -50,6 +51,9 @@ class CudaStats:
     export_region_entries: int = 0  # CUDA allocations the producer's export region table knows now
     export_region_hits: int = 0  # placements of CUDA buffers the export region table served (no driver query)
     export_region_misses: int = 0  # placements it sent to the full path (pointer queries, placement)
+    # publishes of from_cuda_arrays columns naming the current version's memory (updated in place):
+    # the publication's version renewed, its event re-recorded; no placement, encoding or new entry
+    in_place_publishes: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,10 @@ class _WaitCounters(NamedTuple):
 wait_counters = _WaitCounters(*(itertools.count() for _ in WaitStats.__dataclass_fields__))
 
 
+# Publisher.publish counts its in-place renewals (CudaStats.in_place_publishes) here.
+in_place_publishes = itertools.count()
+
+
 def _read(counter: itertools.count[int]) -> int:
     # repr ("count(N)") is the one way to read an itertools.count without advancing it.
     return int(repr(counter)[len("count(") : -1])
@@ -153,6 +161,7 @@ def _cuda_section() -> CudaStats:
         export_region_entries=regions["entries"],
         export_region_hits=regions["hits"],
         export_region_misses=regions["misses"],
+        in_place_publishes=_read(in_place_publishes),
     )
 
 

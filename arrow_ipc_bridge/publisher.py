@@ -24,7 +24,7 @@ import time
 from types import TracebackType
 from typing import Any
 
-from arrow_ipc_bridge import _process, _reaper, protocol, transport
+from arrow_ipc_bridge import _process, _reaper, process_stats, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.capsules import ArrowInput
 from arrow_ipc_bridge.channel import MAX_FDS, Channel, Frame, frame_from, millis
@@ -38,7 +38,7 @@ from arrow_ipc_bridge.errors import (
     RegionError,
     UnreadAnswersError,
 )
-from arrow_ipc_bridge.exporter import CopyPolicy, Exported, ExportStats, export_again
+from arrow_ipc_bridge.exporter import CopyPolicy, Exported, ExportStats, export_again, record_in_place
 from arrow_ipc_bridge.streams import frames as stream_frames
 from arrow_ipc_bridge.streams.hub import MAX_SUBSCRIPTIONS, LiveStreamState, StreamHub
 from arrow_ipc_bridge.streams.slots import SlotLayout
@@ -190,9 +190,14 @@ class Publisher:
         """
         raw_name = protocol.encode_name(name)  # validates the name
         self._check_open()
+        current = self._current.get(name)
+        if current is not None and current._column_signature is not None:
+            renewed = self._renew(name, raw_name, current, obj, copy or self._copy)
+            if renewed is not None:
+                return renewed
         # Pool fds stay out of the message: a session asks for each pool's fd once (POOL_FD), so
         # the hot answers carry no descriptor for pool data.
-        exported = export_again(obj, self._current.get(name), copy=copy or self._copy, pool_fds=False)
+        exported = export_again(obj, current, copy=copy or self._copy, pool_fds=False)
         # The entry's keeper: when the last of (publication, leases) lets go, the reaper closes it.
         keeper = lib.aib_owner_new(_reaper.register(exported.close))
         if keeper == ffi.NULL:
@@ -227,6 +232,26 @@ class Publisher:
         if waiting:  # sessions waiting for this name (or a newer version of it) get it now
             self._watch.deliver(waiting)
         return exported.stats
+
+    def _renew(
+        self, name: str, raw_name: bytes, current: Exported, obj: ArrowInput, copy: CopyPolicy
+    ) -> ExportStats | None:
+        """The in-place fast path of :meth:`publish`, when ``obj`` names exactly the memory of the
+        current version (``exporter.record_in_place``, which re-records the shared event after the
+        producer's new work): the entry keeps its message, fds and leases and gets a new version
+        number. No placement, no encoding, no new entry; sessions' gets find the message they
+        remember. None when ``obj`` is not such a version (nothing done)."""
+        with self._lock:  # orders the check, the record and the renewal with other publishes
+            if self._server.closed:
+                raise BridgeError("this publisher is closed")
+            if self._current.get(name) is not current or not record_in_place(current, obj, copy):
+                return None
+            version = int(lib.aib_pubtable_renew(self._table, raw_name, len(raw_name)))
+            waiting = self._watch.published(raw_name, version)
+        next(process_stats.in_place_publishes)
+        if waiting:
+            self._watch.deliver(waiting)
+        return current.stats
 
     def unpublish(self, name: str) -> None:
         """Stop serving ``name``; its data lives on until every lease on it has ended."""

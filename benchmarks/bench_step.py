@@ -111,7 +111,12 @@ def bridge_producer(cfg: dict[str, Any], out: Any) -> None:
                 publish_times.append(t1 - t0)
                 step_times.append(t2 - t0)
         go.send_bytes(struct.pack("<id", -1, 0.0))
-        result: dict[str, Any] = {"publish": _summary(publish_times), "step": _summary(step_times)}
+        result: dict[str, Any] = {
+            "publish": _summary(publish_times),
+            "step": _summary(step_times),
+            # every publish after the first should renew the publication in place (the fast path)
+            "in_place_publishes": aib.stats().cuda.in_place_publishes,
+        }
         if profiler is not None:
             text = io.StringIO()
             stats = pstats.Stats(profiler, stream=text)
@@ -315,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         line = (
             f"{text:>7}: bridge publish {bridge['publish']['median_us']:7.1f} us, get+capsule "
             f"{bridge['get_capsule']['median_us']:6.1f} us, handoff {bridge['handoff']['median_us']:7.1f} us "
-            f"(p90 {bridge['handoff']['p90_us']:.1f}), step {bridge['step']['median_us']:7.1f} us"
+            f"(p90 {bridge['handoff']['p90_us']:.1f}), step {bridge['step']['median_us']:7.1f} us, "
+            f"{bridge['in_place_publishes']} in-place publishes"
         )
         if torch_result is not None:
             torch_step = torch_result["step"]["median_us"]

@@ -448,6 +448,7 @@ int64_t aib_pubtable_leases(const aib_pubtable *t);
 /* The version of the entry published as name (the table's publish counter when it was put, so
  * every put of any name gets a new, larger one); 0 when the name is not published. */
 uint64_t aib_pubtable_version(aib_pubtable *t, const uint8_t *name, size_t name_len);
+uint64_t aib_pubtable_renew(aib_pubtable *t, const uint8_t *name, size_t name_len);
 /* Descriptors sent in answers that peers may not have read yet, all connections together. */
 int64_t aib_pubtable_fds_unread(const aib_pubtable *t);
 /* One session's connection: its leases (given back by free) and the serve loop. Until

@@ -37,7 +37,9 @@ typedef struct entry {
   uint8_t *message;
   size_t message_len;
   uint32_t n_fds;
-  uint64_t version; /* the table's publish counter when this entry was put (never reused) */
+  /* the table's publish counter when this entry was put or last renewed (aib_pubtable_renew; never
+   * reused): atomic, as a renewal changes it while connections read it without the table's mutex */
+  _Atomic uint64_t version;
   aib_owner *keeper;
   struct entry *next; /* hash chain */
 } entry;
@@ -159,7 +161,7 @@ int aib_pubtable_put(aib_pubtable *t, const uint8_t *name, size_t name_len, cons
   aib_owner_ref(keeper);
   e->keeper = keeper;
   pthread_mutex_lock(&t->mu);
-  e->version = ++t->versions;
+  atomic_store(&e->version, ++t->versions);
   entry **slot = find_slot(t, name, name_len);
   entry *previous = *slot;
   if (previous != NULL) {
@@ -191,7 +193,22 @@ int aib_pubtable_remove(aib_pubtable *t, const uint8_t *name, size_t name_len) {
 uint64_t aib_pubtable_version(aib_pubtable *t, const uint8_t *name, size_t name_len) {
   pthread_mutex_lock(&t->mu);
   entry *e = *find_slot(t, name, name_len);
-  uint64_t version = e != NULL ? e->version : 0;
+  uint64_t version = e != NULL ? atomic_load(&e->version) : 0;
+  pthread_mutex_unlock(&t->mu);
+  return version;
+}
+
+/* A new version of the entry published as name, with the same message, fds and keeper: what a
+ * producer that updated the data in place publishes (publisher.py, the in-place fast path). Leases
+ * on the entry stay as they are; answers from now on carry the new version. 0 when absent. */
+uint64_t aib_pubtable_renew(aib_pubtable *t, const uint8_t *name, size_t name_len) {
+  pthread_mutex_lock(&t->mu);
+  entry *e = *find_slot(t, name, name_len);
+  uint64_t version = 0;
+  if (e != NULL) {
+    version = ++t->versions;
+    atomic_store(&e->version, version);
+  }
   pthread_mutex_unlock(&t->mu);
   return version;
 }
@@ -372,7 +389,8 @@ static void give_back(aib_server_conn *c, uint64_t lease) {
  * ITEM [lease] or, with a version, VERSIONED_ITEM [lease][version], the message and its fds. Called
  * holding c->mu. AIB_SERVE_LEASE_LIMIT / AIB_SERVE_UNREAD_LIMIT / AIB_SERVE_FDS_BUSY: nothing leased
  * (and nothing sent). */
-static int lease_and_send(aib_server_conn *c, entry *e, int versioned, int64_t timeout_ms, aib_error *err) {
+static int lease_and_send(aib_server_conn *c, entry *e, int versioned, uint64_t version, int64_t timeout_ms,
+                          aib_error *err) {
   if (c->max_leases >= 0 && (int64_t)c->count >= c->max_leases) {
     entry_unref(e);
     return AIB_SERVE_LEASE_LIMIT;
@@ -389,7 +407,7 @@ static int lease_and_send(aib_server_conn *c, entry *e, int versioned, int64_t t
   atomic_fetch_add(&c->table->leases, 1);
   uint8_t prefix[16];
   aib_store_u64le(prefix, lease);
-  aib_store_u64le(prefix + 8, e->version);
+  aib_store_u64le(prefix + 8, version);
   uint32_t n_fds = e->n_fds;
   int rc = aib_channel_send(c->ch, versioned ? FRAME_VERSIONED_ITEM : FRAME_ITEM, prefix, versioned ? 16 : 8,
                             e->message, e->message_len, e->fds, n_fds, timeout_ms, err);
@@ -416,7 +434,7 @@ static int serve_one(aib_server_conn *c, aib_frame *out, aib_error *err) {
   if (out->kind != FRAME_GET) return AIB_SERVE_FRAME;
   entry *e = take(c->table, out->payload, (size_t)out->length);
   if (e == NULL) return AIB_SERVE_FRAME; /* Python answers NotPublished (or a bad name) */
-  return lease_and_send(c, e, 0, c->send_timeout_ms, err);
+  return lease_and_send(c, e, 0, 0, c->send_timeout_ms, err);
 }
 
 int aib_serve(aib_server_conn *c, int64_t idle_ms, aib_frame *out, aib_error *err) {
@@ -459,12 +477,11 @@ int aib_server_conn_lease_newer(aib_server_conn *c, const uint8_t *name, size_t 
   int rc;
   if (e == NULL) {
     rc = AIB_SERVE_ABSENT;
-  } else if (e->version <= after) {
+  } else if ((*version = atomic_load(&e->version)) <= after) {
     entry_unref(e);
     rc = AIB_SERVE_NOT_NEWER;
   } else {
-    *version = e->version;
-    rc = lease_and_send(c, e, 1, timeout_ms, err);
+    rc = lease_and_send(c, e, 1, *version, timeout_ms, err);
   }
   pthread_mutex_unlock(&c->mu);
   return rc;

@@ -162,7 +162,7 @@ def test_the_c_reader_takes_what_the_python_reader_takes() -> None:
     ]
     good.append(_FakeCudaArray(strides=(4,), stream=None))
     columns = ffi.new("aib_cuda_column[]", len(good))
-    assert read_cuda_columns(good, int(ffi.cast("uintptr_t", columns)), len(good)) == len(good)
+    assert read_cuda_columns(good, int(ffi.cast("uintptr_t", columns)), len(good), None) == len(good)
     for column, value in zip(columns, good, strict=True):
         _, pointer, length, code, stream = device._column_facts(value)
         assert (column.data, column.length, column.code, column.stream) == (
@@ -182,9 +182,60 @@ def test_the_c_reader_takes_what_the_python_reader_takes() -> None:
         _FakeCudaArray(data=(-1, False)),
     ):
         values = [_FakeCudaArray(), bad, _FakeCudaArray()]
-        assert read_cuda_columns(values, int(ffi.cast("uintptr_t", columns)), 3) == 1, bad
+        assert read_cuda_columns(values, int(ffi.cast("uintptr_t", columns)), 3, None) == 1, bad
     with pytest.raises(ValueError, match="list of n values"):
-        read_cuda_columns((_FakeCudaArray(),), int(ffi.cast("uintptr_t", columns)), 1)
+        read_cuda_columns((_FakeCudaArray(),), int(ffi.cast("uintptr_t", columns)), 1, None)
+
+
+class _Pointer:
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+class ndarray:  # named as CuPy's array type, which the reader recognises
+    """What the C reader reads of a CuPy array after the first (its own attributes), beside the
+    interface a CuPy array builds from them; ``interface`` may disagree, to show which was read."""
+
+    __module__ = "cupy"
+
+    def __init__(
+        self, length: int, dtype: str, ptr: int, *, contiguous: bool = True, interface: Any = None
+    ) -> None:
+        self.ndim, self.size, self._c_contiguous = 1, length, contiguous
+        self.dtype, self.data = np.dtype(dtype), _Pointer(ptr)
+        self.__cuda_array_interface__ = interface or {
+            "shape": (length,),
+            "typestr": np.dtype(dtype).str,
+            "data": (ptr if length else 0, False),
+            "version": 3,
+            "strides": None if contiguous else (2 * np.dtype(dtype).itemsize,),
+            "stream": 7,
+        }
+
+
+def test_the_c_reader_reads_cupy_arrays_after_the_first_from_their_attributes() -> None:
+    """Given CuPy's type, the columns after the first of exactly that type are read from their
+    attributes (the stream is the first column's: CuPy's interface reports the current stream),
+    with the facts their interfaces would give; one it cannot take that way (not contiguous) is
+    read through its interface, and so stops there."""
+    from arrow_ipc_bridge._ffi import read_cuda_columns
+
+    values = [ndarray(8, t, 0x1000 * (k + 1)) for k, t in enumerate(_DTYPES)]
+    columns = ffi.new("aib_cuda_column[]", len(values))
+    address = int(ffi.cast("uintptr_t", columns))
+    assert read_cuda_columns(values, address, len(values), ndarray) == len(values)
+    read = [(c.data, c.length, c.code, c.stream) for c in columns]
+    assert read_cuda_columns(values, address, len(values), None) == len(values)  # interfaces only
+    assert read == [(c.data, c.length, c.code, c.stream) for c in columns]
+    # Attributes, not interfaces, after the first: an interface that lies is not read.
+    liar = ndarray(8, "float32", 0x9000, interface={"shape": (8,), "typestr": "<f8", "data": (0x1, False)})
+    assert read_cuda_columns([values[0], liar], address, 2, ndarray) == 2
+    assert (columns[1].data, columns[1].code, columns[1].stream) == (0x9000, _DTYPES.index("f4"), 7)
+    strided = ndarray(8, "float32", 0x9000, contiguous=False)
+    assert read_cuda_columns([values[0], strided], address, 2, ndarray) == 1
+    empty = [ndarray(0, "float32", 0x1000), ndarray(0, "float32", 0x2000)]
+    assert read_cuda_columns(empty, address, 2, ndarray) == 2
+    assert columns[1].data == 0  # as the interface says of an empty array
 
 
 def test_the_export_region_table_places_nothing_it_was_not_told() -> None:

@@ -367,3 +367,111 @@ def test_a_holder_of_an_older_version_waits_for_the_newer_record(publisher: aib.
         seen = older.to_host().column("v").to_pylist()
         older.release()
         assert seen == [2.0] * n
+
+
+# ---------- the in-place fast path: the same columns renew the current version ---------------------
+def test_in_place_publishes_renew_the_version_and_keep_the_entry(publisher: aib.Publisher, cupy: Any) -> None:
+    """Columns updated in place and published again renew the current publication: a new version
+    each time (get_next sees every one), the same Exported and message, one count per renewal, and
+    a lease on an older version stays valid (it names the same entry)."""
+    columns = {f"c{i}": cupy.zeros(1024, dtype=cupy.float32) for i in range(4)}
+    cupy.cuda.runtime.deviceSynchronize()
+    publisher.publish("r", aib.from_cuda_arrays(columns))
+    first = publisher._current["r"]
+    version = publisher.version("r")
+    renewals = aib.stats().cuda.in_place_publishes
+    with aib.connect(publisher.path, timeout=30.0) as session:
+        held = session.get("r")
+        for step in range(1, 21):
+            for column in columns.values():
+                column += 1  # noqa: PLW2901 (in place)
+            publisher.publish("r", aib.from_cuda_arrays(columns))
+            assert publisher._current["r"] is first
+            assert publisher.version("r") == version + step
+            with session.get_next("r", after=version + step - 1, timeout=10.0) as imported:
+                assert imported.version == version + step
+                assert imported.to_host().column("c3").to_pylist() == [float(step)] * 1024
+        assert aib.stats().cuda.in_place_publishes - renewals == 20
+        assert held.to_host().column("c0").to_pylist() == [20.0] * 1024  # in place: the newest values
+        held.release()
+
+
+def test_what_is_not_the_same_columns_takes_the_full_path(publisher: aib.Publisher, cupy: Any) -> None:
+    """No renewal for other names, another column order or set, a slice of the same memory, or
+    copy="always" (which asks for the full placement); the same columns after those are renewed."""
+    a = cupy.arange(4096, dtype=cupy.float32)
+    b = cupy.arange(4096, dtype=cupy.float32)
+    cupy.cuda.runtime.deviceSynchronize()
+    publisher.publish("p", aib.from_cuda_arrays({"a": a, "b": b}))
+    renewals = aib.stats().cuda.in_place_publishes
+    for other in (
+        {"b": b, "a": a},  # another order: other names per column
+        {"a": a},
+        {"a": a[:100], "b": b[:100]},
+        {"a": b, "b": a},
+    ):
+        current = publisher._current["p"]
+        publisher.publish("p", aib.from_cuda_arrays(other))
+        assert publisher._current["p"] is not current
+    publisher.publish("p", aib.from_cuda_arrays({"a": a, "b": b}))
+    current = publisher._current["p"]
+    publisher.publish("p", aib.from_cuda_arrays({"a": a, "b": b}), copy="always")  # asks the full path
+    assert publisher._current["p"] is not current
+    assert aib.stats().cuda.in_place_publishes == renewals
+    publisher.publish("p", aib.from_cuda_arrays({"a": a, "b": b}))  # the same columns again: renewed
+    assert aib.stats().cuda.in_place_publishes == renewals + 1
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(64, device="cuda")
+    publisher.publish("q", aib.from_cuda_array(t))
+    publisher.publish("q", aib.from_cuda_array(t))  # one column, no names: renewed as well
+    assert aib.stats().cuda.in_place_publishes - renewals == 2
+    with aib.connect(publisher.path, timeout=30.0) as session, session.get("p") as imported:
+        assert imported.to_host().column("a").to_pylist() == a.get().tolist()
+
+
+class _InterfaceOnly:
+    """An array seen through its ``__cuda_array_interface__`` alone (the reader's general path)."""
+
+    def __init__(self, array: Any) -> None:
+        self._array = array
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return dict(self._array.__cuda_array_interface__)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+    ],
+)
+def test_cupy_columns_read_from_attributes_match_their_interface(cupy: Any, dtype: str) -> None:
+    """CuPy arrays after the first are read from their attributes: the facts (pointer, length,
+    type, stream) are those their interfaces give, on the default stream and on another one, for
+    empty arrays too; a strided CuPy array is still refused as by the interface path."""
+    arrays = [cupy.arange(100, dtype=dtype) + i for i in range(3)]
+    for stream in (cupy.cuda.Stream.null, cupy.cuda.Stream(non_blocking=True)):
+        with stream:
+            fast = aib.from_cuda_arrays({f"c{i}": a for i, a in enumerate(arrays)})
+            general = aib.from_cuda_arrays({f"c{i}": _InterfaceOnly(a) for i, a in enumerate(arrays)})
+        assert fast.column_signature == general.column_signature
+    empty = [cupy.zeros(0, dtype=dtype) for _ in range(2)]
+    assert (
+        aib.from_cuda_arrays({"a": empty[0], "b": empty[1]}).column_signature
+        == aib.from_cuda_arrays(
+            {"a": _InterfaceOnly(empty[0]), "b": _InterfaceOnly(empty[1])}
+        ).column_signature
+    )
+    with pytest.raises(aib.BridgeError, match="not contiguous"):
+        aib.from_cuda_arrays({"a": arrays[0][::2], "b": arrays[1][::2]})

@@ -55,10 +55,11 @@ def test_session_section_reads_every_import_counter() -> None:
 
 def test_cuda_section_has_every_cuda_counter() -> None:
     """The typed section names the counters of cuda_stats() and then the export region table's
-    (cuda/placer.export_region_stats): none dropped or invented."""
+    (cuda/placer.export_region_stats), then the publisher's in-place count: none dropped or invented."""
     from arrow_ipc_bridge.cuda.placer import export_region_stats
 
-    assert [f.name for f in dataclasses.fields(aib.CudaStats)] == list(cuda_stats()) + EXPORT_REGION_FIELDS
+    expected = [*cuda_stats(), *EXPORT_REGION_FIELDS, "in_place_publishes"]
+    assert [f.name for f in dataclasses.fields(aib.CudaStats)] == expected
     assert [f"export_region_{key}" for key in export_region_stats()] == EXPORT_REGION_FIELDS
 
 
