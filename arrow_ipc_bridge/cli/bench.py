@@ -154,7 +154,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.device in ("cuda", "auto"):
         gpu = _gpu_name()
         if gpu is None:
-            reason = "no CUDA GPU here (python -m arrow_ipc_bridge doctor says what the driver reports)"
+            reason = "no CUDA GPU here (the doctor command says what the driver reports)"
         elif not _installed("cupy"):
             reason = f"the CUDA cases use CuPy arrays, and CuPy is not installed: {_CUPY_HINT}"
         else:
