@@ -65,7 +65,7 @@ def test_bench_prints_one_progress_line_per_case_and_a_table() -> None:
         assert re.search(r"\d+(\.\d+)? (us|ms|s)\s+\d+(\.\d+)? (us|ms|s)\s+\d+\.\d\dx$", row), row
         if case == "bridge_fresh":
             assert row.endswith("1.00x"), row
-    assert "4 timed samples per case after 2 warm-up" in result.stdout
+    assert "4 timed samples per case after 2 warm-ups" in result.stdout
 
 
 def test_bench_json_has_the_machine_the_settings_and_sane_results() -> None:

@@ -232,7 +232,7 @@ class _BridgeRegetProducer(ProducerCase):
 class _BridgeFirstProducer(ProducerCase):
     """Before each sample, a new copy of the columns under the same name: the consumer's get is its
     first sight of that message and of its memory (a new sealed memfd to map; on a GPU, a new
-    ``cuMemAlloc`` upload whose IPC handle it opens)."""
+    ``aib.to_device`` upload into the bridge's IPC pool, whose pointer it imports)."""
 
     def __init__(self, links: ProducerLinks, shape: Shape) -> None:
         self._publisher = links.publisher
@@ -248,10 +248,10 @@ class _BridgeFirstProducer(ProducerCase):
         import arrow_ipc_bridge as aib
 
         previous = self._uploaded
-        self._uploaded = aib.to_device(self._columns.batch, 0, allocation="legacy")
+        self._uploaded = aib.to_device(self._columns.batch, 0)
         self._publisher.publish("first", self._uploaded)
         if previous is not None:
-            previous.release()  # its memory goes once the replaced publication's lease ends
+            previous.release()  # its memory goes back to the pool once the consumer's lease ends
 
     def close(self) -> None:
         self._publisher.unpublish("first")

@@ -232,6 +232,10 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
         row["ratio_to_bridge_fresh"] = row["median_us"] / base if base else None
 
 
+def _warmups(count: int) -> str:
+    return f"{count} warm-up" + ("" if count == 1 else "s")
+
+
 def _duration(us: float) -> str:
     if us < 1e3:
         return f"{us:.0f} us"
@@ -309,7 +313,7 @@ def bench(args: argparse.Namespace, *, prog: str) -> int:
     _progress(
         f"{len(plan.items)} cases on {' and '.join(plan.devices)}, sizes "
         f"{','.join(map(format_size, plan.sizes))}, {plan.columns} float64 columns, {plan.repeats} "
-        f"samples each after {plan.warmup} warm-up; a producer and a consumer process"
+        f"samples each after {_warmups(plan.warmup)}; a producer and a consumer process"
     )
     for skip in plan.skipped:
         _progress(skip.line())
@@ -368,9 +372,9 @@ def _print_text(plan: Plan, rows: list[dict[str, Any]], plot: str | None) -> Non
         ],
     )
     print(
-        f"\n{plan.repeats} timed samples per case after {plan.warmup} warm-up, each from the consumer's "
-        "request to one value read from the columns it received; 'vs bridge fresh': the median over "
-        "the bridge's hand-off of fresh data at the same size and device."
+        f"\n{plan.repeats} timed samples per case after {_warmups(plan.warmup)}, each from the "
+        "consumer's request to one value read from the columns it received; 'vs bridge fresh': the "
+        "median divided by the median of the bridge's hand-off of fresh data at that size and device."
     )
     for skip in plan.skipped:
         print(skip.line())
