@@ -139,11 +139,12 @@ def test_bench_writes_a_png_plot(tmp_path: Path) -> None:
 def test_a_failing_case_names_itself_and_ends_both_processes() -> None:
     """An error in a child is one CommandError naming the case and the error; nothing is left running."""
     plan = [PlanItem("no_such_case", 1024, Shape("host", 1, 128))]
+    children_before = set(multiprocessing.active_children())
     started = time.monotonic()
     with pytest.raises(CommandError, match=r"in case no_such_case \(host, 1KiB\): producer: KeyError"):
         run_pair(plan, warmup=0, repeats=1, on_case=lambda index, samples: None)
     assert time.monotonic() - started < 60
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) <= children_before
 
 
 class _Control:
