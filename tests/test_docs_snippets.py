@@ -47,7 +47,9 @@ START_TIMEOUT_S = 120  # a GPU publisher initialises CUDA before it publishes
 STOP_TIMEOUT_S = 60
 READY = "press Enter to stop"
 
-MARKER = re.compile(r"<!--\s*snippet:(.*?)-->")
+# A marker is a line of its own (a marker quoted in running text is not one); the colon is checked
+# after the match, so that ``<!-- snippet host -->`` is an error rather than no marker.
+MARKER = re.compile(r"<!--\s*snippet\b(:?)(.*?)-->")
 SOCKET = re.compile(r"/tmp/aib-[A-Za-z0-9_-]+\.sock")
 KINDS = {"host", "gpu"}
 
@@ -100,12 +102,12 @@ def extract(text: str, page: str) -> list[Snippet]:
     found: list[Snippet] = []
     i = 0
     while i < len(lines):
-        marker = MARKER.search(lines[i])
+        marker = MARKER.fullmatch(lines[i].strip())
         if marker is None:
             i += 1
             continue
-        words = marker.group(1).split()
-        if not words or words[0] not in KINDS or words[1:] not in ([], ["publisher"]):
+        words = marker.group(2).split()
+        if not marker.group(1) or not words or words[0] not in KINDS or words[1:] not in ([], ["publisher"]):
             raise ValueError(
                 f"{page}:{i + 1}: unknown snippet marker {marker.group(0)!r} "
                 "(host, gpu, 'host publisher' or 'gpu publisher')"
@@ -336,6 +338,7 @@ def test_markers_are_checked(tmp_path: Path) -> None:
     page = "\n".join(
         [
             "# t",
+            "Text that quotes a marker, `<!-- snippet: host -->`, is not one.",
             "```python",
             "print('not marked')",
             "```",
@@ -352,11 +355,12 @@ def test_markers_are_checked(tmp_path: Path) -> None:
     )
     found = extract(page, "t.md")
     assert [(s.line, s.kind, s.publisher, s.code) for s in found] == [
-        (6, "host", False, "print('marked')\n"),
-        (11, "gpu", True, "input('press Enter to stop')\n"),
+        (7, "host", False, "print('marked')\n"),
+        (12, "gpu", True, "input('press Enter to stop')\n"),
     ]
     for bad in (
         "<!-- snippet: hots -->\n```python\nx = 1\n```",
+        "<!-- snippet host -->\n```python\nx = 1\n```",
         "<!-- snippet: host extra -->\n```python\nx = 1\n```",
         "<!-- snippet: host -->\n```bash\nls\n```",
         "<!-- snippet: host -->\n```python\nx = 1\n",
