@@ -61,6 +61,7 @@ class DeferredClose:
             self._borrowers += 1
 
     def unborrow(self) -> None:
+        """End a :meth:`borrow`; the last one after a close drops what the object holds."""
         with _lock:
             self._borrowers -= 1
             deferred = self._closed and self._borrowers == 0

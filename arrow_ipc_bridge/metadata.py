@@ -175,6 +175,8 @@ class Described:
         return [(int(pending[i].slot), int(pending[i].address), int(pending[i].width)) for i in range(n)]
 
     def set_length(self, slot: int, length: int) -> None:
+        """Give the value read for a :meth:`pending_reads` entry: the length behind ``slot``, which
+        describing could not know without reading device memory."""
         err = new_error()
         rc = lib.aib_described_set_length(self._d, slot, length, err)
         if rc:
@@ -364,6 +366,7 @@ class Decoded(DeferredClose):
         return int(lib.aib_decoded_node_count(self._live()))
 
     def regions(self) -> list[Region]:
+        """The regions the message names, in message order (buffers refer to them by index)."""
         d = self._live()
         n = int(lib.aib_decoded_region_count(d))
         raw = lib.aib_decoded_regions(d)
@@ -384,6 +387,7 @@ class Decoded(DeferredClose):
         ]
 
     def device(self) -> DeviceInfo:
+        """The device the message's buffers live on: its type, identity (a GPU's UUID) and sync event."""
         info = lib.aib_decoded_device(self._live())
         return DeviceInfo(
             device_type=int(info.device_type),
@@ -403,6 +407,7 @@ class Decoded(DeferredClose):
             raise MemoryError("adding an owner dependency")
 
     def rebuild_schema(self, out: Any) -> None:
+        """Fill the ``ArrowSchema`` struct ``out`` (a cffi pointer) with the message's schema."""
         err = new_error()
         rc = lib.aib_rebuild_schema(self._live(), out, err)
         if rc:

@@ -284,6 +284,7 @@ class Publisher:
         return self._watch.held_waits
 
     def names(self) -> list[str]:
+        """The names published now, sorted (live streams are listed by :meth:`stream_names`)."""
         self._check_process()
         with self._lock:
             return sorted(self._names)

@@ -140,6 +140,7 @@ class HostMappingCache:
         return len(self._entries)
 
     def close(self) -> None:
+        """Drop every cached mapping; each is unmapped once no import uses it any more."""
         with self._lock:
             entries, self._entries = self._entries, OrderedDict()
         for entry in entries.values():

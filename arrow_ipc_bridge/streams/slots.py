@@ -54,6 +54,8 @@ class SlotLayout:
     device_id: int = 0
 
     def check(self) -> None:
+        """Raise ``TypeError`` or ``ValueError`` naming the field when the layout cannot be
+        allocated (``open_stream`` calls it before allocating anything)."""
         if not isinstance(self.schema, pa.Schema) or len(self.schema) == 0:
             raise TypeError("SlotLayout.schema must be a pyarrow.Schema with at least one field")
         for f in self.schema:
@@ -124,6 +126,8 @@ class StreamSlot:
         self.abandon()
 
     def export(self, rows: int) -> Exported:  # pragma: no cover - overridden
+        """The first ``rows`` rows of the slot's columns as an export (no copy); the writer sends it
+        on commit."""
         raise NotImplementedError
 
     @property
