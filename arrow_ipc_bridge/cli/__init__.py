@@ -14,11 +14,12 @@ import math
 import os
 import sys
 
+from arrow_ipc_bridge.cli import serve_flight
 from arrow_ipc_bridge.cli._output import CommandError
 
 __all__ = ["main"]
 
-_PUBLIC_COMMANDS = "{demo,list,inspect,doctor}"
+_PUBLIC_COMMANDS = "{demo,list,inspect,doctor,serve-flight}"
 
 
 def _prog() -> str:
@@ -118,6 +119,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     p_doctor.add_argument("--json", action="store_true", help="print JSON")
 
+    serve_flight.register(sub)  # serve-flight (serve_flight.py)
+
     p_prod = sub.add_parser("_producer")
     p_prod.add_argument("socket")
     p_prod.add_argument("rows", type=int)
@@ -142,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if hasattr(args, "run"):  # subcommands that name their own runner (serve-flight)
+        return int(args.run(args))
     if args.command == "demo":
         from arrow_ipc_bridge.cli.demo import demo
 
