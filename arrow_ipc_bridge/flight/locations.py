@@ -26,8 +26,8 @@ def boot_id() -> str:
     """This host's boot id ("" where the kernel does not offer one: then no socket is ever taken
     for the same host's)."""
     try:
-        with open(_BOOT_ID_PATH, encoding="ascii") as f:
-            return f.read().strip()
+        with open(_BOOT_ID_PATH, "rb") as f:
+            return f.read().decode("ascii", "replace").strip()
     except OSError:
         return ""
 

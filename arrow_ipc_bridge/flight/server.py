@@ -207,6 +207,9 @@ class FlightFront:
                 self._session = connect(self._socket_path, timeout=self._timeout)
             except (BridgeError, OSError) as exc:
                 raise flight.FlightUnavailableError(f"the publisher is not reachable: {exc}") from None
+            # A restarted publisher has another id: the local location names the one served now.
+            publisher_id = str(self._session.publisher_info.get("publisher_id", ""))
+            self.local_location = LocalLocation.this_host(self._socket_path, publisher_id)
             return self._session
 
     def _call(self, work: Callable[[Session], Any]) -> Any:
