@@ -97,6 +97,12 @@ class Session:
     >>> exported.close()
     """
 
+    route = "local"
+    """How this session reaches its publisher: ``"local"``, the Unix socket (a session
+    :func:`connect` made for a ``grpc://`` address over Flight is a ``FlightSession``, ``"flight"``)."""
+    route_reason = ""
+    """Why that route, for a session :func:`connect` made for a ``grpc://`` address."""
+
     def __init__(
         self,
         *,
@@ -671,8 +677,14 @@ def connect(
     pool_linger: float = 1.0,
     remembered_messages: int = 64,
     check: str | None = None,
+    **flight_options: Any,
 ) -> Session:
     """Connect a new :class:`Session` to the publisher at ``path``.
+
+    ``path`` may be a Flight front's address (``grpc://``, ``grpc+tls://``): then the publisher's
+    socket is used when this process can reach it, Arrow Flight otherwise (a ``FlightSession``),
+    and ``flight_options`` are those of :func:`arrow_ipc_bridge.flight.client.connect` (``token``,
+    TLS, ``prefer``); ``docs/flight.md``.
 
     Parameters
     ----------
@@ -700,6 +712,20 @@ def connect(
     >>> with aib.connect("/tmp/demo.sock") as session:  # doctest: +SKIP
     ...     table = pa.table(session.get("trades"))
     """
+    if isinstance(path, str) and path.startswith(("grpc://", "grpc+tcp://", "grpc+tls://")):
+        from arrow_ipc_bridge.flight.client import connect as connect_flight
+
+        # This function comes along to make the socket session: flight/ does not import this module.
+        session_options = {
+            "pool_linger": pool_linger,
+            "remembered_messages": remembered_messages,
+            "check": check,
+        }
+        return connect_flight(  # type: ignore[no-any-return]  # a Session, or a FlightSession (same methods)
+            path, connect, timeout=timeout, session_options=session_options, **flight_options
+        )
+    if flight_options:
+        raise TypeError(f"connect() got unexpected keyword arguments {sorted(flight_options)}")
     if not isinstance(wait_for_publisher, bool):
         raise TypeError(f"wait_for_publisher must be a bool, not {type(wait_for_publisher).__name__}")
     session = Session(pool_linger=pool_linger, remembered_messages=remembered_messages, check=check)

@@ -14,12 +14,13 @@ import math
 import os
 import sys
 
+from arrow_ipc_bridge.cli import serve_flight
 from arrow_ipc_bridge.cli._bench_options import add_bench_arguments
 from arrow_ipc_bridge.cli._output import CommandError
 
 __all__ = ["main"]
 
-_PUBLIC_COMMANDS = "{demo,list,inspect,doctor,bench}"
+_PUBLIC_COMMANDS = "{demo,list,inspect,doctor,bench,serve-flight}"
 
 
 def _prog() -> str:
@@ -129,6 +130,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "Exit 2 for options this machine cannot honour, 1 when a case fails.",
     )
     add_bench_arguments(p_bench)
+    serve_flight.register(sub)  # serve-flight (serve_flight.py)
 
     p_prod = sub.add_parser("_producer")
     p_prod.add_argument("socket")
@@ -154,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if hasattr(args, "run"):  # subcommands that name their own runner (serve-flight)
+        return int(args.run(args))
     if args.command == "demo":
         from arrow_ipc_bridge.cli.demo import demo
 

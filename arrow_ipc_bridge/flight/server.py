@@ -1,0 +1,518 @@
+"""The Flight front: a publisher's publications and live streams served to Arrow Flight clients.
+
+The front is a consumer of the publisher through the bridge's own :class:`~arrow_ipc_bridge.Session`
+(``docs/flight.md`` says why): it serves any running publisher by its socket path, or a
+:class:`~arrow_ipc_bridge.Publisher` of this process (then ``do_put`` can publish into it and its
+live streams are listed). Each ``do_get`` gets the publication under a lease, builds pyarrow objects
+over the session's mappings (no copy) and lets gRPC send them; the lease ends when gRPC drops the
+last batch. Live streams are subscriptions whose credit goes back only as gRPC sends, so a slow
+Flight client slows the producer exactly as a slow local subscriber does.
+
+Errors go to clients as Flight errors with one-line messages (never a server traceback): an unknown
+name is ``FlightServerError`` starting ``not found:``, a bad request ``invalid:``, a gone publisher
+``FlightUnavailableError``, a missing or wrong token ``FlightUnauthenticatedError``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import pyarrow as pa
+from pyarrow import flight
+
+from arrow_ipc_bridge.errors import (
+    BridgeError,
+    BridgeTimeoutError,
+    NotPublishedError,
+    PeerClosedError,
+    TransportError,
+)
+from arrow_ipc_bridge.flight.auth import TokenAuthMiddlewareFactory
+from arrow_ipc_bridge.flight.locations import LOCAL_ACTION, LocalLocation
+from arrow_ipc_bridge.flight.staging import Prefetcher
+from arrow_ipc_bridge.flight.tables import flight_schema, host_table
+from arrow_ipc_bridge.imported import ImportedArray, ImportedStream
+from arrow_ipc_bridge.protocol import encode_name
+from arrow_ipc_bridge.publisher import Publisher
+from arrow_ipc_bridge.session import Session, connect
+
+__all__ = ["FlightFront", "serve"]
+
+REUSE_CONNECTION = "arrow-flight-reuse-connection://?"  # the Flight spec's "this same server"
+_POLL_S = 0.25  # how often a waiting live stream looks whether its Flight client went away
+_SCHEMES_PLAIN = ("grpc", "grpc+tcp")
+_SCHEME_TLS = "grpc+tls"
+
+
+def _not_found(name: str) -> flight.FlightServerError:
+    return flight.FlightServerError(f"not found: no publication or live stream named {name!r}")
+
+
+def _invalid(message: str) -> flight.FlightServerError:
+    return flight.FlightServerError(f"invalid: {message}")
+
+
+def _name_of_ticket(raw: bytes) -> str:
+    try:
+        name = raw.decode("utf-8")
+        encode_name(name)  # the bridge's own limits on names
+    except (UnicodeDecodeError, ValueError, TypeError, BridgeError):
+        raise _invalid("a ticket is the UTF-8 name of a publication or live stream") from None
+    return name
+
+
+def _name_of_descriptor(descriptor: flight.FlightDescriptor) -> tuple[str, str | None]:
+    """``(name, device)`` of a descriptor: path ``[name]`` or ``[name, "cuda:N"]`` (do_put), or a
+    command holding the UTF-8 name."""
+    if descriptor.descriptor_type == flight.DescriptorType.PATH:
+        parts = [p.decode("utf-8", "replace") if isinstance(p, bytes) else str(p) for p in descriptor.path]
+        if len(parts) not in (1, 2):
+            raise _invalid("a descriptor path is [name] or [name, 'cuda:N']")
+        name = _name_of_ticket(parts[0].encode("utf-8"))
+        return name, parts[1] if len(parts) == 2 else None
+    return _name_of_ticket(bytes(descriptor.command)), None
+
+
+def _cuda_ordinal(device: str) -> int:
+    prefix = "cuda:"
+    if not device.startswith(prefix) or not device[len(prefix) :].isdigit():
+        raise _invalid(f"device must be 'cuda:N', not {device[:40]!r}")
+    return int(device[len(prefix) :])
+
+
+@dataclass(frozen=True)
+class _Facts:
+    kind: str
+    schema: pa.Schema
+    rows: int
+    nbytes: int
+    device: str
+
+
+class _BridgeFlightServer(flight.FlightServerBase):  # type: ignore[misc]
+    """The pyarrow Flight server whose handlers read through the front's session."""
+
+    def __init__(self, front: FlightFront, location: str, **kwargs: Any) -> None:
+        self._front = front
+        super().__init__(location, **kwargs)
+
+    # ---------- listing --------------------------------------------------------------------------
+    def list_flights(self, context: Any, criteria: bytes) -> Iterator[flight.FlightInfo]:
+        prefix = criteria.decode("utf-8", "replace") if criteria else ""
+        front = self._front
+        for name in front.publication_names():
+            if name.startswith(prefix):
+                facts = front.facts(name)
+                if facts is not None:
+                    yield front.flight_info(name, facts)
+        for name in front.stream_names():
+            if name.startswith(prefix):
+                yield front.flight_info(name, front.stream_facts())
+
+    def get_flight_info(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.FlightInfo:
+        name, _ = _name_of_descriptor(descriptor)
+        return self._front.flight_info(name, self._front.facts_or_stream(name))
+
+    def get_schema(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.SchemaResult:
+        name, _ = _name_of_descriptor(descriptor)
+        return flight.SchemaResult(self._front.facts_or_stream(name).schema)
+
+    # ---------- data -----------------------------------------------------------------------------
+    def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
+        name = _name_of_ticket(ticket.ticket)
+        return self._front.data_stream(name, context.is_cancelled)
+
+    def do_put(
+        self,
+        context: Any,
+        descriptor: flight.FlightDescriptor,
+        reader: flight.MetadataRecordBatchReader,
+        writer: flight.FlightMetadataWriter,
+    ) -> None:
+        name, device = _name_of_descriptor(descriptor)
+        self._front.put(name, device, reader)
+
+    # ---------- actions --------------------------------------------------------------------------
+    def list_actions(self, context: Any) -> list[tuple[str, str]]:
+        return [(LOCAL_ACTION, "the publisher's Unix socket as a location, for consumers on this host")]
+
+    def do_action(self, context: Any, action: flight.Action) -> Iterator[bytes]:
+        if action.type != LOCAL_ACTION:
+            raise _invalid(f"unknown action {action.type[:60]!r} (see list_actions)")
+        location = self._front.local_location
+        yield json.dumps({"location": location.uri if location else None}).encode()
+
+
+class FlightFront:
+    """A running Flight front (made by :func:`serve`). ``location``: the gRPC address it listens on
+    (the port filled in); ``local_location``: the publisher's socket as a location
+    (:class:`~arrow_ipc_bridge.flight.locations.LocalLocation`); ``close()`` or the ``with`` block
+    stops it."""
+
+    def __init__(
+        self,
+        source: Publisher | str | os.PathLike[str],
+        location: str,
+        *,
+        server_options: dict[str, Any],
+        streams: Iterable[str],
+        max_in_flight: int,
+        allow_put: bool,
+        max_put_bytes: int,
+        advertise: str | None,
+        timeout: float,
+    ) -> None:
+        self._publisher = source if isinstance(source, Publisher) else None
+        path = source.path if isinstance(source, Publisher) else os.fspath(source)
+        self._socket_path = os.path.abspath(path)
+        self._streams = list(streams)
+        for name in self._streams:
+            encode_name(name)
+        self._max_in_flight = max_in_flight
+        self._allow_put = allow_put
+        self._max_put_bytes = max_put_bytes
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._closed = False
+        self._session: Session | None = connect(self._socket_path, timeout=timeout)
+        publisher_id = str(self._session.publisher_info.get("publisher_id", ""))
+        self.local_location: LocalLocation | None = LocalLocation.this_host(self._socket_path, publisher_id)
+        try:
+            self._server = _BridgeFlightServer(self, location, **server_options)
+        except BaseException:
+            self._session.close()
+            raise
+        parts = urlsplit(location)
+        host = parts.hostname or "localhost"
+        self.location = f"{parts.scheme}://{_bracketed(host)}:{self._server.port}"
+        """The gRPC address the front listens on, its port filled in."""
+        self._advertised = advertise or (REUSE_CONNECTION if _unspecified(host) else self.location)
+
+    # ---------- the publisher, through the session -----------------------------------------------
+    def _current_session(self) -> Session:
+        """The front's session; a publisher that restarted at the same path is connected again."""
+        with self._lock:
+            if self._closed:
+                raise flight.FlightUnavailableError("the Flight front is closed")
+            if self._session is not None and not self._session.closed:
+                return self._session
+            try:
+                self._session = connect(self._socket_path, timeout=self._timeout)
+            except (BridgeError, OSError) as exc:
+                raise flight.FlightUnavailableError(f"the publisher is not reachable: {exc}") from None
+            # A restarted publisher has another id: the local location names the one served now.
+            publisher_id = str(self._session.publisher_info.get("publisher_id", ""))
+            self.local_location = LocalLocation.this_host(self._socket_path, publisher_id)
+            return self._session
+
+    def _call(self, work: Callable[[Session], Any]) -> Any:
+        """Run ``work`` with the session; a publisher gone away is FlightUnavailableError (and the
+        next call connects again)."""
+        session = self._current_session()
+        try:
+            return work(session)
+        except (PeerClosedError, TransportError, BridgeTimeoutError) as exc:
+            session.close()
+            raise flight.FlightUnavailableError(f"the publisher is not reachable: {exc}") from None
+
+    def publication_names(self) -> list[str]:
+        names: list[str] = self._call(lambda s: s.list())
+        return sorted(names)
+
+    def stream_names(self) -> list[str]:
+        if self._publisher is not None:
+            return self._publisher.stream_names()
+        return list(self._streams)
+
+    def _get(self, name: str) -> ImportedArray | ImportedStream | None:
+        """The publication ``name`` under a lease, or None when nothing is published as it."""
+        try:
+            imported: ImportedArray | ImportedStream = self._call(lambda s: s.get(name))
+        except NotPublishedError:
+            return None
+        return imported
+
+    def facts(self, name: str) -> _Facts | None:
+        """What ``name`` holds, read from its message (a get released at once), or None."""
+        imported = self._get(name)
+        if imported is None:
+            return None
+        with imported:
+            kind = (
+                "table"
+                if isinstance(imported, ImportedStream)
+                else ("record batch" if imported.root_format == "+s" else "array")
+            )
+            return _Facts(kind, flight_schema(imported), imported.num_rows, imported.nbytes, imported.device)
+
+    def stream_facts(self) -> _Facts:
+        # A live stream's schema comes with its first batch: do_get sends it; the listing cannot.
+        return _Facts("live stream", pa.schema([]), -1, -1, "")
+
+    def facts_or_stream(self, name: str) -> _Facts:
+        facts = self.facts(name)
+        if facts is not None:
+            return facts
+        if name in self.stream_names():
+            return self.stream_facts()
+        raise _not_found(name)
+
+    def flight_info(self, name: str, facts: _Facts) -> flight.FlightInfo:
+        locations = [flight.Location(self._advertised)]
+        if self.local_location is not None and facts.kind != "live stream":
+            locations.append(flight.Location(self.local_location.uri))
+        metadata = {"kind": facts.kind, "device": facts.device}
+        return flight.FlightInfo(
+            facts.schema,
+            flight.FlightDescriptor.for_path(name),
+            [flight.FlightEndpoint(name.encode("utf-8"), locations)],
+            total_records=facts.rows,
+            total_bytes=facts.nbytes,
+            ordered=True,
+            app_metadata=json.dumps(metadata).encode(),
+        )
+
+    # ---------- do_get ---------------------------------------------------------------------------
+    def data_stream(self, name: str, cancelled: Callable[[], bool]) -> flight.FlightDataStream:
+        imported = self._get(name)
+        if imported is not None:
+            try:
+                table = host_table(imported)  # over the mappings; holds the lease, not `imported`
+            finally:
+                imported.release()
+            return flight.RecordBatchStream(table)
+        if self._publisher is None and name not in self._streams:
+            raise _not_found(name)
+        return self._live_stream(name, cancelled)
+
+    def _live_stream(self, name: str, cancelled: Callable[[], bool]) -> flight.FlightDataStream:
+        try:
+            live = self._call(lambda s: s.subscribe(name, max_in_flight=self._max_in_flight))
+        except NotPublishedError:
+            raise _not_found(name) from None
+        stop = threading.Event()
+
+        def gone() -> bool:
+            return stop.is_set() or cancelled()
+
+        def batches() -> Iterator[ImportedArray]:
+            while not gone():
+                try:
+                    batch = live.next_batch(timeout=_POLL_S)
+                except BridgeTimeoutError:
+                    continue
+                if batch is None:
+                    return
+                yield batch
+
+        def convert(batch: ImportedArray) -> list[pa.RecordBatch]:
+            with batch:  # the record batches hold the lease (credit) until gRPC drops them
+                batches_now: list[pa.RecordBatch] = host_table(batch).to_batches()
+                return batches_now
+
+        staged = Prefetcher(batches(), convert, depth=1, name=f"aib-flight-{name}")
+        try:
+            first = next(staged, None)
+        except BaseException:
+            stop.set()
+            staged.close()
+            live.close()
+            raise
+        if first is None:
+            stop.set()
+            staged.close()
+            live.close()
+            raise flight.FlightCancelledError(f"live stream {name!r} ended before its first batch")
+        schema = first[0].schema if first else pa.schema([])
+
+        def generate() -> Iterator[pa.RecordBatch]:
+            # Batches are popped as they are handed to gRPC: a reference kept here would hold the
+            # batch's lease (the producer's credit) until the stream ended.
+            try:
+                while first:
+                    yield first.pop(0)
+                for chunk in staged:
+                    while chunk:
+                        yield chunk.pop(0)
+            finally:  # also when the client went away (the generator is closed)
+                stop.set()
+                staged.close()
+                live.close()
+
+        return flight.GeneratorStream(schema, generate())
+
+    # ---------- do_put ---------------------------------------------------------------------------
+    def put(self, name: str, device: str | None, reader: flight.MetadataRecordBatchReader) -> None:
+        if not self._allow_put or self._publisher is None:
+            raise flight.FlightUnauthorizedError(
+                "this Flight front does not take do_put (serve(publisher, allow_put=True) does)"
+            )
+        ordinal = _cuda_ordinal(device) if device is not None else None
+        batches = []
+        total = 0
+        while True:
+            try:
+                chunk = reader.read_chunk()
+            except StopIteration:
+                break
+            if chunk.data is None:
+                continue
+            total += chunk.data.nbytes
+            if total > self._max_put_bytes:
+                raise _invalid(f"the upload is over max_put_bytes ({self._max_put_bytes} bytes)")
+            batches.append(chunk.data)
+        table = pa.Table.from_batches(batches, schema=reader.schema)
+        if ordinal is not None:
+            from arrow_ipc_bridge.device import to_device
+
+            self._publisher.publish(name, to_device(table, ordinal))
+        else:
+            self._publisher.publish(name, table)
+
+    # ---------- lifetime -------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        port: int = self._server.port
+        return port
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def serve_forever(self) -> None:
+        """Block until the front is closed (``close()`` from another thread, or a signal)."""
+        self._server.serve()
+
+    def close(self) -> None:
+        """Stop serving: calls in progress end, then the session closes (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._server.shutdown()
+        self._server.wait()
+        with self._lock:
+            session, self._session = self._session, None
+        if session is not None:
+            session.close()
+
+    def __enter__(self) -> FlightFront:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "serving"
+        return f"<FlightFront {self.location} for {self._socket_path} ({state})>"
+
+
+def _unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def serve(
+    source: Publisher | str | os.PathLike[str],
+    location: str = "grpc://127.0.0.1:0",
+    *,
+    tokens: Iterable[str] | None = None,
+    tls_certificates: list[tuple[bytes, bytes]] | None = None,
+    verify_client: bool = False,
+    root_certificates: bytes | None = None,
+    allow_unauthenticated: bool = False,
+    allow_put: bool = False,
+    streams: Iterable[str] = (),
+    max_in_flight: int = 8,
+    max_put_bytes: int = 4 << 30,
+    advertise: str | None = None,
+    timeout: float = 5.0,
+) -> FlightFront:
+    """Serve a publisher's publications (and live streams) to Arrow Flight clients.
+
+    Parameters
+    ----------
+    source
+        A :class:`~arrow_ipc_bridge.Publisher` of this process, or the socket path of a running
+        publisher (any process of a uid it admits).
+    location
+        Where to listen: ``grpc://HOST:PORT`` or ``grpc+tls://HOST:PORT`` (port 0: any free one,
+        see ``FlightFront.location``).
+    tokens
+        Bearer tokens a client must send (``authorization: Bearer <token>``), each at least 16
+        characters.
+    tls_certificates, verify_client, root_certificates
+        TLS: ``[(certificate_chain_pem, private_key_pem)]`` (needs a ``grpc+tls://`` location);
+        ``verify_client=True`` asks every client for a certificate signed by
+        ``root_certificates`` (PEM), which then authenticates it.
+    allow_unauthenticated
+        Serve without tokens or client certificates. Without it, a front that authenticates
+        nobody is refused (``ValueError``): anyone who can reach the port could read everything.
+    allow_put
+        Let clients publish through ``do_put`` (descriptor path ``[name]``, or ``[name,
+        "cuda:N"]`` to upload to that GPU); needs ``source`` to be a ``Publisher``.
+    streams
+        Names of live streams to list and serve when ``source`` is a socket path (the publisher's
+        protocol lists publications only); a ``Publisher``'s own streams are found by themselves.
+    max_in_flight
+        Batches of a live stream the front holds per Flight client before the client's pace
+        holds the producer back (the publisher's slow-consumer policy then applies).
+    max_put_bytes
+        The largest upload ``do_put`` takes (it is held in memory before it is published).
+    advertise
+        The gRPC location endpoints name; default: the listening one, or the Flight spec's
+        "reuse this connection" when listening on all addresses.
+    timeout
+        Seconds for each request to the publisher.
+    """
+    scheme = urlsplit(location).scheme
+    if scheme not in (*_SCHEMES_PLAIN, _SCHEME_TLS):
+        raise ValueError(f"location must be grpc://, grpc+tcp:// or grpc+tls://, not {location!r}")
+    if (scheme == _SCHEME_TLS) != bool(tls_certificates):
+        raise ValueError("a grpc+tls:// location needs tls_certificates, and tls_certificates need it")
+    if verify_client and not root_certificates:
+        raise ValueError("verify_client needs root_certificates (the CA that signs client certificates)")
+    token_list = list(tokens) if tokens is not None else []
+    if not token_list and not verify_client and not allow_unauthenticated:
+        raise ValueError(
+            "this front would let anyone who reaches it read every publication: pass tokens=, "
+            "verify_client=True with root_certificates=, or allow_unauthenticated=True"
+        )
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be an int >= 1, not {max_in_flight!r}")
+    if isinstance(max_put_bytes, bool) or not isinstance(max_put_bytes, int) or max_put_bytes < 0:
+        raise ValueError(f"max_put_bytes must be an int >= 0, not {max_put_bytes!r}")
+    if allow_put and not isinstance(source, Publisher):
+        raise ValueError("allow_put needs a Publisher of this process as the source")
+    options: dict[str, Any] = {}
+    if token_list:
+        options["middleware"] = {"auth": TokenAuthMiddlewareFactory(token_list)}
+    if tls_certificates:
+        options["tls_certificates"] = [flight.CertKeyPair(cert, key) for cert, key in tls_certificates]
+        options["verify_client"] = verify_client
+        if root_certificates:
+            options["root_certificates"] = root_certificates
+    return FlightFront(
+        source,
+        location,
+        server_options=options,
+        streams=streams,
+        max_in_flight=max_in_flight,
+        allow_put=allow_put,
+        max_put_bytes=max_put_bytes,
+        advertise=advertise,
+        timeout=timeout,
+    )

@@ -1,0 +1,213 @@
+"""Flight front throughput on loopback, against a plain pyarrow.flight server in the same run.
+
+A spawned server process holds a table of 16 float32 columns (``--size``, default 1 GiB) three ways:
+a plain ``pyarrow.flight`` server streaming it from memory (the peer), a publisher with the
+bridge's Flight front (``arrow_ipc_bridge.flight.serve``), and, with ``--gpu``, the same table
+uploaded to GPU 0 (``aib.to_device``) behind the same front. This process is the client: it times
+``do_get(...).read_all()`` for each, alternating, and reports GiB/s and the ratio to the peer
+(target: >= 0.9). With ``--gpu`` it also times the server's device-to-host copy alone
+(``to_host``) and an upload (H2D), and compares the GPU ``do_get`` with D2H + the peer's time
+(target: within 1.2x).
+
+The same-host consumer given the Flight address (``aib.connect("grpc://...")`` takes the socket)
+is timed against the bridge's own ``connect(path).get`` (target: within 1.2x): get, build a
+``pyarrow.Table`` over the mapping, release.
+
+    python benchmarks/bench_flight.py                 # 1 GiB, 5 repeats
+    python benchmarks/bench_flight.py --quick         # 64 MiB, 3 repeats
+    python benchmarks/bench_flight.py --size 256MiB --repeat 7 --json out.json
+    python benchmarks/bench_flight.py --gpu           # adds the GPU rows (CUDA GPU needed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pyarrow as pa
+from pyarrow import flight
+
+_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+COLUMNS = 16
+
+
+def parse_size(text: str) -> int:
+    lowered = text.strip().lower()
+    for unit, factor in _UNITS.items():
+        if lowered.endswith(unit):
+            return int(float(lowered[: -len(unit)]) * factor)
+    return int(lowered)
+
+
+def make_table(nbytes: int, batch_rows: int) -> pa.Table:
+    """16 float32 columns of ``nbytes`` in all, in batches of ``batch_rows`` rows."""
+    import numpy as np
+
+    rows = max(1, nbytes // (4 * COLUMNS))
+    data = {f"c{i}": np.arange(rows, dtype=np.float32) + i for i in range(COLUMNS)}
+    return pa.Table.from_batches(pa.table(data).to_batches(max_chunksize=batch_rows))
+
+
+class PlainServer(flight.FlightServerBase):  # type: ignore[misc]
+    """The peer: a table in memory, streamed as pyarrow.flight's own RecordBatchStream."""
+
+    def __init__(self, location: str, table: pa.Table) -> None:
+        super().__init__(location)
+        self._table = table
+
+    def do_get(self, context: Any, ticket: flight.Ticket) -> flight.RecordBatchStream:
+        return flight.RecordBatchStream(self._table)
+
+
+def server_main(nbytes: int, batch_rows: int, gpu: bool, sock_dir: str, out: Connection) -> None:
+    """The server process: the peer, a publisher with the front, and (gpu) the device copy."""
+    import arrow_ipc_bridge as aib
+    from arrow_ipc_bridge.flight import serve
+
+    table = make_table(nbytes, batch_rows)
+    plain = PlainServer("grpc://127.0.0.1:0", table)
+    pub = aib.Publisher(os.path.join(sock_dir, "bench.sock"))
+    pub.publish("host", table)
+    facts: dict[str, Any] = {"nbytes": table.nbytes, "batches": len(table.to_batches())}
+    if gpu:
+        started = time.perf_counter()
+        device_table = aib.to_device(table, 0)
+        facts["h2d_s"] = time.perf_counter() - started
+        pub.publish("gpu", device_table)
+        d2h = []
+        with aib.connect(pub.path) as session:
+            for _ in range(3):
+                with session.get("gpu") as imported:
+                    started = time.perf_counter()
+                    host = imported.to_host()
+                    d2h.append(time.perf_counter() - started)
+                    del host
+        facts["d2h_s"] = min(d2h)
+    front = serve(pub, allow_unauthenticated=True)
+    out.send(
+        {"plain": f"grpc://127.0.0.1:{plain.port}", "front": front.location, "socket": pub.path, **facts}
+    )
+    out.recv()  # until the client is done
+    front.close()
+    plain.shutdown()
+    pub.close()
+
+
+def time_do_get(location: str, ticket: bytes, repeat: int) -> list[float]:
+    client = flight.connect(location)
+    times = []
+    try:
+        for _ in range(repeat):
+            started = time.perf_counter()
+            table = client.do_get(flight.Ticket(ticket)).read_all()
+            times.append(time.perf_counter() - started)
+            del table
+    finally:
+        client.close()
+    return times
+
+
+def time_local_get(address: str, repeat: int) -> tuple[list[float], str]:
+    """get + a pyarrow.Table over the mapping + release, through ``aib.connect(address)``."""
+    import arrow_ipc_bridge as aib
+
+    times = []
+    with aib.connect(address) as session:
+        route = session.route
+        for _ in range(repeat + 1):  # the first get maps the region: left out
+            started = time.perf_counter()
+            with session.get("host") as imported:
+                table = pa.table(imported)
+                del table
+            times.append(time.perf_counter() - started)
+    return times[1:], route
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="1GiB", help="table size (16 float32 columns), e.g. 256MiB")
+    parser.add_argument("--batch-rows", type=int, default=1 << 20, help="rows per record batch")
+    parser.add_argument("--repeat", type=int, default=5, help="timed do_gets per server")
+    parser.add_argument("--quick", action="store_true", help="64 MiB, 3 repeats")
+    parser.add_argument("--gpu", action="store_true", help="add the GPU table (needs a CUDA GPU)")
+    parser.add_argument("--json", default=None, help="write every number here")
+    args = parser.parse_args()
+    nbytes = parse_size("64MiB" if args.quick else args.size)
+    repeat = 3 if args.quick else args.repeat
+    ctx = multiprocessing.get_context("spawn")
+    sock_dir = tempfile.mkdtemp(dir="/tmp", prefix="aib-bf-")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=server_main, args=(nbytes, args.batch_rows, args.gpu, sock_dir, child))
+    proc.start()
+    try:
+        if not parent.poll(600):
+            print("the server process did not start", file=sys.stderr)
+            return 1
+        info = parent.recv()
+        gib = info["nbytes"] / (1 << 30)
+        plain: list[float] = []
+        front: list[float] = []
+        gpu: list[float] = []
+        for _ in range(repeat):  # alternate, so that load on the machine falls on both alike
+            plain += time_do_get(info["plain"], b"host", 1)
+            front += time_do_get(info["front"], b"host", 1)
+            if args.gpu:
+                gpu += time_do_get(info["front"], b"gpu", 1)
+        bridge_get, _ = time_local_get(info["socket"], max(repeat, 5) * 4)
+        via_flight_address, route = time_local_get(info["front"], max(repeat, 5) * 4)
+        parent.send("done")
+    finally:
+        proc.join(120)
+        if proc.is_alive():
+            proc.kill()
+    best_plain, best_front = min(plain), min(front)
+    med_plain, med_front = statistics.median(plain), statistics.median(front)
+    mib = info["nbytes"] / (1 << 20)
+    print(f"table: {mib:.0f} MiB, {COLUMNS} float32 columns, {info['batches']} batches")
+    print(f"plain pyarrow.flight do_get: best {gib / best_plain:6.2f} GiB/s, median {gib / med_plain:6.2f}")
+    print(f"bridge Flight front do_get:  best {gib / best_front:6.2f} GiB/s, median {gib / med_front:6.2f}")
+    print(
+        f"  front / plain throughput: best {best_plain / best_front:.2f}x, "
+        f"median {med_plain / med_front:.2f}x (target >= 0.9)"
+    )
+    med_bridge, med_via = statistics.median(bridge_get), statistics.median(via_flight_address)
+    print(f"same-host get through connect(socket):       median {med_bridge * 1e6:8.1f} us")
+    print(
+        f"same-host get through connect(grpc address): median {med_via * 1e6:8.1f} us (route {route}), "
+        f"{med_via / med_bridge:.2f}x (target <= 1.2)"
+    )
+    results: dict[str, Any] = {
+        "nbytes": info["nbytes"],
+        "plain_s": plain,
+        "front_s": front,
+        "bridge_get_s": bridge_get,
+        "flight_address_get_s": via_flight_address,
+        "route": route,
+    }
+    if args.gpu:
+        best_gpu = min(gpu)
+        bound = info["d2h_s"] + best_plain
+        print(
+            f"GPU H2D upload: {gib / info['h2d_s']:6.2f} GiB/s; D2H to_host: {gib / info['d2h_s']:6.2f} GiB/s"
+        )
+        print(
+            f"GPU table do_get: best {gib / best_gpu:6.2f} GiB/s, {best_gpu:.3f} s against D2H + plain "
+            f"{bound:.3f} s: {best_gpu / bound:.2f}x (target <= 1.2)"
+        )
+        results.update(gpu_s=gpu, d2h_s=info["d2h_s"], h2d_s=info["h2d_s"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The Flight front with GPU data (needs a CUDA GPU; skipped with the reason otherwise): a table
+uploaded with ``aib.to_device`` listed as ``cuda:0`` and streamed to a plain Flight client equal to
+the original (copied to the host by the front), and ``do_put`` to ``[name, "cuda:0"]`` uploading
+into the GPU before it is published."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+from helpers.arrow_equality import assert_arrays_equal
+from helpers.session_rig import sample_table, wait_for
+
+import arrow_ipc_bridge as aib
+
+flight = pytest.importorskip("pyarrow.flight")
+from arrow_ipc_bridge.flight import serve  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _numeric_table(rows: int) -> pa.Table:
+    return pa.table({f"c{i}": pa.array([float(i + r) for r in range(rows)], pa.float32()) for i in range(4)})
+
+
+def test_gpu_publication_do_get(cuda_device: int, publisher: aib.Publisher) -> None:
+    table = sample_table(1000, batches=2)
+    device_table = aib.to_device(table, cuda_device)
+    publisher.publish("gpu", device_table)
+    with serve(publisher, allow_unauthenticated=True) as front, flight.connect(front.location) as client:
+        (info,) = list(client.list_flights())
+        assert json.loads(info.app_metadata)["device"] == f"cuda:{cuda_device}"
+        assert info.total_records == 2000
+        got = client.do_get(flight.Ticket(b"gpu")).read_all()
+        assert_arrays_equal(got, table)
+    device_table.release()
+    assert wait_for(lambda: publisher.active_leases == 0, 10.0)
+
+
+def test_do_put_uploads_to_the_gpu(cuda_device: int, publisher: aib.Publisher) -> None:
+    table = _numeric_table(5000)
+    with (
+        serve(publisher, allow_unauthenticated=True, allow_put=True) as front,
+        flight.connect(front.location) as client,
+    ):
+        writer, _ = client.do_put(flight.FlightDescriptor.for_path("up", f"cuda:{cuda_device}"), table.schema)
+        writer.write_table(table)
+        writer.close()
+        with aib.connect(publisher.path) as session, session.get("up") as imported:
+            assert imported.device == f"cuda:{cuda_device}"
+            assert_arrays_equal(imported.to_host(), table)
+        assert_arrays_equal(client.do_get(flight.Ticket(b"up")).read_all(), table)
