@@ -292,10 +292,11 @@ def copy_peer_async(
     dst, src = _address(dst, "dst"), _address(src, "src")
     nbytes = _nbytes(nbytes)
     dst_device, src_device = _ordinal(dst_device, "dst_device"), _ordinal(src_device, "src_device")
+    stream_value = _stream_value(stream)
     if nbytes == 0:
         return
     lib, ffi = _api()
-    s = ffi.cast("CUstream", _stream_value(stream))
+    s = ffi.cast("CUstream", stream_value)
     dst_ctx, src_ctx = _primary_context(dst_device), _primary_context(src_device)
     with device_context(dst_device):
         _check("cuMemcpyPeerAsync", lib.cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, nbytes, s))
