@@ -60,8 +60,14 @@ _ALIGN = 256
 CROSS_DEVICE_MODES = ("peer", "copy")
 
 # ---------- reading in place ---------------------------------------------------------------------------
-_pool_access: set[tuple[int, int]] = set()  # (imported CUmemoryPool, reader) granted already
+# (pool identity, reader) granted already: the producer's 24-byte identity, never reused (the
+# driver hands a destroyed pool's CUmemoryPool value to a new one)
+_pool_access: set[tuple[bytes, int]] = set()
 _pool_access_lock = threading.Lock()
+# Messages whose regions were all made readable from a reader (message bytes, reader): cleared when
+# full (a bound, as the remembered messages have one).
+_granted: dict[tuple[bytes, int], None] = {}
+_GRANTED_MAX = 1024
 
 
 def _check_reader(reader: Any) -> int:
@@ -102,13 +108,25 @@ def grant_in_place(imported: Any, reader: int) -> None:
     enable_peer_access(reader, owner)
     decoded = imported._borrow()
     try:
+        # A message granted before needs nothing more (a steady-state re-get must not pay a walk of
+        # its regions): its legacy regions are covered by the pair, its pools by their grants.
+        key = (decoded.message, reader)
+        if key in _granted:
+            return
+        has_mapping = False
         for index, region in enumerate(decoded.regions()):
             if region.kind == REGION_CUDA_POOL:
                 pool = opener().imported_pool(region.handle[:24])
                 if pool is not None:  # None: this process's own pool (same-process export)
-                    _grant_pool(pool.handle, owner, reader)
+                    _grant_pool(region.handle[:24], pool.handle, owner, reader)
             elif region.kind == REGION_CUDA_VMM:
                 _grant_mapping(int(imported._bases[index]), region.size, owner, reader)
+                has_mapping = True
+        if not has_mapping:  # VMM regions are mapped per get: granted per get
+            with _pool_access_lock:
+                if len(_granted) >= _GRANTED_MAX:
+                    _granted.clear()
+                _granted[key] = None
     finally:
         decoded.unborrow()
 
@@ -122,13 +140,13 @@ def _access_descriptor(reader: int) -> Any:
     return desc
 
 
-def _grant_pool(pool: int, owner: int, reader: int) -> None:
+def _grant_pool(identity: bytes, pool: int, owner: int, reader: int) -> None:
     """``cuMemPoolSetAccess`` for ``reader`` on an imported pool, once per pool and reader."""
-    if (pool, reader) in _pool_access:
+    if (identity, reader) in _pool_access:
         return
     lib_cuda, driver_ffi = _api()
     with _pool_access_lock:
-        if (pool, reader) in _pool_access:
+        if (identity, reader) in _pool_access:
             return
         with device_context(owner):
             rc = int(
@@ -137,7 +155,7 @@ def _grant_pool(pool: int, owner: int, reader: int) -> None:
                 )
             )
         _raise_access(rc, "cuMemPoolSetAccess", owner, reader, "an IPC memory pool's allocations")
-        _pool_access.add((pool, reader))
+        _pool_access.add((identity, reader))
 
 
 def _grant_mapping(base: int, size: int, owner: int, reader: int) -> None:
