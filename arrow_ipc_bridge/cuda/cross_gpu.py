@@ -20,6 +20,7 @@ the *reader*, has two ways to use it:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -35,6 +36,7 @@ from arrow_ipc_bridge.cuda.devices import _device, device_context
 from arrow_ipc_bridge.cuda.events import Event, EventPool, event_query, event_value, stream_wait_event
 from arrow_ipc_bridge.cuda.opener import opener
 from arrow_ipc_bridge.cuda.peer import (
+    PeerAccessError,
     copy_peer_async,
     enable_peer_access,
     peer_access_error,
@@ -270,7 +272,10 @@ def copy_to_device(imported: Any, device: int, stream: object = None) -> tuple[A
     source_device = imported.device_id
     if source_device != device:
         # Direct copies over the peer path when there is one; the driver stages them otherwise.
-        try_enable_peer_access(device, source_device)
+        # Pool and VMM sources have access of their own, given here too where the pair allows.
+        if try_enable_peer_access(device, source_device):
+            with contextlib.suppress(PeerAccessError):
+                grant_in_place(imported, device)
         try_enable_peer_access(source_device, device)
     _sweep()
     decoded = imported._borrow()
