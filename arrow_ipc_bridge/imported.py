@@ -237,6 +237,34 @@ class _ImportedBase(ArrowExporter):
         ``Array``); device data is copied after waiting for the producer's sync event."""
         return to_host(self)  # type: ignore[arg-type]
 
+    def to_device(self, device: int, *, stream: object = None) -> ImportedArray | ImportedStream:
+        """A copy of this GPU data on GPU ``device`` (this process's ordinal), owned by this process.
+
+        One new allocation on ``device`` (the bridge's IPC pool, so the copy can be published
+        again), one ``cuMemcpyPeerAsync`` per contiguous run of buffers, queued on ``stream`` (a
+        CuPy / PyTorch stream or ``CUstream`` of ``device``; None: its legacy default stream) after
+        the producer's event; the host does not wait. The copy's ``sync_event`` is recorded after
+        the copies, its ``device_id`` is ``device``; this object stays usable (release it when done:
+        the copy does not need it once the copies ran). Works between any two GPUs (direct over
+        NVLink / PCIe where the pair has a peer path, staged by the driver otherwise) and on the
+        same GPU. ``docs/gpu.md``, "Several GPUs".
+
+        Raises
+        ------
+        BridgeError
+            Host data (``aib.to_device(imported, device)`` uploads it), or a released object.
+        TypeError
+            ``device`` is not an int.
+        CudaError
+            ``device`` is not visible here, or a driver call failed.
+        """
+        from arrow_ipc_bridge.cuda.cross_gpu import copy_to_device
+
+        copy, bases, sync_event = copy_to_device(self, device, stream)
+        return imported_from(
+            copy, bases, device_type=DEVICE_CUDA, device_id=device, sync_event=sync_event, name=self.name
+        )
+
     # -- struct builders --
     # Each holds a borrow on the message across its C calls (which release the GIL), so that a
     # release() on another thread meanwhile cannot free what the call is reading: the release then

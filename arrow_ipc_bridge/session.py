@@ -17,7 +17,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arrow_ipc_bridge import _process, _reaper, protocol, region_import, transport, waiting
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
@@ -39,6 +39,9 @@ from arrow_ipc_bridge.metadata import (
 from arrow_ipc_bridge.process_stats import import_counters
 from arrow_ipc_bridge.remembered import RememberedMessage, RememberedMessages
 from arrow_ipc_bridge.streams.live import LiveStream, open_subscription
+
+if TYPE_CHECKING:
+    from arrow_ipc_bridge.cuda.cross_gpu import ReaderPlacement
 
 __all__ = ["Session", "connect", "subscribe"]
 
@@ -85,6 +88,20 @@ class Session:
         ``"none"`` (structure only: for a producer this consumer trusts). ``None`` (the default)
         is ``"full"`` for host data and ``"none"`` for CUDA data, whose check costs device-to-host
         reads. A failing check raises :class:`~arrow_ipc_bridge.errors.WireFormatError`.
+    reader_device
+        The GPU (this process's ordinal) this consumer's work runs on, or ``None`` (the default:
+        GPU data is handed out where it lives, nothing else is done). When set, CUDA data living
+        on another GPU is handled by ``cross_device`` (``docs/gpu.md``, "Several GPUs").
+    cross_device
+        ``"peer"`` (the default): the object is handed out as it is, after the reader's GPU was
+        given access to its memory (peer access, once per pair; IPC-pool and VMM access per
+        pool / mapping), so kernels on ``reader_device`` read it in place over NVLink or PCIe;
+        :class:`~arrow_ipc_bridge.cuda.peer.PeerAccessError` when the pair has no peer path.
+        ``"copy"``: a copy on ``reader_device`` is handed out (``ImportedArray.to_device``) and
+        the import released once the copies ran.
+    copy_stream
+        The stream of ``reader_device`` the copies of ``cross_device="copy"`` are queued on (CuPy /
+        PyTorch stream or ``CUstream``); ``None``: its legacy default stream.
 
     Examples
     --------
@@ -110,7 +127,17 @@ class Session:
         pool_linger: float = 1.0,
         remembered_messages: int = 64,
         check: str | None = None,
+        reader_device: int | None = None,
+        cross_device: str = "peer",
+        copy_stream: object = None,
     ) -> None:
+        self._reader: ReaderPlacement | None = None
+        if reader_device is not None:
+            from arrow_ipc_bridge.cuda.cross_gpu import ReaderPlacement
+
+            self._reader = ReaderPlacement(reader_device, cross_device, copy_stream)
+        elif cross_device != "peer" or copy_stream is not None:
+            raise ValueError("cross_device and copy_stream need reader_device (the consumer's GPU)")
         self._host_check = "full" if check is None else check_level(check)
         self._cuda_check = "none" if check is None else self._host_check
         if not pool_linger >= 0:  # also refuses NaN
@@ -154,7 +181,8 @@ class Session:
         Raises :class:`WireFormatError` for a malformed message and :class:`RegionError` when a
         region cannot be mapped; nothing is leaked either way.
         """
-        return self._import(message, region_import.checked_fds(fds), name=name, token=0)
+        imported = self._import(message, region_import.checked_fds(fds), name=name, token=0)
+        return imported if self._reader is None else self._reader.place(imported)
 
     def _import(self, message: bytes, fds: Sequence[int], *, name: str | None, token: int) -> Imported:
         self._check_open()
@@ -393,7 +421,8 @@ class Session:
         data, on :meth:`forget`, or on :meth:`close`.
         """
         if wait is not None:
-            return self._get_version(name, after=0, timeout=waiting.check_wait(wait, "wait"))
+            imported = self._get_version(name, after=0, timeout=waiting.check_wait(wait, "wait"))
+            return imported if self._reader is None else self._reader.place(imported)
         raw_name = protocol.encode_name(name)
         channel = self._connection()
         fast: tuple[Decoded, RememberedMessage, int, Any] | None = None
@@ -418,12 +447,13 @@ class Session:
                 fast = Decoded.adopt(owner, hit.template), hit, address, sync_slot
         if imported_now is not None and imported_now[0] == 0:
             assert frame is not None
-            return self._adopt_new(imported_now, frame.payload[8:], name)
+            imported = self._adopt_new(imported_now, frame.payload[8:], name)
+            return imported if self._reader is None else self._reader.place(imported)
         if fast is not None:
             self.remembered_gets += 1
             next(import_counters.remembered_gets)
             decoded, hit, address, sync_slot = fast
-            imported: Imported = hit.imported_type.adopt(
+            imported = hit.imported_type.adopt(
                 decoded,
                 hit.bases,
                 device_type=hit.device_type,
@@ -433,7 +463,7 @@ class Session:
                 owner_address=address,
             )
             self._imported.add(imported)
-            return imported
+            return imported if self._reader is None else self._reader.place(imported)
         assert frame is not None
         try:
             if frame.kind == protocol.ERROR:
@@ -444,7 +474,7 @@ class Session:
             lease = _Lease(channel, lease_id)
             token = _reaper.register(lease)
             try:
-                return self._import(message, frame.fds, name=name, token=token)
+                imported = self._import(message, frame.fds, name=name, token=token)
             except BaseException:
                 # If the owner never came to life, nobody else will give the lease back.
                 if _reaper.unregister(token):
@@ -452,6 +482,7 @@ class Session:
                 raise
         finally:
             frame.close_fds()  # the mappings keep the files alive
+        return imported if self._reader is None else self._reader.place(imported)
 
     def get_next(self, name: str, *, after: int, timeout: float | None) -> Imported:
         """Wait for a version of ``name`` newer than ``after`` and import the newest one.
@@ -469,9 +500,10 @@ class Session:
         ``"watch"``. While a wait is held this session sends no other request (one at a time);
         use another session to get other names meanwhile.
         """
-        return self._get_version(
+        imported = self._get_version(
             name, after=waiting.check_after(after), timeout=waiting.check_wait(timeout, "timeout")
         )
+        return imported if self._reader is None else self._reader.place(imported)
 
     def _get_version(self, name: str, *, after: int, timeout: float | None) -> Imported:
         """WAIT for a version over ``after`` (``waiting.py``), then import it like a GET's answer."""
@@ -677,6 +709,9 @@ def connect(
     pool_linger: float = 1.0,
     remembered_messages: int = 64,
     check: str | None = None,
+    reader_device: int | None = None,
+    cross_device: str = "peer",
+    copy_stream: object = None,
     **flight_options: Any,
 ) -> Session:
     """Connect a new :class:`Session` to the publisher at ``path``.
@@ -706,6 +741,9 @@ def connect(
     check
         See :class:`Session`: how far buffer contents are checked (default: ``"full"`` for host
         data, ``"none"`` for CUDA data).
+    reader_device, cross_device, copy_stream
+        See :class:`Session`: GPU data living on a GPU other than the consumer's, read in place
+        (``"peer"``) or copied (``"copy"``).
 
     Examples
     --------
@@ -720,6 +758,9 @@ def connect(
             "pool_linger": pool_linger,
             "remembered_messages": remembered_messages,
             "check": check,
+            "reader_device": reader_device,
+            "cross_device": cross_device,
+            "copy_stream": copy_stream,
         }
         return connect_flight(  # type: ignore[no-any-return]  # a Session, or a FlightSession (same methods)
             path, connect, timeout=timeout, session_options=session_options, **flight_options
@@ -728,7 +769,14 @@ def connect(
         raise TypeError(f"connect() got unexpected keyword arguments {sorted(flight_options)}")
     if not isinstance(wait_for_publisher, bool):
         raise TypeError(f"wait_for_publisher must be a bool, not {type(wait_for_publisher).__name__}")
-    session = Session(pool_linger=pool_linger, remembered_messages=remembered_messages, check=check)
+    session = Session(
+        pool_linger=pool_linger,
+        remembered_messages=remembered_messages,
+        check=check,
+        reader_device=reader_device,
+        cross_device=cross_device,
+        copy_stream=copy_stream,
+    )
     session._path = os.fspath(path)
     conn = transport.connect(path, timeout=timeout, wait_for_server=wait_for_publisher)
     try:

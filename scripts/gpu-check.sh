@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The whole GPU check. On a machine with an NVIDIA GPU and the CUDA driver, run:
 #
-#   bash scripts/gpu-check.sh [quick|full|sanitize]
+#   bash scripts/gpu-check.sh [quick|full|sanitize|multigpu]
 #
 # quick and full differ in the benchmark's length; sanitize runs the GPU tests alone under
-# compute-sanitizer's memcheck (much slower) and fails on any error it reports.
+# compute-sanitizer's memcheck (much slower) and fails on any error it reports; multigpu (a machine
+# with two GPUs or more) runs doctor's topology, the multi-GPU tests and benchmarks/bench_multigpu.py
+# (--quick) alone, and fails when fewer than two GPUs make its tests skip.
 # It installs the Python packages the checks need that the machine lacks (from an optional local
 # wheel folder `.whl/` when one is present, for a machine without network access; otherwise from the
 # package index) into a private folder, builds the C core in place, runs the GPU tests, a host smoke
@@ -23,9 +25,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-quick}
 case "$mode" in
-  quick | full | sanitize) ;;
+  quick | full | sanitize | multigpu) ;;
   *)
-    echo "usage: bash scripts/gpu-check.sh [quick|full|sanitize]" >&2
+    echo "usage: bash scripts/gpu-check.sh [quick|full|sanitize|multigpu]" >&2
     exit 2
     ;;
 esac
@@ -113,6 +115,11 @@ main() {
   grep -Ev "^(running|copying|creating)" "$build_log" || true
   "$PYTHON" -m arrow_ipc_bridge doctor || fail "arrow_ipc_bridge doctor"
 
+  if [ "$mode" = multigpu ]; then
+    multigpu_checks
+    return
+  fi
+
   echo "== GPU tests"
   local xml="$OUT/gpu-tests.xml" rc
   rm -f "$xml"
@@ -175,6 +182,32 @@ main() {
     elif [ "$rc" -ne 0 ]; then
       fail "bench_gpu.py (exit $rc)"
     fi
+  fi
+}
+
+# Several GPUs: the multi-GPU tests (the GPU ones must run, not skip) and their benchmark.
+multigpu_checks() {
+  echo "== multi-GPU tests"
+  local xml="$OUT/multigpu-tests.xml" rc ran nfail nerr nskip
+  rm -f "$xml"
+  timeout 1800 "$PYTHON" -m pytest -p no:cacheprovider -q -rs tests/test_multigpu.py tests/test_multigpu_cpu.py \
+    --junitxml="$xml"
+  rc=$?
+  read -r ran nfail nerr nskip < <(junit_counts "$xml")
+  echo "pytest exit $rc: $ran tests ran, $nfail failed, $nerr errors, $nskip skipped"
+  if [ "$rc" -ne 0 ]; then
+    fail "multi-GPU tests (pytest exit $rc: $nfail failed, $nerr errors)"
+  fi
+  if [ "$nskip" -ne 0 ]; then
+    fail "multi-GPU tests: $nskip skipped (this check needs two GPUs and CuPy)"
+  fi
+
+  echo "== bench_multigpu.py"
+  timeout 900 "$PYTHON" benchmarks/bench_multigpu.py --quick --json "$OUT/bench-multigpu.json"
+  rc=$?
+  echo "bench_multigpu.py exit $rc"
+  if [ "$rc" -ne 0 ]; then
+    fail "bench_multigpu.py (exit $rc)"
   fi
 }
 

@@ -5,6 +5,9 @@ buffers use ``F_SEAL_FUTURE_WRITE``), the kernel, the open-file limit (a publish
 publication), the socket directory, and container hints (namespaces shared with pid 1 or not). CUDA
 checks, when a driver and a GPU are present: each handle kind exported by one process and opened by
 another (``multiprocessing`` spawn), which is what sharing needs and what a single process cannot tell.
+With several GPUs, the topology: for each pair, whether each can read the other's memory in place
+(peer access), the link (NVLink or the PCIe path, from NVML when present) and whether data one
+process shares on one GPU reaches another process on the other GPU (in place and copied).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 from arrow_ipc_bridge.cli._output import print_json
 
-__all__ = ["Check", "cuda_checks", "doctor", "host_checks"]
+__all__ = ["Check", "PairFacts", "cuda_checks", "doctor", "host_checks", "topology_checks"]
 
 _CHILD_TIMEOUT_S = 60.0  # starting CUDA in a fresh process can take seconds on a busy machine
 
@@ -294,6 +297,177 @@ def _try_handle_kind(kind: str) -> Check:
                 process.join()
 
 
+# ---------- CUDA: several GPUs ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PairFacts:
+    """What this process's driver (and NVML) say about two GPUs ``a < b``."""
+
+    a: int
+    b: int
+    uuid_a: str
+    uuid_b: str
+    a_reads_b: bool  # cuDeviceCanAccessPeer(a, b)
+    b_reads_a: bool
+    performance_rank: int | None  # cuDeviceGetP2PAttribute, a reading b; None without access
+    native_atomics: bool | None
+    link: str  # nvml.gpu_link: "NVLink (...)", "PCIe via ...", "unknown (...)"
+
+
+def _pair_facts(a: int, b: int) -> PairFacts:
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge.cuda import nvml, peer
+
+    uuid_a, uuid_b = cuda.format_uuid(cuda.device_uuid(a)), cuda.format_uuid(cuda.device_uuid(b))
+    link = peer.peer_link(a, b)
+    return PairFacts(
+        a=a,
+        b=b,
+        uuid_a=uuid_a,
+        uuid_b=uuid_b,
+        a_reads_b=peer.can_access_peer(a, b),
+        b_reads_a=peer.can_access_peer(b, a),
+        performance_rank=link.performance_rank if link.access_supported else None,
+        native_atomics=link.native_atomics if link.access_supported else None,
+        link=nvml.gpu_link(uuid_a, uuid_b),
+    )
+
+
+def topology_checks(count: int, pairs: list[PairFacts]) -> list[Check]:
+    """The topology section from the facts: one check per pair of GPUs (``count`` of them).
+
+    Peer access both ways is ``ok``; one way or none is ``warn`` (copies still work, staged by the
+    driver, and reading in place fails with ``PeerAccessError``)."""
+    if count < 2:
+        return [Check("GPU topology", "info", "one GPU: no pairs" if count == 1 else "no GPU: no pairs")]
+    checks = []
+    for pair in pairs:
+        name = f"GPU {pair.a} <-> GPU {pair.b}"
+        ways = {
+            (True, True): "peer access both ways",
+            (True, False): f"peer access GPU {pair.a} -> {pair.b} only",
+            (False, True): f"peer access GPU {pair.b} -> {pair.a} only",
+            (False, False): "no peer access",
+        }[(pair.a_reads_b, pair.b_reads_a)]
+        facts = [ways, pair.link]
+        if pair.performance_rank is not None:
+            facts.append(f"performance rank {pair.performance_rank}")
+        if pair.native_atomics is not None:
+            facts.append("native atomics" if pair.native_atomics else "no native atomics")
+        detail = f"{', '.join(facts)} ({pair.uuid_a} / {pair.uuid_b})"
+        if pair.a_reads_b and pair.b_reads_a:
+            checks.append(Check(name, "ok", detail))
+        else:
+            checks.append(
+                Check(
+                    name,
+                    "warn",
+                    detail,
+                    "data from one of these GPUs cannot be read in place on the other (PeerAccessError): "
+                    "use imported.to_device(k) or Session(reader_device=k, cross_device='copy'), which "
+                    "the driver stages through host memory",
+                )
+            )
+    return checks
+
+
+def _multi_gpu_producer(socket_path: str, conn: Any, count: int) -> None:
+    """Child process: publish a small table on every GPU ("gpu0", "gpu1", ...) until told to stop."""
+    try:
+        import pyarrow as pa
+
+        import arrow_ipc_bridge as aib
+
+        with aib.Publisher(socket_path) as pub:
+            for device in range(count):
+                table = pa.table({"x": pa.array(range(_ROWS), pa.int64())})
+                pub.publish(f"gpu{device}", aib.to_device(table, device, allocation="legacy"))
+            conn.send(("ready", 0))
+            conn.recv()
+    except BaseException as exc:  # reported to the parent, which prints it
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _read_across(session: Any, source: int, reader: int) -> str:
+    """Get GPU ``source``'s table, read it on GPU ``reader`` in place (when the pair allows) and
+    copied; returns what worked (raises when the copy reads back wrong)."""
+    import pyarrow.compute as pc
+
+    from arrow_ipc_bridge.cuda import cross_gpu, peer
+
+    with session.get(f"gpu{source}") as imported:
+        if peer.can_access_peer(reader, source):
+            cross_gpu.grant_in_place(imported, reader)
+            how = "in place and copied"
+        else:
+            how = "copied (no peer path: not in place)"
+        with imported.to_device(reader) as copy:
+            total = pc.sum(copy.to_host().column(0)).as_py()
+    expected = _ROWS * (_ROWS - 1) // 2
+    if total != expected:
+        raise RuntimeError(f"the copy on GPU {reader} reads back a sum of {total}, expected {expected}")
+    return how
+
+
+def _cross_gpu_ipc_checks(count: int) -> list[Check]:
+    """One producer process with a table on every GPU; this process reads each on every other GPU."""
+    import multiprocessing
+
+    import arrow_ipc_bridge as aib
+
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    checks = []
+    with tempfile.TemporaryDirectory(prefix="aib-doctor-") as directory:
+        socket_path = os.path.join(directory, "doctor.sock")
+        process = context.Process(target=_multi_gpu_producer, args=(socket_path, child, count), daemon=True)
+        process.start()
+        try:
+            if not parent.poll(_CHILD_TIMEOUT_S):
+                raise RuntimeError(f"the exporting process did not answer in {_CHILD_TIMEOUT_S:.0f} s")
+            state, value = parent.recv()
+            if state == "error":
+                raise RuntimeError(f"exporting: {value}")
+            with aib.connect(socket_path, timeout=_CHILD_TIMEOUT_S) as session:
+                for source in range(count):
+                    for reader in range(count):
+                        if source == reader:
+                            continue
+                        name = f"CUDA IPC GPU {source} -> GPU {reader}"
+                        try:
+                            how = _read_across(session, source, reader)
+                            checks.append(Check(name, "ok", f"another process's data on GPU {source} {how}"))
+                        except Exception as exc:
+                            checks.append(Check(name, "fail", f"{type(exc).__name__}: {exc}", _CROSS_ADVICE))
+        except Exception as exc:
+            checks.append(Check("CUDA IPC between GPUs", "fail", str(exc), _CROSS_ADVICE))
+        finally:
+            with contextlib.suppress(OSError):
+                parent.send("done")
+            process.join(_CHILD_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return checks
+
+
+_CROSS_ADVICE = (
+    "both processes must see both GPUs (CUDA_VISIBLE_DEVICES), in any order; across containers the "
+    "GPUs and a shared IPC namespace for legacy handles"
+)
+
+
+def gpu_topology_checks(*, between_processes: bool = True) -> list[Check]:
+    """The topology section: each pair's facts, and (``between_processes``) the cross-GPU reads."""
+    from arrow_ipc_bridge import cuda
+
+    count = cuda.device_count()
+    pairs = [_pair_facts(a, b) for a in range(count) for b in range(a + 1, count)]
+    checks = topology_checks(count, pairs)
+    if count >= 2 and between_processes:
+        checks += _cross_gpu_ipc_checks(count)
+    return checks
+
+
 def cuda_checks(*, between_processes: bool = True) -> list[Check]:
     """The driver, each GPU, and (``between_processes``) each handle kind tried between two processes."""
     from arrow_ipc_bridge import cuda
@@ -308,6 +482,7 @@ def cuda_checks(*, between_processes: bool = True) -> list[Check]:
         return checks
     if between_processes:
         checks += [_try_handle_kind(kind) for kind in ("legacy", "pool", "vmm")]
+    checks += gpu_topology_checks(between_processes=between_processes)
     return checks
 
 

@@ -1,5 +1,10 @@
 """``list SOCKET``: the names a running publisher serves, with kind, rows, device and size.
 
+GPU data names its GPU twice: ``cuda:N`` is this process's ordinal of it (what a consumer here
+would see as ``device_id``; ``CUDA_VISIBLE_DEVICES`` may number GPUs differently in each process),
+and its UUID (``GPU-...``, as ``nvidia-smi -L`` prints it) is the same in every process. JSON rows
+of GPU data carry the UUID as ``gpu_uuid``.
+
 The LIST frame carries names only, so each name is fetched (``Session.get``) and released at once to
 read its facts from the message: a get per name, which a diagnostic command can afford. Live streams
 are not listed: the publisher answers LIST with its publications alone.
@@ -21,7 +26,7 @@ def _facts(session: Any, name: str) -> dict[str, Any]:
 
     try:
         with session.get(name) as imported:
-            return {
+            facts: dict[str, Any] = {
                 "name": name,
                 "kind": "table" if _is_stream(imported) else _array_kind(imported),
                 "rows": imported.num_rows,
@@ -30,6 +35,9 @@ def _facts(session: Any, name: str) -> dict[str, Any]:
                 "columns": len(imported.schema),
                 "error": None,
             }
+            if imported.device.startswith("cuda:"):
+                facts["gpu_uuid"] = _gpu_uuid(imported.device_id)
+            return facts
     except BridgeError as exc:
         return {
             "name": name,
@@ -40,6 +48,20 @@ def _facts(session: Any, name: str) -> dict[str, Any]:
             "columns": None,
             "error": f"{type(exc).__name__}: {exc}",
         }
+
+
+def _gpu_uuid(ordinal: int) -> str:
+    """The UUID of this process's GPU ``ordinal``: the GPU the message named (the import mapped
+    that UUID to the ordinal)."""
+    from arrow_ipc_bridge import cuda
+
+    return cuda.format_uuid(cuda.device_uuid(ordinal))
+
+
+def _device_cell(row: dict[str, Any]) -> str:
+    """``cpu``, or ``cuda:N (GPU-...)`` for GPU data."""
+    uuid = row.get("gpu_uuid")
+    return f"{row['device']} ({uuid})" if uuid else str(row["device"])
 
 
 def _is_stream(imported: Any) -> bool:
@@ -82,7 +104,7 @@ def list_names(socket_path: str, *, timeout: float, as_json: bool = False) -> in
                 row["kind"],
                 str(row["rows"]),
                 str(row["columns"]),
-                row["device"],
+                _device_cell(row),
                 human_bytes(row["bytes"]),
             ]
             for row in rows

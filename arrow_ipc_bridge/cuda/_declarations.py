@@ -34,6 +34,7 @@ CUDA_ERROR_OUT_OF_MEMORY: Final = 2
 CUDA_ERROR_NOT_INITIALIZED: Final = 3
 CUDA_ERROR_DEINITIALIZED: Final = 4
 CUDA_ERROR_STUB_LIBRARY: Final = 34
+CUDA_ERROR_PEER_ACCESS_UNSUPPORTED: Final = 217
 CUDA_ERROR_NO_DEVICE: Final = 100
 CUDA_ERROR_INVALID_DEVICE: Final = 101
 CUDA_ERROR_INVALID_CONTEXT: Final = 201
@@ -46,7 +47,9 @@ CUDA_ERROR_NOT_FOUND: Final = 500
 CUDA_ERROR_NOT_READY: Final = 600
 CUDA_ERROR_ILLEGAL_ADDRESS: Final = 700
 CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: Final = 704
+CUDA_ERROR_PEER_ACCESS_NOT_ENABLED: Final = 705
 CUDA_ERROR_CONTEXT_IS_DESTROYED: Final = 709
+CUDA_ERROR_TOO_MANY_PEERS: Final = 711
 CUDA_ERROR_NOT_PERMITTED: Final = 800
 CUDA_ERROR_NOT_SUPPORTED: Final = 801
 CUDA_ERROR_UNKNOWN: Final = 999
@@ -129,6 +132,12 @@ CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: Final = 103
 CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: Final = 115
 CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES: Final = 119
 CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED: Final = 125
+
+# CUdevice_P2PAttribute (what one GPU can do with another's memory)
+CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK: Final = 1
+CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED: Final = 2
+CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED: Final = 3
+CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED: Final = 4
 
 # typedef name -> (C enum tag, member names). The values come from the constants above.
 _ENUMS: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
@@ -251,6 +260,21 @@ _ENUMS: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
     ),
 }
 
+# The enums of peer access (several GPUs, ``peer.py``), kept apart from the table above because the
+# tests pin that table member by member; ``tests/test_multigpu_cpu.py`` pins these. The CUresult codes
+# of peer access (217, 705, 711) stay Python constants: the driver returns them as plain ints.
+_PEER_ENUMS: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
+    "CUdevice_P2PAttribute": (
+        "CUdevice_P2PAttribute_enum",
+        (
+            "CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK",
+            "CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED",
+            "CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED",
+            "CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED",
+        ),
+    ),
+}
+
 # Types and functions, as in cuda.h for an LP64 Linux host. Opaque handles are pointers to incomplete structs;
 # CUdeviceptr is CUdeviceptr_v2 (unsigned long long). Struct layouts are byte-exact (see the tests' offsetof
 # table).
@@ -315,12 +339,16 @@ CUresult cuDeviceGetName(char *name, int len, CUdevice dev);
 CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev);
 CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev);
 CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev);
+CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev);
+CUresult cuDeviceGetP2PAttribute(int *value, CUdevice_P2PAttribute attrib, CUdevice srcDevice,
+                                 CUdevice dstDevice);
 
 CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
 CUresult cuCtxGetCurrent(CUcontext *pctx);
 CUresult cuCtxPushCurrent_v2(CUcontext ctx);
 CUresult cuCtxPopCurrent_v2(CUcontext *pctx);
 CUresult cuCtxSynchronize(void);
+CUresult cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags);
 
 CUresult cuMemGetInfo_v2(size_t *free, size_t *total);
 CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize);
@@ -329,6 +357,8 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t Byte
 CUresult cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount);
 CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount);
 CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N);
+CUresult cuMemcpyPeerAsync(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                           CUcontext srcContext, size_t ByteCount, CUstream hStream);
 
 CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr);
 CUresult cuPointerGetAttributes(unsigned int numAttributes, CUpointer_attribute *attributes, void **data,
@@ -394,7 +424,7 @@ def cdef_source() -> str:
     """
     module = globals()
     parts = []
-    for typedef, (tag, members) in _ENUMS.items():
+    for typedef, (tag, members) in (_ENUMS | _PEER_ENUMS).items():
         body = ",\n".join(f"    {name} = {int(module[name])}" for name in members)
         parts.append(f"typedef enum {tag} {{\n{body}\n}} {typedef};\n")
     return "".join(parts) + _CDEF_TYPES + _CDEF_FUNCTIONS

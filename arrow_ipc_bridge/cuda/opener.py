@@ -427,6 +427,12 @@ class CudaOpener:
             _close_quietly(old.close)
         return pool
 
+    def imported_pool(self, pool_key: bytes) -> ImportedPool | None:
+        """The pool imported here under a 24-byte identity, or None (not imported, or this process's
+        own: a same-process export resolves its pointers from the producer's records)."""
+        with self._lock:
+            return self._pools.get(pool_key)
+
     def _evict_idle_pools(self, keep: bytes) -> list[ImportedPool]:
         """Under the lock: take the least recently used pools with no pointer imported out of the
         cache while it holds more than max_pools; the caller closes them."""

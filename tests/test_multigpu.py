@@ -1,0 +1,388 @@
+"""Several GPUs on one host: producers on both GPUs, consumers on both, reads in place and copies.
+
+Needs two GPUs (skips with the reason otherwise). Producers and consumers are spawned processes
+that set ``CUDA_VISIBLE_DEVICES`` before CUDA starts, so the two sides number the GPUs differently;
+the data names its GPU by UUID. An in-place read is a raw CUDA kernel on the reader's GPU copying the
+producer's bytes (no library that might enable peer access on its own); a copy is
+``imported.to_device(k)``. The child functions live here, at module level, so that ``spawn`` finds them.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+import arrow_ipc_bridge as aib
+
+pytestmark = pytest.mark.gpu
+
+_CTX = mp.get_context("spawn")
+_ROWS = 4099  # not a multiple of any alignment: the last bytes of each buffer count
+_NUMERIC = [
+    pa.int8(),
+    pa.int16(),
+    pa.int32(),
+    pa.int64(),
+    pa.uint8(),
+    pa.uint16(),
+    pa.uint32(),
+    pa.uint64(),
+    pa.float16(),
+    pa.float32(),
+    pa.float64(),
+]
+_COPY_BYTES = r"""
+extern "C" __global__ void copy_bytes(const unsigned char* src, unsigned char* dst, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        dst[i] = src[i];
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _two_gpus() -> None:
+    try:
+        import cupy
+    except ImportError:
+        pytest.skip("CuPy is not installed (the multi-GPU tests read through CuPy kernels)")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, no device
+        pytest.skip(f"no usable CUDA GPU: {exc}")
+    if count < 2:
+        pytest.skip(f"needs two GPUs; this machine shows {count}")
+
+
+def numeric_table(seed: int) -> pa.Table:
+    """One column per numeric type; values that differ per row, per column and per ``seed``."""
+    import numpy as np
+
+    columns = {}
+    for index, arrow_type in enumerate(_NUMERIC):
+        values = (np.arange(_ROWS, dtype=np.int64) * (index + 3) + seed) % 120
+        columns[f"c_{arrow_type}"] = pa.array(values.astype(arrow_type.to_pandas_dtype()), arrow_type)
+    return pa.table(columns)
+
+
+def _socket_path() -> str:
+    return os.path.join(tempfile.mkdtemp(dir="/tmp"), "multigpu.sock")
+
+
+def _join(process: Any, timeout: float = 120) -> None:
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+        pytest.fail("child process did not finish in time")
+    assert process.exitcode == 0, f"child exited with {process.exitcode}"
+
+
+# ---------- children ------------------------------------------------------------------------------
+def producer_on_both_gpus(socket_path: str, visible: str, conn: Connection) -> None:
+    """Publish a numeric table on each of its GPUs, in legacy and in pool memory ("legacy_on0",
+    "pool_on1", ...: its own ordinals), send the GPUs' UUIDs, serve until told to stop."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before CUDA initialises in this process
+    from arrow_ipc_bridge import cuda
+
+    try:
+        with aib.Publisher(socket_path) as pub:
+            for device in (0, 1):
+                for allocation in ("legacy", "pool"):
+                    data = aib.to_device(numeric_table(device), device, allocation=allocation)
+                    pub.publish(f"{allocation}_on{device}", data)
+            conn.send(("ready", [cuda.format_uuid(cuda.device_uuid(d)) for d in (0, 1)]))
+            conn.recv()  # "stop"
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+
+
+def _read_in_place(imported: Any, reader: int, column: str) -> bytes:
+    """The column's bytes as a kernel on GPU ``reader`` reads them from where they live."""
+    import cupy
+    import numpy as np
+
+    view = aib.column_view(imported, column)
+    interface = view.__cuda_array_interface__
+    nbytes = int(np.prod(interface["shape"])) * np.dtype(interface["typestr"]).itemsize
+    with cupy.cuda.Device(reader):
+        kernel = cupy.RawKernel(_COPY_BYTES, "copy_bytes")
+        out = cupy.zeros(nbytes, dtype=cupy.uint8)
+        kernel((64,), (256,), (np.uint64(interface["data"][0]), out, np.uint64(nbytes)))
+        cupy.cuda.Device(reader).synchronize()
+        return bytes(out.get())
+
+
+def _check_on_reader(socket_path: str, name: str, reader: int, here: int, expected: pa.Table) -> list[str]:
+    """Read publication ``name`` (on our GPU ``here``) from GPU ``reader``: in place, copied with
+    to_device on a stream of the reader's GPU, and through Session(cross_device='copy')."""
+    import cupy
+
+    from arrow_ipc_bridge.cuda import peer
+
+    problems = []
+    with (
+        aib.connect(socket_path, timeout=30.0, reader_device=reader) as session,
+        session.get(name) as imported,
+    ):
+        if imported.device_id != here:
+            problems.append(f"{name}: device_id {imported.device_id}, expected {here}")
+        if reader != here and not peer.peer_access_enabled(reader, here):
+            problems.append(f"{name}: peer access {reader} -> {here} not enabled")
+        for field in expected.schema:
+            want = expected.column(field.name).chunk(0).buffers()[1].to_pybytes()
+            got = _read_in_place(imported, reader, field.name)
+            if got[: len(want)] != want:
+                problems.append(f"{name} read in place on GPU {reader}: {field.name}")
+        with cupy.cuda.Device(reader):
+            stream = cupy.cuda.Stream(non_blocking=True)  # a stream of the reader's GPU
+            copy = imported.to_device(reader, stream=stream.ptr)
+        with copy:
+            if copy.device_id != reader:
+                problems.append(f"{name}: copy on {copy.device_id}, expected {reader}")
+            if not pa.table(copy.to_host()).equals(expected):
+                problems.append(f"{name} copied to GPU {reader}: values differ")
+    with (
+        aib.connect(socket_path, timeout=30.0, reader_device=reader, cross_device="copy") as session,
+        session.get(name) as copied,
+    ):
+        if copied.device_id != reader or not pa.table(copied.to_host()).equals(expected):
+            problems.append(f"{name} through cross_device='copy' on GPU {reader}")
+    return problems
+
+
+def consumer_on_both_gpus(socket_path: str, visible: str, uuids: list[str], conn: Connection) -> None:
+    """From a process numbering the GPUs as ``visible`` says, read every publication on each GPU
+    from both GPUs and report every mismatch (an empty list: all good)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    from arrow_ipc_bridge import cuda
+
+    problems: list[str] = []
+    try:
+        mine = [cuda.format_uuid(cuda.device_uuid(d)) for d in (0, 1)]
+        for producer_ordinal, uuid in enumerate(uuids):
+            here = mine.index(uuid)  # our ordinal of the producer's GPU
+            expected = numeric_table(producer_ordinal)
+            for allocation in ("legacy", "pool"):
+                for reader in (0, 1):
+                    name = f"{allocation}_on{producer_ordinal}"
+                    problems += _check_on_reader(socket_path, name, reader, here, expected)
+        conn.send(("done", problems))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+
+
+def mixed_stream_producer(socket_path: str, conn: Connection) -> None:
+    """A live stream whose batches come from GPU 0 and GPU 1 in turn (one publisher)."""
+    import time
+
+    import cupy
+
+    try:
+        with aib.Publisher(socket_path) as pub:
+            writer = pub.open_stream("mixed")
+            conn.send(("ready", None))
+            deadline = time.monotonic() + 60
+            while writer.subscribers < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            for sequence in range(6):
+                device = sequence % 2
+                with cupy.cuda.Device(device):
+                    column = cupy.arange(_ROWS, dtype=cupy.int64) + sequence * 1000
+                    writer.write(aib.from_cuda_arrays({"v": column}))
+            writer.close()
+            conn.recv()  # "stop"
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+
+
+# ---------- tests -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("producer_visible", "consumer_visible"), [("0,1", "1,0"), ("1,0", "0,1"), ("0,1", "0,1")]
+)
+def test_producers_and_consumers_on_both_gpus(producer_visible: str, consumer_visible: str) -> None:
+    """One publisher with data on both GPUs (legacy and pool memory, every numeric type); a consumer
+    numbering the GPUs otherwise reads each on both GPUs: in place through a kernel on the reader's
+    GPU, copied with to_device on a stream of its own, and through Session(cross_device='copy')."""
+    path = _socket_path()
+    parent, child = _CTX.Pipe()
+    producer = _CTX.Process(target=producer_on_both_gpus, args=(path, producer_visible, child))
+    producer.start()
+    try:
+        assert parent.poll(120), "producer did not start"
+        status, uuids = parent.recv()
+        assert status == "ready", uuids
+        c_parent, c_child = _CTX.Pipe()
+        consumer = _CTX.Process(target=consumer_on_both_gpus, args=(path, consumer_visible, uuids, c_child))
+        consumer.start()
+        assert c_parent.poll(300), "consumer did not answer"
+        status, problems = c_parent.recv()
+        _join(consumer)
+        assert status == "done", problems
+        assert problems == []
+    finally:
+        parent.send("stop")
+        _join(producer)
+
+
+def test_list_names_each_gpu_by_uuid_and_ordinal(capsys: pytest.CaptureFixture[str]) -> None:
+    """``list --json`` says for each name the GPU: this process's ordinal and the UUID."""
+    import json
+
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge.cli import main
+
+    path = _socket_path()
+    parent, child = _CTX.Pipe()
+    producer = _CTX.Process(target=producer_on_both_gpus, args=(path, "1,0", child))
+    producer.start()
+    try:
+        assert parent.poll(120), "producer did not start"
+        status, uuids = parent.recv()
+        assert status == "ready", uuids
+        assert main(["list", path, "--json"]) == 0
+        rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+        for producer_ordinal, uuid in enumerate(uuids):
+            ours = [cuda.format_uuid(cuda.device_uuid(d)) for d in range(cuda.device_count())].index(uuid)
+            row = rows[f"legacy_on{producer_ordinal}"]
+            assert row["gpu_uuid"] == uuid
+            assert row["device"] == f"cuda:{ours}"
+    finally:
+        parent.send("stop")
+        _join(producer)
+
+
+def test_stream_with_batches_from_both_gpus() -> None:
+    """A live stream's batches come from GPU 0 and GPU 1 in turn; each arrives on its own GPU."""
+    path = _socket_path()
+    parent, child = _CTX.Pipe()
+    producer = _CTX.Process(target=mixed_stream_producer, args=(path, child))
+    producer.start()
+    try:
+        assert parent.poll(120), "producer did not start"
+        status, detail = parent.recv()
+        assert status == "ready", detail
+        seen = []
+        with aib.connect(path, timeout=30.0) as session, session.subscribe("mixed", timeout=60) as live:
+            for batch in live:
+                with batch:
+                    values = pa.record_batch(batch.to_host()).column(0).to_pylist()
+                    seen.append((batch.device_id, values[0], len(values)))
+        assert [device for device, _, _ in seen] == [0, 1, 0, 1, 0, 1]
+        assert [first for _, first, _ in seen] == [0, 1000, 2000, 3000, 4000, 5000]
+        assert all(rows == _ROWS for _, _, rows in seen)
+    finally:
+        parent.send("stop")
+        _join(producer)
+
+
+def test_producer_exits_while_a_consumer_on_the_other_gpu_holds_its_data() -> None:
+    """Data got on GPU 1 from a producer on GPU 0, held in place and copied; the producer exits. The
+    copy stays intact, releasing what is held raises nothing, the session reports the publisher gone."""
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge.errors import TransportError
+
+    path = _socket_path()
+    parent, child = _CTX.Pipe()
+    producer = _CTX.Process(target=producer_on_both_gpus, args=(path, "0,1", child))
+    producer.start()
+    stopped = False
+    try:
+        assert parent.poll(120), "producer did not start"
+        status, uuids = parent.recv()
+        assert status == "ready", uuids
+        source = cuda.ordinal_for_uuid(bytes.fromhex(uuids[0][4:].replace("-", "")))
+        reader = 1 - source
+        session = aib.connect(path, timeout=30.0, reader_device=reader)
+        held = [session.get("legacy_on0"), session.get("pool_on0")]
+        copies = [imported.to_device(reader) for imported in held]
+        parent.send("stop")
+        stopped = True
+        _join(producer)
+        expected = numeric_table(0)
+        for copy in copies:
+            assert pa.table(copy.to_host()).equals(expected)
+        for imported in held:
+            imported.release()
+        with pytest.raises(TransportError):  # PeerClosedError, or a refused reconnect
+            session.get("legacy_on0")
+        session.close()
+        for copy in copies:
+            copy.release()
+    finally:
+        if not stopped:
+            parent.send("stop")
+            _join(producer)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_thousand_cross_gpu_imports_hold_nothing() -> None:
+    """1,000 gets of data on the other GPU, each read in place and copied, then released: open
+    descriptors, IPC events, handles, pending callbacks and free GPU memory stay flat after warm-up."""
+    import cupy
+
+    from arrow_ipc_bridge import _reaper, cuda
+    from arrow_ipc_bridge.cuda import cross_gpu
+
+    path = _socket_path()
+    parent, child = _CTX.Pipe()
+    producer = _CTX.Process(target=producer_on_both_gpus, args=(path, "0,1", child))
+    producer.start()
+    try:
+        assert parent.poll(120), "producer did not start"
+        status, uuids = parent.recv()
+        assert status == "ready", uuids
+        source = cuda.ordinal_for_uuid(bytes.fromhex(uuids[0][4:].replace("-", "")))
+        reader = 1 - source
+
+        def snapshot() -> dict[str, int]:
+            gc.collect()
+            _reaper.drain()
+            for device in (0, 1):
+                cupy.cuda.Device(device).synchronize()
+            stats = aib.stats().cuda
+            return {
+                "fds": _open_fds(),
+                "ipc_events": cuda.ipc_event_cache_size(),
+                "legacy_opens": stats.legacy_opens,
+                "pool_imports": stats.pool_imports,
+                "pending_callbacks": _reaper.pending_callbacks(),
+                "pending_copies": len(cross_gpu._pending),
+                "free_0": cupy.cuda.Device(0).mem_info[0],
+                "free_1": cupy.cuda.Device(1).mem_info[0],
+            }
+
+        with aib.connect(path, timeout=30.0, reader_device=reader) as session:
+
+            def one_round(name: str) -> None:
+                with session.get(name) as imported, imported.to_device(reader) as copy:
+                    copy.to_host()
+
+            for _ in range(50):
+                for name in ("legacy_on0", "pool_on0"):
+                    one_round(name)
+            before = snapshot()
+            for _ in range(500):
+                for name in ("legacy_on0", "pool_on0"):
+                    one_round(name)
+            after = snapshot()
+        for key in ("fds", "ipc_events", "legacy_opens", "pool_imports", "pending_callbacks"):
+            assert after[key] <= before[key], (key, before, after)
+        assert after["pending_copies"] <= 1
+        for key in ("free_0", "free_1"):
+            assert before[key] - after[key] < 64 << 20, (key, before, after)
+    finally:
+        parent.send("stop")
+        _join(producer)
