@@ -186,7 +186,9 @@ class Publisher:
         the export cost (regions, bytes copied). CUDA data naming exactly what the current
         publication's message names (the same arrays, updated in place) is published with that
         message's bytes again, its event re-recorded after the new work (``exporter.export_again``):
-        sessions import it from the message they remember.
+        sessions import it from the message they remember. When ``obj`` is ``from_cuda_arrays``
+        columns whose facts are the current version's, the publication is renewed in place (a new
+        version of the same entry; nothing placed or encoded: :meth:`_renew`).
         """
         raw_name = protocol.encode_name(name)  # validates the name
         self._check_open()
