@@ -248,12 +248,19 @@ class Publisher:
                 raise BridgeError("this publisher is closed")
             if self._current.get(name) is not current or not record_in_place(current, obj, copy):
                 return None
-            version = int(lib.aib_pubtable_renew(self._table, raw_name, len(raw_name)))
-            waiting = self._watch.published(raw_name, version)
+            waiting = self._renew_version_locked(raw_name)
         next(process_stats.in_place_publishes)
         if waiting:
             self._watch.deliver(waiting)
         return current.stats
+
+    def _renew_version_locked(self, raw_name: bytes) -> list[HeldWait]:
+        """A new version of the published entry ``raw_name`` (its message, fds and leases kept), and
+        the held waits it answers (deliver them after the lock). Call under ``self._lock``."""
+        version = int(lib.aib_pubtable_renew(self._table, raw_name, len(raw_name)))
+        if version == 0:  # cannot happen: _current and the table change together under the lock
+            raise NotPublishedError(f"nothing is published as {raw_name.decode(errors='replace')!r}")
+        return self._watch.published(raw_name, version)
 
     def unpublish(self, name: str) -> None:
         """Stop serving ``name``; its data lives on until every lease on it has ended."""
