@@ -186,7 +186,9 @@ class Publisher:
         the export cost (regions, bytes copied). CUDA data naming exactly what the current
         publication's message names (the same arrays, updated in place) is published with that
         message's bytes again, its event re-recorded after the new work (``exporter.export_again``):
-        sessions import it from the message they remember.
+        sessions import it from the message they remember. When ``obj`` is ``from_cuda_arrays``
+        columns whose facts are the current version's, the publication is renewed in place (a new
+        version of the same entry; nothing placed or encoded: :meth:`_renew`).
         """
         raw_name = protocol.encode_name(name)  # validates the name
         self._check_open()
@@ -246,12 +248,19 @@ class Publisher:
                 raise BridgeError("this publisher is closed")
             if self._current.get(name) is not current or not record_in_place(current, obj, copy):
                 return None
-            version = int(lib.aib_pubtable_renew(self._table, raw_name, len(raw_name)))
-            waiting = self._watch.published(raw_name, version)
+            waiting = self._renew_version_locked(raw_name)
         next(process_stats.in_place_publishes)
         if waiting:
             self._watch.deliver(waiting)
         return current.stats
+
+    def _renew_version_locked(self, raw_name: bytes) -> list[HeldWait]:
+        """A new version of the published entry ``raw_name`` (its message, fds and leases kept), and
+        the held waits it answers (deliver them after the lock). Call under ``self._lock``."""
+        version = int(lib.aib_pubtable_renew(self._table, raw_name, len(raw_name)))
+        if version == 0:  # cannot happen: _current and the table change together under the lock
+            raise NotPublishedError(f"nothing is published as {raw_name.decode(errors='replace')!r}")
+        return self._watch.published(raw_name, version)
 
     def unpublish(self, name: str) -> None:
         """Stop serving ``name``; its data lives on until every lease on it has ended."""
