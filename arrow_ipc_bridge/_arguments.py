@@ -101,7 +101,8 @@ def _seconds(value: object, what: str, *, none: bool, positive: bool, maximum: f
         number = float(value)  # NumPy scalars, fractions, subclasses of int and float
     else:
         fail_type(what, _seconds_text(none, positive, maximum), value)
-    if not (number > 0 if positive else number >= 0) or not number <= maximum:  # NaN fails both
+    # NaN fails every comparison, so it is refused with the negative numbers.
+    if not (number > 0 if positive else number >= 0) or not number <= maximum or number == math.inf:
         fail_value(what, _seconds_text(none, positive, maximum), value)
     return number
 

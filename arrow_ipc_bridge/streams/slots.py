@@ -64,7 +64,7 @@ class SlotLayout:
         for f in self.schema:
             if not (pa.types.is_integer(f.type) or pa.types.is_floating(f.type)):
                 raise InvalidArgumentError(
-                    "SlotLayout.schema must hold fixed-width numeric columns (integers, floats); "
+                    "SlotLayout.schema must be of fixed-width numeric columns (integers, floats); "
                     f"{f.name!r} is {f.type}",
                     argument="SlotLayout.schema",
                 )
