@@ -122,7 +122,7 @@ def column_view(
     """
     _check_imported(imported)
     if type(column) is not str:
-        _arguments.count(column, "column", least=0)  # an index (a name is any str)
+        column = _arguments.count(column, "column", least=0)  # an index (a name is any str)
     batch = _arguments.count(batch, "batch", least=0)
     stream = _arguments.stream_handle(stream)
     device_id = imported.device_id

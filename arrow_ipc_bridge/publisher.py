@@ -191,6 +191,11 @@ class Publisher:
         publication's message names (the same arrays, updated in place) is published with that
         message's bytes again, its event re-recorded after the new work (``exporter.export_again``):
         sessions import it from the message they remember.
+
+        Raises :class:`~arrow_ipc_bridge.errors.ClosedError` after :meth:`close`, and
+        :class:`~arrow_ipc_bridge.errors.FileLimitError` when the process has no file descriptor
+        left for the publication's region (each host publication holds one while published or
+        leased): nothing is published then, and the name keeps what it had.
         """
         self._check_open()
         raw_name = protocol.encode_name(name)  # validates the name
