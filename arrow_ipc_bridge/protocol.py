@@ -171,6 +171,13 @@ def encode_name(name: str, what: str = "name") -> bytes:
     """``name``'s bytes for a frame; :class:`~arrow_ipc_bridge.errors.ArgumentTypeError` for a
     non-str, :class:`~arrow_ipc_bridge.errors.InvalidArgumentError` outside 1 to MAX_NAME UTF-8 bytes
     (``what``: the argument's name in the message)."""
+    if type(name) is str:  # the hot path (publish, get) without a call more
+        try:
+            raw = name.encode()
+        except UnicodeEncodeError:
+            raw = b""  # refused below, saying why
+        if 0 < len(raw) <= MAX_NAME:
+            return raw
     return _arguments.name(name, what, MAX_NAME)
 
 
