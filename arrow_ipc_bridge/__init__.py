@@ -21,16 +21,20 @@ from arrow_ipc_bridge._version import __version__
 from arrow_ipc_bridge.columns import ColumnView, column_arrays, column_view
 from arrow_ipc_bridge.device import from_cuda_array, from_cuda_arrays, to_device
 from arrow_ipc_bridge.errors import (
+    ArgumentTypeError,
     BridgeError,
     BridgeTimeoutError,
     BuildMismatchError,
     CapsuleError,
+    ClosedError,
     ConnectionLimitError,
     CopyRequiredError,
     CudaError,
     DescriptorsInFlightError,
+    FileLimitError,
     ForeignProcessError,
     HandshakeTimeoutError,
+    InvalidArgumentError,
     LeaseLimitError,
     NotPublishedError,
     PeerClosedError,
@@ -134,4 +138,8 @@ __all__ = [
     "UnsupportedFormatError",
     "WireFormatError",
     "WaitTimeoutError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
+    "ClosedError",
+    "FileLimitError",
 ]

@@ -16,10 +16,11 @@ imported object. The per-column facts (name, type, length, address) come from on
 from __future__ import annotations
 
 import importlib
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from arrow_ipc_bridge import _ffi
+from arrow_ipc_bridge import _arguments, _ffi
 from arrow_ipc_bridge._ffi import ffi
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.errors import BridgeError
@@ -120,6 +121,10 @@ def column_view(
     >>> gpu = cupy.asarray(aib.column_view(imported_gpu, "x", stream=s.ptr))  # doctest: +SKIP
     """
     _check_imported(imported)
+    if type(column) is not str:
+        column = _arguments.count(column, "column", least=0)  # an index (a name is any str)
+    batch = _arguments.count(batch, "batch", least=0)
+    stream = _arguments.stream_handle(stream)
     device_id = imported.device_id
     waiter = _stream_waiter(device_id) if imported.device_type == DEVICE_CUDA else None
     _lease, event, facts, is_record_batch = _read_batch(imported, batch, _AS_DLPACK_COLUMNS, column, waiter)
@@ -192,8 +197,16 @@ def column_arrays(
     >>> arrays = aib.column_arrays(imported, "cupy")  # doctest: +SKIP
     >>> arrays["x"].sum()                              # doctest: +SKIP
     """
-    library = _library_name(like)
     _check_imported(imported)
+    library = _library_name(like)
+    batch = _arguments.count(batch, "batch", least=0)
+    stream = _arguments.stream_handle(stream)
+    if names is not None:
+        if isinstance(names, str) or not isinstance(names, Sequence):
+            _arguments.fail_type("names", "a sequence of column names (str), not one string, or None", names)
+        for column_name in names:
+            if not isinstance(column_name, str):
+                _arguments.fail_type("names", "a sequence of column names (str)", column_name)
     device_type = imported.device_type
     if library == "numpy" and device_type != DEVICE_CPU:
         raise BridgeError(
@@ -229,9 +242,8 @@ def _check_imported(imported: object) -> None:
     # Any imported object (arrays, tables, streams, and their subclasses): the facts come from what
     # they all hold, the decoded message and the regions' bases.
     if not isinstance(imported, _ImportedBase):
-        raise TypeError(
-            "expected data imported by the bridge (ImportedArray or ImportedStream), "
-            f"not {type(imported).__name__}"
+        _arguments.fail_type(
+            "imported", "data imported by the bridge (ImportedArray or ImportedStream)", imported
         )
     if imported.device_type not in (DEVICE_CPU, DEVICE_CUDA):
         raise BridgeError(f"column views support host and CUDA data, not device type {imported.device_type}")
@@ -278,8 +290,6 @@ def _choose(facts: _Facts, names: Sequence[str] | None) -> list[_Fact]:
     if names is None:
         chosen = [fact for fact in every if fact[1] >= 0]
     else:
-        if isinstance(names, str):
-            raise TypeError("names must be a sequence of column names, not one string")
         by_name = {fact[0]: fact for fact in every}
         missing = [name for name in names if name not in by_name]
         if missing:
@@ -295,12 +305,16 @@ def _choose(facts: _Facts, names: Sequence[str] | None) -> list[_Fact]:
 
 
 def _library_name(like: object) -> str:
-    name = like if isinstance(like, str) else getattr(like, "__name__", None)
+    allowed = f"one of {', '.join(map(repr, _LIBRARIES))} (or the module)"
+    if isinstance(like, str):
+        name = like
+    elif isinstance(like, types.ModuleType):
+        name = like.__name__
+    else:
+        _arguments.fail_type("like", allowed, like)
     if name not in _LIBRARIES:
-        raise ValueError(
-            f"like must be one of {', '.join(map(repr, _LIBRARIES))} (or the module), not {like!r}"
-        )
-    return str(name)
+        _arguments.fail_value("like", allowed, like)
+    return name
 
 
 _WAITERS: dict[int, Callable[[int, int], None]] = {}

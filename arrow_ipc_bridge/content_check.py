@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from arrow_ipc_bridge import _arguments
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.metadata import Decoded
 
@@ -40,11 +41,9 @@ ReadFunction = Callable[[int, int], bytes]
 
 
 def check_level(value: object, what: str = "check") -> str:
-    """``value`` if it names a level, else :class:`ValueError` naming the allowed ones."""
-    if not isinstance(value, str) or value not in _LEVEL_CODES:
-        allowed = ", ".join(repr(level) for level in CHECK_LEVELS)
-        raise ValueError(f"{what} must be one of {allowed}, not {value!r}")
-    return value
+    """``value`` if it names a level; ``ArgumentTypeError`` for a non-str, ``InvalidArgumentError``
+    naming the allowed levels for another string."""
+    return _arguments.choice(value, what, CHECK_LEVELS)
 
 
 def check_content(decoded: Decoded, region_bases: Any, level: str, read: ReadFunction | None = None) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import pyarrow as pa
 
-from arrow_ipc_bridge import _reaper
+from arrow_ipc_bridge import _arguments, _reaper
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for, read_cuda_columns
 from arrow_ipc_bridge.capsules import (
     DEVICE_CPU,
@@ -84,8 +84,8 @@ def to_device(
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge.cuda import placer
 
-    if allocation not in ("pool", "legacy"):
-        raise ValueError(f"allocation must be 'pool' or 'legacy', not {allocation!r}")
+    device = _arguments.device_ordinal(device)
+    _arguments.choice(allocation, "allocation", ("pool", "legacy"))
     captured = capture(obj)
     try:
         if captured.device_type != DEVICE_CPU:
@@ -360,9 +360,12 @@ def from_cuda_arrays(columns: Mapping[str, Any]) -> CapturedArray:
     :func:`from_cuda_array`, one event recorded on the announced stream (others are synchronised
     first) is the batch's ``sync_event``.
     """
+    if not isinstance(columns, Mapping):
+        _arguments.fail_type("columns", "a mapping of column names (str) to 1-D GPU arrays", columns)
     names = tuple(columns)
     if not names:
-        raise BridgeError("from_cuda_arrays needs at least one column")
-    if not all(isinstance(name, str) for name in names):
-        raise TypeError("column names must be str")
+        _arguments.fail_value("columns", "a mapping with at least one column", columns)
+    for name in names:
+        if not isinstance(name, str):
+            _arguments.fail_type("columns", "a mapping whose keys, the column names, are str", name)
     return _captured_columns(names, list(columns.values()))

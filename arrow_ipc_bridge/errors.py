@@ -34,6 +34,10 @@ __all__ = [
     "DescriptorsInFlightError",
     "HandshakeTimeoutError",
     "WaitTimeoutError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
+    "ClosedError",
+    "FileLimitError",
 ]
 
 
@@ -166,6 +170,41 @@ class ForeignProcessError(BridgeError, RuntimeError):
     """A publisher, session or connection was used in a process other than the one that made it:
     a child of ``fork`` inherits them, but they belong to the parent (using the socket would
     interleave with the parent's frames). Make a new one in this process."""
+
+
+class InvalidArgumentError(BridgeError, ValueError):
+    """An argument of a public function has the right type but a value it does not allow (a
+    negative timeout, NaN, an unknown copy policy, an empty name, ...). ``argument`` names it; the
+    message says what is allowed. Nothing was done."""
+
+    argument: str
+
+
+class ArgumentTypeError(BridgeError, TypeError):
+    """An argument of a public function has a type it does not take (a bool or a string where a
+    number of seconds goes, a non-str name, ...). ``argument`` names it; the message says what is
+    allowed. Nothing was done."""
+
+    argument: str
+
+
+class ClosedError(BridgeError, ValueError):
+    """A :class:`~arrow_ipc_bridge.Publisher` or :class:`~arrow_ipc_bridge.Session` was used after
+    ``close()``: every method raises it (``close()`` itself stays idempotent); ``what`` says which.
+    A ``ValueError`` as for a closed file. Make a new one."""
+
+    what: str
+
+
+class FileLimitError(BridgeError, OSError):
+    """The process (``EMFILE``: ``RLIMIT_NOFILE``) or the system (``ENFILE``) ran out of file
+    descriptors while the bridge needed one: a host publication holds one per region (its sealed
+    memfd, or its zero-copy file) for as long as it is published or leased. ``soft`` and ``hard``
+    are the process's ``RLIMIT_NOFILE``; the message says how to raise it. Nothing was published,
+    exported or leaked. An ``OSError`` with ``errno`` set, as the raw failure was."""
+
+    soft: int
+    hard: int
 
 
 class NotPublishedError(BridgeError, KeyError):

@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
+from arrow_ipc_bridge import _arguments
+from arrow_ipc_bridge._file_limit import file_limit_error, is_out_of_descriptors
 from arrow_ipc_bridge.capsules import (
     DEVICE_CPU,
     DEVICE_CUDA,
@@ -22,7 +24,7 @@ from arrow_ipc_bridge.capsules import (
     capture,
 )
 from arrow_ipc_bridge.errors import BridgeError
-from arrow_ipc_bridge.host.placement import HostExport, export_host_buffers
+from arrow_ipc_bridge.host.placement import COPY_POLICIES, HostExport, export_host_buffers
 from arrow_ipc_bridge.metadata import (
     REGION_FLAG_SEALED,
     REGION_FLAG_ZERO_COPY,
@@ -45,6 +47,7 @@ __all__ = [
     "export_captured",
     "record_in_place",
     "CopyPolicy",
+    "copy_policy",
 ]
 
 CopyPolicy = Literal["never", "if_needed", "always"]
@@ -143,9 +146,11 @@ def export_captured(
     pool_fds: bool = True,
     previous: Exported | None = None,
     share_event: bool = False,
+    doing: str = "exporting",
 ) -> Exported:
     """Export data already captured (takes ownership of ``captured``); ``previous`` and
-    ``share_event`` as for :func:`export_again`."""
+    ``share_event`` as for :func:`export_again`. Running out of descriptors is a
+    :class:`~arrow_ipc_bridge.errors.FileLimitError` whose message starts with ``doing``."""
     try:
         if captured.device_type == DEVICE_CPU:
             return _export_host(captured, copy)
@@ -155,8 +160,10 @@ def export_captured(
             f"exporting data on device type {captured.device_type} is not supported: "
             "host (CPU) and CUDA device memory are"
         )
-    except BaseException:
-        captured.close()
+    except BaseException as exc:
+        captured.close()  # every placement closed what it opened before raising
+        if is_out_of_descriptors(exc):
+            raise file_limit_error(doing, exc) from exc
         raise
 
 
@@ -291,8 +298,18 @@ def _send_again(
     return shared, previous.message
 
 
+def copy_policy(value: object, what: str = "copy") -> CopyPolicy:
+    """``value`` checked as a copy policy (``ArgumentTypeError`` / ``InvalidArgumentError``)."""
+    return cast(CopyPolicy, _arguments.choice(value, what, COPY_POLICIES))
+
+
 def export_again(
-    obj: ArrowInput, previous: Exported | None, *, copy: CopyPolicy = "if_needed", pool_fds: bool = True
+    obj: ArrowInput,
+    previous: Exported | None,
+    *,
+    copy: CopyPolicy = "if_needed",
+    pool_fds: bool = True,
+    doing: str = "exporting",
 ) -> Exported:
     """:func:`export` for the next version of a publication whose current version is ``previous``
     (None: the first). CUDA data gets an event that later versions may name again, and when its
@@ -301,7 +318,9 @@ def export_again(
     new work (``cuda/shared_event.py`` says why that is sound): a consumer's get then finds the
     message it remembers. Host data is exported as by :func:`export`."""
     captured = CapturedData.sharing(obj._live()) if isinstance(obj, _CapturedSource) else capture(obj)
-    exported = export_captured(captured, copy=copy, pool_fds=pool_fds, previous=previous, share_event=True)
+    exported = export_captured(
+        captured, copy=copy, pool_fds=pool_fds, previous=previous, share_event=True, doing=doing
+    )
     signature = obj.column_signature if isinstance(obj, CapturedArray) else None
     # Only a message naming the columns' own memory (no policy copy, no descriptor) stands for a
     # later in-place version of them (record_in_place).
@@ -382,6 +401,8 @@ def export(
     3
     >>> imported.release(); exported.close()
     """
+    copy = copy_policy(copy)
+    _arguments.boolean(pool_fds, "pool_fds")
     if requested_schema is None and isinstance(obj, _CapturedSource):
         # Data captured already (from_cuda_arrays, a capture served back out): share its record
         # instead of a round of capsules, struct copies and a second capture of the same structs.

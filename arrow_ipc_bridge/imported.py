@@ -15,7 +15,7 @@ from typing import Any, Self
 
 import pyarrow as pa
 
-from arrow_ipc_bridge import _reaper
+from arrow_ipc_bridge import _arguments, _reaper
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.capsules import (
     DEVICE_CPU,
@@ -459,6 +459,10 @@ def referenced_bytes(decoded: Decoded) -> int:
 def to_host(imported: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBatch | pa.Table:
     """Copy imported data into host memory as pyarrow: a ``Table`` for streams, a ``RecordBatch`` for
     struct-typed roots (record batches), an ``Array`` otherwise. Host data is not copied."""
+    if not isinstance(imported, _ImportedBase):
+        _arguments.fail_type(
+            "imported", "data imported by the bridge (ImportedArray or ImportedStream)", imported
+        )
     if imported.device_type == DEVICE_CPU:
         return _to_pyarrow(imported)
     if imported.device_type != DEVICE_CUDA:

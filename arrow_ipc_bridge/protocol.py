@@ -11,6 +11,7 @@ import json
 import struct
 from typing import Any
 
+from arrow_ipc_bridge import _arguments
 from arrow_ipc_bridge.errors import (
     BridgeError,
     ConnectionLimitError,
@@ -166,11 +167,18 @@ def decode_json(payload: bytes, what: str) -> Any:
         raise ProtocolError(f"{what} payload is not valid JSON: {exc}") from exc
 
 
-def encode_name(name: str) -> bytes:
-    raw = name.encode()
-    if not raw or len(raw) > MAX_NAME:
-        raise ValueError(f"a published name must be 1 to {MAX_NAME} UTF-8 bytes")
-    return raw
+def encode_name(name: str, what: str = "name") -> bytes:
+    """``name``'s bytes for a frame; :class:`~arrow_ipc_bridge.errors.ArgumentTypeError` for a
+    non-str, :class:`~arrow_ipc_bridge.errors.InvalidArgumentError` outside 1 to MAX_NAME UTF-8 bytes
+    (``what``: the argument's name in the message)."""
+    if type(name) is str:  # the hot path (publish, get) without a call more
+        try:
+            raw = name.encode()
+        except UnicodeEncodeError:
+            raw = b""  # refused below, saying why
+        if 0 < len(raw) <= MAX_NAME:
+            return raw
+    return _arguments.name(name, what, MAX_NAME)
 
 
 def decode_name(payload: bytes) -> str:

@@ -21,15 +21,17 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
-from arrow_ipc_bridge import _process, _reaper, process_stats, protocol, transport
+from arrow_ipc_bridge import _arguments, _process, _reaper, process_stats, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.capsules import ArrowInput
 from arrow_ipc_bridge.channel import MAX_FDS, Channel, Frame, frame_from, millis
 from arrow_ipc_bridge.errors import (
     BridgeError,
+    ClosedError,
     DescriptorsInFlightError,
     LeaseLimitError,
     NotPublishedError,
@@ -38,11 +40,18 @@ from arrow_ipc_bridge.errors import (
     RegionError,
     UnreadAnswersError,
 )
-from arrow_ipc_bridge.exporter import CopyPolicy, Exported, ExportStats, export_again, record_in_place
+from arrow_ipc_bridge.exporter import (
+    CopyPolicy,
+    Exported,
+    ExportStats,
+    copy_policy,
+    export_again,
+    record_in_place,
+)
 from arrow_ipc_bridge.streams import frames as stream_frames
 from arrow_ipc_bridge.streams.hub import MAX_SUBSCRIPTIONS, LiveStreamState, StreamHub
 from arrow_ipc_bridge.streams.slots import SlotLayout
-from arrow_ipc_bridge.streams.writer import StreamWriter, pump
+from arrow_ipc_bridge.streams.writer import StreamWriter, check_source, pump
 from arrow_ipc_bridge.watch import HeldWait, WaitingConnection, Watch
 
 __all__ = ["Publisher"]
@@ -137,15 +146,17 @@ class Publisher:
         park_after: float = PARK_AFTER,
         max_subscriptions: int = MAX_SUBSCRIPTIONS,
     ) -> None:
-        for what, value, least in (
-            ("max_leases_per_connection", max_leases_per_connection, 1),
-            ("max_unread_fds", max_unread_fds, MAX_FDS),
-            ("max_subscriptions", max_subscriptions, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{what} must be an int >= {least}, not {value!r}")
-        if not park_after > 0:  # also refuses NaN
-            raise ValueError(f"park_after must be > 0 seconds, not {park_after!r}")
+        path = _arguments.path(path)
+        allowed_uids = _uids(allowed_uids)
+        copy = copy_policy(copy)
+        max_connections = _arguments.count(max_connections, "max_connections", least=1)
+        handshake_timeout = _arguments.seconds(handshake_timeout, "handshake_timeout", positive=True)
+        max_leases_per_connection = _arguments.count(
+            max_leases_per_connection, "max_leases_per_connection", least=1
+        )
+        max_unread_fds = _arguments.count(max_unread_fds, "max_unread_fds", least=MAX_FDS)
+        park_after = _arguments.seconds(park_after, "park_after", positive=True)
+        max_subscriptions = _arguments.count(max_subscriptions, "max_subscriptions", least=1)
         self._max_leases = max_leases_per_connection
         self._max_unread_fds = max_unread_fds
         self._park_after_ms = millis(park_after)
@@ -189,17 +200,24 @@ class Publisher:
         sessions import it from the message they remember. When ``obj`` is ``from_cuda_arrays``
         columns whose facts are the current version's, the publication is renewed in place (a new
         version of the same entry; nothing placed or encoded: :meth:`_renew`).
+
+        Raises :class:`~arrow_ipc_bridge.errors.ClosedError` after :meth:`close`, and
+        :class:`~arrow_ipc_bridge.errors.FileLimitError` when the process has no file descriptor
+        left for the publication's region (each host publication holds one while published or
+        leased): nothing is published then, and the name keeps what it had.
         """
-        raw_name = protocol.encode_name(name)  # validates the name
         self._check_open()
+        raw_name = protocol.encode_name(name)  # validates the name
+        copy = self._copy if copy is None else copy_policy(copy)
         current = self._current.get(name)
         if current is not None and current._column_signature is not None:
-            renewed = self._renew(name, raw_name, current, obj, copy or self._copy)
+            renewed = self._renew(name, raw_name, current, obj, copy)
             if renewed is not None:
                 return renewed
         # Pool fds stay out of the message: a session asks for each pool's fd once (POOL_FD), so
-        # the hot answers carry no descriptor for pool data.
-        exported = export_again(obj, current, copy=copy or self._copy, pool_fds=False)
+        # the hot answers carry no descriptor for pool data. Out of descriptors: FileLimitError,
+        # and nothing below has happened (the entry, the version and the waits are as they were).
+        exported = export_again(obj, current, copy=copy, pool_fds=False, doing=f"publishing {name!r}")
         # The entry's keeper: when the last of (publication, leases) lets go, the reaper closes it.
         keeper = lib.aib_owner_new(_reaper.register(exported.close))
         if keeper == ffi.NULL:
@@ -214,7 +232,7 @@ class Publisher:
         try:
             with self._lock:
                 if self._server.closed:  # closed while we exported
-                    raise BridgeError("this publisher is closed")
+                    raise _closed_error()
                 message = exported.message
                 rc = lib.aib_pubtable_put(
                     self._table, raw_name, len(raw_name), message, len(message), fds, len(fds), keeper, err
@@ -245,7 +263,7 @@ class Publisher:
         remember. None when ``obj`` is not such a version (nothing done)."""
         with self._lock:  # orders the check, the record and the renewal with other publishes
             if self._server.closed:
-                raise BridgeError("this publisher is closed")
+                raise _closed_error()
             if self._current.get(name) is not current or not record_in_place(current, obj, copy):
                 return None
             waiting = self._renew_version_locked(raw_name)
@@ -264,8 +282,8 @@ class Publisher:
 
     def unpublish(self, name: str) -> None:
         """Stop serving ``name``; its data lives on until every lease on it has ended."""
+        self._check_open()
         raw_name = protocol.encode_name(name)
-        self._check_process()
         with self._lock:
             self._watch.unpublished(raw_name)
             absent = lib.aib_pubtable_remove(self._table, raw_name, len(raw_name))
@@ -283,8 +301,8 @@ class Publisher:
         ``publisher_id`` differs). Sessions read it on objects got with ``wait=`` or
         ``get_next`` (``imported.version``).
         """
+        self._check_open()
         raw_name = protocol.encode_name(name)
-        self._check_process()
         return int(lib.aib_pubtable_version(self._table, raw_name, len(raw_name)))
 
     @property
@@ -294,7 +312,7 @@ class Publisher:
 
     def names(self) -> list[str]:
         """The names published now, sorted (live streams are listed by :meth:`stream_names`)."""
-        self._check_process()
+        self._check_open()
         with self._lock:
             return sorted(self._names)
 
@@ -314,9 +332,10 @@ class Publisher:
         return self._server.serving_connections()
 
     def _check_open(self) -> None:
+        """Every method's first step: ForeignProcessError in a child of fork, then ClosedError."""
         self._check_process()
         if self._server.closed:
-            raise BridgeError("this publisher is closed")
+            raise _closed_error()
 
     def _check_process(self) -> None:
         if self._pid != _process.pid:
@@ -345,22 +364,20 @@ class Publisher:
         :class:`~arrow_ipc_bridge.errors.SlowConsumerError`. ``slots``: reserve batch memory
         that ``StreamWriter.reserve`` hands out to fill in place. ``copy``: as for :meth:`publish`.
         """
-        protocol.encode_name(name)
         self._check_open()
-        if isinstance(max_in_flight, bool) or not 1 <= max_in_flight <= stream_frames.MAX_IN_FLIGHT:
-            raise ValueError(
-                f"max_in_flight must be 1 to {stream_frames.MAX_IN_FLIGHT}, not {max_in_flight!r}"
-            )
-        if on_slow not in stream_frames.POLICIES:
-            raise ValueError(f"on_slow must be one of {stream_frames.POLICIES}, not {on_slow!r}")
-        if block_timeout is not None and not block_timeout >= 0:
-            raise ValueError(f"block_timeout must be seconds >= 0 or None, not {block_timeout!r}")
+        protocol.encode_name(name)
+        max_in_flight = _arguments.count(
+            max_in_flight, "max_in_flight", least=1, most=stream_frames.MAX_IN_FLIGHT
+        )
+        _arguments.choice(on_slow, "on_slow", stream_frames.POLICIES)
+        block_timeout = _arguments.optional_seconds(block_timeout, "block_timeout")
+        if slots is not None and not isinstance(slots, SlotLayout):
+            _arguments.fail_type("slots", "a SlotLayout or None", slots)
+        copy = self._copy if copy is None else copy_policy(copy)
         state = LiveStreamState(
             name, max_in_flight=max_in_flight, policy=on_slow, block_timeout=block_timeout
         )
-        writer = StreamWriter(
-            state, self._streams, copy=copy or self._copy, slots=slots, check_open=self._check_open
-        )
+        writer = StreamWriter(state, self._streams, copy=copy, slots=slots, check_open=self._check_open)
         self._streams.add(state)
         return writer
 
@@ -375,13 +392,16 @@ class Publisher:
         (subscribers get batches from the moment they join). ``options``: those of
         :meth:`open_stream`. Returns the writer (``close()`` stops the pump).
         """
+        self._check_open()
+        wait_for_subscribers = _arguments.count(wait_for_subscribers, "wait_for_subscribers", least=0)
+        check_source(source)
         writer = self.open_stream(name, **options)
         pump(writer, source, name=name, wait_for_subscribers=wait_for_subscribers)
         return writer
 
     def stream_names(self) -> list[str]:
         """Names of the live streams open now."""
-        self._check_process()
+        self._check_open()
         return self._streams.names()
 
     # ---------- serving one session -----------------------------------------------------------------
@@ -539,6 +559,7 @@ class Publisher:
 
         In a child of ``fork`` this only drops the child's copies of the descriptors: the socket
         file, the sessions and the published data stay the parent's."""
+        timeout = _arguments.seconds(timeout, "timeout")
         if self._pid == _process.pid:
             self._streams.close("the publisher closed while the stream was open")
             self._watch.close()  # every held wait is answered: the publisher is closing
@@ -565,6 +586,19 @@ class Publisher:
 # that are not errors.
 _LIMITS = frozenset({lib.AIB_SERVE_LEASE_LIMIT, lib.AIB_SERVE_UNREAD_LIMIT, lib.AIB_SERVE_FDS_BUSY})
 _HANDLED_HERE = _LIMITS | {lib.AIB_SERVE_IDLE, lib.AIB_SERVE_FRAME}
+
+
+def _closed_error() -> ClosedError:
+    return ClosedError("this publisher is closed: make a new Publisher", what="publisher")
+
+
+def _uids(allowed_uids: object) -> list[int] | None:
+    """``allowed_uids`` checked: None or an iterable of uids (ints >= 0), not a string."""
+    if allowed_uids is None:
+        return None
+    if isinstance(allowed_uids, str | bytes) or not isinstance(allowed_uids, Iterable):
+        _arguments.fail_type("allowed_uids", "an iterable of uids (ints >= 0) or None", allowed_uids)
+    return [_arguments.count(uid, "allowed_uids", least=0) for uid in allowed_uids]
 
 
 def _farewell(conn: transport.Connection, error: BridgeError) -> None:

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from arrow_ipc_bridge import _arguments
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.capsules import DEVICE_CUDA
 from arrow_ipc_bridge.content_check import check_content, cuda_reader
@@ -154,11 +155,13 @@ def hold(owner: Any, decoded: Decoded, template: Decoded | None) -> None:
 def checked_fds(fds: Sequence[int]) -> Sequence[int]:
     """``fds`` when each is a descriptor number: ``TypeError`` for anything but an int,
     :class:`RegionError` for a number no descriptor can have."""
+    if type(fds) is not list and type(fds) is not tuple and not isinstance(fds, Sequence):
+        _arguments.fail_type("fds", "a sequence of file descriptors (ints)", fds)
     for fd in fds:
         if isinstance(fd, bool) or not isinstance(fd, int):
-            raise TypeError(f"file descriptors must be ints, not {type(fd).__name__}")
+            _arguments.fail_type("fds", "a sequence of file descriptors (ints)", fd)
         if not 0 <= fd < 2**31:
-            raise RegionError(f"{fd} is not a file descriptor number")
+            raise RegionError(f"fds: {fd} is not a file descriptor number", field="fds")
     return fds
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from arrow_ipc_bridge import _process, _reaper, protocol, region_import, transport, waiting
+from arrow_ipc_bridge import _arguments, _process, _reaper, protocol, region_import, transport, waiting
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.channel import Channel, Frame, millis
@@ -27,6 +27,7 @@ from arrow_ipc_bridge.content_check import check_content, check_level, cuda_read
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
+    ClosedError,
     PeerClosedError,
     ProtocolError,
     RegionError,
@@ -38,6 +39,7 @@ from arrow_ipc_bridge.metadata import (
 )
 from arrow_ipc_bridge.process_stats import import_counters
 from arrow_ipc_bridge.remembered import RememberedMessage, RememberedMessages
+from arrow_ipc_bridge.streams.frames import MAX_IN_FLIGHT
 from arrow_ipc_bridge.streams.live import LiveStream, open_subscription
 
 if TYPE_CHECKING:
@@ -140,14 +142,9 @@ class Session:
             raise ValueError("cross_device and copy_stream need reader_device (the consumer's GPU)")
         self._host_check = "full" if check is None else check_level(check)
         self._cuda_check = "none" if check is None else self._host_check
-        if not pool_linger >= 0:  # also refuses NaN
-            raise ValueError(f"pool_linger must be a number of seconds >= 0, not {pool_linger!r}")
-        if (
-            isinstance(remembered_messages, bool)
-            or not isinstance(remembered_messages, int)
-            or remembered_messages < 0
-        ):
-            raise ValueError(f"remembered_messages must be an int >= 0, not {remembered_messages!r}")
+        pool_linger = _arguments.seconds(pool_linger, "pool_linger")
+        remembered_messages = _arguments.count(remembered_messages, "remembered_messages", least=0)
+        mapping_cache_size = _arguments.count(mapping_cache_size, "mapping_cache_size", least=0)
         self._pid = _process.pid  # a forked child inherits this object; it may not use it
         self._cache = HostMappingCache(mapping_cache_size)
         # Lock order: _request_lock, then the remembered set's own (see RememberedMessages).
@@ -181,6 +178,9 @@ class Session:
         Raises :class:`WireFormatError` for a malformed message and :class:`RegionError` when a
         region cannot be mapped; nothing is leaked either way.
         """
+        self._check_open()
+        message = _arguments.byte_string(message, "message")
+        _arguments.optional_name(name, "name", protocol.MAX_NAME)
         imported = self._import(message, region_import.checked_fds(fds), name=name, token=0)
         return imported if self._reader is None else self._reader.place(imported)
 
@@ -296,6 +296,7 @@ class Session:
         data decodes and opens again. Returns how many messages were forgotten.
         """
         self._check_open()
+        name = _arguments.optional_name(name, "name", protocol.MAX_NAME)
         forgotten = self._remembered.forget(name)
         _reaper.drain()
         return forgotten
@@ -384,8 +385,8 @@ class Session:
         the floor a ``get`` is measured against: the same connection, nothing imported.
         ``payload``: at most ``protocol.MAX_PING`` bytes, which must come back unchanged.
         """
-        if len(payload) > protocol.MAX_PING:
-            raise ValueError(f"a PING payload is at most {protocol.MAX_PING} bytes")
+        self._check_open()
+        payload = _arguments.byte_string(payload, "payload", max_bytes=protocol.MAX_PING)
         features = self.publisher_info.get("features")
         if not isinstance(features, list) or "ping" not in features:
             self._connection()  # not connected / closed: that error first
@@ -420,11 +421,11 @@ class Session:
         ``pool_linger`` seconds after the last get of the message, when the name is got with other
         data, on :meth:`forget`, or on :meth:`close`.
         """
+        channel = self._connection()  # closed, not connected: before the arguments
         if wait is not None:
             imported = self._get_version(name, after=0, timeout=waiting.check_wait(wait, "wait"))
             return imported if self._reader is None else self._reader.place(imported)
         raw_name = protocol.encode_name(name)
-        channel = self._connection()
         fast: tuple[Decoded, RememberedMessage, int, Any] | None = None
         with self._request_lock:
             imported_now, frame = channel.get(
@@ -500,6 +501,7 @@ class Session:
         ``"watch"``. While a wait is held this session sends no other request (one at a time);
         use another session to get other names meanwhile.
         """
+        self._connection()  # closed, not connected: before the arguments
         imported = self._get_version(
             name, after=waiting.check_after(after), timeout=waiting.check_wait(timeout, "timeout")
         )
@@ -612,6 +614,9 @@ class Session:
             raise BridgeError(
                 "this session was not made by connect(): use arrow_ipc_bridge.subscribe(path, name)"
             )
+        protocol.encode_name(name)
+        max_in_flight = _arguments.count(max_in_flight, "max_in_flight", least=1, most=MAX_IN_FLIGHT)
+        timeout = _arguments.optional_seconds(timeout, "timeout")
         check = None if self._host_check == "full" and self._cuda_check == "none" else self._host_check
         return subscribe(
             self._path,
@@ -639,7 +644,7 @@ class Session:
                 "connect again here (imported objects the child inherited stay readable)",
             )
         if self._closed:
-            raise BridgeError("this session is closed")
+            raise ClosedError("this session is closed: connect again (or make a new Session)", what="session")
 
     @property
     def closed(self) -> bool:
@@ -767,8 +772,9 @@ def connect(
         )
     if flight_options:
         raise TypeError(f"connect() got unexpected keyword arguments {sorted(flight_options)}")
-    if not isinstance(wait_for_publisher, bool):
-        raise TypeError(f"wait_for_publisher must be a bool, not {type(wait_for_publisher).__name__}")
+    path = _arguments.path(path)
+    timeout = _arguments.seconds(timeout, "timeout")
+    _arguments.boolean(wait_for_publisher, "wait_for_publisher")
     session = Session(
         pool_linger=pool_linger,
         remembered_messages=remembered_messages,
@@ -803,8 +809,11 @@ def subscribe(
     :class:`~arrow_ipc_bridge.Session`. Raises :class:`~arrow_ipc_bridge.errors.NotPublishedError`
     when no such stream is open.
     """
-    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
-        raise TypeError(f"max_in_flight must be an int, not {type(max_in_flight).__name__}")
+    path = _arguments.path(path)
+    protocol.encode_name(name)
+    max_in_flight = _arguments.count(max_in_flight, "max_in_flight", least=1, most=MAX_IN_FLIGHT)
+    timeout = _arguments.optional_seconds(timeout, "timeout")
+    connect_timeout = _arguments.seconds(connect_timeout, "connect_timeout")
     # The subscription's own connection; remembered_messages: one per reserved slot of the stream.
     session = connect(path, timeout=connect_timeout, remembered_messages=1024, check=check)
     return open_subscription(

@@ -17,11 +17,10 @@ stuck: the connection is closed (a late answer would be misread) and
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 
-from arrow_ipc_bridge import protocol
+from arrow_ipc_bridge import _arguments, protocol
 from arrow_ipc_bridge.channel import Channel, Frame
 from arrow_ipc_bridge.errors import BridgeError, BridgeTimeoutError, ProtocolError
 from arrow_ipc_bridge.process_stats import wait_counters
@@ -37,25 +36,12 @@ _U64_MAX = (1 << 64) - 1
 def check_wait(seconds: object, what: str) -> float | None:
     """``seconds`` as a wait's timeout: a number in [0, MAX_WAIT] or None (no limit); ``ValueError``
     / ``TypeError`` for anything else (negative, NaN, infinite, a bool, not a number)."""
-    if seconds is None:
-        return None
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-        raise TypeError(f"{what} must be a number of seconds or None, not {type(seconds).__name__}")
-    value = float(seconds)
-    if math.isnan(value) or not 0 <= value <= MAX_WAIT:
-        raise ValueError(
-            f"{what} must be a number of seconds from 0 to {MAX_WAIT:.0f} (None: no limit), not {seconds!r}"
-        )
-    return value
+    return _arguments.optional_seconds(seconds, what, maximum=MAX_WAIT)
 
 
 def check_after(after: object) -> int:
     """``after`` as a version to wait past: an int in [0, 2**64 - 1] (0: any version)."""
-    if isinstance(after, bool) or not isinstance(after, int):
-        raise TypeError(f"after must be a version (an int >= 0; 0: any), not {type(after).__name__}")
-    if not 0 <= after <= _U64_MAX:
-        raise ValueError(f"after must be a version from 0 to 2**64 - 1, not {after!r}")
-    return after
+    return _arguments.count(after, "after", least=0, most=_U64_MAX)
 
 
 class Versioned:

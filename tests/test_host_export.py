@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pytest
 
-from arrow_ipc_bridge.errors import CopyRequiredError, RegionError, ReleasedError
+from arrow_ipc_bridge.errors import CopyRequiredError, InvalidArgumentError, RegionError, ReleasedError
 from arrow_ipc_bridge.host import (
     F_SEAL_FUTURE_WRITE,
     FULL_SEALS,
@@ -705,14 +705,16 @@ def test_invalid_buffers_raise_region_error(pairs: list[tuple[int, int]], match:
 
 
 def test_invalid_policy_and_allocation_raise_region_error() -> None:
-    """An unknown copy policy, a non-positive allocation or a bad memfd name raise RegionError."""
+    """An unknown copy policy given to the placement itself raises RegionError; a non-positive
+    allocation or a bad memfd name are argument errors of allocate_shared (InvalidArgumentError, a
+    ValueError naming the argument), refused before any memfd is made."""
     with pytest.raises(RegionError, match="copy must be one of"):
         export_host_buffers([], copy="sometimes")
-    with pytest.raises(RegionError, match="positive"):
+    with pytest.raises(InvalidArgumentError, match=r"^nbytes must be an int >= 1"):
         allocate_shared(0)
-    with pytest.raises(RegionError, match="memfd_create"):
+    with pytest.raises(InvalidArgumentError, match=r"^name must be 1 to 249 bytes"):
         allocate_shared(10, name="bad\0name")
-    with pytest.raises(RegionError, match="memfd_create"):
+    with pytest.raises(InvalidArgumentError, match=r"^name must be 1 to 249 bytes"):
         allocate_shared(10, name="n" * 300)
 
 

@@ -112,8 +112,9 @@ def test_republish_replaces_for_new_gets(publisher: aib.Publisher) -> None:
 
 
 def test_publish_validation_and_after_close(publisher: aib.Publisher) -> None:
-    """Invalid names raise ValueError; publishing on a closed publisher raises BridgeError and leaves
-    nothing behind (checked by the leak fixture)."""
+    """Invalid names raise ValueError; publishing on a closed publisher raises ClosedError and leaves
+    nothing behind (checked by the leak fixture); names() after close raises it too (it used to say
+    [] while unpublish said "not published": tests/test_closed_state.py has every method)."""
     with pytest.raises(ValueError, match="name"):
         publisher.publish("", pa.array([1]))
     with pytest.raises(ValueError, match="name"):
@@ -121,9 +122,10 @@ def test_publish_validation_and_after_close(publisher: aib.Publisher) -> None:
     with pytest.raises(aib.CapsuleError):
         publisher.publish("x", object())
     publisher.close()
-    with pytest.raises(aib.BridgeError, match="closed"):
+    with pytest.raises(aib.ClosedError, match="closed"):
         publisher.publish("x", pa.array([1, 2, 3]))
-    assert publisher.names() == []
+    with pytest.raises(aib.ClosedError, match="closed"):
+        publisher.names()
 
 
 def test_publisher_close_with_hung_and_leasing_clients(publisher: aib.Publisher) -> None:

@@ -84,8 +84,10 @@ def test_remembered_messages_bounds_the_steady_state(publisher: aib.Publisher) -
                 session.get(name).release()
             assert session.remembered_gets == hits, room
             assert len(session._remembered) == min(room, 3)
-    for bad in (-1, 1.5, True, "8"):
-        with pytest.raises(ValueError, match="remembered_messages"):
+    with pytest.raises(ValueError, match="remembered_messages"):
+        aib.Session(remembered_messages=-1)
+    for bad in (1.5, True, "8"):  # not an int: a TypeError
+        with pytest.raises(TypeError, match="remembered_messages"):
             aib.Session(remembered_messages=bad)  # type: ignore[arg-type]
 
 

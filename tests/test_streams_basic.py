@@ -274,7 +274,7 @@ def test_open_stream_arguments_are_checked(publisher: aib.Publisher) -> None:
     assert publisher.stream_names() == []
     with pytest.raises(ValueError, match="max_in_flight"):
         aib.subscribe(publisher.path, "x", max_in_flight=0)
-    with pytest.raises(TypeError, match="numeric"):
+    with pytest.raises(aib.InvalidArgumentError, match="numeric"):
         publisher.open_stream("y", slots=aib.SlotLayout(pa.schema([("s", pa.string())]), rows=1))
 
 

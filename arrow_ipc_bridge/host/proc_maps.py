@@ -19,6 +19,7 @@ import threading
 from typing import Final, NamedTuple
 
 from arrow_ipc_bridge._ffi import ffi, lib
+from arrow_ipc_bridge._file_limit import is_out_of_descriptors
 from arrow_ipc_bridge.errors import RegionError
 from arrow_ipc_bridge.host._system import _PAGE, _close_fds
 from arrow_ipc_bridge.host.counters import _count
@@ -221,6 +222,8 @@ def _lookup(address: int, nbytes: int, *, insist: bool, refresh: bool = False) -
         try:
             return _query_vma(address)
         except OSError as exc:
+            if is_out_of_descriptors(exc):  # opening /proc/self/maps: the exporter says what to do
+                raise
             if exc.errno not in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP):
                 raise RegionError(f"PROCMAP_QUERY on /proc/self/maps failed: {exc}") from exc
             _procmap_query_ok = False
@@ -296,6 +299,8 @@ def _pages_unmodified(address: int, nbytes: int) -> bool:
             # Keep the flag byte of each entry, delete the good values: anything left is a modified page.
             if len(data) != count * 8 or data[7::8].translate(None, _PAGE_FLAGS_GOOD):
                 return False
-    except OSError:
+    except OSError as exc:
+        if is_out_of_descriptors(exc):  # not a hardened /proc: no descriptor left to open it
+            raise
         return False  # no pagemap (hardened /proc): cannot prove it, so do not share it
     return True

@@ -10,6 +10,7 @@ import os
 import stat
 from typing import Final
 
+from arrow_ipc_bridge._file_limit import is_out_of_descriptors
 from arrow_ipc_bridge.host import shared_alloc
 from arrow_ipc_bridge.host.counters import _count
 from arrow_ipc_bridge.host.proc_maps import SharedMapping, _lookup, _not_shareable
@@ -38,13 +39,17 @@ def _explain_not_shareable(address: int, nbytes: int) -> str:
 def _open_verified(path: str, mapping: SharedMapping) -> int | None:
     """Open ``path`` read-only; keep the fd only if it is the mapping's regular file (device and inode).
 
-    Raises PermissionError (the caller decides what a refusal means); other failures give None.
+    Raises PermissionError (the caller decides what a refusal means) and running out of descriptors
+    (EMFILE, ENFILE: copying instead would need one too, and must not hide the cause); other
+    failures give None.
     """
     try:
         fd = os.open(path, _RDONLY)
     except PermissionError:
         raise
-    except OSError:
+    except OSError as exc:
+        if is_out_of_descriptors(exc):
+            raise
         return None
     try:
         st = os.fstat(fd)
@@ -124,6 +129,8 @@ def _open_from_fd_table(mapping: SharedMapping) -> int | None:
                         continue
                     if fd is not None:
                         return fd
-    except OSError:
+    except OSError as exc:
+        if is_out_of_descriptors(exc):  # the scan's own descriptor: no fd left (see _open_verified)
+            raise
         return None
     return None

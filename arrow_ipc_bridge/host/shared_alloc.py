@@ -10,14 +10,15 @@ import bisect
 import contextlib
 import errno
 import fcntl
-import operator
 import os
 import threading
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
+from arrow_ipc_bridge import _arguments
 from arrow_ipc_bridge._ffi import ffi, lib
+from arrow_ipc_bridge._file_limit import file_limit_error, is_out_of_descriptors
 from arrow_ipc_bridge.errors import RegionError, ReleasedError
 from arrow_ipc_bridge.host._system import _PAGE, _align_up
 from arrow_ipc_bridge.host.counters import _count
@@ -159,6 +160,19 @@ class SharedHostBuffer:
         return f"<SharedHostBuffer {self._size} bytes {state}>"
 
 
+_MEMFD_NAME_MAX = 249
+"""The longest memfd name Linux takes (``MFD_NAME_MAX_LEN``: 249 bytes, the 255 of a dentry less
+the ``memfd:`` prefix)."""
+
+
+def _memfd_name_ok(name: str) -> bool:
+    try:
+        raw = name.encode()
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return 0 < len(raw) <= _MEMFD_NAME_MAX and b"\0" not in raw
+
+
 def allocate_shared(nbytes: int, *, name: str = "aib") -> SharedHostBuffer:
     """Allocate ``nbytes`` of zero-filled shared memory that :func:`export_host_buffers` shares zero-copy.
 
@@ -173,15 +187,22 @@ def allocate_shared(nbytes: int, *, name: str = "aib") -> SharedHostBuffer:
     in the same allocation). Give data that must not reach a consumer an allocation of its own, or export
     with ``copy="always"``, which sends a sealed copy of the published bytes alone.
 
-    Raises :class:`RegionError` for a size that is not positive, a bad name, or a kernel without
-    ``F_SEAL_FUTURE_WRITE`` (before Linux 5.1): memory that consumers could write is never handed out.
+    Raises :class:`~arrow_ipc_bridge.errors.ArgumentTypeError` /
+    :class:`~arrow_ipc_bridge.errors.InvalidArgumentError` for a size that is not a positive int or a
+    name that is not a str of 1 to 249 bytes without NUL, :class:`FileLimitError` when no descriptor
+    is left, and :class:`RegionError` for a kernel without ``F_SEAL_FUTURE_WRITE`` (before Linux
+    5.1): memory that consumers could write is never handed out.
     """
-    nbytes = operator.index(nbytes)
-    if nbytes <= 0:
-        raise RegionError(f"allocate_shared needs a positive size, got {nbytes}", nbytes=nbytes)
+    nbytes = _arguments.count(nbytes, "nbytes", least=1)
+    if type(name) is not str:
+        _arguments.fail_type("name", "a str (the memfd's label)", name)
+    if not _memfd_name_ok(name):
+        _arguments.fail_value("name", f"1 to {_MEMFD_NAME_MAX} bytes without NUL (the memfd's label)", name)
     try:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    except (OSError, ValueError) as exc:  # EINVAL: name over 249 bytes; ValueError: embedded NUL
+    except OSError as exc:
+        if is_out_of_descriptors(exc):
+            raise file_limit_error(f"allocate_shared({nbytes})", exc) from exc
         raise RegionError(f"memfd_create({name!r}) failed: {exc}", field="name") from exc
     length = _align_up(nbytes, _PAGE)
     address = 0

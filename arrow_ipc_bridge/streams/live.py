@@ -19,13 +19,14 @@ from collections.abc import Iterator
 from types import EllipsisType, TracebackType
 from typing import Any
 
-from arrow_ipc_bridge import _reaper, protocol
+from arrow_ipc_bridge import _arguments, _reaper, protocol
 from arrow_ipc_bridge._ffi import lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU, _check_kwargs
 from arrow_ipc_bridge.channel import Channel, close_fds
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
+    ClosedError,
     PeerClosedError,
     ProtocolError,
     RegionError,
@@ -147,7 +148,12 @@ class LiveStream:
     def next_batch(self, timeout: float | EllipsisType | None = ...) -> ImportedArray | None:
         """The next batch, waiting up to ``timeout`` seconds (default: the subscription's); None at
         the stream's clean end. A wait past the timeout raises
-        :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` and the stream stays usable."""
+        :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` and the stream stays usable. After
+        :meth:`close`: :class:`~arrow_ipc_bridge.errors.ClosedError`."""
+        if self._session.closed:
+            raise ClosedError(f"the live stream {self.name!r} is closed: subscribe again", what="live stream")
+        if not isinstance(timeout, EllipsisType):
+            timeout = _arguments.optional_seconds(timeout, "timeout")
         if self._peeked is not None:
             batch, self._peeked = self._peeked, None
             return batch

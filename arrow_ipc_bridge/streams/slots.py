@@ -20,7 +20,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from arrow_ipc_bridge.errors import StreamError, StreamSchemaError
+from arrow_ipc_bridge import _arguments
+from arrow_ipc_bridge.errors import InvalidArgumentError, StreamError, StreamSchemaError
 from arrow_ipc_bridge.exporter import Exported, export
 
 __all__ = ["HostSlot", "SlotLayout", "StreamSlot", "make_slot"]
@@ -54,19 +55,24 @@ class SlotLayout:
     device_id: int = 0
 
     def check(self) -> None:
-        """Raise ``TypeError`` or ``ValueError`` naming the field when the layout cannot be
-        allocated (``open_stream`` calls it before allocating anything)."""
-        if not isinstance(self.schema, pa.Schema) or len(self.schema) == 0:
-            raise TypeError("SlotLayout.schema must be a pyarrow.Schema with at least one field")
+        """Check every field (``Publisher.open_stream`` calls it): ``ArgumentTypeError`` or
+        ``InvalidArgumentError`` naming the field."""
+        if not isinstance(self.schema, pa.Schema):
+            _arguments.fail_type("SlotLayout.schema", "a pyarrow.Schema", self.schema)
+        if len(self.schema) == 0:
+            _arguments.fail_value("SlotLayout.schema", "a schema with at least one field", self.schema)
         for f in self.schema:
             if not (pa.types.is_integer(f.type) or pa.types.is_floating(f.type)):
-                raise TypeError(f"reserved slots hold fixed-width numeric columns; {f.name!r} is {f.type}")
-        if isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 1:
-            raise ValueError(f"SlotLayout.rows must be an int >= 1, not {self.rows!r}")
-        if self.count is not None and (isinstance(self.count, bool) or not 1 <= self.count <= 65536):
-            raise ValueError(f"SlotLayout.count must be 1 to 65536, not {self.count!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"SlotLayout.device must be 'cpu' or 'cuda', not {self.device!r}")
+                raise InvalidArgumentError(
+                    "SlotLayout.schema must be of fixed-width numeric columns (integers, floats); "
+                    f"{f.name!r} is {f.type}",
+                    argument="SlotLayout.schema",
+                )
+        _arguments.count(self.rows, "SlotLayout.rows", least=1)
+        if self.count is not None:
+            _arguments.count(self.count, "SlotLayout.count", least=1, most=65536)
+        _arguments.choice(self.device, "SlotLayout.device", ("cpu", "cuda"))
+        _arguments.device_ordinal(self.device_id, "SlotLayout.device_id")
 
 
 class StreamSlot:
@@ -99,8 +105,8 @@ class StreamSlot:
         stream); consumers wait for the work queued on it so far."""
         if not self.reserved or self._writer is None:
             raise ValueError("commit of a slot that is not reserved (reserve() it again)")
-        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
-            raise ValueError(f"rows must be an int >= 0, not {rows!r}")
+        if rows is not None:
+            rows = _arguments.count(rows, "rows", least=0)
         if rows is not None and rows > self.layout.rows:
             raise StreamSchemaError(
                 f"commit of {rows} rows into a slot reserved for {self.layout.rows}: a batch larger than "

@@ -12,6 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from arrow_ipc_bridge import _arguments
 from arrow_ipc_bridge._ffi import ffi, lib, new_error
 from arrow_ipc_bridge.capsules import ArrowInput, CapturedData, capsule_struct, new_capsule
 from arrow_ipc_bridge.errors import BridgeError, StreamBlockedError, StreamError, StreamSchemaError
@@ -20,7 +21,7 @@ from arrow_ipc_bridge.metadata import Decoded
 from arrow_ipc_bridge.streams.hub import Batch, LiveStreamState, StreamHub
 from arrow_ipc_bridge.streams.slots import SlotLayout, StreamSlot, make_slot
 
-__all__ = ["StreamWriter", "batches_of", "pump"]
+__all__ = ["StreamWriter", "batches_of", "check_source", "pump"]
 
 _log = logging.getLogger("arrow_ipc_bridge")
 
@@ -143,6 +144,7 @@ class StreamWriter:
         seconds (None: the stream's ``block_timeout``) until consumers released one; then
         :class:`~arrow_ipc_bridge.errors.StreamBlockedError`."""
         self._check_writable()
+        timeout = _arguments.optional_seconds(timeout, "timeout")
         layout = self._layout
         if layout is None:
             raise StreamError(f"the stream {self.name!r} has no reserved slots (open it with slots=...)")
@@ -224,6 +226,8 @@ class StreamWriter:
         """End the stream with an error: subscribers raise
         :class:`~arrow_ipc_bridge.errors.StreamFailedError` naming it, after the batches they
         already received."""
+        if not isinstance(error, BaseException | str):
+            _arguments.fail_type("error", "an exception or a str", error)
         if isinstance(error, BaseException):
             self._end(type(error).__name__, str(error) or type(error).__name__)
         else:
@@ -295,6 +299,23 @@ def pump(
     thread = threading.Thread(target=run, name=f"aib-stream-{name}", daemon=True)
     thread.start()
     return thread
+
+
+def check_source(source: object) -> None:
+    """Refuse a ``publish_stream`` source :func:`batches_of` cannot read, before the pump starts
+    (its thread would only log the error): not an Arrow stream nor an iterable, or a string."""
+    if (
+        hasattr(source, "__arrow_c_stream__")
+        or hasattr(source, "__arrow_c_device_stream__")
+        or (isinstance(source, Iterable) and not isinstance(source, str | bytes | bytearray))
+    ):
+        return
+    _arguments.fail_type(
+        "source",
+        "an Arrow stream (__arrow_c_stream__ / __arrow_c_device_stream__) or an iterable of arrays or "
+        "record batches",
+        source,
+    )
 
 
 def batches_of(source: object) -> Iterator[ArrowInput | CapturedData]:
