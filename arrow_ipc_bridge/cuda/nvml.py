@@ -2,8 +2,9 @@
 
 The CUDA driver says whether a pair has a peer path and ranks it, not what it is; NVML
 (``libnvidia-ml.so.1``, installed with the driver) does. It is optional: without it, or when it
-refuses, every answer is ``"unknown"`` and nothing fails. Loaded with ``ctypes`` on first use (a
-diagnostic's few calls; nothing is compiled against it), initialised once per process and never
+refuses, every answer is ``"unknown"`` and nothing fails. Opened with ``dlopen`` on first use
+through cffi's ABI mode, as ``_driver.py`` opens ``libcuda`` (a diagnostic's few calls; nothing is
+compiled against it), initialised once per process and never
 shut down (other libraries in the process may use it too, and ``nvmlInit`` is reference counted).
 GPUs are named by UUID (``GPU-...``), the identity CUDA and NVML share whatever
 ``CUDA_VISIBLE_DEVICES`` says.
@@ -11,9 +12,10 @@ GPUs are named by UUID (``GPU-...``), the identity CUDA and NVML share whatever
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from typing import Any, Final
+
+import cffi
 
 __all__ = ["gpu_link", "nvml_available"]
 
@@ -34,6 +36,18 @@ _TOPOLOGY_LEVELS: Final[dict[int, str]] = {
     50: "across NUMA nodes (SYS)",
 }
 
+# The few NVML entry points used here (nvml.h; handles are opaque pointers, enums ints).
+_DECLARATIONS: Final = """
+typedef struct nvmlDevice_st *nvmlDevice_t;
+int nvmlInit_v2(void);
+int nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device);
+int nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, int *isActive);
+int nvmlDeviceGetP2PStatus(nvmlDevice_t device1, nvmlDevice_t device2, int p2pIndex, int *p2pStatus);
+int nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1, nvmlDevice_t device2, int *pathInfo);
+"""
+
+_ffi = cffi.FFI()
+_ffi.cdef(_DECLARATIONS)
 _lock = threading.Lock()
 _state: dict[str, Any] = {"lib": None, "failure": None}
 
@@ -44,7 +58,7 @@ def _load() -> Any:
         if _state["lib"] is not None or _state["failure"] is not None:
             return _state["lib"]
         try:
-            lib = ctypes.CDLL(_LIBRARY)
+            lib = _ffi.dlopen(_LIBRARY)
             rc = lib.nvmlInit_v2()
         except (OSError, AttributeError) as exc:
             _state["failure"] = f"{_LIBRARY} not usable: {exc}"
@@ -62,19 +76,19 @@ def nvml_available() -> bool:
 
 
 def _handle(lib: Any, uuid: str) -> Any:
-    handle = ctypes.c_void_p()
-    if lib.nvmlDeviceGetHandleByUUID(uuid.encode("ascii"), ctypes.byref(handle)) != _SUCCESS:
+    handle = _ffi.new("nvmlDevice_t *")
+    if lib.nvmlDeviceGetHandleByUUID(uuid.encode("ascii"), handle) != _SUCCESS:
         return None
-    return handle
+    return handle[0]
 
 
 def _active_links(lib: Any, handle: Any) -> int:
     active = 0
-    state = ctypes.c_uint()
+    state = _ffi.new("int *")
     for link in range(_NVLINK_MAX_LINKS):
-        if lib.nvmlDeviceGetNvLinkState(handle, ctypes.c_uint(link), ctypes.byref(state)) != _SUCCESS:
+        if lib.nvmlDeviceGetNvLinkState(handle, link, state) != _SUCCESS:
             continue  # no such link on this GPU (or NVLink not supported at all)
-        active += state.value == _FEATURE_ENABLED
+        active += state[0] == _FEATURE_ENABLED
     return active
 
 
@@ -91,11 +105,11 @@ def gpu_link(uuid_a: str, uuid_b: str) -> str:
     a, b = _handle(lib, uuid_a), _handle(lib, uuid_b)
     if a is None or b is None:
         return "unknown (NVML does not know these GPUs)"
-    status = ctypes.c_int()
-    rc = lib.nvmlDeviceGetP2PStatus(a, b, ctypes.c_int(_P2P_CAPS_INDEX_NVLINK), ctypes.byref(status))
-    if rc == _SUCCESS and status.value == _P2P_STATUS_OK:
+    status = _ffi.new("int *")
+    rc = lib.nvmlDeviceGetP2PStatus(a, b, _P2P_CAPS_INDEX_NVLINK, status)
+    if rc == _SUCCESS and status[0] == _P2P_STATUS_OK:
         return f"NVLink ({_active_links(lib, a)} active links on the first GPU)"
-    level = ctypes.c_int()
-    if lib.nvmlDeviceGetTopologyCommonAncestor(a, b, ctypes.byref(level)) != _SUCCESS:
+    level = _ffi.new("int *")
+    if lib.nvmlDeviceGetTopologyCommonAncestor(a, b, level) != _SUCCESS:
         return "PCIe (path unknown)" if rc == _SUCCESS else "unknown (NVML gave no link status)"
-    return f"PCIe via {_TOPOLOGY_LEVELS.get(level.value, f'topology level {level.value}')}"
+    return f"PCIe via {_TOPOLOGY_LEVELS.get(level[0], f'topology level {level[0]}')}"
