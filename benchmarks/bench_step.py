@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Lockstep step loop on the GPU: the cost of handing fresh device data to another process each step.
 
-    python benchmarks/bench_step.py [--sizes 1MiB,64MiB,1GiB] [--steps 400] [--json out.json] [--profile]
+    python benchmarks/bench_step.py [--sizes 1MiB,64MiB,1GiB] [--steps 400] [--cupy] [--spin] [--json out.json] [--profile]
 
 Every step, for 16 float32 CUDA columns of the given total size:
 
@@ -19,6 +19,10 @@ publish to the answer (two notifications included).
 Peer, in the same run: torch.multiprocessing — the producer puts the same 16 tensors on a
 ``torch.multiprocessing`` Queue (spawn context; torch shares the CUDA storages and their event),
 the consumer gets them, reads one value the same way and answers: ``step`` as above.
+
+``--cupy``: the consumer's "get+capsule" becomes ``session.get("t")`` ->
+``aib.column_arrays(imported, "cupy", stream=0)`` (16 CuPy arrays, the stream ordered after the
+producer's event), and the value is read from the last array's memory.
 
 ``--spin`` makes both sides of both methods wait for each other by polling instead of sleeping (a
 sleeping side wakes on a cold core, which slows the Python that follows it).
@@ -126,7 +130,7 @@ def bridge_producer(cfg: dict[str, Any], out: Any) -> None:
         out.send(result)
 
 
-def bridge_consumer(path: str, go: Any, answers: Any, spin: bool, out: Any) -> None:
+def bridge_consumer(path: str, go: Any, answers: Any, spin: bool, as_cupy: bool, out: Any) -> None:
     import arrow_ipc_bridge as aib
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge._ffi import ffi
@@ -142,17 +146,25 @@ def bridge_consumer(path: str, go: Any, answers: Any, spin: bool, out: Any) -> N
                 break
             t0 = time.perf_counter()
             imported = session.get("t")
-            schema_capsule, array_capsule = imported.__arrow_c_device_array__()
-            device_array = capsule_struct(array_capsule, "device_array")
-            if device_array.sync_event != ffi.NULL:
-                cuda.stream_wait_event(0, cuda.event_value(device_array.sync_event))
-            t1 = time.perf_counter()
-            column = device_array.array.children[_COLUMNS - 1]
-            pointer = int(ffi.cast("uintptr_t", column.buffers[1]))
+            if as_cupy:  # the 16 columns as CuPy arrays, the legacy default stream ordered after the event
+                arrays = list(aib.column_arrays(imported, "cupy", stream=0).values())
+                t1 = time.perf_counter()
+                pointer = arrays[_COLUMNS - 1].data.ptr
+            else:
+                schema_capsule, array_capsule = imported.__arrow_c_device_array__()
+                device_array = capsule_struct(array_capsule, "device_array")
+                if device_array.sync_event != ffi.NULL:
+                    cuda.stream_wait_event(0, cuda.event_value(device_array.sync_event))
+                t1 = time.perf_counter()
+                column = device_array.array.children[_COLUMNS - 1]
+                pointer = int(ffi.cast("uintptr_t", column.buffers[1]))
             cuda.memcpy_dtoh(int(ffi.cast("uintptr_t", value)), pointer, 4)  # after the event wait
             if value[0] != float(step):
                 raise RuntimeError(f"step {step}: read {value[0]}")
-            del schema_capsule, array_capsule, device_array
+            if as_cupy:
+                del arrays
+            else:
+                del schema_capsule, array_capsule, device_array
             imported.release()
             answers.send_bytes(struct.pack("<i", step))
             if step > _WARMUP:
@@ -256,7 +268,9 @@ def _run_pair(
                 process.join()
 
 
-def run_bridge(size: int, steps: int, profile: bool, spin: bool, timeout: float) -> dict[str, Any]:
+def run_bridge(
+    size: int, steps: int, profile: bool, spin: bool, timeout: float, as_cupy: bool = False
+) -> dict[str, Any]:
     path = os.path.join(tempfile.mkdtemp(dir="/tmp"), "step.sock")
     go_recv, go_send = _CTX.Pipe(duplex=False)
     ans_recv, ans_send = _CTX.Pipe(duplex=False)
@@ -274,7 +288,7 @@ def run_bridge(size: int, steps: int, profile: bool, spin: bool, timeout: float)
                 "spin": spin,
             },
         ),
-        (path, go_recv, ans_send, spin),
+        (path, go_recv, ans_send, spin, as_cupy),
         timeout,
     )
     return {**produced, **consumed}
@@ -306,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--profile", action="store_true", help="cProfile the producer's publish")
+    parser.add_argument(
+        "--cupy",
+        action="store_true",
+        help="the consumer makes the 16 columns CuPy arrays (column_arrays) instead of taking the capsule",
+    )
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.multiprocessing peer")
     parser.add_argument(
         "--spin", action="store_true", help="both sides of both methods wait by polling, not sleeping"
@@ -314,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     for text in args.sizes.split(","):
         size = _parse_size(text)
-        bridge = run_bridge(size, args.steps, args.profile, args.spin, args.timeout)
+        bridge = run_bridge(size, args.steps, args.profile, args.spin, args.timeout, args.cupy)
         torch_result = None if args.no_torch else run_torch(size, args.steps, args.spin, args.timeout)
         results[text] = {"bridge": bridge, "torch": torch_result}
         line = (
