@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Lockstep step loop on the GPU: the cost of handing fresh device data to another process each step.
 
-    python benchmarks/bench_step.py [--sizes 1MiB,64MiB,1GiB] [--steps 400] [--cupy] [--spin] [--json out.json] [--profile]
+    python benchmarks/bench_step.py [--sizes 1MiB,64MiB,1GiB] [--steps 400] [--cupy] [--spin]
+        [--json out.json] [--profile]
 
 Every step, for 16 float32 CUDA columns of the given total size:
 
@@ -130,12 +131,13 @@ def bridge_producer(cfg: dict[str, Any], out: Any) -> None:
         out.send(result)
 
 
-def bridge_consumer(path: str, go: Any, answers: Any, spin: bool, as_cupy: bool, out: Any) -> None:
+def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, bool], out: Any) -> None:
     import arrow_ipc_bridge as aib
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge._ffi import ffi
     from arrow_ipc_bridge.capsules import capsule_struct
 
+    spin, as_cupy = options["spin"], options["cupy"]
     value = ffi.new("float *")
     get_times: list[float] = []
     handoffs: list[float] = []
@@ -269,7 +271,7 @@ def _run_pair(
 
 
 def run_bridge(
-    size: int, steps: int, profile: bool, spin: bool, timeout: float, as_cupy: bool = False
+    size: int, steps: int, profile: bool, spin: bool, timeout: float, *, as_cupy: bool = False
 ) -> dict[str, Any]:
     path = os.path.join(tempfile.mkdtemp(dir="/tmp"), "step.sock")
     go_recv, go_send = _CTX.Pipe(duplex=False)
@@ -288,7 +290,7 @@ def run_bridge(
                 "spin": spin,
             },
         ),
-        (path, go_recv, ans_send, spin, as_cupy),
+        (path, go_recv, ans_send, {"spin": spin, "cupy": as_cupy}),
         timeout,
     )
     return {**produced, **consumed}
@@ -333,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     for text in args.sizes.split(","):
         size = _parse_size(text)
-        bridge = run_bridge(size, args.steps, args.profile, args.spin, args.timeout, args.cupy)
+        bridge = run_bridge(size, args.steps, args.profile, args.spin, args.timeout, as_cupy=args.cupy)
         torch_result = None if args.no_torch else run_torch(size, args.steps, args.spin, args.timeout)
         results[text] = {"bridge": bridge, "torch": torch_result}
         line = (
