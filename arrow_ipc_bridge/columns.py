@@ -286,6 +286,11 @@ def _check_plain(name: str, numeric: int, null_count: int) -> None:
 
 def _choose(facts: _Facts, names: Sequence[str] | None) -> list[_Fact]:
     """The columns to make arrays of: the numeric ones, or ``names`` in their order."""
+    if names is None:
+        chosen = [fact for fact in facts if fact is not None and fact[1] >= 0]
+        # The common case in few passes (this runs per batch): numbers without nulls, names unique.
+        if all(fact[3] == 0 for fact in chosen) and len({fact[0] for fact in chosen}) == len(chosen):
+            return chosen
     every = [fact for fact in facts if fact is not None]  # all of them: nothing was selected
     if names is None:
         chosen = [fact for fact in every if fact[1] >= 0]
