@@ -85,7 +85,7 @@ def _mended(array: pa.Array) -> pa.Array:
         dictionary = _mended(array.dictionary)
         return pa.DictionaryArray.from_arrays(indices, dictionary, ordered=kind.ordered, safe=False)
     if len(array) == 0:  # nothing of it is read: any empty array of its type is equal to it
-        return pa.nulls(0, kind)
+        return _empty(kind)
     if isinstance(array, pa.ExtensionArray):
         return pa.ExtensionArray.from_storage(kind, _mended(array.storage))
     children = [_mended(child) for child in _children(array)]
@@ -100,6 +100,23 @@ def _mended(array: pa.Array) -> pa.Array:
     # buffers and offset stay. buffers() lists a node's own buffers first, then its children's.
     own = len(buffers) - sum(len(child.buffers()) for child in _children(array))
     return pa.Array.from_buffers(kind, len(array), buffers[:own], array.null_count, array.offset, children)
+
+
+def _empty(kind: pa.DataType) -> pa.Array:
+    """An empty array of ``kind``, every node at offset 0. Built node by node: ``pa.nulls`` gives a
+    run-end encoded child a validity bitmap, which makes its parent invalid."""
+    if isinstance(kind, pa.BaseExtensionType):  # Python-defined and C++ (canonical) ones
+        return pa.ExtensionArray.from_storage(kind, _empty(kind.storage_type))
+    if pa.types.is_run_end_encoded(kind):
+        run_ends = pa.array([], kind.run_end_type)
+        return pa.RunEndEncodedArray.from_arrays(run_ends, _empty(kind.value_type), type=kind)
+    template = pa.nulls(0, kind)
+    if kind.num_fields == 0:
+        return template
+    children = [_empty(kind.field(i).type) for i in range(kind.num_fields)]
+    buffers = template.buffers()
+    own = len(buffers) - sum(len(child.buffers()) for child in _children(template))
+    return pa.Array.from_buffers(kind, 0, buffers[:own], 0, 0, children)
 
 
 def _holds_empty_slice(array: pa.Array) -> bool:
