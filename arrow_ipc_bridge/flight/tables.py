@@ -6,11 +6,11 @@ array's field. Host data is not copied: the pyarrow objects are built over the s
 and each holds the publication's lease until gRPC has sent it and dropped it. Device data is copied
 to the host first (``staging.py``).
 
-One exception to "not copied": pyarrow's IPC writer, which gRPC's sender uses, cannot write an empty
-array that starts past offset 0 when it was imported over the C Data Interface (pyarrow gives such
-an array 0-byte buffers and its writer then slices them at a negative length: a negative body
-length, or ``sendmsg`` failing with EINVAL; ``docs/flight.md``, "Empty slices"). Columns holding
-one are rebuilt before they are sent (``sendable``).
+pyarrow's IPC writer, which gRPC's sender uses, cannot write an empty array that starts past offset
+0 when it was imported over the C Data Interface, as every import is (pyarrow gives such an array
+0-byte buffers and its writer then slices them at a negative length: a negative body length, or
+``sendmsg`` failing with EINVAL; ``docs/flight.md``, "Empty slices"). Columns holding one are
+rebuilt over the same buffers before they are sent (``sendable``).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def as_table(obj: pa.Table | pa.RecordBatch | pa.Array, field: pa.Field) -> pa.T
 
 
 def host_table(imported: ImportedArray | ImportedStream) -> pa.Table:
-    """Host data as a table over the session's mappings (no copy but for ``sendable``'s
-    exception); device data copied to host."""
+    """Host data as a table over the session's mappings (no copy); device data copied to host.
+    Either is passed through ``sendable``."""
     if imported.device != "cpu":
         return sendable(as_table(to_host(imported), _root_field(imported)))
     if isinstance(imported, ImportedStream):
@@ -60,8 +60,9 @@ def sendable(table: pa.Table) -> pa.Table:
     """``table`` with each chunk that holds an empty slice past offset 0 (anywhere in its tree)
     rebuilt so that pyarrow's IPC writer writes it intact; everything else is left as it is.
 
-    The rebuilt chunks hold the same values over the same buffers (no copy): only the empty nodes
-    are new, empty arrays at offset 0, and the nodes above them are rebuilt around them.
+    The rebuilt chunks hold the same values over the same buffers (no data copied): only the empty
+    nodes are new, empty arrays at offset 0, and the nodes above them are rebuilt around them (a
+    struct with nulls gets a new validity bitmap).
     """
     columns = list(table.columns)
     changed = False
