@@ -280,9 +280,11 @@ def test_cdef_enums_carry_the_same_values() -> None:
 
 
 def test_every_called_driver_function_is_declared() -> None:
-    """Each ``lib.cuX`` the package calls is declared in the cdef -- ABI mode would only fail at call time.
-    Every declared one is called, by the package or by the tests' helpers (``helpers/cuda_helpers.py``)."""
-    modules = [*sorted(Path(cuda.__file__).parent.glob("*.py")), Path(cuda_helpers.__file__)]
+    """Each ``lib.cuX`` the package calls (in ``cuda/`` or elsewhere, e.g. the Flight front's staging)
+    is declared in the cdef -- ABI mode would only fail at call time. Every declared one is called, by
+    the package or by the tests' helpers (``helpers/cuda_helpers.py``)."""
+    package = Path(cuda.__file__).parent.parent
+    modules = [*sorted(package.rglob("*.py")), Path(cuda_helpers.__file__)]
     source = "\n".join(module.read_text() for module in modules)
     called = set(re.findall(r"\blib\.(cu\w+)", source))
     declared = _declared_functions(cuda.cdef_source())

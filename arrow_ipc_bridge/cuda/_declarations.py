@@ -82,6 +82,9 @@ CU_EVENT_BLOCKING_SYNC: Final = 1
 CU_EVENT_DISABLE_TIMING: Final = 2
 CU_EVENT_INTERPROCESS: Final = 4
 
+# CUstream_flags (cuStreamCreate's unsigned int Flags)
+CU_STREAM_NON_BLOCKING: Final = 1
+
 # CUmemAllocationHandleType (a bitmask in pool props and pointer attributes)
 CU_MEM_HANDLE_TYPE_NONE: Final = 0
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: Final = 1
@@ -356,6 +359,9 @@ CUresult cuMemFree_v2(CUdeviceptr dptr);
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount);
 CUresult cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount);
 CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount);
+CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream);
+CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags);
+CUresult cuMemFreeHost(void *p);
 CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N);
 CUresult cuMemcpyPeerAsync(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
                            CUcontext srcContext, size_t ByteCount, CUstream hStream);
@@ -377,6 +383,8 @@ CUresult cuIpcGetEventHandle(CUipcEventHandle *pHandle, CUevent event);
 CUresult cuIpcOpenEventHandle(CUevent *phEvent, CUipcEventHandle handle);
 CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags);
 CUresult cuStreamSynchronize(CUstream hStream);
+CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags);
+CUresult cuStreamDestroy_v2(CUstream hStream);
 
 CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps);
 CUresult cuMemPoolDestroy(CUmemoryPool pool);

@@ -38,6 +38,9 @@ __all__ = ["FLIGHT_SCHEMES", "FlightImported", "FlightLiveStream", "FlightSessio
 
 FLIGHT_SCHEMES = ("grpc://", "grpc+tcp://", "grpc+tls://")
 _PREFER = ("auto", "local", "flight")
+# What a Flight call raises for a status the server sent: Flight's own errors, and pyarrow's for
+# the statuses gRPC shares with Arrow (NOT_FOUND is ArrowKeyError, INVALID_ARGUMENT ArrowInvalid).
+_FLIGHT_ERRORS = (flight.FlightError, pa.ArrowException)
 
 
 def _bridge_error(exc: BaseException, name: str | None = None) -> BridgeError:
@@ -49,7 +52,7 @@ def _bridge_error(exc: BaseException, name: str | None = None) -> BridgeError:
         return BridgeTimeoutError(f"the Flight server did not answer in time: {text}")
     if isinstance(exc, flight.FlightUnavailableError | flight.FlightCancelledError):
         return PeerClosedError(f"the Flight server is not reachable: {text}")
-    if text.startswith("not found:"):
+    if isinstance(exc, KeyError):  # NOT_FOUND
         return NotPublishedError(f"nothing is published as {name!r}" if name is not None else text)
     return TransportError(f"the Flight call failed: {text}")
 
@@ -141,7 +144,7 @@ class FlightLiveStream:
         except StopIteration:
             self.ended = True
             return None
-        except flight.FlightError as exc:
+        except _FLIGHT_ERRORS as exc:
             raise _bridge_error(exc, self.name) from None
         self.received += 1
         return FlightImported(pa.Table.from_batches([chunk.data]), self.name)
@@ -184,7 +187,7 @@ class FlightSession:
         self._check_open()
         try:
             infos = list(self._client.list_flights(options=self._options(self._timeout)))
-        except flight.FlightError as exc:
+        except _FLIGHT_ERRORS as exc:
             raise _bridge_error(exc) from None
         names = []
         for info in infos:
@@ -204,7 +207,7 @@ class FlightSession:
                 # Streams with no timeout: a large table takes as long as the network needs.
                 reader = self._client.do_get(flight.Ticket(name.encode("utf-8")), options=self._options(None))
                 return FlightImported(reader.read_all(), name)
-            except flight.FlightError as exc:
+            except _FLIGHT_ERRORS as exc:
                 error = _bridge_error(exc, name)
             if not isinstance(error, NotPublishedError) or deadline is None:
                 raise error
@@ -220,7 +223,7 @@ class FlightSession:
         self._check_open()
         try:
             reader = self._client.do_get(flight.Ticket(name.encode("utf-8")), options=self._options(timeout))
-        except flight.FlightError as exc:
+        except _FLIGHT_ERRORS as exc:
             raise _bridge_error(exc, name) from None
         return FlightLiveStream(reader, name)
 
@@ -248,7 +251,7 @@ class FlightSession:
 def _local_location(client: flight.FlightClient, options: flight.FlightCallOptions) -> LocalLocation | None:
     try:
         results = list(client.do_action(flight.Action(LOCAL_ACTION, b""), options=options))
-    except flight.FlightError as exc:
+    except _FLIGHT_ERRORS as exc:
         raise _bridge_error(exc) from None
     if len(results) != 1:
         return None

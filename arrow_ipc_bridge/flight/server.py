@@ -8,25 +8,33 @@ over the session's mappings (no copy) and lets gRPC send them; the lease ends wh
 last batch. Live streams are subscriptions whose credit goes back only as gRPC sends, so a slow
 Flight client slows the producer exactly as a slow local subscriber does.
 
-Errors go to clients as Flight errors with one-line messages (never a server traceback): an unknown
-name is ``FlightServerError`` starting ``not found:``, a bad request ``invalid:``, a gone publisher
-``FlightUnavailableError``, a missing or wrong token ``FlightUnauthenticatedError``.
+Errors go to clients with the gRPC status that says what went wrong: an unknown name NOT_FOUND
+(``pyarrow.ArrowKeyError`` in a pyarrow client), a malformed ticket, descriptor, device or upload
+INVALID_ARGUMENT (``pyarrow.ArrowInvalid``), a gone publisher UNAVAILABLE
+(``FlightUnavailableError``), a missing or wrong token UNAUTHENTICATED
+(``FlightUnauthenticatedError``), a refused ``do_put`` PERMISSION_DENIED
+(``FlightUnauthorizedError``). pyarrow sends the last frames of a NOT_FOUND or INVALID_ARGUMENT
+exception with it (it formats every exception a handler raises that is not a Flight error): those
+are raised by the handler itself (:func:`_answering`), so the client sees pyarrow's frame and the
+handler's ``raise`` line, nothing of the front's work behind it.
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import pyarrow as pa
 from pyarrow import flight
 
+from arrow_ipc_bridge.capsules import DEVICE_CUDA
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -36,7 +44,15 @@ from arrow_ipc_bridge.errors import (
 )
 from arrow_ipc_bridge.flight.auth import TokenAuthMiddlewareFactory
 from arrow_ipc_bridge.flight.locations import LOCAL_ACTION, LocalLocation
-from arrow_ipc_bridge.flight.staging import Prefetcher
+from arrow_ipc_bridge.flight.staging import (
+    CHUNK_BYTES,
+    MAX_STAGING_BYTES,
+    CudaCopier,
+    Prefetcher,
+    StagedPublication,
+    StagingCancelledError,
+    StagingPool,
+)
 from arrow_ipc_bridge.flight.tables import flight_schema, host_table
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream
 from arrow_ipc_bridge.protocol import encode_name
@@ -51,12 +67,40 @@ _SCHEMES_PLAIN = ("grpc", "grpc+tcp")
 _SCHEME_TLS = "grpc+tls"
 
 
-def _not_found(name: str) -> flight.FlightServerError:
-    return flight.FlightServerError(f"not found: no publication or live stream named {name!r}")
+class _Refused(Exception):
+    """A request the front refuses: raised where the refusal is found, answered by the handler."""
+
+    def __init__(self, status: type[pa.ArrowException], message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 
-def _invalid(message: str) -> flight.FlightServerError:
-    return flight.FlightServerError(f"invalid: {message}")
+def _not_found(name: str) -> _Refused:
+    return _Refused(pa.ArrowKeyError, f"no publication or live stream named {name!r}")
+
+
+def _invalid(message: str) -> _Refused:
+    return _Refused(pa.ArrowInvalid, message)
+
+
+_Handler = TypeVar("_Handler", bound=Callable[..., Any])
+
+
+def _answering(handler: _Handler) -> _Handler:
+    """Answer a refusal with its gRPC status (pyarrow maps ``KeyError`` to NOT_FOUND and
+    ``ValueError`` to INVALID_ARGUMENT), raised here, outside the ``except`` block: the exception
+    carries no context and one frame of ours, the ``raise`` below, whatever raised the refusal."""
+
+    @functools.wraps(handler)
+    def answer(*args: Any) -> Any:
+        try:
+            return handler(*args)
+        except _Refused as refused:
+            status, message = refused.status, refused.message
+        raise status(message)
+
+    return answer  # type: ignore[return-value]
 
 
 def _name_of_ticket(raw: bytes) -> str:
@@ -116,19 +160,23 @@ class _BridgeFlightServer(flight.FlightServerBase):  # type: ignore[misc]
             if name.startswith(prefix):
                 yield front.flight_info(name, front.stream_facts())
 
+    @_answering
     def get_flight_info(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.FlightInfo:
         name, _ = _name_of_descriptor(descriptor)
         return self._front.flight_info(name, self._front.facts_or_stream(name))
 
+    @_answering
     def get_schema(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.SchemaResult:
         name, _ = _name_of_descriptor(descriptor)
         return flight.SchemaResult(self._front.facts_or_stream(name).schema)
 
     # ---------- data -----------------------------------------------------------------------------
+    @_answering
     def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
         name = _name_of_ticket(ticket.ticket)
         return self._front.data_stream(name, context.is_cancelled)
 
+    @_answering
     def do_put(
         self,
         context: Any,
@@ -143,11 +191,13 @@ class _BridgeFlightServer(flight.FlightServerBase):  # type: ignore[misc]
     def list_actions(self, context: Any) -> list[tuple[str, str]]:
         return [(LOCAL_ACTION, "the publisher's Unix socket as a location, for consumers on this host")]
 
+    @_answering
     def do_action(self, context: Any, action: flight.Action) -> Iterator[bytes]:
+        # Not a generator: a refusal must be raised by the call, where _answering sees it.
         if action.type != LOCAL_ACTION:
             raise _invalid(f"unknown action {action.type[:60]!r} (see list_actions)")
         location = self._front.local_location
-        yield json.dumps({"location": location.uri if location else None}).encode()
+        return iter([json.dumps({"location": location.uri if location else None}).encode()])
 
 
 class FlightFront:
@@ -168,6 +218,7 @@ class FlightFront:
         max_put_bytes: int,
         advertise: str | None,
         timeout: float,
+        staging_bytes: int = MAX_STAGING_BYTES,
     ) -> None:
         self._publisher = source if isinstance(source, Publisher) else None
         path = source.path if isinstance(source, Publisher) else os.fspath(source)
@@ -179,6 +230,8 @@ class FlightFront:
         self._allow_put = allow_put
         self._max_put_bytes = max_put_bytes
         self._timeout = timeout
+        self._staging_bytes = staging_bytes
+        self._pools: dict[int, StagingPool] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._session: Session | None = connect(self._socket_path, timeout=timeout)
@@ -282,6 +335,8 @@ class FlightFront:
     # ---------- do_get ---------------------------------------------------------------------------
     def data_stream(self, name: str, cancelled: Callable[[], bool]) -> flight.FlightDataStream:
         imported = self._get(name)
+        if imported is not None and imported.device_type == DEVICE_CUDA:
+            return self._staged_stream(imported, cancelled)
         if imported is not None:
             try:
                 table = host_table(imported)  # over the mappings; holds the lease, not `imported`
@@ -291,6 +346,58 @@ class FlightFront:
         if self._publisher is None and name not in self._streams:
             raise _not_found(name)
         return self._live_stream(name, cancelled)
+
+    def _staging_pool(self, device: int) -> StagingPool:
+        """The front's pinned staging pool for ``device``, made on the first GPU ``do_get``."""
+        with self._lock:
+            if self._closed:
+                raise flight.FlightUnavailableError("the Flight front is closed")
+            pool = self._pools.get(device)
+            if pool is None:
+                chunk = min(CHUNK_BYTES, self._staging_bytes // 2)
+                pool = StagingPool(CudaCopier(device), buffer_bytes=chunk, max_bytes=self._staging_bytes)
+                self._pools[device] = pool
+            return pool
+
+    def _staged_stream(
+        self, imported: ImportedArray | ImportedStream, cancelled: Callable[[], bool]
+    ) -> flight.FlightDataStream:
+        """A GPU publication sent chunk by chunk from pinned buffers (``staging.py``)."""
+        try:
+            pool = self._staging_pool(imported.device_id)
+            staged = StagedPublication(imported, pool, chunk_bytes=pool.buffer_bytes, cancelled=cancelled)
+        except BaseException:
+            imported.release()
+            raise
+        batches = iter(staged)
+        try:
+            first = next(batches, None)
+        except BaseException as exc:
+            staged.close()
+            raise _flight_error(exc) from None
+        held = [] if first is None else [first]
+        schema = first.schema if first is not None else staged.schema
+        del first
+
+        def generate() -> Iterator[pa.RecordBatch]:
+            # Popped as handed to gRPC: a reference kept here would hold the chunk's pinned buffer.
+            try:
+                while held:
+                    yield held.pop()
+                while True:
+                    try:
+                        batch = next(batches)
+                    except StopIteration:
+                        return
+                    except BaseException as exc:
+                        raise _flight_error(exc) from None
+                    held.append(batch)
+                    del batch
+                    yield held.pop()
+            finally:  # also when the client went away (the generator is closed)
+                staged.close()
+
+        return flight.GeneratorStream(schema, generate())
 
     def _live_stream(self, name: str, cancelled: Callable[[], bool]) -> flight.FlightDataStream:
         try:
@@ -400,6 +507,10 @@ class FlightFront:
         self._server.wait()
         with self._lock:
             session, self._session = self._session, None
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:  # buffers gRPC still holds are freed when they come back
+            pool.close()
+            pool.copier.close()
         if session is not None:
             session.close()
 
@@ -412,6 +523,16 @@ class FlightFront:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "serving"
         return f"<FlightFront {self.location} for {self._socket_path} ({state})>"
+
+
+def _flight_error(exc: BaseException) -> BaseException:
+    """A failure while staging, as a Flight error (one line, no traceback) for the client."""
+    error: BaseException = exc
+    if isinstance(exc, StagingCancelledError):
+        error = flight.FlightCancelledError(str(exc))
+    elif isinstance(exc, BridgeError):
+        error = flight.FlightServerError(f"staging the GPU data failed: {exc}")
+    return error
 
 
 def _unspecified(host: str) -> bool:
@@ -440,6 +561,7 @@ def serve(
     max_put_bytes: int = 4 << 30,
     advertise: str | None = None,
     timeout: float = 5.0,
+    staging_bytes: int = MAX_STAGING_BYTES,
 ) -> FlightFront:
     """Serve a publisher's publications (and live streams) to Arrow Flight clients.
 
@@ -477,6 +599,10 @@ def serve(
         "reuse this connection" when listening on all addresses.
     timeout
         Seconds for each request to the publisher.
+    staging_bytes
+        Pinned host memory per GPU for staging GPU publications (``docs/flight.md``, "GPU data"):
+        the bound of all ``do_get`` calls together; chunks are ``min(64 MiB, staging_bytes / 2)``.
+        At least 2 MiB.
     """
     scheme = urlsplit(location).scheme
     if scheme not in (*_SCHEMES_PLAIN, _SCHEME_TLS):
@@ -495,6 +621,8 @@ def serve(
         raise ValueError(f"max_in_flight must be an int >= 1, not {max_in_flight!r}")
     if isinstance(max_put_bytes, bool) or not isinstance(max_put_bytes, int) or max_put_bytes < 0:
         raise ValueError(f"max_put_bytes must be an int >= 0, not {max_put_bytes!r}")
+    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 2 << 20:
+        raise ValueError(f"staging_bytes must be an int >= 2 MiB, not {staging_bytes!r}")
     if allow_put and not isinstance(source, Publisher):
         raise ValueError("allow_put needs a Publisher of this process as the source")
     options: dict[str, Any] = {}
@@ -515,4 +643,5 @@ def serve(
         max_put_bytes=max_put_bytes,
         advertise=advertise,
         timeout=timeout,
+        staging_bytes=staging_bytes,
     )
