@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -311,7 +312,13 @@ def test_republished_arrays_keep_their_message_in_lockstep(publisher: aib.Publis
         assert events.created - created <= 2
     leased = events.leased
     publisher.unpublish("t")
+    # The closed session's last releases reach the publisher asynchronously: the export (and its
+    # event) closes when the last lease on it has ended.
+    deadline = time.monotonic() + 10.0
     _reaper.drain()
+    while events.leased >= leased and time.monotonic() < deadline:
+        time.sleep(0.01)
+        _reaper.drain()
     assert events.leased < leased  # the shared event went back to the pool with the last version
 
 
