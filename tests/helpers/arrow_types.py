@@ -381,7 +381,9 @@ _meta_text = st.text(st.characters(codec="utf-8"), max_size=10)
 # (UnsupportedFormatError), and loses a NUL in an opaque type's names through its own C import. Neither
 # is the bridge's to fix, so with those versions the strategies do not make them.
 _OLD_PYARROW = int(pa.__version__.split(".")[0]) < 26
-_OLD_PYARROW_NO_STORAGE = frozenset(["dense_union", "sparse_union", "run_end_encoded"] if _OLD_PYARROW else [])
+_OLD_PYARROW_NO_STORAGE = frozenset(
+    ["dense_union", "sparse_union", "run_end_encoded"] if _OLD_PYARROW else []
+)
 field_metadata = st.one_of(
     st.none(),
     st.dictionaries(_meta_text.filter(lambda k: not k.startswith("ARROW:")), _meta_text, max_size=3),
