@@ -76,6 +76,14 @@ class _Refused(Exception):
         self.message = message
 
 
+def _batch_stream(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> flight.FlightDataStream:
+    """Batches pulled one at a time as gRPC sends them. Through a RecordBatchReader, not
+    ``flight.GeneratorStream``: pyarrow's GeneratorStream sends no dictionary batches, so a client
+    reading a dictionary-encoded column fails ("did not have the expected number (1) of
+    dictionaries at the start of the stream"); a reader's stream writes them (and replacements)."""
+    return flight.RecordBatchStream(pa.RecordBatchReader.from_batches(schema, batches))
+
+
 def _not_found(name: str) -> _Refused:
     return _Refused(pa.ArrowKeyError, f"no publication or live stream named {name!r}")
 
@@ -397,7 +405,7 @@ class FlightFront:
             finally:  # also when the client went away (the generator is closed)
                 staged.close()
 
-        return flight.GeneratorStream(schema, generate())
+        return _batch_stream(schema, generate())
 
     def _live_stream(self, name: str, cancelled: Callable[[], bool]) -> flight.FlightDataStream:
         try:
@@ -453,7 +461,7 @@ class FlightFront:
                 staged.close()
                 live.close()
 
-        return flight.GeneratorStream(schema, generate())
+        return _batch_stream(schema, generate())
 
     # ---------- do_put ---------------------------------------------------------------------------
     def put(self, name: str, device: str | None, reader: flight.MetadataRecordBatchReader) -> None:
