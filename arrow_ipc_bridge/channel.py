@@ -300,17 +300,20 @@ class Channel:
             return frame_from(self._frame)
 
     def get(
-        self, name: bytes, remembered: Any, lease_tokens: int, keeper: Any, timeout_ms: int
-    ) -> tuple[tuple[int, Any, int, Any] | None, Frame | None]:
+        self, name: bytes, remembered: Any, lease_tokens: int, keeper: Any, board: Any, timeout_ms: int
+    ) -> tuple[tuple[int, Any, int, Any, int, int] | None, Frame | None]:
         """The session's GET in one C call (``aib_session_get``); ``timeout_ms`` < 0 blocks.
 
-        Returns ``((remembered message id, lease owner, its address, sync slot or NULL), None)``
-        when the answer was a message in ``remembered`` (the session's remembered messages,
-        ``aib_remembered``) and is imported already (the owner is the caller's: wrap it at once;
-        its token is ``lease_tokens | lease id`` and it holds ``keeper``);
-        ``((0, owner, address, slot), frame)`` when it was a new message the C core imported over
-        regions open in this process (``aib_import_new``; the frame is the ITEM); else
-        ``(None, frame)`` with the answer for the caller.
+        ``board``: the publisher's version board mapped here (``board.SessionBoard``), or None.
+        Returns ``((remembered message id, lease owner, its address, sync slot or NULL, version,
+        flags), None)`` when the name's message is in ``remembered`` (the session's remembered
+        messages, ``aib_remembered``) and is imported already: from the board with no round trip
+        (``flags & AIB_GET_LOCAL``) or from the answer. The owner is the caller's: wrap it at once;
+        it holds the lease (token ``lease_tokens | lease id``) or the message's standing lease, and
+        ``keeper``. ``version`` is 0 when the answer did not say it. ``((0, owner, address, slot,
+        version, flags), frame)`` when it was a new message the C core imported over regions open
+        in this process (``aib_import_new``; the frame is the answer); else ``(None, frame)`` with
+        the answer for the caller.
         """
         err = self._err
         result = self._result
@@ -324,15 +327,23 @@ class Channel:
                 remembered,
                 lease_tokens,
                 keeper,
+                ffi.NULL if board is None else board.address,
+                0 if board is None else board.n_slots,
                 result,
                 self._frame,
                 err,
             )
-            if rc == _GET_IMPORTED:
-                return (result.entry_id, result.owner, result.owner_address, result.sync_slot), None
-            if rc == _GET_IMPORTED_NEW:  # entry id 0; the frame carries the message it imported
-                imported = (0, result.owner, result.owner_address, result.sync_slot)
-                return imported, frame_from(self._frame)
+            if rc == _GET_IMPORTED or rc == _GET_IMPORTED_NEW:
+                imported = (
+                    result.entry_id,
+                    result.owner,
+                    result.owner_address,
+                    result.sync_slot,
+                    result.version,
+                    result.flags,
+                )
+                # entry id 0 for a new message: the frame carries the message it imported
+                return imported, None if rc == _GET_IMPORTED else frame_from(self._frame)
             if rc:
                 timeout = None if timeout_ms < 0 else timeout_ms / 1000
                 raise self.failed(rc, err, "a request", timeout, holding="both")

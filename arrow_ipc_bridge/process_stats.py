@@ -61,6 +61,8 @@ class SessionStats:
     """How this process's sessions imported what they received, by path, since import."""
 
     remembered_gets: int = 0  # gets of a remembered message, imported by the C core (the steady state)
+    # of those, gets answered from the publisher's version board under a standing lease (no round trip)
+    local_gets: int = 0
     # gets (and live-stream batches) of a message not remembered, imported by the C core all the same
     new_message_gets: int = 0
     python_imports: int = 0  # imports decoded and mapped (or opened) in Python: first sight of a message
@@ -105,6 +107,7 @@ class _ImportCounters(NamedTuple):
     """One counter per import path of :class:`SessionStats` (the same names, in the same order)."""
 
     remembered_gets: itertools.count[int]
+    local_gets: itertools.count[int]
     new_message_gets: itertools.count[int]
     python_imports: itertools.count[int]
     python_remembered_imports: itertools.count[int]

@@ -56,6 +56,10 @@ __all__ = [
     "RELEASE_MANY",
     "WAIT",
     "VERSIONED_ITEM",
+    "BOARD_FD",
+    "BOARD",
+    "BOARD_ITEM",
+    "NO_SLOT",
     "WAIT_FOREVER",
     "MAX_PING",
     "POOL_IDENTITY_SIZE",
@@ -71,6 +75,7 @@ __all__ = [
     "encode_wait",
     "decode_wait",
     "decode_versioned_item",
+    "decode_board_item",
     "encode_error",
     "raise_error",
 ]
@@ -101,6 +106,16 @@ RELEASE_MANY = 17  # session -> publisher, on a subscription: 1 to 4096 u64 leas
 # Feature "watch" (docs/protocol.md, "Waiting and versions"); kinds 20-23 belong to it.
 WAIT = 20  # session -> publisher: u64 after, u32 timeout ms, the name; answered once a version > after is out
 VERSIONED_ITEM = 21  # publisher -> session: u64 lease id, u64 version + message bytes; region fds attached
+# Feature "board" (docs/protocol.md, "The version board"); kinds 24-26.
+BOARD_FD = 24  # session -> publisher: empty; asks for the version board
+BOARD = (
+    25  # publisher -> session: u32 slots; the board's fd attached. GETs are answered with BOARD_ITEM after
+)
+# publisher -> session, a GET's answer once the session has the board: u64 lease id, u64 version, u64 serial,
+# u32 slot, u32 0, then the message; region fds attached
+BOARD_ITEM = 26
+NO_SLOT = 0xFFFFFFFF
+"""A BOARD_ITEM's slot when the name has none on the board (it was full)."""
 
 MAX_PING = 64
 # An IPC pool's identity, the first bytes of a CUDA_POOL region's handle: the producer's 16-byte
@@ -108,7 +123,7 @@ MAX_PING = 64
 POOL_IDENTITY_SIZE = 24
 # What this side's publisher offers beyond protocol 1's first frames, advertised in WELCOME's
 # "features": a session checks before it uses one, so older publishers keep working with it.
-FEATURES = ("ping", "pool_fd", "stream", "watch")
+FEATURES = ("board", "ping", "pool_fd", "stream", "watch")
 
 MAX_JSON = 1 << 20
 MAX_NAME = 4096
@@ -116,6 +131,7 @@ _U64 = struct.Struct("<Q")
 _U16 = struct.Struct("<H")
 _WAIT = struct.Struct("<QI")  # after, timeout ms
 _VERSIONED = struct.Struct("<QQ")  # lease id, version
+_BOARD_ITEM = struct.Struct("<QQQII")  # lease id, version, serial, slot, 0
 WAIT_FOREVER = 0xFFFFFFFF
 """A WAIT's timeout field for a wait without a limit (any other value is milliseconds)."""
 
@@ -233,6 +249,20 @@ def decode_versioned_item(payload: bytes) -> tuple[int, int, bytes]:
     if version == 0:
         raise ProtocolError("VERSIONED_ITEM with version 0 (versions start at 1)")
     return int(lease_id), int(version), payload[_VERSIONED.size :]
+
+
+def decode_board_item(payload: bytes, n_slots: int) -> tuple[int, int, bytes]:
+    """``(lease id, version, message)`` of a BOARD_ITEM from a publisher whose board has ``n_slots``
+    slots (the serial and slot are the C core's: ``remembered.c``); :class:`ProtocolError` when
+    malformed."""
+    if len(payload) < _BOARD_ITEM.size:
+        raise ProtocolError("BOARD_ITEM payload shorter than its lease id, version, serial and slot")
+    lease_id, version, serial, slot, zero = _BOARD_ITEM.unpack_from(payload)
+    if version == 0 or serial == 0 or serial > version:
+        raise ProtocolError(f"BOARD_ITEM with version {version} and serial {serial} (1 <= serial <= version)")
+    if (slot >= n_slots and slot != NO_SLOT) or zero:
+        raise ProtocolError(f"BOARD_ITEM names board slot {slot} (the board has {n_slots})")
+    return int(lease_id), int(version), payload[_BOARD_ITEM.size :]
 
 
 def encode_error(exc: BaseException) -> bytes:

@@ -40,6 +40,7 @@ from arrow_ipc_bridge.errors import (
     RegionError,
     UnreadAnswersError,
 )
+from arrow_ipc_bridge.board import PublisherBoard, encode_board
 from arrow_ipc_bridge.exporter import (
     CopyPolicy,
     Exported,
@@ -171,6 +172,16 @@ class Publisher:
         if table == ffi.NULL:
             raise MemoryError("allocating the publication table")
         self._table = ffi.gc(table, lib.aib_pubtable_unref)
+        # The version board (board.py): sessions re-get what they remember without a round trip
+        # while it shows the same entry. None where the kernel cannot seal it (Linux < 5.1): the
+        # publisher does not offer feature "board" then, and every get asks.
+        self._board: PublisherBoard | None = None
+        try:
+            self._board = PublisherBoard()
+        except OSError as exc:
+            _log.debug("arrow_ipc_bridge: no version board (%s); every get is a round trip", exc)
+        else:
+            lib.aib_pubtable_set_board(table, self._board.address, self._board.n_slots)
         self._copy: CopyPolicy = copy
         # Live streams (docs/streams.md), a namespace of their own.
         self._streams = StreamHub(max_subscriptions)
@@ -517,6 +528,14 @@ class Publisher:
             self._watch.request(HeldWait(state.waiting, name.encode(), after, timeout_ms))
         elif frame.kind == protocol.POOL_FD:
             self._send_pool_fd(channel, protocol.decode_pool_identity(frame.payload))
+        elif frame.kind == protocol.BOARD_FD:
+            if self._board is None or frame.payload:
+                raise ProtocolError("BOARD_FD to a publisher without a board, or with a payload")
+            channel.send(
+                protocol.BOARD, encode_board(self._board.n_slots), [self._board.fd], timeout=SEND_TIMEOUT
+            )
+            # From its next GET on, the session is answered with the entry's board slot and serial.
+            lib.aib_server_conn_use_board(state.served)
         elif frame.kind == protocol.GET:
             name = protocol.decode_name(frame.payload)  # ProtocolError for a malformed name
             raise NotPublishedError(f"nothing is published as {name!r}")
@@ -546,7 +565,7 @@ class Publisher:
             "wire": list(WIRE_VERSION),
             "publisher_id": self.publisher_id,
             "pid": os.getpid(),
-            "features": list(protocol.FEATURES),
+            "features": [f for f in protocol.FEATURES if f != "board" or self._board is not None],
         }
 
     # ---------- lifetime ----------------------------------------------------------------------------
@@ -569,8 +588,11 @@ class Publisher:
         with self._lock:
             self._watch.cleared()
             lib.aib_pubtable_clear(self._table)
+            lib.aib_pubtable_set_board(self._table, ffi.NULL, 0)  # no more writes: the page may go
             self._names.clear()
             self._current.clear()
+            if self._board is not None:
+                self._board.close()
         _reaper.drain()
 
     def __enter__(self) -> Publisher:

@@ -19,8 +19,18 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from arrow_ipc_bridge import _arguments, _process, _reaper, protocol, region_import, transport, waiting
+from arrow_ipc_bridge import (
+    _arguments,
+    _linger,
+    _process,
+    _reaper,
+    protocol,
+    region_import,
+    transport,
+    waiting,
+)
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
+from arrow_ipc_bridge.board import SessionBoard, decode_board
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.channel import Channel, Frame, millis
 from arrow_ipc_bridge.content_check import check_content, check_level, cuda_reader
@@ -150,6 +160,9 @@ class Session:
         # Lock order: _request_lock, then the remembered set's own (see RememberedMessages).
         self._request_lock = threading.Lock()
         self._remembered = RememberedMessages(remembered_messages, float(pool_linger), self._request_lock)
+        self._pool_linger = float(pool_linger)
+        # The publisher's version board once connected (board.py); None: every get asks.
+        self._board: SessionBoard | None = None
         self._imported: weakref.WeakSet[ImportedArray | ImportedStream] = weakref.WeakSet()
         self._conn: transport.Connection | None = None
         self._channel: Channel | None = None  # the C side of the connection once the handshake is done
@@ -166,6 +179,9 @@ class Session:
         self.publisher_info: dict[str, object] = {}
         self.remembered_gets = 0
         """Gets answered with a remembered message and imported by the C core (the steady state)."""
+        self.local_gets = 0
+        """Of those, gets answered from the publisher's version board under a standing lease, with no
+        round trip to the publisher (docs/lifetime.md, "Standing leases")."""
         self.new_message_gets = 0
         """Gets answered with a message not remembered but imported by the C core all the same,
         because every region it names is open in this process (new arrays carved out of CUDA
@@ -337,6 +353,28 @@ class Session:
             raise MemoryError("allocating the session's lease keeper")
         self._lease_tokens = tokens
         self._lease_keeper = ffi.gc(keeper, lib.aib_owner_unref)
+        features = info.get("features")
+        if (
+            isinstance(features, list)
+            and "board" in features
+            and self._pool_linger > 0
+            and self._remembered.limit
+        ):
+            self._board = self._open_board(channel, timeout)
+
+    @staticmethod
+    def _open_board(channel: Channel, timeout: float) -> SessionBoard:
+        """Ask for the publisher's version board and map it (read-only); :class:`ProtocolError` for
+        an answer that is not a sealed board of the size it says."""
+        frame = channel.request(protocol.BOARD_FD, b"", timeout=timeout)
+        try:
+            if frame.kind == protocol.ERROR:
+                protocol.raise_error(frame.payload)
+            if frame.kind != protocol.BOARD or len(frame.fds) != 1:
+                raise ProtocolError(f"expected BOARD with one descriptor, got frame kind {frame.kind}")
+            return SessionBoard(frame.fds[0], decode_board(frame.payload))
+        finally:
+            frame.close_fds()  # the mapping keeps the page
 
     def _request(self, kind: int, payload: bytes) -> Frame:
         channel = self._connection()
@@ -433,13 +471,15 @@ class Session:
                 self._remembered.table,
                 self._lease_tokens,
                 self._lease_keeper,
+                self._board,
                 self._timeout_ms,
             )
             if imported_now is not None and imported_now[0] != 0:
-                # The steady state: a remembered message, imported by the C core already; the
-                # owner's token ends the lease when it dies. Changes to the remembered set wait for
+                # The steady state: a remembered message, imported by the C core already (from the
+                # board, or from the answer); the owner's token, or the standing lease it holds,
+                # ends the lease when it dies. Changes to the remembered set wait for
                 # _request_lock, so the entry is here.
-                entry_id, owner, address, sync_slot = imported_now
+                entry_id, owner, address, sync_slot, version, flags = imported_now
                 hit = self._remembered.used_by_c_core(entry_id)
                 if hit is None:  # cannot happen; if it did, the lease ends here
                     lib.aib_owner_unref(owner)
@@ -448,11 +488,16 @@ class Session:
                 fast = Decoded.adopt(owner, hit.template), hit, address, sync_slot
         if imported_now is not None and imported_now[0] == 0:
             assert frame is not None
-            imported = self._adopt_new(imported_now, frame.payload[8:], name)
+            imported = self._adopt_new(imported_now, _answer_message(frame), name)
             return imported if self._reader is None else self._reader.place(imported)
         if fast is not None:
             self.remembered_gets += 1
             next(import_counters.remembered_gets)
+            if flags & _GET_LOCAL:
+                self.local_gets += 1
+                next(import_counters.local_gets)
+            elif flags & _GET_STANDING:  # the message holds a standing lease now: its linger runs
+                _linger.watch(self._remembered)
             decoded, hit, address, sync_slot = fast
             imported = hit.imported_type.adopt(
                 decoded,
@@ -463,15 +508,20 @@ class Session:
                 name=name,
                 owner_address=address,
             )
+            if version:
+                imported.version = version
             self._imported.add(imported)
             return imported if self._reader is None else self._reader.place(imported)
         assert frame is not None
         try:
             if frame.kind == protocol.ERROR:
                 protocol.raise_error(frame.payload)
-            if frame.kind != protocol.ITEM:
+            if frame.kind == protocol.BOARD_ITEM and self._board is not None:
+                lease_id, version, message = protocol.decode_board_item(frame.payload, self._board.n_slots)
+            elif frame.kind == protocol.ITEM:
+                (lease_id, message), version = protocol.decode_item(frame.payload), 0
+            else:
                 raise ProtocolError(f"expected ITEM, got frame kind {frame.kind}")
-            lease_id, message = protocol.decode_item(frame.payload)
             lease = _Lease(channel, lease_id)
             token = _reaper.register(lease)
             try:
@@ -483,6 +533,8 @@ class Session:
                 raise
         finally:
             frame.close_fds()  # the mappings keep the files alive
+        if version:
+            imported.version = version
         return imported if self._reader is None else self._reader.place(imported)
 
     def get_next(self, name: str, *, after: int, timeout: float | None) -> Imported:
@@ -559,13 +611,15 @@ class Session:
             return None
         slot = lib.aib_owner_slot(owner)
         address = int(ffi.cast("uintptr_t", owner))
-        return self._adopt_new((0, owner, address, slot if slot[0] else None), message, name)
+        return self._adopt_new((0, owner, address, slot if slot[0] else None, 0, 0), message, name)
 
-    def _adopt_new(self, imported_now: tuple[int, Any, int, Any], message: bytes, name: str) -> Imported:
+    def _adopt_new(
+        self, imported_now: tuple[int, Any, int, Any, int, int], message: bytes, name: str
+    ) -> Imported:
         """The import of a message the session had not seen, which the C core made because all its
         regions are open in this process (``aib_import_new``): its owner carries the decode, the
         view and the lease token; wrap it. ``message``: the bytes the C core decoded."""
-        _, owner, address, sync_slot = imported_now
+        _, owner, address, sync_slot, version, _ = imported_now
         # The C core checked the message it decoded (and a GET's lease id).
         decoded = Decoded.adopt_owned(owner, message)  # owns the reference from here on
         found = ffi.new("const uint64_t **")
@@ -588,6 +642,8 @@ class Session:
             name=name,
             owner_address=address,
         )
+        if version:
+            imported.version = version
         self.new_message_gets += 1
         next(import_counters.new_message_gets)
         self._imported.add(imported)
@@ -686,6 +742,9 @@ class Session:
             self._conn.close()
         if self._lease_keeper != ffi.NULL:
             ffi.release(self._lease_keeper)  # the family retires once the last C-imported lease ends
+        if self._board is not None:
+            with self._request_lock:  # no get reads the page meanwhile
+                self._board.close()
         self._cache.close()
         _reaper.drain()
 
@@ -696,6 +755,16 @@ class Session:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+_GET_LOCAL = int(lib.AIB_GET_LOCAL)
+_GET_STANDING = int(lib.AIB_GET_STANDING)
+
+
+def _answer_message(frame: Frame) -> bytes:
+    """The message of a GET's answer the C core imported (ITEM or BOARD_ITEM, checked there)."""
+    prefix = 32 if frame.kind == protocol.BOARD_ITEM else 8
+    return frame.payload[prefix:]
 
 
 def _send_release(channel: Channel, lease_id: int) -> None:

@@ -434,6 +434,16 @@ int64_t aib_channel_peer_unread(const aib_channel *ch);
 /* send then receive the answer, both within timeout_ms */
 int aib_channel_request(aib_channel *ch, uint32_t kind, const uint8_t *payload, size_t length,
                         int64_t timeout_ms, aib_frame *out, aib_error *err);
+/* ---------- the version board (board.c) --------------------------------------------------------
+ * A shared page of AIB_BOARD_SLOT_SIZE-byte slots: a publisher's table writes each published name's
+ * (serial, version) into the name's slot (serial: the version the entry was put at; 0: the slot is
+ * empty); sessions map it read-only and read a slot without a round trip (docs/protocol.md). write:
+ * one writer per board. read: 1 with a consistent (serial, version), 0 when the slot stayed busy. */
+#define AIB_BOARD_SLOT_SIZE 32
+#define AIB_BOARD_NO_SLOT 4294967295 /* an answer's slot when the name has none (the board was full) */
+#define AIB_BOARD_MAX_SLOTS 1048576
+void aib_board_write(void *board, uint32_t slot, uint64_t serial, uint64_t version);
+int aib_board_read(const void *board, uint32_t slot, uint64_t *serial, uint64_t *version);
 /* Published entries by name. put copies name and message, borrows the fds and takes a reference on
  * keeper; the entry lives while published or leased, then drops the keeper (whose token tells
  * Python to close the export record). remove returns 1 when the name was not published. */
@@ -449,6 +459,10 @@ int64_t aib_pubtable_leases(const aib_pubtable *t);
  * every put of any name gets a new, larger one); 0 when the name is not published. */
 uint64_t aib_pubtable_version(aib_pubtable *t, const uint8_t *name, size_t name_len);
 uint64_t aib_pubtable_renew(aib_pubtable *t, const uint8_t *name, size_t name_len);
+/* Keep the board (n_slots slots, zeroed, writable here) up to date from now on: every published
+ * name gets a slot while one is free (AIB_BOARD_NO_SLOT otherwise), written on put, renew and remove.
+ * NULL detaches it (the caller may unmap it after). Call before the first put or after clear. */
+void aib_pubtable_set_board(aib_pubtable *t, void *board, uint32_t n_slots);
 /* Descriptors sent in answers that peers may not have read yet, all connections together. */
 int64_t aib_pubtable_fds_unread(const aib_pubtable *t);
 /* One session's connection: its leases (given back by free) and the serve loop. Until
@@ -472,6 +486,9 @@ aib_server_conn *aib_server_conn_new(aib_pubtable *t, aib_channel *ch);
 void aib_server_conn_configure(aib_server_conn *c, int64_t max_leases, int64_t max_unread_fds,
                                int64_t send_timeout_ms);
 void aib_server_conn_welcome(aib_server_conn *c);
+/* The session mapped the board (it asked with BOARD_FD): GETs are answered with BOARD_ITEM, which
+ * adds the entry's version, serial and board slot to the lease id. */
+void aib_server_conn_use_board(aib_server_conn *c);
 void aib_server_conn_free(aib_server_conn *c);
 int64_t aib_server_conn_leases(const aib_server_conn *c);
 int aib_serve(aib_server_conn *c, int64_t idle_ms, aib_frame *out, aib_error *err);
@@ -529,8 +546,9 @@ size_t aib_remembered_forget_name(aib_remembered *r, const uint8_t *name, size_t
                                   size_t unless_len);
 size_t aib_remembered_forget_all(aib_remembered *r);
 /* Forget the messages holding a kept lease that no get used for linger seconds by now
- * (CLOCK_MONOTONIC seconds, Python's time.monotonic()); returns the next such deadline, -1 when no
- * kept lease is left. */
+ * (CLOCK_MONOTONIC seconds, Python's time.monotonic()), and give back the standing leases (see
+ * aib_session_get) no get used for as long (the message stays remembered); returns the next such
+ * deadline, -1 when no kept or standing lease is left. */
 double aib_remembered_expire(aib_remembered *r, double now, double linger);
 uint64_t aib_remembered_take_forgotten(aib_remembered *r);
 typedef struct aib_get_result {
@@ -538,7 +556,11 @@ typedef struct aib_get_result {
   aib_owner *owner;  /* the lease's owner (token set, sync slot filled); one reference, the caller's */
   uintptr_t owner_address; /* the same, as a number (what py_capsules.c's functions take) */
   uint64_t *sync_slot;  /* the owner's slot holding the CUevent (the spec's sync_event), or NULL */
+  uint64_t version;     /* the version got (BOARD_ITEM answers and board reads); 0: not known */
+  uint32_t flags;       /* AIB_GET_* flags below */
 } aib_get_result;
+#define AIB_GET_LOCAL 1    /* answered from the board: no round trip, the standing lease holds the data */
+#define AIB_GET_STANDING 2 /* this get took a standing lease for the message (the linger clock runs) */
 /* GET name, then: an ITEM carrying a remembered message (and its files) is imported here, the
  * message marked used, and AIB_GET_IMPORTED returned with out filled (entry_id: its id); otherwise AIB_OK with the received frame for the
  * caller (out->owner NULL); or an error code (the channel is then unusable).
@@ -550,9 +572,17 @@ typedef struct aib_get_result {
  * this process already (region_table.c); out->entry_id is 0. */
 #define AIB_GET_IMPORTED_NEW 102
 #define AIB_LEASE_ID_BITS 40
+/* With board (the publisher's version board mapped here, n_slots slots; NULL: none): a name whose
+ * remembered message holds a standing lease is imported without a round trip while the board shows
+ * the serial that lease is on and nothing is waiting on the channel (AIB_GET_IMPORTED, flags
+ * AIB_GET_LOCAL; the import holds the standing lease). A BOARD_ITEM answer with a remembered message
+ * makes that answer's lease the message's standing lease when it has none for that serial
+ * (AIB_GET_STANDING): the lease then lives while the message is remembered and some get used it in
+ * the last linger seconds (aib_remembered_expire). */
 int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64_t timeout_ms,
-                    aib_remembered *remembered, uint64_t lease_tokens, aib_owner *keeper, aib_get_result *out,
-                    aib_frame *frame, aib_error *err);
+                    aib_remembered *remembered, uint64_t lease_tokens, aib_owner *keeper,
+                    const void *board, uint32_t board_slots, aib_get_result *out, aib_frame *frame,
+                    aib_error *err);
 /* ---------- what this process has open: the region table (region_table.c) ---------------------
  * The one record of it, which aib_session_get reads and Python asks (it keeps no copy). Keys: a
  * legacy IPC handle (64 bytes; value: its base here; owner: what keeps it open, one reference held

@@ -27,6 +27,7 @@ C_SOURCES = [
     "wire_rebuild.c",
     "content_check.c",
     "channel.c",
+    "board.c",
     "serve.c",
     "remembered.c",
     "cuda_batch.c",

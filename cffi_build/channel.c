@@ -89,6 +89,12 @@ void aib_channel_drop(aib_channel *ch) {
   ch->out_of_sync = 1;
 }
 
+int aib_channel_quiet(aib_channel *ch) {
+  if (ch->start != ch->end || ch->n_pending != 0 || ch->out_of_sync) return 0;
+  struct pollfd p = {.fd = ch->fd, .events = POLLIN, .revents = 0};
+  return poll(&p, 1, 0) == 0; /* a frame, an end of file or an error all make it ready */
+}
+
 int64_t aib_channel_peer_unread(const aib_channel *ch) {
   int n = 0;
   /* SIOCOUTQ on a Unix stream socket: what was sent and the peer has not read yet (in the kernel's

@@ -28,6 +28,8 @@
 
 #define FRAME_GET 5
 #define FRAME_ITEM 6
+#define FRAME_BOARD_ITEM 26
+#define BOARD_PREFIX 32 /* lease, version, serial, slot, 0 */
 #define MIN_BUCKETS 64
 #define FIRST_BUCKETS_MAX 4096    /* a large limit starts here; the table grows with what it holds */
 #define BUCKETS_MAX ((size_t)1 << 24)
@@ -42,6 +44,14 @@ typedef struct entry {
   struct entry *older, *newer; /* the LRU order */
   double last_used;          /* CLOCK_MONOTONIC seconds, for a kept lease (lingers) */
   int lingers;               /* the template holds a kept lease, given back after linger seconds unused */
+  /* The standing lease (a BOARD_ITEM answer's lease owner, one reference) on the publisher's entry of
+   * serial board_serial, in board slot board_slot: gets of the name import from it without a round
+   * trip while the board shows that serial; given back linger seconds after its last use, or with
+   * the message. NULL: none. */
+  aib_owner *standing;
+  uint64_t board_serial;
+  uint32_t board_slot;
+  double standing_used;
   int any_fds;  /* the descriptors name nothing the message does not (CUDA pool fds): not checked */
   int named;
   uint32_t n_files;
@@ -92,6 +102,7 @@ aib_remembered *aib_remembered_new(size_t limit) {
 }
 
 static void free_entry(entry *e) {
+  aib_owner_unref(e->standing);
   aib_owner_unref(e->template_owner);
   free(e);
 }
@@ -333,15 +344,33 @@ size_t aib_remembered_forget_all(aib_remembered *r) {
 double aib_remembered_expire(aib_remembered *r, double now, double linger) {
   double next = -1.0;
   pthread_mutex_lock(&r->mu);
+  size_t n_expired = 0; /* standing leases to give back */
+  aib_owner *expired_list[64];
   for (entry *e = r->oldest; e != NULL;) {
     entry *newer = e->newer;
     if (e->lingers) {
-      if (now - e->last_used >= linger) forget_locked(r, e);
-      else if (next < 0 || e->last_used + linger < next) next = e->last_used + linger;
+      if (now - e->last_used >= linger) {
+        forget_locked(r, e);
+        e = newer;
+        continue;
+      }
+      if (next < 0 || e->last_used + linger < next) next = e->last_used + linger;
+    }
+    if (e->standing != NULL) {
+      if (now - e->standing_used >= linger && n_expired < sizeof(expired_list) / sizeof(expired_list[0])) {
+        expired_list[n_expired++] = e->standing; /* the message stays remembered */
+        e->standing = NULL;
+      } else {
+        /* not yet, or more than the list holds this round: asked again at once */
+        double due = n_expired == sizeof(expired_list) / sizeof(expired_list[0]) ? now : e->standing_used + linger;
+        if (next < 0 || due < next) next = due;
+      }
     }
     e = newer;
   }
   pthread_mutex_unlock(&r->mu);
+  /* Outside the lock: the last reference sends the lease's RELEASE through the reaper. */
+  for (size_t i = 0; i < n_expired; i++) aib_owner_unref(expired_list[i]);
   return next;
 }
 
@@ -356,66 +385,166 @@ uint64_t aib_remembered_take_forgotten(aib_remembered *r) {
   return id;
 }
 
+/* What a BOARD_ITEM answer says beside the lease: the entry's serial and its name's board slot. */
+typedef struct board_answer {
+  int present;
+  uint64_t serial;
+  uint32_t slot;
+} board_answer;
+
 /* The lease owner for a remembered message, or NULL (not remembered, other files, or out of memory:
- * the caller then takes the slow path, which reports errors properly). */
+ * the caller then takes the slow path, which reports errors properly). With a board answer whose
+ * slot is on the board, for a named message with no standing lease on that serial, the lease becomes
+ * the message's standing lease instead (*standing_out = 1): an owner of its own holding the token,
+ * on which the import's owner depends; a standing lease on an older serial (the same bytes published
+ * again) is given back then. */
 static aib_owner *import_remembered(aib_remembered *r, const uint8_t *message, size_t length, const int *fds,
-                                    uint32_t n_fds, uint64_t token, aib_owner *keeper, uint64_t *id_out) {
+                                    uint32_t n_fds, uint64_t token, aib_owner *keeper, const board_answer *board,
+                                    uint32_t board_slots, uint64_t *id_out, int *standing_out) {
   uint64_t hash = aib_hash_bytes(message, length);
-  aib_owner *owner = NULL;
+  aib_owner *owner = NULL, *replaced = NULL;
   pthread_mutex_lock(&r->mu);
   entry *e = *find(r, message, length, hash);
   if (e != NULL && !same_files(e, fds, n_fds)) e = NULL;
   if (e != NULL) {
-    /* Token set only once the owner is complete: one that fails dies quietly, and the slow path
+    /* Named messages only: a local get finds the message by its name. */
+    int stand = board->present && board->slot < board_slots && e->named &&
+                (e->standing == NULL || e->board_serial != board->serial);
+    aib_owner *standing = NULL;
+    if (stand) {
+      standing = aib_owner_new(0);
+      if (standing != NULL && aib_owner_add_dependency(standing, keeper) != AIB_OK) {
+        aib_owner_unref(standing);
+        standing = NULL;
+      }
+      if (standing == NULL) stand = 0; /* out of memory: an ordinary lease */
+    }
+    /* Token set only once the owners are complete: one that fails dies quietly, and the slow path
      * (which gets the same token) is the only one to report the lease's end. */
     owner = aib_owner_new(0);
     if (owner != NULL && (aib_owner_share_decoded(owner, e->template_owner) != AIB_OK ||
-                          aib_owner_add_dependency(owner, keeper) != AIB_OK)) {
+                          aib_owner_add_dependency(owner, stand ? standing : keeper) != AIB_OK)) {
       aib_owner_unref(owner);
       owner = NULL;
     }
     if (owner != NULL) {
-      aib_owner_set_token(owner, token);
       *aib_owner_slot(owner) = e->event;
       *id_out = e->id;
       mark_used(r, e);
+      if (stand) {
+        aib_owner_set_token(standing, token);
+        replaced = e->standing;
+        e->standing = standing; /* the set's reference; the import holds its own */
+        e->board_serial = board->serial;
+        e->board_slot = board->slot;
+        e->standing_used = monotonic_now();
+        standing = NULL;
+        *standing_out = 1;
+      } else {
+        aib_owner_set_token(owner, token);
+      }
+    }
+    aib_owner_unref(standing); /* NULL when kept; a failed import's dies quietly (no token yet) */
+  }
+  pthread_mutex_unlock(&r->mu);
+  aib_owner_unref(replaced); /* NULL-safe; outside the lock, as its RELEASE goes through the reaper */
+  return owner;
+}
+
+/* A get of name without a round trip: its remembered message holds a standing lease whose serial
+ * the board still shows. The import's owner shares the template's decode and holds the standing
+ * lease (token 0: its end releases nothing by itself). NULL when the get must ask the publisher. */
+static aib_owner *import_local(aib_remembered *r, const void *board, uint32_t board_slots, const uint8_t *name,
+                               size_t name_len, uint64_t *id_out, uint64_t *version_out) {
+  uint64_t hash = aib_hash_bytes(name, name_len);
+  aib_owner *owner = NULL;
+  pthread_mutex_lock(&r->mu);
+  entry *e = *find_name(r, name, name_len, hash);
+  uint64_t serial = 0, version = 0;
+  if (e != NULL && e->standing != NULL && e->board_slot < board_slots &&
+      aib_board_read(board, e->board_slot, &serial, &version) && serial == e->board_serial && serial != 0) {
+    owner = aib_owner_new(0);
+    if (owner != NULL && (aib_owner_share_decoded(owner, e->template_owner) != AIB_OK ||
+                          aib_owner_add_dependency(owner, e->standing) != AIB_OK)) {
+      aib_owner_unref(owner);
+      owner = NULL;
+    }
+    if (owner != NULL) {
+      *aib_owner_slot(owner) = e->event;
+      *id_out = e->id;
+      *version_out = version;
+      mark_used(r, e);
+      e->standing_used = monotonic_now();
     }
   }
   pthread_mutex_unlock(&r->mu);
   return owner;
 }
 
+static void fill(aib_get_result *out, aib_owner *owner) {
+  out->owner = owner;
+  out->owner_address = (uintptr_t)owner;
+  out->sync_slot = *aib_owner_slot(owner) != 0 ? aib_owner_slot(owner) : NULL;
+}
+
 int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64_t timeout_ms,
-                    aib_remembered *remembered, uint64_t lease_tokens, aib_owner *keeper, aib_get_result *out,
-                    aib_frame *frame, aib_error *err) {
+                    aib_remembered *remembered, uint64_t lease_tokens, aib_owner *keeper,
+                    const void *board, uint32_t board_slots, aib_get_result *out, aib_frame *frame,
+                    aib_error *err) {
   out->entry_id = 0;
   out->owner = NULL;
   out->owner_address = 0;
   out->sync_slot = NULL;
+  out->version = 0;
+  out->flags = 0;
+  if (board != NULL && remembered != NULL && aib_channel_quiet(ch)) {
+    aib_owner *owner = import_local(remembered, board, board_slots, name, name_len, &out->entry_id, &out->version);
+    if (owner != NULL) {
+      fill(out, owner);
+      out->flags = AIB_GET_LOCAL;
+      return AIB_GET_IMPORTED;
+    }
+  }
   int rc = aib_channel_request(ch, FRAME_GET, name, name_len, timeout_ms, frame, err);
   if (rc) return rc;
-  if (frame->kind != FRAME_ITEM || frame->length < 8 || remembered == NULL || keeper == NULL) return AIB_OK;
+  if (remembered == NULL || keeper == NULL) return AIB_OK;
+  board_answer answer = {0, 0, 0};
+  size_t prefix;
+  if (frame->kind == FRAME_ITEM && frame->length >= 8) {
+    prefix = 8;
+  } else if (frame->kind == FRAME_BOARD_ITEM && frame->length >= BOARD_PREFIX) {
+    prefix = BOARD_PREFIX;
+    answer.present = 1;
+    answer.serial = aib_load_u64le(frame->payload + 16);
+    answer.slot = aib_load_u32le(frame->payload + 24);
+    /* A slot past the board (or the board's "none") is never read; Python checks the rest. */
+    if (answer.slot >= board_slots || answer.serial == 0 || aib_load_u32le(frame->payload + 28) != 0)
+      answer.present = 0;
+    out->version = aib_load_u64le(frame->payload + 8);
+  } else {
+    return AIB_OK;
+  }
   const uint8_t *p = frame->payload;
   uint64_t lease = aib_load_u64le(p);
   /* The lease id rides in the owner's token (no Python registration per get); one that does not
    * fit under the session's token base is left to the caller's path. */
   if (lease == 0 || lease >> AIB_LEASE_ID_BITS) return AIB_OK;
-  aib_owner *owner = import_remembered(remembered, p + 8, (size_t)frame->length - 8, frame->fds, frame->n_fds,
-                                       lease_tokens | lease, keeper, &out->entry_id);
+  const uint8_t *message = p + prefix;
+  size_t length = (size_t)frame->length - prefix;
+  int standing = 0;
+  aib_owner *owner = import_remembered(remembered, message, length, frame->fds, frame->n_fds, lease_tokens | lease,
+                                       keeper, &answer, board != NULL ? board_slots : 0, &out->entry_id, &standing);
   if (owner == NULL) {
     /* Not remembered: imported here still when every region is open in this process already. */
-    owner = aib_import_new(p + 8, (size_t)frame->length - 8, frame->n_fds, lease_tokens | lease, keeper);
+    owner = aib_import_new(message, length, frame->n_fds, lease_tokens | lease, keeper);
     if (owner == NULL) return AIB_OK;
-    out->owner = owner;
-    out->owner_address = (uintptr_t)owner;
-    out->sync_slot = *aib_owner_slot(owner) != 0 ? aib_owner_slot(owner) : NULL;
+    fill(out, owner);
     return AIB_GET_IMPORTED_NEW;
   }
   /* The template maps these files already: the duplicates that came with the answer go. */
   for (uint32_t i = 0; i < frame->n_fds; i++) close(frame->fds[i]);
   frame->n_fds = 0;
-  out->owner = owner;
-  out->owner_address = (uintptr_t)owner;
-  out->sync_slot = *aib_owner_slot(owner) != 0 ? aib_owner_slot(owner) : NULL;
+  fill(out, owner);
+  out->flags = standing ? AIB_GET_STANDING : 0;
   return AIB_GET_IMPORTED;
 }

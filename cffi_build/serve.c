@@ -9,7 +9,10 @@
  * owns the protocol's rare paths and its error reporting. Each entry carries a version, the table's
  * publish counter when it was put, so a name's versions only grow (also across remove and put);
  * a held wait for a newer version (frame WAIT, publisher.py and watch.py) is answered from another
- * thread with aib_server_conn_lease_newer, under the connection's mutex. */
+ * thread with aib_server_conn_lease_newer, under the connection's mutex. With a version board
+ * (board.c), each published name holds a slot on it showing its entry's serial (the version it was
+ * put at) and current version, written under the table's mutex; a session that mapped the board is
+ * answered with BOARD_ITEM, which names the slot and serial (remembered.c reads them). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
@@ -27,6 +30,7 @@
 #define FRAME_PING 9
 #define FRAME_PONG 10
 #define FRAME_VERSIONED_ITEM 21
+#define FRAME_BOARD_ITEM 26
 #define MAX_PING 64
 
 typedef struct entry {
@@ -40,6 +44,11 @@ typedef struct entry {
   /* the table's publish counter when this entry was put or last renewed (aib_pubtable_renew; never
    * reused): atomic, as a renewal changes it while connections read it without the table's mutex */
   _Atomic uint64_t version;
+  /* the version it was put at: the board's serial for it (a renewal keeps it) */
+  uint64_t serial;
+  /* its name's board slot when it was put (AIB_BOARD_NO_SLOT: none); an entry replaced under the
+   * same name keeps the value, but only the current entry's name owns the slot */
+  uint32_t slot;
   aib_owner *keeper;
   struct entry *next; /* hash chain */
 } entry;
@@ -54,6 +63,11 @@ struct aib_pubtable {
   /* Descriptors sent in answers that their peers may not have read yet, all connections together
    * (each connection's count is refreshed when it next sends descriptors; see fds_unread). */
   atomic_llong fds_unread;
+  /* The version board (board.c), written under mu; NULL: none. free_slots: a stack of the slots no
+   * published name holds. */
+  void *board;
+  uint32_t n_slots, n_free;
+  uint32_t *free_slots;
 };
 
 static void entry_unref(entry *e) {
@@ -78,6 +92,31 @@ aib_pubtable *aib_pubtable_new(void) {
   return t;
 }
 
+/* Under mu: the name holding slot is gone; its slot reads empty and is free again. */
+static void release_slot(aib_pubtable *t, uint32_t slot) {
+  if (t->board == NULL || slot >= t->n_slots) return;
+  aib_board_write(t->board, slot, 0, 0);
+  t->free_slots[t->n_free++] = slot;
+}
+
+void aib_pubtable_set_board(aib_pubtable *t, void *board, uint32_t n_slots) {
+  uint32_t *free_slots = NULL;
+  if (board != NULL && n_slots > 0) {
+    free_slots = malloc((size_t)n_slots * sizeof(uint32_t));
+    if (free_slots == NULL) board = NULL; /* no board: every get is a round trip, as without one */
+  }
+  pthread_mutex_lock(&t->mu);
+  free(t->free_slots);
+  t->free_slots = free_slots;
+  t->board = board != NULL ? board : NULL;
+  t->n_slots = board != NULL ? n_slots : 0;
+  t->n_free = 0;
+  /* Slots are handed out from the top of the stack: slot 0 first. Names published before keep no
+   * slot (the caller sets the board first). */
+  for (uint32_t i = t->n_slots; i > 0; i--) t->free_slots[t->n_free++] = i - 1;
+  pthread_mutex_unlock(&t->mu);
+}
+
 void aib_pubtable_clear(aib_pubtable *t) {
   pthread_mutex_lock(&t->mu);
   entry *dead = NULL;
@@ -85,6 +124,7 @@ void aib_pubtable_clear(aib_pubtable *t) {
     entry *e = t->buckets[b];
     while (e != NULL) {
       entry *next = e->next;
+      release_slot(t, e->slot);
       e->next = dead;
       dead = e;
       e = next;
@@ -102,8 +142,10 @@ void aib_pubtable_clear(aib_pubtable *t) {
 
 void aib_pubtable_unref(aib_pubtable *t) {
   if (t == NULL || atomic_fetch_sub_explicit(&t->refs, 1, memory_order_acq_rel) != 1) return;
+  t->board = NULL; /* the publisher that owned the page may have unmapped it: nothing writes it now */
   aib_pubtable_clear(t);
   pthread_mutex_destroy(&t->mu);
+  free(t->free_slots);
   free(t->buckets);
   free(t);
 }
@@ -161,16 +203,21 @@ int aib_pubtable_put(aib_pubtable *t, const uint8_t *name, size_t name_len, cons
   aib_owner_ref(keeper);
   e->keeper = keeper;
   pthread_mutex_lock(&t->mu);
-  atomic_store(&e->version, ++t->versions);
+  e->serial = ++t->versions;
+  atomic_store(&e->version, e->serial);
   entry **slot = find_slot(t, name, name_len);
   entry *previous = *slot;
   if (previous != NULL) {
+    e->slot = previous->slot; /* the name keeps its slot (or takes one freed since) */
+    if (e->slot == AIB_BOARD_NO_SLOT && t->n_free > 0) e->slot = t->free_slots[--t->n_free];
     e->next = previous->next;
     *slot = e;
   } else {
+    e->slot = t->n_free > 0 ? t->free_slots[--t->n_free] : AIB_BOARD_NO_SLOT;
     *slot = e;
     if (++t->count > t->n_buckets) grow(t);
   }
+  if (t->board != NULL && e->slot < t->n_slots) aib_board_write(t->board, e->slot, e->serial, e->serial);
   pthread_mutex_unlock(&t->mu);
   entry_unref(previous); /* leases on the replaced object keep it */
   return AIB_OK;
@@ -183,6 +230,7 @@ int aib_pubtable_remove(aib_pubtable *t, const uint8_t *name, size_t name_len) {
   if (e != NULL) {
     *slot = e->next;
     t->count--;
+    release_slot(t, e->slot);
   }
   pthread_mutex_unlock(&t->mu);
   if (e == NULL) return 1;
@@ -208,6 +256,7 @@ uint64_t aib_pubtable_renew(aib_pubtable *t, const uint8_t *name, size_t name_le
   if (e != NULL) {
     version = ++t->versions;
     atomic_store(&e->version, version);
+    if (t->board != NULL && e->slot < t->n_slots) aib_board_write(t->board, e->slot, e->serial, version);
   }
   pthread_mutex_unlock(&t->mu);
   return version;
@@ -234,6 +283,7 @@ struct aib_server_conn {
   entry **values;
   size_t cap, count;
   int welcomed;         /* until Python says hello was answered, every frame goes back to it */
+  int board;            /* the session mapped the board: GETs are answered with BOARD_ITEM */
   int64_t max_leases;   /* < 0: no limit */
   int64_t max_unread_fds;
   int64_t send_timeout_ms; /* a peer that does not read an answer for this long is dropped */
@@ -275,6 +325,12 @@ void aib_server_conn_configure(aib_server_conn *c, int64_t max_leases, int64_t m
 }
 
 void aib_server_conn_welcome(aib_server_conn *c) { c->welcomed = 1; }
+
+void aib_server_conn_use_board(aib_server_conn *c) {
+  pthread_mutex_lock(&c->mu);
+  c->board = 1;
+  pthread_mutex_unlock(&c->mu);
+}
 
 static size_t lease_index(uint64_t key, size_t cap) { return (size_t)((key * 0x9E3779B97F4A7C15ull) >> 20) & (cap - 1); }
 
@@ -386,10 +442,10 @@ static void give_back(aib_server_conn *c, uint64_t lease) {
 }
 
 /* Leases e (one reference, the caller's, moves into the table) to this connection and sends it:
- * ITEM [lease] or, with a version, VERSIONED_ITEM [lease][version], the message and its fds. Called
- * holding c->mu. AIB_SERVE_LEASE_LIMIT / AIB_SERVE_UNREAD_LIMIT / AIB_SERVE_FDS_BUSY: nothing leased
- * (and nothing sent). */
-static int lease_and_send(aib_server_conn *c, entry *e, int versioned, uint64_t version, int64_t timeout_ms,
+ * ITEM [lease], VERSIONED_ITEM [lease][version] (kind), or BOARD_ITEM [lease][version][serial][slot
+ * u32][0 u32], then the message and its fds. Called holding c->mu. AIB_SERVE_LEASE_LIMIT /
+ * AIB_SERVE_UNREAD_LIMIT / AIB_SERVE_FDS_BUSY: nothing leased (and nothing sent). */
+static int lease_and_send(aib_server_conn *c, entry *e, uint32_t kind, uint64_t version, int64_t timeout_ms,
                           aib_error *err) {
   if (c->max_leases >= 0 && (int64_t)c->count >= c->max_leases) {
     entry_unref(e);
@@ -405,12 +461,16 @@ static int lease_and_send(aib_server_conn *c, entry *e, int versioned, uint64_t 
     return aib_fail(err, AIB_E_NOMEM, "", "", "no memory for a lease");
   }
   atomic_fetch_add(&c->table->leases, 1);
-  uint8_t prefix[16];
+  uint8_t prefix[32];
+  size_t prefix_len = kind == FRAME_ITEM ? 8 : kind == FRAME_VERSIONED_ITEM ? 16 : 32;
   aib_store_u64le(prefix, lease);
   aib_store_u64le(prefix + 8, version);
+  aib_store_u64le(prefix + 16, e->serial);
+  aib_store_u32le(prefix + 24, e->slot);
+  aib_store_u32le(prefix + 28, 0);
   uint32_t n_fds = e->n_fds;
-  int rc = aib_channel_send(c->ch, versioned ? FRAME_VERSIONED_ITEM : FRAME_ITEM, prefix, versioned ? 16 : 8,
-                            e->message, e->message_len, e->fds, n_fds, timeout_ms, err);
+  int rc = aib_channel_send(c->ch, kind, prefix, prefix_len, e->message, e->message_len, e->fds, n_fds,
+                            timeout_ms, err);
   if (rc == AIB_E_OS && err != NULL && err->errno_value == ETOOMANYREFS) {
     /* sendmsg sent nothing: this answer only fails, and the connection goes on */
     give_back(c, lease);
@@ -434,7 +494,8 @@ static int serve_one(aib_server_conn *c, aib_frame *out, aib_error *err) {
   if (out->kind != FRAME_GET) return AIB_SERVE_FRAME;
   entry *e = take(c->table, out->payload, (size_t)out->length);
   if (e == NULL) return AIB_SERVE_FRAME; /* Python answers NotPublished (or a bad name) */
-  return lease_and_send(c, e, 0, 0, c->send_timeout_ms, err);
+  if (c->board) return lease_and_send(c, e, FRAME_BOARD_ITEM, atomic_load(&e->version), c->send_timeout_ms, err);
+  return lease_and_send(c, e, FRAME_ITEM, 0, c->send_timeout_ms, err);
 }
 
 int aib_serve(aib_server_conn *c, int64_t idle_ms, aib_frame *out, aib_error *err) {
@@ -481,7 +542,7 @@ int aib_server_conn_lease_newer(aib_server_conn *c, const uint8_t *name, size_t 
     entry_unref(e);
     rc = AIB_SERVE_NOT_NEWER;
   } else {
-    rc = lease_and_send(c, e, 1, *version, timeout_ms, err);
+    rc = lease_and_send(c, e, FRAME_VERSIONED_ITEM, *version, timeout_ms, err);
   }
   pthread_mutex_unlock(&c->mu);
   return rc;

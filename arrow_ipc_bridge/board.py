@@ -1,0 +1,118 @@
+"""The version board: the publisher's page of name versions, which sessions read without asking.
+
+A publisher keeps, for each published name, the *serial* of the entry published under it (the
+version it was put at; a new one on every publish that is not an in-place renewal) and its current
+version, in one 32-byte slot of a shared page (``cffi_build/board.c`` writes and reads it; the
+table in ``serve.c`` keeps it current). A session maps the page read-only once (``BOARD_FD`` /
+``BOARD``, docs/protocol.md). A message it remembers and re-gets holds a *standing lease* on its
+entry; while the board shows that entry's serial, a get of the name imports the remembered message
+in place, with no round trip, under the standing lease (``remembered.c``; docs/lifetime.md,
+"Standing leases"). Anything else asks the publisher as before.
+
+Trust: the page is a memfd the publisher sealed against growing, shrinking and writing through any
+new mapping (``F_SEAL_FUTURE_WRITE``); a session refuses one that is not sealed so (a file that can
+shrink would fault its mapping) or not the size announced. What the page says is only compared with
+what the session holds: a publisher that lies about it can make a get return its older data, as a
+publisher can by answering a GET with it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import stat
+import struct
+from typing import Any
+
+from arrow_ipc_bridge._ffi import ffi, lib
+from arrow_ipc_bridge.errors import ProtocolError
+from arrow_ipc_bridge.host import F_SEAL_FUTURE_WRITE
+
+__all__ = ["DEFAULT_SLOTS", "PublisherBoard", "SessionBoard", "decode_board", "encode_board"]
+
+SLOT_SIZE = int(lib.AIB_BOARD_SLOT_SIZE)
+MAX_SLOTS = int(lib.AIB_BOARD_MAX_SLOTS)
+DEFAULT_SLOTS = 4096
+"""Slots on a publisher's board (128 KiB): names published beyond them are got by round trips."""
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+_BOARD = struct.Struct("<I")  # BOARD's payload: the number of slots; the page's fd attached
+
+
+def encode_board(n_slots: int) -> bytes:
+    return _BOARD.pack(n_slots)
+
+
+def decode_board(payload: bytes) -> int:
+    """The slot count of a BOARD answer; :class:`ProtocolError` when malformed or out of range."""
+    if len(payload) != _BOARD.size:
+        raise ProtocolError(f"BOARD payload of {len(payload)} bytes, expected {_BOARD.size}")
+    (n_slots,) = _BOARD.unpack(payload)
+    if not 0 < n_slots <= MAX_SLOTS:
+        raise ProtocolError(f"BOARD announces {n_slots} slots (1 to {MAX_SLOTS})")
+    return int(n_slots)
+
+
+class PublisherBoard:
+    """The publisher's board: a zeroed memfd of ``n_slots`` slots mapped writable here, sealed so
+    that no one can map it writable again, resize it or unseal it. Raises :class:`OSError` where
+    the kernel cannot seal so (Linux < 5.1): the publisher then offers no board."""
+
+    def __init__(self, n_slots: int = DEFAULT_SLOTS) -> None:
+        size = n_slots * SLOT_SIZE
+        fd = os.memfd_create("aib-version-board", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            page = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                # After our only writable mapping exists: later mappings can only read.
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            except BaseException:
+                page.close()
+                raise
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.n_slots = n_slots
+        self._page = page
+        self.address: Any = ffi.from_buffer(page, require_writable=True)
+        """The page, for ``aib_pubtable_set_board``."""
+
+    def close(self) -> None:
+        """Unmap and close; the table must have let go of the page first (``set_board(NULL)``)."""
+        if self._page.closed:
+            return
+        ffi.release(self.address)
+        self._page.close()
+        os.close(self.fd)
+
+
+class SessionBoard:
+    """A publisher's board mapped read-only in a session, from a BOARD answer's fd (the caller
+    still owns and closes it). :class:`ProtocolError` for a file that is not the sealed page of
+    ``n_slots`` slots a publisher makes."""
+
+    def __init__(self, fd: int, n_slots: int) -> None:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != n_slots * SLOT_SIZE:
+            raise ProtocolError(
+                f"the publisher's version board is not a file of {n_slots} slots "
+                f"({n_slots * SLOT_SIZE} bytes; got {info.st_size})"
+            )
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
+            # A page that can shrink would fault (SIGBUS) a session reading it.
+            raise ProtocolError("the publisher's version board is not sealed against resizing")
+        self.n_slots = n_slots
+        self._page = mmap.mmap(fd, n_slots * SLOT_SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+        self.address: Any = ffi.from_buffer(self._page)
+        """The page, for ``aib_session_get``."""
+
+    def close(self) -> None:
+        """Unmap; the session's gets must have stopped using it (the request lock held)."""
+        if self._page.closed:
+            return
+        ffi.release(self.address)
+        self._page.close()
