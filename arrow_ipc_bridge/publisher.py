@@ -187,7 +187,19 @@ class Publisher:
         self._streams = StreamHub(max_subscriptions)
         self.publisher_id = os.urandom(16).hex()
         self._watch = Watch("aib-publisher")  # versions and held waits (feature "watch")
-        self._server = transport.Server(
+        try:
+            self._server = self._start_server(path, allowed_uids, max_connections, handshake_timeout)
+        except BaseException:
+            if self._board is not None:  # its descriptor is ours until close(), which never comes
+                lib.aib_pubtable_set_board(table, ffi.NULL, 0)
+                self._board.close()
+            raise
+        self.path = self._server.path
+
+    def _start_server(
+        self, path: str, allowed_uids: list[int] | None, max_connections: int, handshake_timeout: float
+    ) -> transport.Server:
+        return transport.Server(
             path,
             self._serve,
             allowed_uids=allowed_uids,
@@ -198,7 +210,6 @@ class Publisher:
             farewell=_farewell,
             on_close=self._forget_connection,
         )
-        self.path = self._server.path
 
     # ---------- publishing --------------------------------------------------------------------------
     def publish(self, name: str, obj: ArrowInput, *, copy: CopyPolicy | None = None) -> ExportStats:

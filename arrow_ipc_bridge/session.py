@@ -92,6 +92,16 @@ class Session:
         this got in a cycle miss every time and take the Python import path (~200 µs for 16 GPU
         columns on the H200 instead of ~35 µs): size it to the names a loop re-gets. 0 remembers
         nothing.
+    standing_leases
+        Re-get remembered names without a round trip (``docs/lifetime.md``, "Standing leases"):
+        from a name's second get on, the session keeps one lease on what it got (a *standing
+        lease*) and later gets of the name import the remembered message in place while the
+        publisher's version board shows the same publication (a new publish, an unpublish, a
+        closed or dead publisher, or anything waiting on the connection make the get ask). The
+        standing lease is given back ``pool_linger`` seconds after the name's last get, on
+        :meth:`forget`, when the name is got with other data, or on :meth:`close`; the publisher
+        counts it in ``active_leases`` meanwhile. Needs ``pool_linger`` > 0, remembered messages
+        and a publisher offering feature ``"board"``; off (the default): every get asks.
     check
         How far the contents of an import's buffers are checked before it is handed out
         (``docs/wire-format.md``, "Content checks"): ``"full"`` (every offset, view, dictionary
@@ -142,6 +152,7 @@ class Session:
         reader_device: int | None = None,
         cross_device: str = "peer",
         copy_stream: object = None,
+        standing_leases: bool = False,
     ) -> None:
         self._reader: ReaderPlacement | None = None
         if reader_device is not None:
@@ -160,6 +171,7 @@ class Session:
         # Lock order: _request_lock, then the remembered set's own (see RememberedMessages).
         self._request_lock = threading.Lock()
         self._remembered = RememberedMessages(remembered_messages, float(pool_linger), self._request_lock)
+        self._standing_leases = _arguments.boolean(standing_leases, "standing_leases")
         self._pool_linger = float(pool_linger)
         # The publisher's version board once connected (board.py); None: every get asks.
         self._board: SessionBoard | None = None
@@ -355,7 +367,8 @@ class Session:
         self._lease_keeper = ffi.gc(keeper, lib.aib_owner_unref)
         features = info.get("features")
         if (
-            isinstance(features, list)
+            self._standing_leases
+            and isinstance(features, list)
             and "board" in features
             and self._pool_linger > 0
             and self._remembered.limit
@@ -786,6 +799,7 @@ def connect(
     reader_device: int | None = None,
     cross_device: str = "peer",
     copy_stream: object = None,
+    standing_leases: bool = False,
     **flight_options: Any,
 ) -> Session:
     """Connect a new :class:`Session` to the publisher at ``path``.
@@ -818,6 +832,9 @@ def connect(
     reader_device, cross_device, copy_stream
         See :class:`Session`: GPU data living on a GPU other than the consumer's, read in place
         (``"peer"``) or copied (``"copy"``).
+    standing_leases
+        See :class:`Session`: re-gets of remembered names without a round trip, under one lease
+        kept per name for ``pool_linger`` seconds after its last get.
 
     Examples
     --------
@@ -851,6 +868,7 @@ def connect(
         reader_device=reader_device,
         cross_device=cross_device,
         copy_stream=copy_stream,
+        standing_leases=standing_leases,
     )
     session._path = os.fspath(path)
     conn = transport.connect(path, timeout=timeout, wait_for_server=wait_for_publisher)

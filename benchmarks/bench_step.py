@@ -25,6 +25,10 @@ the consumer gets them, reads one value the same way and answers: ``step`` as ab
 ``aib.column_arrays(imported, "cupy", stream=0)`` (16 CuPy arrays, the stream ordered after the
 producer's event), and the value is read from the last array's memory.
 
+The bridge's consumer connects with ``standing_leases=True`` (docs/lifetime.md, "Standing
+leases"): from the second step on its get reads the publisher's version board instead of asking,
+and imports the message it remembers. ``--no-standing-leases``: every get asks the publisher.
+
 ``--spin`` makes both sides of both methods wait for each other by polling instead of sleeping (a
 sleeping side wakes on a cold core, which slows the Python that follows it).
 ``--profile`` adds a cProfile of the producer's ``from_cuda_arrays`` + ``publish`` at each size.
@@ -137,11 +141,11 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, bool], 
     from arrow_ipc_bridge._ffi import ffi
     from arrow_ipc_bridge.capsules import capsule_struct
 
-    spin, as_cupy = options["spin"], options["cupy"]
+    spin, as_cupy, standing = options["spin"], options["cupy"], options["standing_leases"]
     value = ffi.new("float *")
     get_times: list[float] = []
     handoffs: list[float] = []
-    with aib.connect(path, timeout=60.0) as session:
+    with aib.connect(path, timeout=60.0, standing_leases=standing) as session:
         while True:
             step, publish_s = struct.unpack("<id", _receive(go, spin))
             if step < 0:
@@ -172,7 +176,8 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, bool], 
             if step > _WARMUP:
                 get_times.append(t1 - t0)
                 handoffs.append(t1 - t0 + publish_s)
-    out.send({"get_capsule": _summary(get_times), "handoff": _summary(handoffs)})
+        local_gets = session.local_gets
+    out.send({"get_capsule": _summary(get_times), "handoff": _summary(handoffs), "local_gets": local_gets})
 
 
 # ---------- torch.multiprocessing -----------------------------------------------------------------
@@ -271,7 +276,14 @@ def _run_pair(
 
 
 def run_bridge(
-    size: int, steps: int, profile: bool, spin: bool, timeout: float, *, as_cupy: bool = False
+    size: int,
+    steps: int,
+    profile: bool,
+    spin: bool,
+    timeout: float,
+    *,
+    as_cupy: bool = False,
+    standing_leases: bool = True,
 ) -> dict[str, Any]:
     path = os.path.join(tempfile.mkdtemp(dir="/tmp"), "step.sock")
     go_recv, go_send = _CTX.Pipe(duplex=False)
@@ -290,7 +302,7 @@ def run_bridge(
                 "spin": spin,
             },
         ),
-        (path, go_recv, ans_send, {"spin": spin, "cupy": as_cupy}),
+        (path, go_recv, ans_send, {"spin": spin, "cupy": as_cupy, "standing_leases": standing_leases}),
         timeout,
     )
     return {**produced, **consumed}
@@ -329,20 +341,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.multiprocessing peer")
     parser.add_argument(
+        "--no-standing-leases",
+        action="store_true",
+        help="the consumer's every get asks the publisher (no version board)",
+    )
+    parser.add_argument(
         "--spin", action="store_true", help="both sides of both methods wait by polling, not sleeping"
     )
     args = parser.parse_args(argv)
     results: dict[str, Any] = {}
     for text in args.sizes.split(","):
         size = _parse_size(text)
-        bridge = run_bridge(size, args.steps, args.profile, args.spin, args.timeout, as_cupy=args.cupy)
+        bridge = run_bridge(
+            size,
+            args.steps,
+            args.profile,
+            args.spin,
+            args.timeout,
+            as_cupy=args.cupy,
+            standing_leases=not args.no_standing_leases,
+        )
         torch_result = None if args.no_torch else run_torch(size, args.steps, args.spin, args.timeout)
         results[text] = {"bridge": bridge, "torch": torch_result}
         line = (
             f"{text:>7}: bridge publish {bridge['publish']['median_us']:7.1f} us, get+capsule "
             f"{bridge['get_capsule']['median_us']:6.1f} us, handoff {bridge['handoff']['median_us']:7.1f} us "
             f"(p90 {bridge['handoff']['p90_us']:.1f}), step {bridge['step']['median_us']:7.1f} us, "
-            f"{bridge['in_place_publishes']} in-place publishes"
+            f"{bridge['in_place_publishes']} in-place publishes, {bridge['local_gets']} gets from the board"
         )
         if torch_result is not None:
             torch_step = torch_result["step"]["median_us"]

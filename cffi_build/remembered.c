@@ -410,8 +410,14 @@ static aib_owner *import_remembered(aib_remembered *r, const uint8_t *message, s
     /* Named messages only: a local get finds the message by its name. */
     int stand = board->present && board->slot < board_slots && e->named &&
                 (e->standing == NULL || e->board_serial != board->serial);
+    /* A message that keeps a lease already (IPC-pool data, kept by its template) needs no second
+     * one: its template, which holds that lease, stands for it. */
+    int kept = stand && e->lingers;
     aib_owner *standing = NULL;
-    if (stand) {
+    if (kept) {
+      aib_owner_ref(e->template_owner);
+      standing = e->template_owner;
+    } else if (stand) {
       standing = aib_owner_new(0);
       if (standing != NULL && aib_owner_add_dependency(standing, keeper) != AIB_OK) {
         aib_owner_unref(standing);
@@ -423,7 +429,7 @@ static aib_owner *import_remembered(aib_remembered *r, const uint8_t *message, s
      * (which gets the same token) is the only one to report the lease's end. */
     owner = aib_owner_new(0);
     if (owner != NULL && (aib_owner_share_decoded(owner, e->template_owner) != AIB_OK ||
-                          aib_owner_add_dependency(owner, stand ? standing : keeper) != AIB_OK)) {
+                          aib_owner_add_dependency(owner, stand && !kept ? standing : keeper) != AIB_OK)) {
       aib_owner_unref(owner);
       owner = NULL;
     }
@@ -432,7 +438,8 @@ static aib_owner *import_remembered(aib_remembered *r, const uint8_t *message, s
       *id_out = e->id;
       mark_used(r, e);
       if (stand) {
-        aib_owner_set_token(standing, token);
+        if (kept) aib_owner_set_token(owner, token); /* this get's lease is the import's own */
+        else aib_owner_set_token(standing, token);
         replaced = e->standing;
         e->standing = standing; /* the set's reference; the import holds its own */
         e->board_serial = board->serial;
@@ -444,7 +451,7 @@ static aib_owner *import_remembered(aib_remembered *r, const uint8_t *message, s
         aib_owner_set_token(owner, token);
       }
     }
-    aib_owner_unref(standing); /* NULL when kept; a failed import's dies quietly (no token yet) */
+    aib_owner_unref(standing); /* NULL when it stands; a failed import's dies quietly (no token yet) */
   }
   pthread_mutex_unlock(&r->mu);
   aib_owner_unref(replaced); /* NULL-safe; outside the lock, as its RELEASE goes through the reaper */

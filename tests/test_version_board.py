@@ -58,7 +58,7 @@ def test_a_remembered_name_is_got_from_the_board_after_its_standing_lease(publis
     the same data, the publisher's version, counted per session and per process."""
     publisher.publish("t", pa.table({"x": [1, 2, 3]}))
     before = aib.stats().session.local_gets
-    with aib.connect(publisher.path, timeout=10.0) as session:
+    with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
         assert session.publisher_info["features"] and "board" in session.publisher_info["features"]  # type: ignore[operator]
         for _ in range(2):
             with session.get("t") as imported:
@@ -76,7 +76,7 @@ def test_a_remembered_name_is_got_from_the_board_after_its_standing_lease(publis
 def test_a_new_publish_is_seen_at_once_not_the_remembered_data(publisher: aib.Publisher) -> None:
     """After a publish of other data, the next get is a round trip that returns it (the board's
     serial changed), and the name's later gets are local again, over the new message."""
-    with aib.connect(publisher.path, timeout=10.0) as session:
+    with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
         for value in range(1, 6):
             publisher.publish("t", pa.table({"x": [value]}))
             for _ in range(3):
@@ -90,7 +90,7 @@ def test_an_in_place_renewal_is_got_locally_with_its_new_version(publisher: aib.
     """A renewal (the in-place fast path: the same entry, a new version) keeps the serial: gets stay
     local and report the new version."""
     publisher.publish("t", pa.table({"x": [7]}))
-    with aib.connect(publisher.path, timeout=10.0) as session:
+    with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
         for _ in range(2):
             session.get("t").release()
         for _ in range(3):
@@ -106,7 +106,7 @@ def test_an_in_place_renewal_is_got_locally_with_its_new_version(publisher: aib.
 
 def test_an_unpublished_name_is_not_got_from_the_board(publisher: aib.Publisher) -> None:
     publisher.publish("t", pa.table({"x": [1]}))
-    with aib.connect(publisher.path, timeout=10.0) as session:
+    with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
         for _ in range(3):
             session.get("t").release()
         assert session.local_gets == 1
@@ -121,7 +121,7 @@ def test_an_unpublished_name_is_not_got_from_the_board(publisher: aib.Publisher)
 def test_a_closed_publisher_is_reported_not_answered_from_the_board(path: str) -> None:
     publisher = aib.Publisher(path)
     publisher.publish("t", pa.table({"x": [1]}))
-    with aib.connect(path, timeout=10.0) as session:
+    with aib.connect(path, timeout=10.0, standing_leases=True) as session:
         for _ in range(3):
             session.get("t").release()
         assert session.local_gets == 1
@@ -140,7 +140,7 @@ def test_a_killed_publisher_is_reported_and_held_data_stays_readable(tmp_path: P
     child_end.close()
     try:
         assert parent_end.poll(60) and parent_end.recv()[0] == "ready"
-        with aib.connect(path, timeout=10.0) as session:
+        with aib.connect(path, timeout=10.0, standing_leases=True) as session:
             for _ in range(2):
                 session.get("t").release()
             held = session.get("t")
@@ -162,7 +162,7 @@ def test_the_standing_lease_is_given_back_after_the_linger_on_forget_and_on_clos
     publisher: aib.Publisher,
 ) -> None:
     publisher.publish("t", pa.table({"x": [1]}))
-    with aib.connect(publisher.path, timeout=10.0, pool_linger=0.2) as session:
+    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=0.2) as session:
         for _ in range(2):
             session.get("t").release()
         assert _settled_leases(publisher, 1) == 1  # the standing lease, nothing held
@@ -172,7 +172,7 @@ def test_the_standing_lease_is_given_back_after_the_linger_on_forget_and_on_clos
         session.get("t").release()
         assert session.remembered_gets == remembered + 1
         assert _settled_leases(publisher, 1) == 1  # it took the standing lease again
-    with aib.connect(publisher.path, timeout=10.0, pool_linger=60.0) as session:
+    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=60.0) as session:
         for _ in range(2):
             session.get("t").release()
         assert _settled_leases(publisher, 1) == 1
@@ -187,7 +187,7 @@ def test_the_standing_lease_is_given_back_after_the_linger_on_forget_and_on_clos
 def test_a_held_local_import_keeps_its_data_after_the_lease_expires(publisher: aib.Publisher) -> None:
     """A local import holds the standing lease: it outlives the linger and a republish."""
     publisher.publish("t", pa.table({"x": [5, 6]}))
-    with aib.connect(publisher.path, timeout=10.0, pool_linger=0.05) as session:
+    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=0.05) as session:
         for _ in range(2):
             session.get("t").release()
         held = session.get("t")
@@ -202,7 +202,7 @@ def test_a_held_local_import_keeps_its_data_after_the_lease_expires(publisher: a
 
 def test_pool_linger_zero_takes_no_board_and_keeps_no_lease(publisher: aib.Publisher) -> None:
     publisher.publish("t", pa.table({"x": [1]}))
-    with aib.connect(publisher.path, timeout=10.0, pool_linger=0) as session:
+    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=0) as session:
         for _ in range(4):
             session.get("t").release()
         assert session.local_gets == 0
@@ -281,7 +281,7 @@ def test_names_past_a_full_board_are_got_by_round_trips(path: str, monkeypatch: 
     with aib.Publisher(path) as publisher:
         for name in "abc":
             publisher.publish(name, pa.table({"x": [ord(name)]}))
-        with aib.connect(path, timeout=10.0) as session:
+        with aib.connect(path, timeout=10.0, standing_leases=True) as session:
             for name in "abc":
                 for _ in range(3):
                     with session.get(name) as imported:
@@ -319,7 +319,7 @@ def test_gets_racing_publishes_always_see_a_consistent_version(publisher: aib.Pu
     thread.start()
     try:
         last = 0
-        with aib.connect(publisher.path, timeout=10.0) as session:
+        with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
             deadline = time.monotonic() + 3.0
             gets = 0
             while time.monotonic() < deadline:
