@@ -300,7 +300,7 @@ class Channel:
             return frame_from(self._frame)
 
     def get(
-        self, name: bytes, remembered: Any, lease_tokens: int, keeper: Any, board: Any, timeout_ms: int
+        self, name: bytes, remembered: Any, lease_tokens: int, keeper: Any, *, board: Any, timeout_ms: int
     ) -> tuple[tuple[int, Any, int, Any, int, int] | None, Frame | None]:
         """The session's GET in one C call (``aib_session_get``); ``timeout_ms`` < 0 blocks.
 
@@ -333,7 +333,7 @@ class Channel:
                 self._frame,
                 err,
             )
-            if rc == _GET_IMPORTED or rc == _GET_IMPORTED_NEW:
+            if rc in {_GET_IMPORTED, _GET_IMPORTED_NEW}:
                 imported = (
                     result.entry_id,
                     result.owner,

@@ -27,6 +27,7 @@ from typing import Any
 
 from arrow_ipc_bridge import _arguments, _process, _reaper, process_stats, protocol, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
+from arrow_ipc_bridge.board import PublisherBoard, encode_board
 from arrow_ipc_bridge.capsules import ArrowInput
 from arrow_ipc_bridge.channel import MAX_FDS, Channel, Frame, frame_from, millis
 from arrow_ipc_bridge.errors import (
@@ -40,7 +41,6 @@ from arrow_ipc_bridge.errors import (
     RegionError,
     UnreadAnswersError,
 )
-from arrow_ipc_bridge.board import PublisherBoard, encode_board
 from arrow_ipc_bridge.exporter import (
     CopyPolicy,
     Exported,

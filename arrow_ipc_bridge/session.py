@@ -484,8 +484,8 @@ class Session:
                 self._remembered.table,
                 self._lease_tokens,
                 self._lease_keeper,
-                self._board,
-                self._timeout_ms,
+                board=self._board,
+                timeout_ms=self._timeout_ms,
             )
             if imported_now is not None and imported_now[0] != 0:
                 # The steady state: a remembered message, imported by the C core already (from the
