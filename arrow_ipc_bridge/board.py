@@ -23,18 +23,22 @@ import mmap
 import os
 import stat
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from arrow_ipc_bridge import protocol
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.errors import ProtocolError
 from arrow_ipc_bridge.host import F_SEAL_FUTURE_WRITE
 
-__all__ = ["DEFAULT_SLOTS", "PublisherBoard", "SessionBoard", "decode_board", "encode_board"]
+__all__ = ["DEFAULT_SLOTS", "PublisherBoard", "SessionBoard", "decode_board", "encode_board", "open_board"]
 
 SLOT_SIZE = int(lib.AIB_BOARD_SLOT_SIZE)
 MAX_SLOTS = int(lib.AIB_BOARD_MAX_SLOTS)
 DEFAULT_SLOTS = 4096
 """Slots on a publisher's board (128 KiB): names published beyond them are got by round trips."""
+
+if TYPE_CHECKING:
+    from arrow_ipc_bridge.channel import Channel
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 _BOARD = struct.Struct("<I")  # BOARD's payload: the number of slots; the page's fd attached
@@ -116,3 +120,18 @@ class SessionBoard:
             return
         ffi.release(self.address)
         self._page.close()
+
+
+def open_board(channel: Channel, timeout: float) -> SessionBoard:
+    """Ask the publisher at the other end of ``channel`` for its board (BOARD_FD) and map it
+    read-only; :class:`ProtocolError` for an answer that is not a sealed board of the size it
+    says, the publisher's error for an ERROR."""
+    frame = channel.request(protocol.BOARD_FD, b"", timeout=timeout)
+    try:
+        if frame.kind == protocol.ERROR:
+            protocol.raise_error(frame.payload)
+        if frame.kind != protocol.BOARD or len(frame.fds) != 1:
+            raise ProtocolError(f"expected BOARD with one descriptor, got frame kind {frame.kind}")
+        return SessionBoard(frame.fds[0], decode_board(frame.payload))
+    finally:
+        frame.close_fds()  # the mapping keeps the page

@@ -76,6 +76,7 @@ __all__ = [
     "decode_wait",
     "decode_versioned_item",
     "decode_board_item",
+    "answer_message",
     "encode_error",
     "raise_error",
 ]
@@ -263,6 +264,11 @@ def decode_board_item(payload: bytes, n_slots: int) -> tuple[int, int, bytes]:
     if (slot >= n_slots and slot != NO_SLOT) or zero:
         raise ProtocolError(f"BOARD_ITEM names board slot {slot} (the board has {n_slots})")
     return int(lease_id), int(version), payload[_BOARD_ITEM.size :]
+
+
+def answer_message(kind: int, payload: bytes) -> bytes:
+    """The message of a GET's answer whose prefix the C core checked already (ITEM or BOARD_ITEM)."""
+    return payload[_BOARD_ITEM.size if kind == BOARD_ITEM else _U64.size :]
 
 
 def encode_error(exc: BaseException) -> bytes:

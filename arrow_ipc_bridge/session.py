@@ -30,7 +30,7 @@ from arrow_ipc_bridge import (
     waiting,
 )
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
-from arrow_ipc_bridge.board import SessionBoard, decode_board
+from arrow_ipc_bridge.board import SessionBoard, open_board
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.channel import Channel, Frame, millis
 from arrow_ipc_bridge.content_check import check_content, check_level, cuda_reader
@@ -373,21 +373,7 @@ class Session:
             and self._pool_linger > 0
             and self._remembered.limit
         ):
-            self._board = self._open_board(channel, timeout)
-
-    @staticmethod
-    def _open_board(channel: Channel, timeout: float) -> SessionBoard:
-        """Ask for the publisher's version board and map it (read-only); :class:`ProtocolError` for
-        an answer that is not a sealed board of the size it says."""
-        frame = channel.request(protocol.BOARD_FD, b"", timeout=timeout)
-        try:
-            if frame.kind == protocol.ERROR:
-                protocol.raise_error(frame.payload)
-            if frame.kind != protocol.BOARD or len(frame.fds) != 1:
-                raise ProtocolError(f"expected BOARD with one descriptor, got frame kind {frame.kind}")
-            return SessionBoard(frame.fds[0], decode_board(frame.payload))
-        finally:
-            frame.close_fds()  # the mapping keeps the page
+            self._board = open_board(channel, timeout)
 
     def _request(self, kind: int, payload: bytes) -> Frame:
         channel = self._connection()
@@ -501,7 +487,7 @@ class Session:
                 fast = Decoded.adopt(owner, hit.template), hit, address, sync_slot
         if imported_now is not None and imported_now[0] == 0:
             assert frame is not None
-            imported = self._adopt_new(imported_now, _answer_message(frame), name)
+            imported = self._adopt_new(imported_now, protocol.answer_message(frame.kind, frame.payload), name)
             return imported if self._reader is None else self._reader.place(imported)
         if fast is not None:
             self.remembered_gets += 1
@@ -772,12 +758,6 @@ class Session:
 
 _GET_LOCAL = int(lib.AIB_GET_LOCAL)
 _GET_STANDING = int(lib.AIB_GET_STANDING)
-
-
-def _answer_message(frame: Frame) -> bytes:
-    """The message of a GET's answer the C core imported (ITEM or BOARD_ITEM, checked there)."""
-    prefix = 32 if frame.kind == protocol.BOARD_ITEM else 8
-    return frame.payload[prefix:]
 
 
 def _send_release(channel: Channel, lease_id: int) -> None:

@@ -392,6 +392,22 @@ typedef struct board_answer {
   uint32_t slot;
 } board_answer;
 
+/* Under mu: a new owner for an import of e's message (sharing its template's decode, its sync
+ * slot filled, e marked used) that holds holds; NULL when out of memory. Its token is the caller's. */
+static aib_owner *import_owner(aib_remembered *r, entry *e, aib_owner *holds) {
+  aib_owner *owner = aib_owner_new(0);
+  if (owner != NULL && (aib_owner_share_decoded(owner, e->template_owner) != AIB_OK ||
+                        aib_owner_add_dependency(owner, holds) != AIB_OK)) {
+    aib_owner_unref(owner);
+    return NULL;
+  }
+  if (owner != NULL) {
+    *aib_owner_slot(owner) = e->event;
+    mark_used(r, e);
+  }
+  return owner;
+}
+
 /* The lease owner for a remembered message, or NULL (not remembered, other files, or out of memory:
  * the caller then takes the slow path, which reports errors properly). With a board answer whose
  * slot is on the board, for a named message with no standing lease on that serial, the lease becomes
@@ -427,16 +443,9 @@ static aib_owner *import_remembered(aib_remembered *r, const uint8_t *message, s
     }
     /* Token set only once the owners are complete: one that fails dies quietly, and the slow path
      * (which gets the same token) is the only one to report the lease's end. */
-    owner = aib_owner_new(0);
-    if (owner != NULL && (aib_owner_share_decoded(owner, e->template_owner) != AIB_OK ||
-                          aib_owner_add_dependency(owner, stand && !kept ? standing : keeper) != AIB_OK)) {
-      aib_owner_unref(owner);
-      owner = NULL;
-    }
+    owner = import_owner(r, e, stand && !kept ? standing : keeper);
     if (owner != NULL) {
-      *aib_owner_slot(owner) = e->event;
       *id_out = e->id;
-      mark_used(r, e);
       if (stand) {
         if (kept) aib_owner_set_token(owner, token); /* this get's lease is the import's own */
         else aib_owner_set_token(standing, token);
@@ -470,17 +479,10 @@ static aib_owner *import_local(aib_remembered *r, const void *board, uint32_t bo
   uint64_t serial = 0, version = 0;
   if (e != NULL && e->standing != NULL && e->board_slot < board_slots &&
       aib_board_read(board, e->board_slot, &serial, &version) && serial == e->board_serial && serial != 0) {
-    owner = aib_owner_new(0);
-    if (owner != NULL && (aib_owner_share_decoded(owner, e->template_owner) != AIB_OK ||
-                          aib_owner_add_dependency(owner, e->standing) != AIB_OK)) {
-      aib_owner_unref(owner);
-      owner = NULL;
-    }
+    owner = import_owner(r, e, e->standing);
     if (owner != NULL) {
-      *aib_owner_slot(owner) = e->event;
       *id_out = e->id;
       *version_out = version;
-      mark_used(r, e);
       e->standing_used = monotonic_now();
     }
   }

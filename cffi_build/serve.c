@@ -108,7 +108,7 @@ void aib_pubtable_set_board(aib_pubtable *t, void *board, uint32_t n_slots) {
   pthread_mutex_lock(&t->mu);
   free(t->free_slots);
   t->free_slots = free_slots;
-  t->board = board != NULL ? board : NULL;
+  t->board = board;
   t->n_slots = board != NULL ? n_slots : 0;
   t->n_free = 0;
   /* Slots are handed out from the top of the stack: slot 0 first. Names published before keep no

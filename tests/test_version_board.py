@@ -18,13 +18,14 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from helpers.fault_children import producer_main, table_for
+from helpers.session_rig import wait_for
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import board as board_module
 from arrow_ipc_bridge import protocol
 from arrow_ipc_bridge import publisher as publisher_module
 from arrow_ipc_bridge.errors import NotPublishedError, PeerClosedError, ProtocolError
-from tests.helpers.fault_children import producer_main, table_for
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -43,14 +44,6 @@ def publisher(path: str) -> Iterator[aib.Publisher]:
 def _values(imported: aib.ImportedArray | aib.ImportedStream) -> list[int]:
     values: list[int] = imported.to_host().column("x").to_pylist()
     return values
-
-
-def _settled_leases(publisher: aib.Publisher, expected: int, timeout: float = 10.0) -> int:
-    """The publisher's lease count once it reaches ``expected`` (releases arrive asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while publisher.active_leases != expected and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return publisher.active_leases
 
 
 def test_a_remembered_name_is_got_from_the_board_after_its_standing_lease(publisher: aib.Publisher) -> None:
@@ -168,23 +161,23 @@ def test_the_standing_lease_is_given_back_after_the_linger_on_forget_and_on_clos
     with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=0.2) as session:
         for _ in range(2):
             session.get("t").release()
-        assert _settled_leases(publisher, 1) == 1  # the standing lease, nothing held
-        assert _settled_leases(publisher, 0) == 0  # linger seconds unused: given back
+        assert wait_for(lambda: publisher.active_leases == 1, 10.0)  # the standing lease, nothing held
+        assert wait_for(lambda: publisher.active_leases == 0, 10.0)  # linger seconds unused: given back
         # The message stays remembered: the next get is remembered, not a new import.
         remembered = session.remembered_gets
         session.get("t").release()
         assert session.remembered_gets == remembered + 1
-        assert _settled_leases(publisher, 1) == 1  # it took the standing lease again
+        assert wait_for(lambda: publisher.active_leases == 1, 10.0)  # it took the standing lease again
     with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=60.0) as session:
         for _ in range(2):
             session.get("t").release()
-        assert _settled_leases(publisher, 1) == 1
+        assert wait_for(lambda: publisher.active_leases == 1, 10.0)
         assert session.forget("t") == 1
-        assert _settled_leases(publisher, 0) == 0
+        assert wait_for(lambda: publisher.active_leases == 0, 10.0)
         for _ in range(2):
             session.get("t").release()
-        assert _settled_leases(publisher, 1) == 1
-    assert _settled_leases(publisher, 0) == 0  # closed
+        assert wait_for(lambda: publisher.active_leases == 1, 10.0)
+    assert wait_for(lambda: publisher.active_leases == 0, 10.0)  # closed
 
 
 def test_a_held_local_import_keeps_its_data_after_the_lease_expires(publisher: aib.Publisher) -> None:
@@ -200,7 +193,7 @@ def test_a_held_local_import_keeps_its_data_after_the_lease_expires(publisher: a
         assert publisher.active_leases == 1  # the held import's (standing) lease
         assert _values(held) == [5, 6]
         held.release()
-        assert _settled_leases(publisher, 0) == 0
+        assert wait_for(lambda: publisher.active_leases == 0, 10.0)
 
 
 def test_pool_linger_zero_takes_no_board_and_keeps_no_lease(publisher: aib.Publisher) -> None:
@@ -210,7 +203,7 @@ def test_pool_linger_zero_takes_no_board_and_keeps_no_lease(publisher: aib.Publi
             session.get("t").release()
         assert session.local_gets == 0
         assert session.remembered_gets == 3
-        assert _settled_leases(publisher, 0) == 0
+        assert wait_for(lambda: publisher.active_leases == 0, 10.0)
 
 
 def test_the_board_cannot_be_written_by_a_session(publisher: aib.Publisher) -> None:
