@@ -15,6 +15,7 @@ import os
 import sys
 
 from arrow_ipc_bridge.cli import serve_flight
+from arrow_ipc_bridge.cli._argtypes import non_negative_int, positive_int
 from arrow_ipc_bridge.cli._bench_options import add_bench_arguments
 from arrow_ipc_bridge.cli._output import CommandError
 
@@ -30,26 +31,6 @@ def _prog() -> str:
     if invoked in ("", "__main__.py", "-c"):
         return "python -m arrow_ipc_bridge"
     return invoked
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
-    return value
 
 
 def _timeout(text: str) -> float:
@@ -81,8 +62,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar=_PUBLIC_COMMANDS)
 
     p_demo = sub.add_parser("demo", help="a producer and a consumer process sharing a table")
-    p_demo.add_argument("--rows", type=_positive_int, default=1_000_000, help="rows of the table (>= 1)")
-    p_demo.add_argument("--columns", type=_positive_int, default=16, help="float64 columns (>= 1)")
+    p_demo.add_argument("--rows", type=positive_int, default=1_000_000, help="rows of the table (>= 1)")
+    p_demo.add_argument("--columns", type=positive_int, default=16, help="float64 columns (>= 1)")
 
     p_list = sub.add_parser(
         "list",
@@ -103,7 +84,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     p_inspect.add_argument("path", metavar="FILE")
     p_inspect.add_argument(
-        "--fds", type=_non_negative_int, default=1, help="how many fds travelled with it (default 1)"
+        "--fds", type=non_negative_int, default=1, help="how many fds travelled with it (default 1)"
     )
     p_inspect.add_argument("--json", action="store_true", help="print JSON")
 

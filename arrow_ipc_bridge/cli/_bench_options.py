@@ -11,6 +11,8 @@ import os
 import re
 from typing import Final
 
+from arrow_ipc_bridge.cli._argtypes import positive_int
+
 __all__ = [
     "DEFAULT_SIZES",
     "PEER_NAMES",
@@ -77,16 +79,6 @@ def parse_peers(text: str) -> str | tuple[str, ...]:
     return tuple(names)
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _plot_path(text: str) -> str:
     """Where the PNG goes: its directory must exist now, so that a long run does not end in a
     failure to write."""
@@ -116,10 +108,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="total bytes of the columns, comma-separated (default "
         f"{','.join(map(format_size, DEFAULT_SIZES))}; --quick: {','.join(map(format_size, QUICK_SIZES))})",
     )
-    parser.add_argument("--columns", type=_count, default=16, help="float64 columns (default 16)")
+    parser.add_argument("--columns", type=positive_int, default=16, help="float64 columns (default 16)")
     parser.add_argument(
         "--repeats",
-        type=_count,
+        type=positive_int,
         default=None,
         help=f"timed samples per case (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS})",
     )
