@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from helpers.fault_children import producer_main, table_for
-from helpers.session_rig import wait_for
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import board as board_module
 from arrow_ipc_bridge import protocol
 from arrow_ipc_bridge import publisher as publisher_module
 from arrow_ipc_bridge.errors import NotPublishedError, PeerClosedError, ProtocolError
+from tests.helpers.fault_children import producer_main, table_for
+from tests.helpers.session_rig import wait_for
 
 SPAWN = multiprocessing.get_context("spawn")
 
