@@ -237,8 +237,7 @@ def _export_cuda(
                     events.release(event)
                     raise
                 closers.append(shared.drop)
-                shared.record_after(producer_handle)
-                remember_local_event(shared.handle, shared.event)
+                shared.record_after(producer_handle)  # and remembered for a same-process consumer
                 again = shared, encode(shared.handle)
             else:  # the current version's message, its event re-recorded after the new work
                 closers.append(again[0].drop)
@@ -281,8 +280,6 @@ def _send_again(
     when the new message names exactly what ``previous``'s names (same regions, offsets, layout,
     device, no descriptor): the event then has a reference for the new export and is recorded
     after the producer's new work. None otherwise (nothing taken)."""
-    from arrow_ipc_bridge.cuda.placer import remember_local_event
-
     shared = previous._shared_event if previous is not None else None
     if previous is None or shared is None or previous.fds or shared.device != device or not shared.take():
         return None
@@ -290,8 +287,7 @@ def _send_again(
         if encode(shared.handle) != previous.message:
             shared.drop()
             return None
-        shared.record_after(producer_handle)
-        remember_local_event(shared.handle, shared.event)
+        shared.record_after(producer_handle)  # and remembered for a same-process consumer
     except BaseException:
         shared.drop()
         raise
@@ -349,7 +345,7 @@ def record_in_place(current: Exported, obj: ArrowInput, copy: CopyPolicy) -> boo
     ):
         return False
     from arrow_ipc_bridge import cuda
-    from arrow_ipc_bridge.cuda.placer import recorded_on_legacy_stream, remember_local_event
+    from arrow_ipc_bridge.cuda.placer import recorded_on_legacy_stream
 
     shared = current._shared_event
     assert shared is not None  # a signature is kept only with a shared event (export_again)
@@ -360,8 +356,7 @@ def record_in_place(current: Exported, obj: ArrowInput, copy: CopyPolicy) -> boo
         producer_handle = cuda.event_value(producer_event) if producer_event else 0
         if producer_handle and recorded_on_legacy_stream(producer_handle):
             producer_handle = 0  # the shared event's record on the same stream comes after it
-    shared.record_after(producer_handle)
-    remember_local_event(shared.handle, shared.event)
+    shared.record_after(producer_handle)  # and remembered for a same-process consumer
     return True
 
 
