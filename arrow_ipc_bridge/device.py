@@ -157,18 +157,28 @@ def _column_facts(obj: Any) -> tuple[Any, int, int, int, int | None]:
     return obj, cai["data"][0], shape[0], code, cai.get("stream")
 
 
-def _read_columns(values: list[Any]) -> tuple[Any, list[Any]]:
-    """Every column's facts in an ``aib_cuda_column[]``, and the objects to keep alive: read in one C
-    call (``read_cuda_columns``); from the first column it cannot take (a DLPack-only producer, or
-    one to refuse) on, by :func:`_column_facts`, which views or raises."""
+# type -> whether it is CuPy's ndarray (a step loop wraps arrays of the same type each step)
+_IS_CUPY: dict[type, bool] = {}
+
+
+def _read_columns(values: list[Any]) -> tuple[bytes, list[Any]]:
+    """Every column's facts as the bytes of an ``aib_cuda_column[]`` (zero-filled: deterministic),
+    and the objects to keep alive: read in one C call (``read_cuda_columns``); from the first column
+    it cannot take (a DLPack-only producer, or one to refuse) on, by :func:`_column_facts`, which
+    views or raises."""
     n = len(values)
-    columns = ffi.new("aib_cuda_column[]", n)
     first_type = type(values[0])
     # CuPy arrays after the first are read from their own attributes (py_columns.c says why).
-    is_cupy = first_type.__name__ == "ndarray" and first_type.__module__.partition(".")[0] == "cupy"
-    done = read_cuda_columns(values, int(ffi.cast("uintptr_t", columns)), n, first_type if is_cupy else None)
+    is_cupy = _IS_CUPY.get(first_type)
+    if is_cupy is None:
+        is_cupy = first_type.__name__ == "ndarray" and first_type.__module__.partition(".")[0] == "cupy"
+        if len(_IS_CUPY) < 64:
+            _IS_CUPY[first_type] = is_cupy
+    done, facts = read_cuda_columns(values, n, first_type if is_cupy else None)
     if done == n:
-        return columns, values
+        return facts, values
+    columns = ffi.new("aib_cuda_column[]", n)
+    ffi.memmove(columns, facts, len(facts))  # the columns read (the rest is zeros)
     keep = values[:done]
     for i in range(done, n):
         obj, pointer, length, code, stream = _column_facts(values[i])
@@ -181,7 +191,12 @@ def _read_columns(values: list[Any]) -> tuple[Any, list[Any]]:
         columns[i].code = code
         columns[i].stream = stream or 0
         keep.append(obj)
-    return columns, keep
+    return bytes(ffi.buffer(columns)), keep
+
+
+def _facts_array(facts: bytes) -> Any:
+    """The ``aib_cuda_column[]`` whose bytes ``facts`` are (read-only, over ``facts`` itself)."""
+    return ffi.from_buffer("aib_cuda_column[]", facts)
 
 
 def _device_of(columns: Any, n: int, objects: list[Any]) -> int:
@@ -233,9 +248,8 @@ def _c_names(names: tuple[str, ...]) -> Any:
 def _captured_columns(names: tuple[str, ...] | None, values: list[Any]) -> CapturedArray:
     """Columns read and checked in C calls over all columns (facts, one device), their Arrow structs
     built when first asked for (:class:`_CudaColumns`)."""
-    n = len(values)
-    columns, objects = _read_columns(values)
-    return _CudaColumns(names, columns, objects, _device_of(columns, n, objects))
+    facts, objects = _read_columns(values)
+    return _CudaColumns(names, facts, objects, _device_of(_facts_array(facts), len(objects), objects))
 
 
 # CAI v3 stream values: 0 (the key absent or None) asks no synchronisation, 1 is the legacy
@@ -254,15 +268,20 @@ class _CudaColumns(CapturedArray):
     the stream up to then: never less than at the call, possibly more (consumers may wait longer,
     never read earlier)."""
 
-    def __init__(self, names: tuple[str, ...] | None, columns: Any, objects: list[Any], device: int) -> None:
+    def __init__(self, names: tuple[str, ...] | None, facts: bytes, objects: list[Any], device: int) -> None:
         self._names = names
-        self._columns = columns
         self._objects = objects
         self._device = device
         self._built: CapturedData | None = None
         self._build_lock = threading.Lock()
-        # The columns' facts as read (a zero-filled struct array: the bytes are deterministic).
-        self.column_signature = (device, names, bytes(ffi.buffer(columns)))
+        # The columns' facts as read: an ``aib_cuda_column[]``'s bytes (_read_columns).
+        self._facts = facts
+        self.column_signature = (device, names, facts)
+
+    @property
+    def _columns(self) -> Any:
+        """The facts as an ``aib_cuda_column[]`` (made when asked: a renewal in place never asks)."""
+        return _facts_array(self._facts)
 
     @property
     def _captured(self) -> CapturedData:  # the base class's attribute, made on first use
@@ -360,12 +379,16 @@ def from_cuda_arrays(columns: Mapping[str, Any]) -> CapturedArray:
     :func:`from_cuda_array`, one event recorded on the announced stream (others are synchronised
     first) is the batch's ``sync_event``.
     """
-    if not isinstance(columns, Mapping):
+    if type(columns) is not dict and not isinstance(columns, Mapping):  # a dict without the ABC check
         _arguments.fail_type("columns", "a mapping of column names (str) to 1-D GPU arrays", columns)
     names = tuple(columns)
     if not names:
         _arguments.fail_value("columns", "a mapping with at least one column", columns)
-    for name in names:
-        if not isinstance(name, str):
-            _arguments.fail_type("columns", "a mapping whose keys, the column names, are str", name)
+    try:
+        "".join(names)  # every name a str: one C loop (TypeError at the first that is not)
+    except TypeError:
+        for name in names:
+            if not isinstance(name, str):
+                _arguments.fail_type("columns", "a mapping whose keys, the column names, are str", name)
+        raise
     return _captured_columns(names, list(columns.values()))
