@@ -12,7 +12,7 @@ imported columns to array libraries is :mod:`arrow_ipc_bridge.columns`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -247,9 +247,55 @@ def _c_names(names: tuple[str, ...]) -> Any:
 
 def _captured_columns(names: tuple[str, ...] | None, values: list[Any]) -> CapturedArray:
     """Columns read and checked in C calls over all columns (facts, one device), their Arrow structs
-    built when first asked for (:class:`_CudaColumns`)."""
+    built when first asked for (:class:`_CudaColumns`). Columns whose facts are those of columns a
+    live publication holds (:func:`hold_checked_columns`) are on that publication's device: no
+    driver query."""
     facts, objects = _read_columns(values)
-    return _CudaColumns(names, facts, objects, _device_of(_facts_array(facts), len(objects), objects))
+    held = _HELD_FACTS.get(facts)
+    device = held[0] if held is not None else _device_of(_facts_array(facts), len(objects), objects)
+    return _CudaColumns(names, facts, objects, device)
+
+
+# ---------- columns a live publication holds --------------------------------------------------------
+# facts (an aib_cuda_column[] as bytes: every column's pointer, length, type and announced stream)
+# -> [device, holders]. Each holder keeps a reference on captured columns of exactly those facts
+# (the arrays stay alive as long as it is in the table), so a column read later with the same
+# pointer lies in the same live allocation: device memory on that device, checked when those
+# columns were wrapped (and placed by their export). A pointer freed and handed out again can never
+# match: its entry leaves the table before the arrays it named can be let go.
+_HELD_FACTS: dict[bytes, list[int]] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def hold_checked_columns(facts: bytes, device: int, captured: CapturedData) -> Callable[[], None]:
+    """Put ``facts`` (of the ``from_cuda_arrays`` columns ``captured`` holds, checked to be on
+    ``device``) in the table :func:`from_cuda_arrays` looks up, holding a reference on
+    ``captured`` meanwhile; returns the function (idempotent) that takes them out again and then
+    lets go of that reference. A publication's export calls it first when it closes."""
+    holder = CapturedData.sharing(captured)
+    with _HELD_LOCK:
+        entry = _HELD_FACTS.setdefault(facts, [device, 0])
+        entry[1] += 1
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        with _HELD_LOCK:
+            if released:
+                return
+            released = True
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _HELD_FACTS[facts]
+        holder.close()  # only now may the arrays go
+
+    return release
+
+
+def held_column_facts() -> int:
+    """How many distinct column facts live publications hold now (a diagnostic for tests)."""
+    with _HELD_LOCK:
+        return len(_HELD_FACTS)
 
 
 # CAI v3 stream values: 0 (the key absent or None) asks no synchronisation, 1 is the legacy
@@ -298,12 +344,10 @@ class _CudaColumns(CapturedArray):
         self._built = captured
 
     @property
-    def needs_no_event(self) -> bool:
-        """Whether the structs are not made yet and every column announced the legacy default
-        stream or none: work recorded on the legacy default stream after now is ordered after the
-        producer's (nothing to wait for, no event to make)."""
-        if self._built is not None:
-            return False
+    def streams_need_no_wait(self) -> bool:
+        """Whether every column announced the legacy default stream or none: work recorded on the
+        legacy default stream after now is ordered after the producer's, with no wait (an event the
+        structs carry, if made, was recorded on that stream too). A fact of the columns' facts."""
         columns = self._columns
         return all(columns[i].stream in _NO_EVENT_STREAMS for i in range(len(self._objects)))
 
@@ -378,6 +422,13 @@ def from_cuda_arrays(columns: Mapping[str, Any]) -> CapturedArray:
     pointers checked and the structs built in C calls over all columns. As for
     :func:`from_cuda_array`, one event recorded on the announced stream (others are synchronised
     first) is the batch's ``sync_event``.
+
+    Every call checks its columns before it returns (:class:`~arrow_ipc_bridge.errors.RegionError`,
+    :class:`~arrow_ipc_bridge.errors.BridgeError`: see the API reference). The pointers' device is
+    known without asking the driver when the columns' facts (every pointer, length, type and
+    announced stream) are exactly those of columns a live publication holds, as a step loop's
+    columns updated in place are: the publication keeps those arrays alive, so the same pointers
+    are in the same allocations, checked when they were first wrapped and published.
     """
     if type(columns) is not dict and not isinstance(columns, Mapping):  # a dict without the ABC check
         _arguments.fail_type("columns", "a mapping of column names (str) to 1-D GPU arrays", columns)

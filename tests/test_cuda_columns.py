@@ -3,6 +3,7 @@ the columns' Arrow structs (exercised over host memory, which it never reads).""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -256,6 +257,38 @@ def test_the_c_reader_reads_cupy_arrays_after_the_first_from_their_attributes() 
     done, columns = _read(empty, ndarray)
     assert done == 2
     assert columns[1].data == 0  # as the interface says of an empty array
+
+
+def test_held_facts_spare_the_device_query_only_while_their_arrays_are_held() -> None:
+    """Columns whose facts a live publication holds (device.hold_checked_columns) take its device
+    without a driver query (here there is no driver at all); the holder keeps those arrays alive,
+    and its release takes the facts out before it lets go of them, so the same addresses are
+    checked again afterwards (and refused here: the arrays were never device memory)."""
+    from arrow_ipc_bridge import _reaper
+
+    base = 0x7000_0000_0000
+    arrays = [_FakeCudaArray(data=(base + k * 0x100000, False)) for k in range(3)]
+    alive = weakref.ref(arrays[0])
+    facts, objects = device._read_columns(list(arrays))
+    checked = device._CudaColumns(("c0", "c1", "c2"), facts, objects, 0)  # as if checked on device 0
+    release = device.hold_checked_columns(facts, 0, checked._live())
+    held = device.held_column_facts()
+    again = aib.from_cuda_arrays({f"c{k}": a for k, a in enumerate(arrays)})
+    assert again.column_signature == (0, ("c0", "c1", "c2"), facts)
+    moved = [_FakeCudaArray(data=(base + k * 0x100000 + 0x40, False)) for k in range(3)]
+    with pytest.raises(aib.BridgeError):  # other facts (one offset): asked, and refused
+        aib.from_cuda_arrays({f"c{k}": a for k, a in enumerate(moved)})
+    del arrays, objects, checked, again
+    _reaper.drain()
+    assert alive() is not None  # the holder keeps the arrays
+    release()
+    release()  # once only
+    _reaper.drain()
+    assert alive() is None
+    assert device.held_column_facts() == held - 1
+    same_addresses = [_FakeCudaArray(data=(base + k * 0x100000, False)) for k in range(3)]
+    with pytest.raises(aib.BridgeError):
+        aib.from_cuda_arrays({f"c{k}": a for k, a in enumerate(same_addresses)})
 
 
 def test_column_names_that_are_not_str_are_refused_with_the_name() -> None:
