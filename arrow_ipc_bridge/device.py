@@ -11,6 +11,7 @@ imported columns to array libraries is :mod:`arrow_ipc_bridge.columns`.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -267,6 +268,17 @@ _HELD_FACTS: dict[bytes, list[int]] = {}
 _HELD_LOCK = threading.Lock()
 
 
+def _forget_held_facts_in_child() -> None:
+    """A forked child cannot use its parent's CUDA state: its columns are asked about (and refused)
+    like any others. A lock held by another thread at fork time would stay locked: a new one."""
+    global _HELD_LOCK
+    _HELD_LOCK = threading.Lock()
+    _HELD_FACTS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_held_facts_in_child)
+
+
 def hold_checked_columns(facts: bytes, device: int, captured: CapturedData) -> Callable[[], None]:
     """Put ``facts`` (of the ``from_cuda_arrays`` columns ``captured`` holds, checked to be on
     ``device``) in the table :func:`from_cuda_arrays` looks up, holding a reference on
@@ -285,7 +297,7 @@ def hold_checked_columns(facts: bytes, device: int, captured: CapturedData) -> C
                 return
             released = True
             entry[1] -= 1
-            if entry[1] == 0:
+            if entry[1] == 0 and _HELD_FACTS.get(facts) is entry:  # (gone in a forked child)
                 del _HELD_FACTS[facts]
         holder.close()  # only now may the arrays go
 

@@ -130,3 +130,7 @@ def test_the_record_pushes_the_primary_context_only_when_another_is_current(fake
     assert seen["none_current"]["in_place"] == 1
     assert seen["none_current"]["pushes"] == 1
     assert seen["current_after"] is None  # popped: the thread's context is as it was
+
+
+def test_a_forked_child_asks_about_columns_its_parent_holds(fake_libcuda: str) -> None:
+    assert _run(fake_libcuda, "forked") == {"child": "CudaError", "held_parent": 1}

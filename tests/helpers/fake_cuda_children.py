@@ -200,5 +200,30 @@ def context() -> dict[str, Any]:
     return seen
 
 
+def forked() -> dict[str, Any]:
+    """A child forked while a publication holds the columns does not take their device from the
+    parent's table: it asks, and CUDA refuses a forked child (CudaError), as for any columns."""
+    cols = _columns(128)
+    with _publisher() as pub:
+        pub.publish("t", aib.from_cuda_arrays(cols))
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: one call, its answer down the pipe, and out
+            try:
+                aib.from_cuda_arrays(cols)
+                answer = "no error"
+            except aib.BridgeError as exc:
+                answer = type(exc).__name__
+            except BaseException as exc:  # reported to the parent
+                answer = repr(exc)
+            os.write(write, answer.encode())
+            os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        with os.fdopen(read, "rb") as pipe:
+            answer = pipe.read().decode()
+        return {"child": answer, "held_parent": device.held_column_facts()}
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]]()))
