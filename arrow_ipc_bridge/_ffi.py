@@ -52,7 +52,8 @@ dlpack_capsule: Callable[[int, int, int, int, int, int, int], object]
 #   -> (lease, event, ((name, numeric, length, null_count, item), ...), is_record_batch)
 batch_columns: Callable[..., tuple[object, int, tuple[tuple[str, int, int, int, Any] | None, ...], bool]]
 DLPackColumn: type  # what batch_columns hands out for DLPack consumers (columns.ColumnView wraps it)
-read_cuda_columns: Callable[[list[Any], int, int, type | None], int]  # py_columns.c (from_cuda_arrays)
+# py_columns.c (from_cuda_arrays): (values, n, cupy_type) -> (columns read, aib_cuda_column[n] as bytes)
+read_cuda_columns: Callable[[list[Any], int, type | None], tuple[int, bytes]]
 if lib.aib_py_install(__name__.encode()) != 0 or lib.aib_py_install_columns(__name__.encode()) != 0:
     raise BuildMismatchError(  # pragma: no cover - only out of memory
         "the C core could not install its Python functions (the error is printed above)"

@@ -11,8 +11,9 @@ imported columns to array libraries is :mod:`arrow_ipc_bridge.columns`.
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -157,18 +158,28 @@ def _column_facts(obj: Any) -> tuple[Any, int, int, int, int | None]:
     return obj, cai["data"][0], shape[0], code, cai.get("stream")
 
 
-def _read_columns(values: list[Any]) -> tuple[Any, list[Any]]:
-    """Every column's facts in an ``aib_cuda_column[]``, and the objects to keep alive: read in one C
-    call (``read_cuda_columns``); from the first column it cannot take (a DLPack-only producer, or
-    one to refuse) on, by :func:`_column_facts`, which views or raises."""
+# type -> whether it is CuPy's ndarray (a step loop wraps arrays of the same type each step)
+_IS_CUPY: dict[type, bool] = {}
+
+
+def _read_columns(values: list[Any]) -> tuple[bytes, list[Any]]:
+    """Every column's facts as the bytes of an ``aib_cuda_column[]`` (zero-filled: deterministic),
+    and the objects to keep alive: read in one C call (``read_cuda_columns``); from the first column
+    it cannot take (a DLPack-only producer, or one to refuse) on, by :func:`_column_facts`, which
+    views or raises."""
     n = len(values)
-    columns = ffi.new("aib_cuda_column[]", n)
     first_type = type(values[0])
     # CuPy arrays after the first are read from their own attributes (py_columns.c says why).
-    is_cupy = first_type.__name__ == "ndarray" and first_type.__module__.partition(".")[0] == "cupy"
-    done = read_cuda_columns(values, int(ffi.cast("uintptr_t", columns)), n, first_type if is_cupy else None)
+    is_cupy = _IS_CUPY.get(first_type)
+    if is_cupy is None:
+        is_cupy = first_type.__name__ == "ndarray" and first_type.__module__.partition(".")[0] == "cupy"
+        if len(_IS_CUPY) < 64:
+            _IS_CUPY[first_type] = is_cupy
+    done, facts = read_cuda_columns(values, n, first_type if is_cupy else None)
     if done == n:
-        return columns, values
+        return facts, values
+    columns = ffi.new("aib_cuda_column[]", n)
+    ffi.memmove(columns, facts, len(facts))  # the columns read (the rest is zeros)
     keep = values[:done]
     for i in range(done, n):
         obj, pointer, length, code, stream = _column_facts(values[i])
@@ -181,7 +192,12 @@ def _read_columns(values: list[Any]) -> tuple[Any, list[Any]]:
         columns[i].code = code
         columns[i].stream = stream or 0
         keep.append(obj)
-    return columns, keep
+    return bytes(ffi.buffer(columns)), keep
+
+
+def _facts_array(facts: bytes) -> Any:
+    """The ``aib_cuda_column[]`` whose bytes ``facts`` are (read-only, over ``facts`` itself)."""
+    return ffi.from_buffer("aib_cuda_column[]", facts)
 
 
 def _device_of(columns: Any, n: int, objects: list[Any]) -> int:
@@ -232,10 +248,66 @@ def _c_names(names: tuple[str, ...]) -> Any:
 
 def _captured_columns(names: tuple[str, ...] | None, values: list[Any]) -> CapturedArray:
     """Columns read and checked in C calls over all columns (facts, one device), their Arrow structs
-    built when first asked for (:class:`_CudaColumns`)."""
-    n = len(values)
-    columns, objects = _read_columns(values)
-    return _CudaColumns(names, columns, objects, _device_of(columns, n, objects))
+    built when first asked for (:class:`_CudaColumns`). Columns whose facts are those of columns a
+    live publication holds (:func:`hold_checked_columns`) are on that publication's device: no
+    driver query."""
+    facts, objects = _read_columns(values)
+    held = _HELD_FACTS.get(facts)
+    device = held[0] if held is not None else _device_of(_facts_array(facts), len(objects), objects)
+    return _CudaColumns(names, facts, objects, device)
+
+
+# ---------- columns a live publication holds --------------------------------------------------------
+# facts (an aib_cuda_column[] as bytes: every column's pointer, length, type and announced stream)
+# -> [device, holders]. Each holder keeps a reference on captured columns of exactly those facts
+# (the arrays stay alive as long as it is in the table), so a column read later with the same
+# pointer lies in the same live allocation: device memory on that device, checked when those
+# columns were wrapped (and placed by their export). A pointer freed and handed out again can never
+# match: its entry leaves the table before the arrays it named can be let go.
+_HELD_FACTS: dict[bytes, list[int]] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def _forget_held_facts_in_child() -> None:
+    """A forked child cannot use its parent's CUDA state: its columns are asked about (and refused)
+    like any others. A lock held by another thread at fork time would stay locked: a new one."""
+    global _HELD_LOCK
+    _HELD_LOCK = threading.Lock()
+    _HELD_FACTS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_held_facts_in_child)
+
+
+def hold_checked_columns(facts: bytes, device: int, captured: CapturedData) -> Callable[[], None]:
+    """Put ``facts`` (of the ``from_cuda_arrays`` columns ``captured`` holds, checked to be on
+    ``device``) in the table :func:`from_cuda_arrays` looks up, holding a reference on
+    ``captured`` meanwhile; returns the function (idempotent) that takes them out again and then
+    lets go of that reference. A publication's export calls it first when it closes."""
+    holder = CapturedData.sharing(captured)
+    with _HELD_LOCK:
+        entry = _HELD_FACTS.setdefault(facts, [device, 0])
+        entry[1] += 1
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        with _HELD_LOCK:
+            if released:
+                return
+            released = True
+            entry[1] -= 1
+            if entry[1] == 0 and _HELD_FACTS.get(facts) is entry:  # (gone in a forked child)
+                del _HELD_FACTS[facts]
+        holder.close()  # only now may the arrays go
+
+    return release
+
+
+def held_column_facts() -> int:
+    """How many distinct column facts live publications hold now (a diagnostic for tests)."""
+    with _HELD_LOCK:
+        return len(_HELD_FACTS)
 
 
 # CAI v3 stream values: 0 (the key absent or None) asks no synchronisation, 1 is the legacy
@@ -254,15 +326,20 @@ class _CudaColumns(CapturedArray):
     the stream up to then: never less than at the call, possibly more (consumers may wait longer,
     never read earlier)."""
 
-    def __init__(self, names: tuple[str, ...] | None, columns: Any, objects: list[Any], device: int) -> None:
+    def __init__(self, names: tuple[str, ...] | None, facts: bytes, objects: list[Any], device: int) -> None:
         self._names = names
-        self._columns = columns
         self._objects = objects
         self._device = device
         self._built: CapturedData | None = None
         self._build_lock = threading.Lock()
-        # The columns' facts as read (a zero-filled struct array: the bytes are deterministic).
-        self.column_signature = (device, names, bytes(ffi.buffer(columns)))
+        # The columns' facts as read: an ``aib_cuda_column[]``'s bytes (_read_columns).
+        self._facts = facts
+        self.column_signature = (device, names, facts)
+
+    @property
+    def _columns(self) -> Any:
+        """The facts as an ``aib_cuda_column[]`` (made when asked: a renewal in place never asks)."""
+        return _facts_array(self._facts)
 
     @property
     def _captured(self) -> CapturedData:  # the base class's attribute, made on first use
@@ -279,12 +356,10 @@ class _CudaColumns(CapturedArray):
         self._built = captured
 
     @property
-    def needs_no_event(self) -> bool:
-        """Whether the structs are not made yet and every column announced the legacy default
-        stream or none: work recorded on the legacy default stream after now is ordered after the
-        producer's (nothing to wait for, no event to make)."""
-        if self._built is not None:
-            return False
+    def streams_need_no_wait(self) -> bool:
+        """Whether every column announced the legacy default stream or none: work recorded on the
+        legacy default stream after now is ordered after the producer's, with no wait (an event the
+        structs carry, if made, was recorded on that stream too). A fact of the columns' facts."""
         columns = self._columns
         return all(columns[i].stream in _NO_EVENT_STREAMS for i in range(len(self._objects)))
 
@@ -359,13 +434,24 @@ def from_cuda_arrays(columns: Mapping[str, Any]) -> CapturedArray:
     pointers checked and the structs built in C calls over all columns. As for
     :func:`from_cuda_array`, one event recorded on the announced stream (others are synchronised
     first) is the batch's ``sync_event``.
+
+    Every call checks its columns before it returns (:class:`~arrow_ipc_bridge.errors.RegionError`,
+    :class:`~arrow_ipc_bridge.errors.BridgeError`: see the API reference). The pointers' device is
+    known without asking the driver when the columns' facts (every pointer, length, type and
+    announced stream) are exactly those of columns a live publication holds, as a step loop's
+    columns updated in place are: the publication keeps those arrays alive, so the same pointers
+    are in the same allocations, checked when they were first wrapped and published.
     """
-    if not isinstance(columns, Mapping):
+    if type(columns) is not dict and not isinstance(columns, Mapping):  # a dict without the ABC check
         _arguments.fail_type("columns", "a mapping of column names (str) to 1-D GPU arrays", columns)
     names = tuple(columns)
     if not names:
         _arguments.fail_value("columns", "a mapping with at least one column", columns)
-    for name in names:
-        if not isinstance(name, str):
-            _arguments.fail_type("columns", "a mapping whose keys, the column names, are str", name)
+    try:
+        "".join(names)  # every name a str: one C loop (TypeError at the first that is not)
+    except TypeError:
+        for name in names:
+            if not isinstance(name, str):
+                _arguments.fail_type("columns", "a mapping whose keys, the column names, are str", name)
+        raise
     return _captured_columns(names, list(columns.values()))

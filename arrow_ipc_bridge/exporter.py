@@ -85,6 +85,9 @@ class Exported:
     #: ``CapturedArray.column_signature`` of what was exported, when its message names those
     #: columns' own memory (no copy, no descriptor): :func:`record_in_place` compares with it
     _column_signature: tuple[int, tuple[str, ...] | None, bytes] | None = field(default=None, repr=False)
+    #: with a signature: every column announced the legacy default stream or none, so the shared
+    #: event's record for a version in place needs no wait before it (``record_in_place``)
+    _in_place_no_wait: bool = field(default=False, repr=False)
 
     @property
     def closed(self) -> bool:
@@ -237,8 +240,7 @@ def _export_cuda(
                     events.release(event)
                     raise
                 closers.append(shared.drop)
-                shared.record_after(producer_handle)
-                remember_local_event(shared.handle, shared.event)
+                shared.record_after(producer_handle)  # and remembered for a same-process consumer
                 again = shared, encode(shared.handle)
             else:  # the current version's message, its event re-recorded after the new work
                 closers.append(again[0].drop)
@@ -281,8 +283,6 @@ def _send_again(
     when the new message names exactly what ``previous``'s names (same regions, offsets, layout,
     device, no descriptor): the event then has a reference for the new export and is recorded
     after the producer's new work. None otherwise (nothing taken)."""
-    from arrow_ipc_bridge.cuda.placer import remember_local_event
-
     shared = previous._shared_event if previous is not None else None
     if previous is None or shared is None or previous.fds or shared.device != device or not shared.take():
         return None
@@ -290,8 +290,7 @@ def _send_again(
         if encode(shared.handle) != previous.message:
             shared.drop()
             return None
-        shared.record_after(producer_handle)
-        remember_local_event(shared.handle, shared.event)
+        shared.record_after(producer_handle)  # and remembered for a same-process consumer
     except BaseException:
         shared.drop()
         raise
@@ -326,7 +325,17 @@ def export_again(
     # later in-place version of them (record_in_place).
     names_own_memory = not exported.fds and exported.stats.copied_bytes == 0
     if signature is not None and exported._shared_event is not None and names_own_memory:
+        from arrow_ipc_bridge.device import hold_checked_columns
+
+        try:
+            # While this export is open its columns' facts spare from_cuda_arrays the device
+            # query for the same columns; taken out first when it closes, before the arrays go.
+            exported._closers.insert(0, hold_checked_columns(signature[2], signature[0], exported._captured))
+        except BaseException:
+            exported.close()
+            raise
         exported._column_signature = signature
+        exported._in_place_no_wait = bool(getattr(obj, "streams_need_no_wait", False))
     return exported
 
 
@@ -348,21 +357,28 @@ def record_in_place(current: Exported, obj: ArrowInput, copy: CopyPolicy) -> boo
         or obj.column_signature != signature
     ):
         return False
-    from arrow_ipc_bridge import cuda
-    from arrow_ipc_bridge.cuda.placer import recorded_on_legacy_stream, remember_local_event
-
     shared = current._shared_event
     assert shared is not None  # a signature is kept only with a shared event (export_again)
-    producer_handle = 0
-    if not getattr(obj, "needs_no_event", False):  # from_cuda_arrays' columns on a real stream
-        captured = obj._live()
-        producer_event = captured.arrays[0].sync_event if captured.arrays else None
-        producer_handle = cuda.event_value(producer_event) if producer_event else 0
-        if producer_handle and recorded_on_legacy_stream(producer_handle):
-            producer_handle = 0  # the shared event's record on the same stream comes after it
-    shared.record_after(producer_handle)
-    remember_local_event(shared.handle, shared.event)
+    # The same facts, so the same announced streams as current's: on the legacy default stream or
+    # none, the shared event's record there is ordered after the producer's work with no wait.
+    producer_handle = 0 if current._in_place_no_wait else _pending_event(obj)
+    shared.record_after(producer_handle)  # and remembered for a same-process consumer
     return True
+
+
+def _pending_event(obj: CapturedArray) -> int:
+    """The event on the stream ``obj``'s columns announced (a real stream: made with the structs
+    now, if not yet), for the shared event's record to wait on; 0 when one recorded on the legacy
+    default stream, after which the shared event's record there comes anyway."""
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge.cuda.placer import recorded_on_legacy_stream
+
+    captured = obj._live()
+    producer_event = captured.arrays[0].sync_event if captured.arrays else None
+    producer_handle = cuda.event_value(producer_event) if producer_event else 0
+    if producer_handle and recorded_on_legacy_stream(producer_handle):
+        return 0  # the shared event's record on the same stream comes after it
+    return producer_handle
 
 
 def export(

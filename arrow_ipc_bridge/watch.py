@@ -216,6 +216,8 @@ class Watch:
         after the C table took it); returns the waits to :meth:`deliver` (without that lock)."""
         with self._lock:
             self._current[raw_name] = version
+            if raw_name not in self._waits:  # nobody waits for this name (a step loop's usual case)
+                return []
             due = [w for w in self._waits.get(raw_name, ()) if w.after < version]
             if due:
                 left = [w for w in self._waits[raw_name] if w.after >= version]

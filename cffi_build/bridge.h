@@ -636,8 +636,25 @@ typedef struct aib_cuda_driver {
   uintptr_t mem_pool_export_pointer; /* cuMemPoolExportPointer */
   uintptr_t mem_pool_import_pointer; /* cuMemPoolImportPointer */
   uintptr_t mem_free;                /* cuMemFree_v2 */
+  uintptr_t ctx_get_current;         /* cuCtxGetCurrent */
+  uintptr_t ctx_push_current;        /* cuCtxPushCurrent_v2 */
+  uintptr_t ctx_pop_current;         /* cuCtxPopCurrent_v2 */
+  uintptr_t stream_wait_event;       /* cuStreamWaitEvent */
+  uintptr_t event_record;            /* cuEventRecord */
 } aib_cuda_driver;
 void aib_cuda_set_driver(const aib_cuda_driver *driver);
+/* On the legacy default stream of context (a CUcontext): cuStreamWaitEvent for after (a CUevent; 0:
+ * none), then cuEventRecord of event, with context made current for the two calls when another one
+ * is (pushed, then popped: the caller's current context is current again after). Returns 0, or
+ * (AIB_CUDA_RECORD_CALL_* << 16) | CUresult of the first call that failed; the context pushed is
+ * popped after any failure. CUDA_ERROR_NOT_INITIALIZED (call NONE) without the driver's functions. */
+#define AIB_CUDA_RECORD_CALL_NONE 0
+#define AIB_CUDA_RECORD_CALL_GET_CURRENT 1
+#define AIB_CUDA_RECORD_CALL_PUSH 2
+#define AIB_CUDA_RECORD_CALL_WAIT 3
+#define AIB_CUDA_RECORD_CALL_RECORD 4
+#define AIB_CUDA_RECORD_CALL_POP 5
+int aib_cuda_record_after(uintptr_t context, uintptr_t after, uintptr_t event);
 /* Driver loops: calls cuMemPoolImportPointer on pool for n 64-byte export records in order, the
  * current context being the caller's. Returns 0, or the first failing CUresult with *done the
  * number imported before it (their pointers are in out: the caller frees them). */

@@ -5,7 +5,8 @@
  * every C caller takes them from here. Only what a consumer repeats per buffer of a message lives
  * here: on the producer the attribute queries of a message's buffers and the export of its IPC-pool
  * pointers, on the consumer the import of those pointers and their frees — each a driver call of
- * ~1 µs around which a Python loop cost several times more — plus the event query of sync_event.c. */
+ * ~1 µs around which a Python loop cost several times more — plus the event query of sync_event.c
+ * and the producer's per-version record of a publication's shared event (aib_cuda_record_after). */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdatomic.h>
@@ -16,7 +17,7 @@
 #define CUDA_ERROR_NOT_INITIALIZED 3
 
 static _Atomic(uintptr_t) event_query, pointer_get_attributes, mem_pool_export_pointer, mem_pool_import_pointer,
-    mem_free;
+    mem_free, ctx_get_current, ctx_push_current, ctx_pop_current, stream_wait_event, event_record;
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 
 /* A forked child cannot use its parent's CUDA state: it forgets the driver. */
@@ -26,6 +27,11 @@ static void driver_after_fork_child(void) {
   atomic_store(&mem_pool_export_pointer, 0);
   atomic_store(&mem_pool_import_pointer, 0);
   atomic_store(&mem_free, 0);
+  atomic_store(&ctx_get_current, 0);
+  atomic_store(&ctx_push_current, 0);
+  atomic_store(&ctx_pop_current, 0);
+  atomic_store(&stream_wait_event, 0);
+  atomic_store(&event_record, 0);
 }
 
 static void register_fork_handler(void) { pthread_atfork(NULL, NULL, driver_after_fork_child); }
@@ -37,6 +43,11 @@ void aib_cuda_set_driver(const aib_cuda_driver *driver) {
   atomic_store(&mem_pool_export_pointer, driver->mem_pool_export_pointer);
   atomic_store(&mem_pool_import_pointer, driver->mem_pool_import_pointer);
   atomic_store(&mem_free, driver->mem_free);
+  atomic_store(&ctx_get_current, driver->ctx_get_current);
+  atomic_store(&ctx_push_current, driver->ctx_push_current);
+  atomic_store(&ctx_pop_current, driver->ctx_pop_current);
+  atomic_store(&stream_wait_event, driver->stream_wait_event);
+  atomic_store(&event_record, driver->event_record);
 }
 
 uintptr_t aib_cuda_event_query(void) { return atomic_load_explicit(&event_query, memory_order_acquire); }
@@ -133,4 +144,40 @@ int aib_cuda_export_pool_pointers(const uint64_t *pointers, size_t n, uint8_t *o
   }
   *done = n;
   return 0;
+}
+
+/* CUresult cuCtxGetCurrent(CUcontext *), cuCtxPushCurrent_v2(CUcontext), cuCtxPopCurrent_v2(CUcontext *),
+ * cuStreamWaitEvent(CUstream, CUevent, unsigned int), cuEventRecord(CUevent, CUstream) */
+typedef int (*ctx_get_fn)(void **ctx);
+typedef int (*ctx_push_fn)(void *ctx);
+typedef int (*stream_wait_fn)(void *stream, void *event, unsigned flags);
+typedef int (*event_record_fn)(void *event, void *stream);
+
+static int record_failure(int call, int rc) { return (call << 16) | (rc & 0xFFFF); }
+
+/* A publisher's shared event, re-recorded each version (cuda/shared_event.py): one C call for what
+ * took a context check, a wait and a record from Python, each a driver call through cffi. */
+int aib_cuda_record_after(uintptr_t context, uintptr_t after, uintptr_t event) {
+  ctx_get_fn get = (ctx_get_fn)atomic_load(&ctx_get_current);
+  ctx_push_fn push = (ctx_push_fn)atomic_load(&ctx_push_current);
+  ctx_get_fn pop = (ctx_get_fn)atomic_load(&ctx_pop_current);
+  stream_wait_fn wait = (stream_wait_fn)atomic_load(&stream_wait_event);
+  event_record_fn record = (event_record_fn)atomic_load(&event_record);
+  if (get == NULL || push == NULL || pop == NULL || wait == NULL || record == NULL) return CUDA_ERROR_NOT_INITIALIZED;
+  void *current = NULL;
+  int rc = get(&current);
+  if (rc != 0) return record_failure(AIB_CUDA_RECORD_CALL_GET_CURRENT, rc);
+  int pushed = (uintptr_t)current != context;
+  if (pushed && (rc = push((void *)context)) != 0) return record_failure(AIB_CUDA_RECORD_CALL_PUSH, rc);
+  int result = 0;
+  if (after != 0 && (rc = wait(NULL, (void *)after, 0)) != 0)
+    result = record_failure(AIB_CUDA_RECORD_CALL_WAIT, rc);
+  else if ((rc = record((void *)event, NULL)) != 0)
+    result = record_failure(AIB_CUDA_RECORD_CALL_RECORD, rc);
+  if (pushed) {
+    void *popped = NULL;
+    rc = pop(&popped);
+    if (rc != 0 && result == 0) result = record_failure(AIB_CUDA_RECORD_CALL_POP, rc);
+  }
+  return result;
 }

@@ -10,6 +10,7 @@
 #define _GNU_SOURCE
 #endif
 #include <Python.h>
+#include <string.h>
 
 
 #include "internal.h"
@@ -84,6 +85,28 @@ static long long int_attr(PyObject *obj, int key) {
   return result;
 }
 
+/* The column code of a CuPy array's dtype: the dtype last seen is kept (a reference: it cannot be
+ * freed and another object made at its address) with its code, so a batch of columns of one dtype
+ * reads dtype.str once, not a new string per column. A dtype object's type string never changes.
+ * The GIL is held throughout. */
+static PyObject *last_dtype;
+static uint32_t last_code = N_TYPES;
+
+static uint32_t code_of_dtype(PyObject *dtype) {
+  if (dtype == last_dtype) return last_code;
+  PyObject *typestr = PyObject_GetAttr(dtype, keys[K_STR]);
+  uint32_t code = code_of(typestr);
+  Py_XDECREF(typestr);
+  if (code != N_TYPES) {
+    PyObject *old = last_dtype;
+    Py_INCREF(dtype);
+    last_dtype = dtype;
+    last_code = code;
+    Py_XDECREF(old);
+  }
+  return code;
+}
+
 /* A CuPy ndarray's column facts from its own attributes, what its __cuda_array_interface__ is
  * built from (ndim, size, _c_contiguous, dtype.str, data.ptr; ptr 0 when empty) without building
  * the interface dict and its dtype description (about 2.5 us per array). The stream is not a fact
@@ -98,9 +121,7 @@ static int read_cupy(PyObject *obj, int64_t stream, aib_cuda_column *out) {
   Py_XDECREF(contiguous);
   if (!is_contiguous) return -1;
   PyObject *dtype = PyObject_GetAttr(obj, keys[K_DTYPE]);
-  PyObject *typestr = dtype ? PyObject_GetAttr(dtype, keys[K_STR]) : NULL;
-  uint32_t code = code_of(typestr);
-  Py_XDECREF(typestr);
+  uint32_t code = dtype ? code_of_dtype(dtype) : N_TYPES;
   Py_XDECREF(dtype);
   if (code == N_TYPES) return -1;
   unsigned long long pointer = 0;
@@ -119,20 +140,25 @@ static int read_cupy(PyObject *obj, int64_t stream, aib_cuda_column *out) {
   return 0;
 }
 
-/* read_cuda_columns(values, address, n, cupy_type) -> how many leading columns were read into the
- * aib_cuda_column[n] at address (n: all of them). values: a list of n arrays. cupy_type: CuPy's
- * ndarray type when the caller found the first value to be one (its later values of exactly that
- * type are read by read_cupy), else None. */
+/* read_cuda_columns(values, n, cupy_type) -> (done, facts): facts is a bytes object holding an
+ * aib_cuda_column[n], zero-filled (its bytes are deterministic: they are the columns' signature),
+ * whose first done entries were read from the columns (done == n: all of them). values: a list of
+ * n arrays. cupy_type: CuPy's ndarray type when the caller found the first value to be one (its
+ * later values of exactly that type are read by read_cupy), else None. The bytes object is new and
+ * not shared while it is filled. */
 static PyObject *read_cuda_columns(PyObject *self, PyObject *args) {
   PyObject *values, *cupy_type;
-  unsigned long long address;
   Py_ssize_t n;
-  if (!PyArg_ParseTuple(args, "OKnO", &values, &address, &n, &cupy_type)) return NULL;
-  if (!PyList_Check(values) || PyList_Size(values) != n || address == 0) {
-    PyErr_SetString(PyExc_ValueError, "read_cuda_columns needs a list of n values and an address");
+  if (!PyArg_ParseTuple(args, "OnO", &values, &n, &cupy_type)) return NULL;
+  if (!PyList_Check(values) || PyList_Size(values) != n || n < 1) {
+    PyErr_SetString(PyExc_ValueError, "read_cuda_columns needs a list of n >= 1 values");
     return NULL;
   }
-  aib_cuda_column *columns = (aib_cuda_column *)(uintptr_t)address;
+  if ((size_t)n > PY_SSIZE_T_MAX / sizeof(aib_cuda_column)) return PyErr_NoMemory();
+  PyObject *facts = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(aib_cuda_column));
+  if (facts == NULL) return NULL;
+  aib_cuda_column *columns = (aib_cuda_column *)PyBytes_AsString(facts);
+  memset(columns, 0, (size_t)n * sizeof(aib_cuda_column));
   Py_ssize_t i = 0;
   for (; i < n; i++) {
     PyObject *value = PyList_GetItem(values, i);
@@ -149,12 +175,14 @@ static PyObject *read_cuda_columns(PyObject *self, PyObject *args) {
     if (rc != 0 || columns[i].length != columns[0].length) break;
   }
   if (PyErr_Occurred()) PyErr_Clear(); /* the Python path meets the same problem and says what it is */
-  return PyLong_FromSsize_t(i);
+  if (i < n) memset(&columns[i], 0, (size_t)(n - i) * sizeof(aib_cuda_column)); /* a column half read */
+  PyObject *result = Py_BuildValue("(nN)", i, facts);
+  return result;
 }
 
 static PyMethodDef read_function = {
     "read_cuda_columns", read_cuda_columns, METH_VARARGS,
-    "read_cuda_columns(values, address, n, cupy_type) -> how many leading columns were read"};
+    "read_cuda_columns(values, n, cupy_type) -> (how many leading columns were read, their facts)"};
 
 /* The interned names and the typestr table; 0, or -1 with a Python exception set. */
 static int make_keys(void) {

@@ -3,6 +3,7 @@ the columns' Arrow structs (exercised over host memory, which it never reads).""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -150,10 +151,20 @@ def test_the_builder_refuses_bad_arguments() -> None:
         lib.aib_device_array_free(array)
 
 
+def _read(values: Any, cupy_type: type | None = None) -> tuple[int, Any]:
+    """read_cuda_columns: how many leading columns it read, and the facts as an aib_cuda_column[]."""
+    from arrow_ipc_bridge._ffi import read_cuda_columns
+
+    done, facts = read_cuda_columns(values, len(values), cupy_type)
+    assert isinstance(facts, bytes)
+    assert len(facts) == len(values) * ffi.sizeof("aib_cuda_column")
+    return done, device._facts_array(facts)
+
+
 def test_the_c_reader_takes_what_the_python_reader_takes() -> None:
     """read_cuda_columns reads the same facts as _column_facts, and stops at the first column it
     cannot take (no interface, a shape/type/stride/mask to refuse, another length), leaving that
-    column to the Python path and its errors."""
+    column to the Python path and its errors; the facts are zeros from there on."""
     from arrow_ipc_bridge._ffi import read_cuda_columns
 
     good = [
@@ -161,15 +172,16 @@ def test_the_c_reader_takes_what_the_python_reader_takes() -> None:
         for k, t in enumerate(_DTYPES)
     ]
     good.append(_FakeCudaArray(strides=(4,), stream=None))
-    columns = ffi.new("aib_cuda_column[]", len(good))
-    assert read_cuda_columns(good, int(ffi.cast("uintptr_t", columns)), len(good), None) == len(good)
+    done, columns = _read(good)
+    assert done == len(good)
     for column, value in zip(columns, good, strict=True):
         _, pointer, length, code, stream = device._column_facts(value)
-        assert (column.data, column.length, column.code, column.stream) == (
+        assert (column.data, column.length, column.code, column.stream, column.reserved) == (
             pointer,
             length,
             code,
             stream or 0,
+            0,
         )
     for bad in (
         [1.0],
@@ -181,10 +193,13 @@ def test_the_c_reader_takes_what_the_python_reader_takes() -> None:
         _FakeCudaArray(shape=(5,)),
         _FakeCudaArray(data=(-1, False)),
     ):
-        values = [_FakeCudaArray(), bad, _FakeCudaArray()]
-        assert read_cuda_columns(values, int(ffi.cast("uintptr_t", columns)), 3, None) == 1, bad
-    with pytest.raises(ValueError, match="list of n values"):
-        read_cuda_columns((_FakeCudaArray(),), int(ffi.cast("uintptr_t", columns)), 1, None)
+        done, columns = _read([_FakeCudaArray(), bad, _FakeCudaArray()])
+        assert done == 1, bad
+        size = ffi.sizeof("aib_cuda_column")
+        assert bytes(ffi.buffer(columns))[size:] == bytes(2 * size), bad
+    for values in ((_FakeCudaArray(),), []):
+        with pytest.raises(ValueError, match="list of n >= 1 values"):
+            read_cuda_columns(values, len(values), None)  # type: ignore[arg-type]
 
 
 class _Pointer:
@@ -218,24 +233,67 @@ def test_the_c_reader_reads_cupy_arrays_after_the_first_from_their_attributes() 
     attributes (the stream is the first column's: CuPy's interface reports the current stream),
     with the facts their interfaces would give; one it cannot take that way (not contiguous) is
     read through its interface, and so stops there."""
-    from arrow_ipc_bridge._ffi import read_cuda_columns
 
     values = [ndarray(8, t, 0x1000 * (k + 1)) for k, t in enumerate(_DTYPES)]
-    columns = ffi.new("aib_cuda_column[]", len(values))
-    address = int(ffi.cast("uintptr_t", columns))
-    assert read_cuda_columns(values, address, len(values), ndarray) == len(values)
+    done, columns = _read(values, ndarray)
+    assert done == len(values)
     read = [(c.data, c.length, c.code, c.stream) for c in columns]
-    assert read_cuda_columns(values, address, len(values), None) == len(values)  # interfaces only
+    done, columns = _read(values)  # interfaces only
+    assert done == len(values)
     assert read == [(c.data, c.length, c.code, c.stream) for c in columns]
     # Attributes, not interfaces, after the first: an interface that lies is not read.
     liar = ndarray(8, "float32", 0x9000, interface={"shape": (8,), "typestr": "<f8", "data": (0x1, False)})
-    assert read_cuda_columns([values[0], liar], address, 2, ndarray) == 2
+    done, columns = _read([values[0], liar], ndarray)
+    assert done == 2
     assert (columns[1].data, columns[1].code, columns[1].stream) == (0x9000, _DTYPES.index("f4"), 7)
+    # One dtype after another (the reader keeps the last dtype it saw): each column its own code.
+    mixed = [ndarray(8, t, 0x1000) for t in ("float32", "float32", "int8", "float32", "float64", "float64")]
+    done, columns = _read(mixed, ndarray)
+    assert done == len(mixed)
+    assert [c.code for c in columns] == [_DTYPES.index(t) for t in ("f4", "f4", "i1", "f4", "f8", "f8")]
     strided = ndarray(8, "float32", 0x9000, contiguous=False)
-    assert read_cuda_columns([values[0], strided], address, 2, ndarray) == 1
+    assert _read([values[0], strided], ndarray)[0] == 1
     empty = [ndarray(0, "float32", 0x1000), ndarray(0, "float32", 0x2000)]
-    assert read_cuda_columns(empty, address, 2, ndarray) == 2
+    done, columns = _read(empty, ndarray)
+    assert done == 2
     assert columns[1].data == 0  # as the interface says of an empty array
+
+
+def test_held_facts_spare_the_device_query_only_while_their_arrays_are_held() -> None:
+    """Columns whose facts a live publication holds (device.hold_checked_columns) take its device
+    without a driver query (here there is no driver at all); the holder keeps those arrays alive,
+    and its release takes the facts out before it lets go of them, so the same addresses are
+    checked again afterwards (and refused here: the arrays were never device memory)."""
+    from arrow_ipc_bridge import _reaper
+
+    base = 0x7000_0000_0000
+    arrays = [_FakeCudaArray(data=(base + k * 0x100000, False)) for k in range(3)]
+    alive = weakref.ref(arrays[0])
+    facts, objects = device._read_columns(list(arrays))
+    checked = device._CudaColumns(("c0", "c1", "c2"), facts, objects, 0)  # as if checked on device 0
+    release = device.hold_checked_columns(facts, 0, checked._live())
+    held = device.held_column_facts()
+    again = aib.from_cuda_arrays({f"c{k}": a for k, a in enumerate(arrays)})
+    assert again.column_signature == (0, ("c0", "c1", "c2"), facts)
+    moved = [_FakeCudaArray(data=(base + k * 0x100000 + 0x40, False)) for k in range(3)]
+    with pytest.raises(aib.BridgeError):  # other facts (one offset): asked, and refused
+        aib.from_cuda_arrays({f"c{k}": a for k, a in enumerate(moved)})
+    del arrays, objects, checked, again
+    _reaper.drain()
+    assert alive() is not None  # the holder keeps the arrays
+    release()
+    release()  # once only
+    _reaper.drain()
+    assert alive() is None
+    assert device.held_column_facts() == held - 1
+    same_addresses = [_FakeCudaArray(data=(base + k * 0x100000, False)) for k in range(3)]
+    with pytest.raises(aib.BridgeError):
+        aib.from_cuda_arrays({f"c{k}": a for k, a in enumerate(same_addresses)})
+
+
+def test_column_names_that_are_not_str_are_refused_with_the_name() -> None:
+    with pytest.raises(TypeError, match="column names"):
+        aib.from_cuda_arrays({"a": _FakeCudaArray(), 2: _FakeCudaArray()})
 
 
 def test_the_export_region_table_places_nothing_it_was_not_told() -> None:

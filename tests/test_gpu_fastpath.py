@@ -436,6 +436,73 @@ def test_what_is_not_the_same_columns_takes_the_full_path(publisher: aib.Publish
         assert imported.to_host().column("a").to_pylist() == a.get().tolist()
 
 
+def test_held_columns_skip_the_device_query_until_their_publication_closes(
+    publisher: aib.Publisher, cupy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """from_cuda_arrays asks the driver for the columns' device unless a live publication holds
+    columns of exactly those facts: the step loop's columns after the first publish. Once the
+    publication closed, the same columns are asked about again; new arrays always are."""
+    from arrow_ipc_bridge import device
+
+    asked: list[int] = []
+    real = device._device_of
+
+    def counted(columns: Any, n: int, objects: list[Any]) -> int:
+        asked.append(n)
+        return real(columns, n, objects)
+
+    monkeypatch.setattr(device, "_device_of", counted)
+    columns = {f"c{i}": cupy.zeros(2048, dtype=cupy.float32) for i in range(8)}
+    cupy.cuda.runtime.deviceSynchronize()
+    publisher.publish("h", aib.from_cuda_arrays(columns))
+    assert asked == [8]
+    renewals = aib.stats().cuda.in_place_publishes
+    for _ in range(5):
+        publisher.publish("h", aib.from_cuda_arrays(columns))
+    assert asked == [8]
+    assert aib.stats().cuda.in_place_publishes - renewals == 5
+    assert aib.from_cuda_arrays({"x": cupy.zeros(2048, dtype=cupy.float32)}).column_signature[0] == 0
+    assert asked == [8, 1]  # new memory: asked
+    publisher.unpublish("h")
+    _reaper.drain()
+    aib.from_cuda_arrays(columns)
+    assert asked == [8, 1, 8]  # no live publication holds them now
+
+
+def test_an_in_place_publish_from_a_thread_restores_its_context(publisher: aib.Publisher, cupy: Any) -> None:
+    """The shared event's record (one C call) makes the device's primary context current for the
+    wait and the record on a thread where none is, and the thread's context is as before after;
+    the consumer reads the values written before the publish."""
+    import threading
+
+    from arrow_ipc_bridge.cuda._driver import _api
+
+    column = cupy.zeros(4096, dtype=cupy.float32)
+    cupy.cuda.runtime.deviceSynchronize()
+    publisher.publish("c", aib.from_cuda_arrays({"v": column}))
+    renewals = aib.stats().cuda.in_place_publishes
+    column += 7  # on the legacy default stream: the record there comes after it
+    seen: dict[str, Any] = {}
+
+    def publish_there() -> None:
+        lib, ffi = _api()
+        current = ffi.new("CUcontext *")
+        batch = aib.from_cuda_arrays({"v": column})
+        lib.cuCtxGetCurrent(current)
+        seen["before"] = int(ffi.cast("uintptr_t", current[0]))
+        publisher.publish("c", batch)
+        lib.cuCtxGetCurrent(current)
+        seen["after"] = int(ffi.cast("uintptr_t", current[0]))
+
+    thread = threading.Thread(target=publish_there)
+    thread.start()
+    thread.join()
+    assert seen["after"] == seen["before"]
+    assert aib.stats().cuda.in_place_publishes == renewals + 1
+    with aib.connect(publisher.path, timeout=30.0) as session, session.get("c") as imported:
+        assert imported.to_host().column("v").to_pylist() == [7.0] * 4096
+
+
 class _InterfaceOnly:
     """An array seen through its ``__cuda_array_interface__`` alone (the reader's general path)."""
 

@@ -201,6 +201,11 @@ def core_driver_table(lib: Any, ffi: Any) -> Any:
             "mem_pool_export_pointer": address(lib.cuMemPoolExportPointer),
             "mem_pool_import_pointer": address(lib.cuMemPoolImportPointer),
             "mem_free": address(lib.cuMemFree_v2),
+            "ctx_get_current": address(lib.cuCtxGetCurrent),
+            "ctx_push_current": address(lib.cuCtxPushCurrent_v2),
+            "ctx_pop_current": address(lib.cuCtxPopCurrent_v2),
+            "stream_wait_event": address(lib.cuStreamWaitEvent),
+            "event_record": address(lib.cuEventRecord),
         },
     )
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import threading
 
-from arrow_ipc_bridge.cuda.events import Event, EventPool, stream_wait_event
+from arrow_ipc_bridge.cuda.events import Event, EventPool
+from arrow_ipc_bridge.cuda.placer import remember_local_event
 
 __all__ = ["SharedEvent"]
 
@@ -31,7 +32,7 @@ class SharedEvent:
     later export that sends it again, :meth:`drop` ends one; the last returns it to ``events``.
     """
 
-    __slots__ = ("_event", "_events", "_lock", "_refs", "device", "handle")
+    __slots__ = ("_event", "_event_value", "_events", "_lock", "_refs", "device", "handle")
 
     def __init__(self, events: EventPool, event: Event) -> None:
         self._events = events
@@ -40,6 +41,7 @@ class SharedEvent:
         self._refs = 1
         self.device = events.device
         self.handle = event.ipc_handle()  # what the messages carry as their sync handle
+        self._event_value = event.handle  # the CUevent, read once (the event never changes)
 
     @property
     def event(self) -> int:
@@ -65,7 +67,9 @@ class SharedEvent:
     def record_after(self, producer_event: int) -> None:
         """Record the event on the legacy default stream after ``producer_event`` (a ``CUevent``;
         0: none), that is after the producer's work on the new version and, the stream being the
-        one every record of this event is made on, after every earlier record."""
-        if producer_event:
-            stream_wait_event(0, producer_event, device=self.device)
-        self._event.record(0)
+        one every record of this event is made on, after every earlier record; then remember it
+        for a consumer in this process (``placer.remember_local_event``: CUDA refuses to open an
+        IPC event handle in the process that made it). One context check for the wait and the
+        record (``Event._record_on_legacy_stream``)."""
+        self._event._record_on_legacy_stream(producer_event)
+        remember_local_event(self.handle, self._event_value)
