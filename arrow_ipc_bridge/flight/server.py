@@ -9,7 +9,8 @@ last batch. Live streams are subscriptions whose credit goes back only as gRPC s
 Flight client slows the producer exactly as a slow local subscriber does.
 
 Errors go to clients with the gRPC status that says what went wrong: an unknown name NOT_FOUND
-(``pyarrow.ArrowKeyError`` in a pyarrow client), a malformed ticket, descriptor, device or upload
+(``pyarrow.ArrowKeyError`` in a pyarrow client), a malformed ticket, descriptor, device or upload,
+or a publication Arrow IPC cannot carry (a dictionary of dictionaries, ``_unsendable``)
 INVALID_ARGUMENT (``pyarrow.ArrowInvalid``), a gone publisher UNAVAILABLE
 (``FlightUnavailableError``), a missing or wrong token UNAUTHENTICATED
 (``FlightUnauthenticatedError``), a refused ``do_put`` PERMISSION_DENIED
@@ -53,7 +54,7 @@ from arrow_ipc_bridge.flight.staging import (
     StagingCancelledError,
     StagingPool,
 )
-from arrow_ipc_bridge.flight.tables import flight_schema, host_table
+from arrow_ipc_bridge.flight.tables import flight_schema, host_table, nested_dictionary
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream
 from arrow_ipc_bridge.protocol import encode_name
 from arrow_ipc_bridge.publisher import Publisher
@@ -132,6 +133,20 @@ def _name_of_descriptor(descriptor: flight.FlightDescriptor) -> tuple[str, str |
     return _name_of_ticket(bytes(descriptor.command)), None
 
 
+def _unsendable(name: str, schema: pa.Schema) -> str | None:
+    """Why ``name``, of ``schema``, cannot be sent over Flight, or None when it can. Found from the
+    schema alone, before anything is sent: a client must not get wrong values."""
+    found = nested_dictionary(schema)
+    if found is None:
+        return None
+    path, dtype = found
+    return (
+        f"column {path[:200]!r} of {name!r} is a dictionary whose values are a dictionary "
+        f"({str(dtype)[:300]}): Arrow IPC, which Flight sends, cannot carry it (pyarrow reads it "
+        "back as one dictionary of wrong values); publish its values decoded to serve it over Flight"
+    )
+
+
 def _cuda_ordinal(device: str) -> int:
     prefix = "cuda:"
     if not device.startswith(prefix) or not device[len(prefix) :].isdigit():
@@ -146,6 +161,7 @@ class _Facts:
     rows: int
     nbytes: int
     device: str
+    refusal: str | None = None  # why it cannot be sent over Flight (``_unsendable``)
 
 
 class _BridgeFlightServer(flight.FlightServerBase):  # type: ignore[misc]
@@ -162,7 +178,9 @@ class _BridgeFlightServer(flight.FlightServerBase):  # type: ignore[misc]
         for name in front.publication_names():
             if name.startswith(prefix):
                 facts = front.facts(name)
-                if facts is not None:
+                # What cannot be sent is left out: its schema would be listed wrong (IPC writes
+                # it), and get_flight_info, get_schema and do_get of it say why.
+                if facts is not None and facts.refusal is None:
                     yield front.flight_info(name, facts)
         for name in front.stream_names():
             if name.startswith(prefix):
@@ -311,14 +329,20 @@ class FlightFront:
                 if isinstance(imported, ImportedStream)
                 else ("record batch" if imported.root_format == "+s" else "array")
             )
-            return _Facts(kind, flight_schema(imported), imported.num_rows, imported.nbytes, imported.device)
+            schema = flight_schema(imported)
+            return _Facts(
+                kind, schema, imported.num_rows, imported.nbytes, imported.device, _unsendable(name, schema)
+            )
 
     def stream_facts(self) -> _Facts:
         # A live stream's schema comes with its first batch: do_get sends it; the listing cannot.
         return _Facts("live stream", pa.schema([]), -1, -1, "")
 
     def facts_or_stream(self, name: str) -> _Facts:
+        """What ``name`` holds, to describe it to a client; refused when it cannot be sent."""
         facts = self.facts(name)
+        if facts is not None and facts.refusal is not None:
+            raise _invalid(facts.refusal)
         if facts is not None:
             return facts
         if name in self.stream_names():
@@ -343,6 +367,8 @@ class FlightFront:
     # ---------- do_get ---------------------------------------------------------------------------
     def data_stream(self, name: str, cancelled: Callable[[], bool]) -> flight.FlightDataStream:
         imported = self._get(name)
+        if imported is not None:
+            self._refuse_unsendable(name, imported)
         if imported is not None and imported.device_type == DEVICE_CUDA:
             return self._staged_stream(imported, cancelled)
         if imported is not None:
@@ -354,6 +380,18 @@ class FlightFront:
         if self._publisher is None and name not in self._streams:
             raise _not_found(name)
         return self._live_stream(name, cancelled)
+
+    @staticmethod
+    def _refuse_unsendable(name: str, imported: ImportedArray | ImportedStream) -> None:
+        """Refuse (and release) ``imported`` when it cannot be sent over Flight."""
+        try:
+            refusal = _unsendable(name, flight_schema(imported))
+        except BaseException:
+            imported.release()
+            raise
+        if refusal is not None:
+            imported.release()
+            raise _invalid(refusal)
 
     def _staging_pool(self, device: int) -> StagingPool:
         """The front's pinned staging pool for ``device``, made on the first GPU ``do_get``."""
@@ -428,6 +466,7 @@ class FlightFront:
                 yield batch
 
         def convert(batch: ImportedArray) -> list[pa.RecordBatch]:
+            self._refuse_unsendable(name, batch)  # a stream's batches have one schema: the first
             with batch:  # the record batches hold the lease (credit) until gRPC drops them
                 batches_now: list[pa.RecordBatch] = host_table(batch).to_batches()
                 return batches_now
