@@ -27,7 +27,7 @@ import ipaddress
 import json
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -53,6 +53,7 @@ from arrow_ipc_bridge.flight.staging import (
     StagedPublication,
     StagingCancelledError,
     StagingPool,
+    stage_live_batch,
 )
 from arrow_ipc_bridge.flight.tables import flight_schema, host_table, nested_dictionary
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream
@@ -369,7 +370,7 @@ class FlightFront:
         imported = self._get(name)
         if imported is not None:
             self._refuse_unsendable(name, imported)
-        if imported is not None and imported.device_type == DEVICE_CUDA:
+        if imported is not None and self._needs_staging(imported):
             return self._staged_stream(imported, cancelled)
         if imported is not None:
             try:
@@ -392,6 +393,10 @@ class FlightFront:
         if refusal is not None:
             imported.release()
             raise _invalid(refusal)
+
+    def _needs_staging(self, imported: ImportedArray | ImportedStream) -> bool:
+        """Whether ``imported`` is device data, which gRPC cannot send from where it is."""
+        return imported.device_type == DEVICE_CUDA
 
     def _staging_pool(self, device: int) -> StagingPool:
         """The front's pinned staging pool for ``device``, made on the first GPU ``do_get``."""
@@ -446,6 +451,11 @@ class FlightFront:
         return _batch_stream(schema, generate())
 
     def _live_stream(self, name: str, cancelled: Callable[[], bool]) -> flight.FlightDataStream:
+        """A live stream, batch by batch as the producer writes them. Host batches are sent over
+        the session's mappings (their lease, the producer's credit, held until gRPC drops them);
+        device batches are staged through the pinned pool as publications are, their lease given
+        back once copied. Either way a worker thread (``Prefetcher``) prepares the next batch while
+        gRPC sends the current one."""
         try:
             live = self._call(lambda s: s.subscribe(name, max_in_flight=self._max_in_flight))
         except NotPublishedError:
@@ -455,52 +465,101 @@ class FlightFront:
         def gone() -> bool:
             return stop.is_set() or cancelled()
 
-        def batches() -> Iterator[ImportedArray]:
-            while not gone():
-                try:
-                    batch = live.next_batch(timeout=_POLL_S)
-                except BridgeTimeoutError:
-                    continue
-                if batch is None:
-                    return
-                yield batch
-
-        def convert(batch: ImportedArray) -> list[pa.RecordBatch]:
-            self._refuse_unsendable(name, batch)  # a stream's batches have one schema: the first
-            with batch:  # the record batches hold the lease (credit) until gRPC drops them
-                batches_now: list[pa.RecordBatch] = host_table(batch).to_batches()
-                return batches_now
-
-        staged = Prefetcher(batches(), convert, depth=1, name=f"aib-flight-{name}")
         try:
-            first = next(staged, None)
+            first = _next_import(live, gone)
+            if first is not None:
+                # The writer gives every batch of a stream the first one's schema: checked once.
+                self._refuse_unsendable(name, first)
         except BaseException:
-            stop.set()
-            staged.close()
             live.close()
             raise
         if first is None:
-            stop.set()
-            staged.close()
             live.close()
             raise flight.FlightCancelledError(f"live stream {name!r} ended before its first batch")
-        schema = first[0].schema if first else pa.schema([])
+        pending = [first]  # taken by the worker; released at the end if it never was
+        del first
+
+        def imports() -> Generator[ImportedArray, None, None]:
+            while pending:
+                yield pending.pop()
+            while True:
+                batch = _next_import(live, gone)
+                if batch is None:
+                    return
+                yield batch
+                del batch
+
+        def record_batches() -> Iterator[pa.RecordBatch]:
+            # Runs on the worker thread, which closes it when it stops (Prefetcher).
+            source = imports()
+            try:
+                for imported in source:
+                    if self._needs_staging(imported):
+                        staged = self._staged_live_batch(imported, gone)
+                        try:
+                            yield from staged
+                        finally:  # also when the worker stops midway
+                            staged.close()
+                        continue
+                    with imported:  # the record batches hold the lease (credit) until gRPC drops them
+                        host_batches = host_table(imported).to_batches()
+                    while host_batches:  # popped as handed over: a reference here would hold the lease
+                        yield host_batches.pop(0)
+            finally:
+                source.close()
+
+        batches: Prefetcher[pa.RecordBatch, pa.RecordBatch] = Prefetcher(
+            record_batches(), _same, depth=1, name=f"aib-flight-{name[:40]}"
+        )
+
+        def finish() -> None:
+            stop.set()
+            batches.close()  # the worker stops: staging waited for and given back, imports released
+            live.close()  # the leases of batches the producer sent and nobody took go back
+            while pending:
+                pending.pop().release()
+
+        try:
+            head = next(batches, None)
+        except BaseException as exc:
+            finish()
+            raise _flight_error(exc, f"live stream {name!r}") from None
+        if head is None:
+            finish()
+            raise flight.FlightCancelledError(f"live stream {name!r} ended before its first batch")
+        schema = head.schema
+        held = [head]
+        del head
 
         def generate() -> Iterator[pa.RecordBatch]:
             # Batches are popped as they are handed to gRPC: a reference kept here would hold the
-            # batch's lease (the producer's credit) until the stream ended.
+            # batch's lease (host) or staging buffer (device) until the next batch came.
             try:
-                while first:
-                    yield first.pop(0)
-                for chunk in staged:
-                    while chunk:
-                        yield chunk.pop(0)
+                while held:
+                    yield held.pop()
+                while True:
+                    try:
+                        batch = next(batches)
+                    except StopIteration:
+                        return
+                    except BaseException as exc:
+                        raise _flight_error(exc, f"live stream {name!r}") from None
+                    held.append(batch)
+                    del batch
+                    yield held.pop()
             finally:  # also when the client went away (the generator is closed)
-                stop.set()
-                staged.close()
-                live.close()
+                finish()
 
         return _batch_stream(schema, generate())
+
+    def _staged_live_batch(self, imported: ImportedArray, gone: Callable[[], bool]) -> StagedPublication:
+        """A device batch of a live stream through the front's pinned pool for its GPU."""
+        try:
+            pool = self._staging_pool(imported.device_id)
+        except BaseException:
+            imported.release()
+            raise
+        return stage_live_batch(imported, pool, cancelled=gone)
 
     # ---------- do_put ---------------------------------------------------------------------------
     def put(self, name: str, device: str | None, reader: flight.MetadataRecordBatchReader) -> None:
@@ -572,14 +631,31 @@ class FlightFront:
         return f"<FlightFront {self.location} for {self._socket_path} ({state})>"
 
 
-def _flight_error(exc: BaseException) -> BaseException:
-    """A failure while staging, as a Flight error (one line, no traceback) for the client."""
+def _flight_error(exc: BaseException, what: str = "staging the GPU data") -> BaseException:
+    """A failure while sending (``what``), as a Flight error (one line, no traceback) for the
+    client."""
     error: BaseException = exc
     if isinstance(exc, StagingCancelledError):
         error = flight.FlightCancelledError(str(exc))
     elif isinstance(exc, BridgeError):
-        error = flight.FlightServerError(f"staging the GPU data failed: {exc}")
+        error = flight.FlightServerError(f"{what} failed: {exc}")
     return error
+
+
+def _same(batch: pa.RecordBatch) -> pa.RecordBatch:
+    return batch
+
+
+def _next_import(live: Any, gone: Callable[[], bool]) -> ImportedArray | None:
+    """The live stream's next batch; None at its end or once the client is ``gone()`` (looked at
+    every ``_POLL_S``)."""
+    while not gone():
+        try:
+            batch: ImportedArray | None = live.next_batch(timeout=_POLL_S)
+        except BridgeTimeoutError:
+            continue
+        return batch
+    return None
 
 
 def _unspecified(host: str) -> bool:
