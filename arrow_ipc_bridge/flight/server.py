@@ -5,8 +5,10 @@ The front is a consumer of the publisher through the bridge's own :class:`~arrow
 :class:`~arrow_ipc_bridge.Publisher` of this process (then ``do_put`` can publish into it and its
 live streams are listed). Each ``do_get`` gets the publication under a lease, builds pyarrow objects
 over the session's mappings (no copy) and lets gRPC send them; the lease ends when gRPC drops the
-last batch. Live streams are subscriptions whose credit goes back only as gRPC sends, so a slow
-Flight client slows the producer exactly as a slow local subscriber does.
+last batch (GPU data is staged through a pinned pool first, ``staging.py``). Live streams are
+subscriptions whose credit goes back only as gRPC sends a host batch, or as a GPU batch is copied
+to the pool (whose few buffers per client then wait on gRPC), so a slow Flight client slows the
+producer exactly as a slow local subscriber does.
 
 Errors go to clients with the gRPC status that says what went wrong: an unknown name NOT_FOUND
 (``pyarrow.ArrowKeyError`` in a pyarrow client), a malformed ticket, descriptor, device or upload,
