@@ -12,7 +12,11 @@ the GPU ``do_get`` with that D2H time + the peer's time (target: within 1.2x).
 
 The same-host consumer given the Flight address (``aib.connect("grpc://...")`` takes the socket)
 is timed against the bridge's own ``connect(path).get`` (target: within 1.2x): get, build a
-``pyarrow.Table`` over the mapping, release.
+``pyarrow.Table`` over the mapping, release. Both sessions are open together and timed in
+alternating blocks (A/B, then B/A, over several rounds), so that load on the machine falls on both
+alike; each reports median, p10, p90 and best, the route the Flight address took
+(``session.route``), and which get path its timed gets went (``aib.stats()``: remembered gets
+against Python imports and regions mapped), so that a gap between the two says where it comes from.
 
     python benchmarks/bench_flight.py                 # 1 GiB, 5 repeats
     python benchmarks/bench_flight.py --quick         # 64 MiB, 3 repeats
@@ -132,20 +136,75 @@ def time_do_get(location: str, ticket: bytes, repeat: int) -> list[float]:
     return times
 
 
-def time_local_get(address: str, repeat: int) -> tuple[list[float], str]:
-    """get + a pyarrow.Table over the mapping + release, through ``aib.connect(address)``."""
+def _one_get(session: Any) -> float:
+    """Seconds for one get + a ``pyarrow.Table`` over the mapping + release."""
+    started = time.perf_counter()
+    with session.get("host") as imported:
+        table = pa.table(imported)
+        del table
+    return time.perf_counter() - started
+
+
+_PATH_COUNTERS = ("remembered_gets", "new_message_gets", "python_imports", "regions_mapped", "bytes_mapped")
+
+
+def _path_counters() -> dict[str, int]:
+    """The process's counters that say which path a get went (steady state: remembered gets only)."""
     import arrow_ipc_bridge as aib
 
-    times = []
-    with aib.connect(address) as session:
-        route = session.route
-        for _ in range(repeat + 1):  # the first get maps the region: left out
-            started = time.perf_counter()
-            with session.get("host") as imported:
-                table = pa.table(imported)
-                del table
-            times.append(time.perf_counter() - started)
-    return times[1:], route
+    stats = aib.stats()
+    values = {**vars(stats.session), **vars(stats.host)}
+    return {name: int(values[name]) for name in _PATH_COUNTERS}
+
+
+def time_same_host_gets(addresses: dict[str, str], rounds: int, per_round: int) -> dict[str, Any]:
+    """The same get through a session per address (all open together), in alternating blocks of
+    ``per_round`` gets over ``rounds`` rounds (the order reversed every other round). Per address:
+    the seconds of every get, its session's ``route`` and ``route_reason``, and the get-path
+    counters its timed gets moved."""
+    import arrow_ipc_bridge as aib
+
+    sessions: dict[str, Any] = {}
+    threads: dict[str, int] = {}
+    try:
+        for label, address in addresses.items():
+            sessions[label] = aib.connect(address)
+            threads[label] = len(os.listdir("/proc/self/task"))  # threads once connected
+        for session in sessions.values():
+            for _ in range(5):  # the first get maps the region; a few more settle the session
+                _one_get(session)
+        times: dict[str, list[float]] = {label: [] for label in sessions}
+        counters = {label: dict.fromkeys(_PATH_COUNTERS, 0) for label in sessions}
+        labels = list(sessions)
+        for round_ in range(rounds):
+            for label in labels if round_ % 2 == 0 else labels[::-1]:
+                before = _path_counters()
+                for _ in range(per_round):
+                    times[label].append(_one_get(sessions[label]))
+                after = _path_counters()
+                for name in _PATH_COUNTERS:
+                    counters[label][name] += after[name] - before[name]
+        return {
+            label: {
+                "s": times[label],
+                "route": getattr(session, "route", "?"),
+                "route_reason": getattr(session, "route_reason", ""),
+                "session_type": type(session).__name__,
+                "threads_after_connect": threads[label],
+                "counters": counters[label],
+            }
+            for label, session in sessions.items()
+        }
+    finally:
+        for session in sessions.values():
+            session.close()
+
+
+def spread(samples: list[float]) -> dict[str, float]:
+    """Median, p10, p90 and best of ``samples`` (seconds)."""
+    ordered = sorted(samples)
+    deciles = statistics.quantiles(ordered, n=10, method="inclusive") if len(ordered) > 1 else ordered * 9
+    return {"median": statistics.median(ordered), "p10": deciles[0], "p90": deciles[-1], "best": ordered[0]}
 
 
 def main() -> int:
@@ -178,8 +237,9 @@ def main() -> int:
             front += time_do_get(info["front"], b"host", 1)
             if args.gpu:
                 gpu += time_do_get(info["front"], b"gpu", 1)
-        bridge_get, _ = time_local_get(info["socket"], max(repeat, 5) * 4)
-        via_flight_address, route = time_local_get(info["front"], max(repeat, 5) * 4)
+        same_host = time_same_host_gets(
+            {"socket": info["socket"], "grpc": info["front"]}, rounds=max(repeat, 5) * 2, per_round=10
+        )
         parent.send("done")
     finally:
         proc.join(120)
@@ -195,19 +255,34 @@ def main() -> int:
         f"  front / plain throughput: best {best_plain / best_front:.2f}x, "
         f"median {med_plain / med_front:.2f}x (target >= 0.9)"
     )
-    med_bridge, med_via = statistics.median(bridge_get), statistics.median(via_flight_address)
-    print(f"same-host get through connect(socket):       median {med_bridge * 1e6:8.1f} us")
+    spreads = {label: spread(facts["s"]) for label, facts in same_host.items()}
+    rounds = max(repeat, 5) * 2
+    print(f"same-host get + pa.table + release, {rounds} alternating rounds of 10 gets each:")
+    for label, title in (("socket", "connect(socket)      "), ("grpc", "connect(grpc address)")):
+        facts, figures = same_host[label], spreads[label]
+        counters = facts["counters"]
+        print(
+            f"  {title}: median {figures['median'] * 1e6:8.1f} us, p10 {figures['p10'] * 1e6:8.1f}, "
+            f"p90 {figures['p90'] * 1e6:8.1f}, best {figures['best'] * 1e6:8.1f}  "
+            f"[route {facts['route']}, {facts['session_type']}; remembered gets "
+            f"{counters['remembered_gets']}, python imports {counters['python_imports']}, regions mapped "
+            f"{counters['regions_mapped']}; {facts['threads_after_connect']} threads]"
+        )
+    print(f"  grpc route reason: {same_host['grpc']['route_reason']}")
+    socket_figures, grpc_figures = spreads["socket"], spreads["grpc"]
     print(
-        f"same-host get through connect(grpc address): median {med_via * 1e6:8.1f} us (route {route}), "
-        f"{med_via / med_bridge:.2f}x (target <= 1.2)"
+        f"  grpc / socket: median {grpc_figures['median'] / socket_figures['median']:.2f}x, "
+        f"best {grpc_figures['best'] / socket_figures['best']:.2f}x, "
+        f"p90 {grpc_figures['p90'] / socket_figures['p90']:.2f}x (target <= 1.2)"
     )
     results: dict[str, Any] = {
         "nbytes": info["nbytes"],
         "plain_s": plain,
         "front_s": front,
-        "bridge_get_s": bridge_get,
-        "flight_address_get_s": via_flight_address,
-        "route": route,
+        "bridge_get_s": same_host["socket"]["s"],
+        "flight_address_get_s": same_host["grpc"]["s"],
+        "route": same_host["grpc"]["route"],
+        "same_host": same_host,
     }
     if args.gpu:
         best_gpu = min(gpu)

@@ -47,6 +47,41 @@ def test_same_host_and_uid_take_the_socket(front: FlightFront, publisher: aib.Pu
             assert_arrays_equal(pa.table(imported), sample_table(300, batches=2))
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"check": "none", "pool_linger": 0.25, "remembered_messages": 3, "timeout": 2.0}],
+    ids=["defaults", "given"],
+)
+def test_a_routed_session_is_the_session_connect_path_makes(
+    front: FlightFront, publisher: aib.Publisher, options: dict[str, object]
+) -> None:
+    """The same-host session reached through the gRPC address is configured exactly as
+    ``connect(path)`` makes it (the session options reach it; nothing of the Flight client stays
+    with it), and its re-gets take the same steady path: remembered, no import in Python
+    (``benchmarks/bench_flight.py`` times the two against each other)."""
+    with (
+        aib.connect(publisher.path, **options) as plain,  # type: ignore[arg-type]
+        aib.connect(front.location, token=TOKEN, **options) as routed,  # type: ignore[arg-type]
+    ):
+        assert type(routed) is type(plain) is aib.Session
+        for attribute in ("_host_check", "_cuda_check", "_timeout", "_timeout_ms", "_path", "_reader"):
+            assert getattr(routed, attribute) == getattr(plain, attribute), attribute
+        assert routed._remembered._pool_linger == plain._remembered._pool_linger
+        assert not any(isinstance(value, flight.FlightClient) for value in vars(routed).values()), (
+            "the routed session keeps a Flight client"
+        )
+        for session in (plain, routed):
+            with session.get("t"):
+                pass
+            before = aib.stats().session
+            for _ in range(3):
+                with session.get("t") as imported:
+                    pa.table(imported)
+            after = aib.stats().session
+            assert after.remembered_gets - before.remembered_gets == 3
+            assert after.python_imports == before.python_imports
+
+
 def test_prefer_flight_gives_the_same_methods_over_grpc(front: FlightFront, publisher: aib.Publisher) -> None:
     with aib.connect(front.location, token=TOKEN, prefer="flight") as session:
         assert session.route == "flight"

@@ -5,11 +5,14 @@ The front is a consumer of the publisher through the bridge's own :class:`~arrow
 :class:`~arrow_ipc_bridge.Publisher` of this process (then ``do_put`` can publish into it and its
 live streams are listed). Each ``do_get`` gets the publication under a lease, builds pyarrow objects
 over the session's mappings (no copy) and lets gRPC send them; the lease ends when gRPC drops the
-last batch. Live streams are subscriptions whose credit goes back only as gRPC sends, so a slow
-Flight client slows the producer exactly as a slow local subscriber does.
+last batch (GPU data is staged through a pinned pool first, ``staging.py``). Live streams are
+subscriptions whose credit goes back only as gRPC sends a host batch, or as a GPU batch is copied
+to the pool (whose few buffers per client then wait on gRPC), so a slow Flight client slows the
+producer exactly as a slow local subscriber does.
 
 Errors go to clients with the gRPC status that says what went wrong: an unknown name NOT_FOUND
-(``pyarrow.ArrowKeyError`` in a pyarrow client), a malformed ticket, descriptor, device or upload
+(``pyarrow.ArrowKeyError`` in a pyarrow client), a malformed ticket, descriptor, device or upload,
+or a publication Arrow IPC cannot carry (a dictionary of dictionaries, ``_unsendable``)
 INVALID_ARGUMENT (``pyarrow.ArrowInvalid``), a gone publisher UNAVAILABLE
 (``FlightUnavailableError``), a missing or wrong token UNAUTHENTICATED
 (``FlightUnauthenticatedError``), a refused ``do_put`` PERMISSION_DENIED
@@ -26,7 +29,7 @@ import ipaddress
 import json
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -52,8 +55,9 @@ from arrow_ipc_bridge.flight.staging import (
     StagedPublication,
     StagingCancelledError,
     StagingPool,
+    stage_live_batch,
 )
-from arrow_ipc_bridge.flight.tables import flight_schema, host_table
+from arrow_ipc_bridge.flight.tables import flight_schema, host_table, nested_dictionary
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream
 from arrow_ipc_bridge.protocol import encode_name
 from arrow_ipc_bridge.publisher import Publisher
@@ -132,6 +136,20 @@ def _name_of_descriptor(descriptor: flight.FlightDescriptor) -> tuple[str, str |
     return _name_of_ticket(bytes(descriptor.command)), None
 
 
+def _unsendable(name: str, schema: pa.Schema) -> str | None:
+    """Why ``name``, of ``schema``, cannot be sent over Flight, or None when it can. Found from the
+    schema alone, before anything is sent: a client must not get wrong values."""
+    found = nested_dictionary(schema)
+    if found is None:
+        return None
+    path, dtype = found
+    return (
+        f"column {path[:200]!r} of {name!r} is a dictionary whose values are a dictionary "
+        f"({str(dtype)[:300]}): Arrow IPC, which Flight sends, cannot carry it (pyarrow reads it "
+        "back as one dictionary of wrong values); publish its values decoded to serve it over Flight"
+    )
+
+
 def _cuda_ordinal(device: str) -> int:
     prefix = "cuda:"
     if not device.startswith(prefix) or not device[len(prefix) :].isdigit():
@@ -146,6 +164,7 @@ class _Facts:
     rows: int
     nbytes: int
     device: str
+    refusal: str | None = None  # why it cannot be sent over Flight (``_unsendable``)
 
 
 class _BridgeFlightServer(flight.FlightServerBase):  # type: ignore[misc]
@@ -162,7 +181,9 @@ class _BridgeFlightServer(flight.FlightServerBase):  # type: ignore[misc]
         for name in front.publication_names():
             if name.startswith(prefix):
                 facts = front.facts(name)
-                if facts is not None:
+                # What cannot be sent is left out: its schema would be listed wrong (IPC writes
+                # it), and get_flight_info, get_schema and do_get of it say why.
+                if facts is not None and facts.refusal is None:
                     yield front.flight_info(name, facts)
         for name in front.stream_names():
             if name.startswith(prefix):
@@ -311,14 +332,20 @@ class FlightFront:
                 if isinstance(imported, ImportedStream)
                 else ("record batch" if imported.root_format == "+s" else "array")
             )
-            return _Facts(kind, flight_schema(imported), imported.num_rows, imported.nbytes, imported.device)
+            schema = flight_schema(imported)
+            return _Facts(
+                kind, schema, imported.num_rows, imported.nbytes, imported.device, _unsendable(name, schema)
+            )
 
     def stream_facts(self) -> _Facts:
         # A live stream's schema comes with its first batch: do_get sends it; the listing cannot.
         return _Facts("live stream", pa.schema([]), -1, -1, "")
 
     def facts_or_stream(self, name: str) -> _Facts:
+        """What ``name`` holds, to describe it to a client; refused when it cannot be sent."""
         facts = self.facts(name)
+        if facts is not None and facts.refusal is not None:
+            raise _invalid(facts.refusal)
         if facts is not None:
             return facts
         if name in self.stream_names():
@@ -343,7 +370,9 @@ class FlightFront:
     # ---------- do_get ---------------------------------------------------------------------------
     def data_stream(self, name: str, cancelled: Callable[[], bool]) -> flight.FlightDataStream:
         imported = self._get(name)
-        if imported is not None and imported.device_type == DEVICE_CUDA:
+        if imported is not None:
+            self._refuse_unsendable(name, imported)
+        if imported is not None and self._needs_staging(imported):
             return self._staged_stream(imported, cancelled)
         if imported is not None:
             try:
@@ -354,6 +383,22 @@ class FlightFront:
         if self._publisher is None and name not in self._streams:
             raise _not_found(name)
         return self._live_stream(name, cancelled)
+
+    @staticmethod
+    def _refuse_unsendable(name: str, imported: ImportedArray | ImportedStream) -> None:
+        """Refuse (and release) ``imported`` when it cannot be sent over Flight."""
+        try:
+            refusal = _unsendable(name, flight_schema(imported))
+        except BaseException:
+            imported.release()
+            raise
+        if refusal is not None:
+            imported.release()
+            raise _invalid(refusal)
+
+    def _needs_staging(self, imported: ImportedArray | ImportedStream) -> bool:
+        """Whether ``imported`` is device data, which gRPC cannot send from where it is."""
+        return imported.device_type == DEVICE_CUDA
 
     def _staging_pool(self, device: int) -> StagingPool:
         """The front's pinned staging pool for ``device``, made on the first GPU ``do_get``."""
@@ -408,6 +453,11 @@ class FlightFront:
         return _batch_stream(schema, generate())
 
     def _live_stream(self, name: str, cancelled: Callable[[], bool]) -> flight.FlightDataStream:
+        """A live stream, batch by batch as the producer writes them. Host batches are sent over
+        the session's mappings (their lease, the producer's credit, held until gRPC drops them);
+        device batches are staged through the pinned pool as publications are, their lease given
+        back once copied. Either way a worker thread (``Prefetcher``) prepares the next batch while
+        gRPC sends the current one."""
         try:
             live = self._call(lambda s: s.subscribe(name, max_in_flight=self._max_in_flight))
         except NotPublishedError:
@@ -417,51 +467,101 @@ class FlightFront:
         def gone() -> bool:
             return stop.is_set() or cancelled()
 
-        def batches() -> Iterator[ImportedArray]:
-            while not gone():
-                try:
-                    batch = live.next_batch(timeout=_POLL_S)
-                except BridgeTimeoutError:
-                    continue
-                if batch is None:
-                    return
-                yield batch
-
-        def convert(batch: ImportedArray) -> list[pa.RecordBatch]:
-            with batch:  # the record batches hold the lease (credit) until gRPC drops them
-                batches_now: list[pa.RecordBatch] = host_table(batch).to_batches()
-                return batches_now
-
-        staged = Prefetcher(batches(), convert, depth=1, name=f"aib-flight-{name}")
         try:
-            first = next(staged, None)
+            first = _next_import(live, gone)
+            if first is not None:
+                # The writer gives every batch of a stream the first one's schema: checked once.
+                self._refuse_unsendable(name, first)
         except BaseException:
-            stop.set()
-            staged.close()
             live.close()
             raise
         if first is None:
-            stop.set()
-            staged.close()
             live.close()
             raise flight.FlightCancelledError(f"live stream {name!r} ended before its first batch")
-        schema = first[0].schema if first else pa.schema([])
+        pending = [first]  # taken by the worker; released at the end if it never was
+        del first
+
+        def imports() -> Generator[ImportedArray, None, None]:
+            while pending:
+                yield pending.pop()
+            while True:
+                batch = _next_import(live, gone)
+                if batch is None:
+                    return
+                yield batch
+                del batch
+
+        def record_batches() -> Iterator[pa.RecordBatch]:
+            # Runs on the worker thread, which closes it when it stops (Prefetcher).
+            source = imports()
+            try:
+                for imported in source:
+                    if self._needs_staging(imported):
+                        staged = self._staged_live_batch(imported, gone)
+                        try:
+                            yield from staged
+                        finally:  # also when the worker stops midway
+                            staged.close()
+                        continue
+                    with imported:  # the record batches hold the lease (credit) until gRPC drops them
+                        host_batches = host_table(imported).to_batches()
+                    while host_batches:  # popped as handed over: a reference here would hold the lease
+                        yield host_batches.pop(0)
+            finally:
+                source.close()
+
+        batches: Prefetcher[pa.RecordBatch, pa.RecordBatch] = Prefetcher(
+            record_batches(), _same, depth=1, name=f"aib-flight-{name[:40]}"
+        )
+
+        def finish() -> None:
+            stop.set()
+            batches.close()  # the worker stops: staging waited for and given back, imports released
+            live.close()  # the leases of batches the producer sent and nobody took go back
+            while pending:
+                pending.pop().release()
+
+        try:
+            head = next(batches, None)
+        except BaseException as exc:
+            finish()
+            raise _flight_error(exc, f"live stream {name!r}") from None
+        if head is None:
+            finish()
+            raise flight.FlightCancelledError(f"live stream {name!r} ended before its first batch")
+        schema = head.schema
+        held = [head]
+        del head
 
         def generate() -> Iterator[pa.RecordBatch]:
             # Batches are popped as they are handed to gRPC: a reference kept here would hold the
-            # batch's lease (the producer's credit) until the stream ended.
+            # batch's lease (host) or staging buffer (device) until the next batch came.
             try:
-                while first:
-                    yield first.pop(0)
-                for chunk in staged:
-                    while chunk:
-                        yield chunk.pop(0)
+                while held:
+                    yield held.pop()
+                while True:
+                    try:
+                        batch = next(batches)
+                    except StopIteration:
+                        return
+                    except BaseException as exc:
+                        raise _flight_error(exc, f"live stream {name!r}") from None
+                    held.append(batch)
+                    del batch
+                    yield held.pop()
             finally:  # also when the client went away (the generator is closed)
-                stop.set()
-                staged.close()
-                live.close()
+                finish()
 
         return _batch_stream(schema, generate())
+
+    def _staged_live_batch(self, imported: ImportedArray, gone: Callable[[], bool]) -> StagedPublication:
+        """A device batch of a live stream through the front's pinned pool for its GPU."""
+        try:
+            pool = self._staging_pool(imported.device_id)
+        except BaseException:
+            imported.release()
+            raise
+        return stage_live_batch(imported, pool, cancelled=gone)
 
     # ---------- do_put ---------------------------------------------------------------------------
     def put(self, name: str, device: str | None, reader: flight.MetadataRecordBatchReader) -> None:
@@ -533,14 +633,31 @@ class FlightFront:
         return f"<FlightFront {self.location} for {self._socket_path} ({state})>"
 
 
-def _flight_error(exc: BaseException) -> BaseException:
-    """A failure while staging, as a Flight error (one line, no traceback) for the client."""
+def _flight_error(exc: BaseException, what: str = "staging the GPU data") -> BaseException:
+    """A failure while sending (``what``), as a Flight error (one line, no traceback) for the
+    client."""
     error: BaseException = exc
     if isinstance(exc, StagingCancelledError):
         error = flight.FlightCancelledError(str(exc))
     elif isinstance(exc, BridgeError):
-        error = flight.FlightServerError(f"staging the GPU data failed: {exc}")
+        error = flight.FlightServerError(f"{what} failed: {exc}")
     return error
+
+
+def _same(batch: pa.RecordBatch) -> pa.RecordBatch:
+    return batch
+
+
+def _next_import(live: Any, gone: Callable[[], bool]) -> ImportedArray | None:
+    """The live stream's next batch; None at its end or once the client is ``gone()`` (looked at
+    every ``_POLL_S``)."""
+    while not gone():
+        try:
+            batch: ImportedArray | None = live.next_batch(timeout=_POLL_S)
+        except BridgeTimeoutError:
+            continue
+        return batch
+    return None
 
 
 def _unspecified(host: str) -> bool:

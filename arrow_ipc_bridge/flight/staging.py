@@ -21,8 +21,10 @@ comes back (a slow client holds the buffers of the chunks gRPC has not sent yet)
 most ``max(chunk_bytes, its own size)``; a batch that cannot be sliced and is larger than
 ``max_bytes`` is refused (:class:`StagingLimitError`).
 
-A GPU live stream is copied batch by batch on a worker thread one batch ahead of the sender
-(:class:`Prefetcher`), with the same overlap.
+A GPU live stream's batches go through the same pool, copier and rule (:func:`stage_live_batch`),
+staged on a worker thread one chunk ahead of the sender (:class:`Prefetcher`), so the copy of the
+next chunk overlaps the send of the current one; each batch's lease, the producer's credit, is
+given back as soon as its last chunk is copied.
 
 The device is reached through a :class:`Copier`; :class:`CudaCopier` is the real one, and the tests
 give a host copier so that the staging runs, and is checked, without a GPU.
@@ -57,6 +59,7 @@ __all__ = [
     "StagingCancelledError",
     "StagingLimitError",
     "StagingPool",
+    "stage_live_batch",
 ]
 
 CHUNK_BYTES = 64 << 20  # a chunk's size: large enough that per-chunk costs vanish, small enough to overlap
@@ -533,9 +536,17 @@ class _InFlight:
 
 
 class StagedPublication:
-    """The record batches of a device import, staged in pinned memory chunk by chunk, one chunk
-    copied ahead of the one being sent (``lookahead``). Iterate it once; it takes over ``imported``
-    and releases it when the iteration ends (also when it is abandoned midway)."""
+    """The record batches of a device import, staged in pinned memory chunk by chunk, ``lookahead``
+    chunks copied ahead of the one being sent. Iterate it once; it takes over ``imported`` and
+    releases it when the iteration ends (also when it is abandoned midway).
+
+    ``keep_lease=True`` (a publication): the batches rebuilt whole share the import's message, so
+    the lease ends when the last batch is dropped, as for host data. ``keep_lease=False`` (a live
+    stream's batch, whose lease is the producer's credit): they are rebuilt over a decode of the
+    message of their own (as ``to_host`` does), and the import is released as soon as the copy of
+    its last chunk is done, before that chunk is handed out; the pinned buffers still go back only
+    when their batches are dropped.
+    """
 
     def __init__(
         self,
@@ -545,12 +556,18 @@ class StagedPublication:
         chunk_bytes: int = CHUNK_BYTES,
         cancelled: Callable[[], bool] = lambda: False,
         lookahead: int = 1,
+        keep_lease: bool = True,
     ) -> None:
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be at least 0, not {lookahead}")
         self._imported = imported
         self._pool = pool
         self._copier = pool.copier
         self._cancelled = cancelled
         self._lookahead = lookahead
+        self._keep_lease = keep_lease
+        self._detached: Decoded | None = None  # keep_lease=False: the decode rebuilt batches share
+        self._released = False
         self._decoded = imported._borrow()  # unborrowed when the iteration ends
         try:
             self._bases = imported._bases
@@ -573,8 +590,10 @@ class StagedPublication:
         return self._iterator
 
     def close(self) -> None:
-        """Stop: wait for copies in flight, give their buffers back, release the import."""
+        """Stop: wait for copies in flight, give their buffers back, release the import (also
+        when the iteration never started: closing a generator that has not run runs nothing)."""
         self._iterator.close()
+        self._release_import()
 
     def _generate(self) -> Generator[pa.RecordBatch, None, None]:
         pending: deque[_InFlight] = deque()
@@ -582,11 +601,11 @@ class StagedPublication:
             for chunk in self._plan:
                 pending.append(self._start(chunk))
                 if len(pending) > self._lookahead:
-                    batches = self._finish(pending.popleft())
+                    batches = self._ready(pending.popleft())
                     while batches:  # popped as handed over: a reference here would hold the buffer
                         yield batches.pop(0)
             while pending:
-                batches = self._finish(pending.popleft())
+                batches = self._ready(pending.popleft())
                 while batches:
                     yield batches.pop(0)
         finally:
@@ -596,8 +615,26 @@ class StagedPublication:
                     self._copier.wait(staged.fence)  # the copy still writes the buffer: let it end
                 finally:
                     staged.loan.give_back()
+            self._release_import()
+
+    def _ready(self, staged: _InFlight) -> list[pa.RecordBatch]:
+        """The chunk's batches once copied; without ``keep_lease``, the import released after the
+        last chunk's copy (nothing handed out reads the device memory or holds the message)."""
+        batches = self._finish(staged)
+        if not self._keep_lease and staged.chunk is self._plan[-1]:
+            self._release_import()
+        return batches
+
+    def _release_import(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        try:
             self._decoded.unborrow()
             self._imported.release()
+        finally:
+            if self._detached is not None:
+                self._detached.close()  # the batches rebuilt over it share its owner
 
     def _start(self, chunk: _Chunk) -> _InFlight:
         """Lend a buffer and queue the chunk's copies into it."""
@@ -650,9 +687,15 @@ class StagedPublication:
     def _rebuilt(self, staged: _InFlight) -> list[pa.RecordBatch]:
         """A whole batch rebuilt by the C core over the copy; its owner's death gives the buffer back."""
         loan = staged.loan
+        if self._keep_lease:
+            message = self._decoded
+        else:
+            if self._detached is None:
+                self._detached = self._decoded.copy()  # one decode per import, no region opened
+            message = self._detached
         token = _reaper.register(loan.give_back)
         try:
-            holder = Decoded.sharing(self._decoded, token)
+            holder = Decoded.sharing(message, token)
         except BaseException:
             if _reaper.unregister(token):
                 loan.give_back()
@@ -702,8 +745,29 @@ class StagedPublication:
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
 
 
+def stage_live_batch(
+    imported: ImportedArray, pool: StagingPool, *, cancelled: Callable[[], bool] = lambda: False
+) -> StagedPublication:
+    """A device batch of a live stream staged as a publication is (:class:`StagedPublication`:
+    the same pool, copier and no-overwrite rule), with two differences. Its lease, the producer's
+    credit, is given back as soon as its last chunk is copied (``keep_lease=False``), not held
+    while gRPC sends. No chunk is copied ahead inside it (``lookahead=0``): the sender runs it on a
+    :class:`Prefetcher` thread one chunk ahead, so one client keeps three buffers busy (the chunk
+    gRPC sends, the one queued, the one being copied; one more for a moment until gRPC drops a sent
+    chunk), as a publication's ``do_get`` does.
+    Takes over ``imported`` (released also when staging cannot start); iterate it, then
+    ``close()`` it."""
+    try:
+        return StagedPublication(
+            imported, pool, chunk_bytes=pool.buffer_bytes, cancelled=cancelled, lookahead=0, keep_lease=False
+        )
+    except BaseException:
+        imported.release()
+        raise
+
+
 # ---------------------------------------------------------------------------------------------------
-# Live streams: one batch ahead on a thread
+# Live streams: staged on a thread, one chunk ahead of the sender
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -743,19 +807,37 @@ class Prefetcher(Generic[T, R]):
         return False
 
     def _run(self) -> None:
+        outcome: object
         try:
-            for item in self._source:
-                if self._stop.is_set():
-                    return
-                converted = self._convert(item)
-                if not self._put(converted):
-                    if self._discard is not None:
-                        self._discard(converted)
-                    return
+            outcome = self._pump()
         except BaseException as exc:  # handed to the consumer, in order
-            self._put(exc)
-            return
-        self._put(_DONE)
+            outcome = exc
+        # A generator source ends here, on this thread (it cannot be closed from another while it
+        # runs): its own cleanup (staging buffers, imports taken) runs now, not at its collection.
+        close = getattr(self._source, "close", None)
+        try:
+            if close is not None:
+                close()
+        except BaseException as exc:
+            outcome = exc if outcome is _DONE else outcome
+        if outcome is not None:
+            self._put(outcome)
+
+    def _pump(self) -> object:
+        """Convert and queue every item: ``_DONE`` at the source's end, None when stopped."""
+        for item in self._source:
+            if self._stop.is_set():
+                return None
+            converted = self._convert(item)
+            # Dropped as soon as queued: a reference kept here while the next item is awaited
+            # would hold what was handed out (a staging buffer, a lease) after gRPC dropped it.
+            del item
+            if not self._put(converted):
+                if self._discard is not None:
+                    self._discard(converted)
+                return None
+            del converted
+        return _DONE
 
     def __iter__(self) -> Prefetcher[T, R]:
         return self

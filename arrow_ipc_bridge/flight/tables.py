@@ -11,6 +11,11 @@ pyarrow's IPC writer, which gRPC's sender uses, cannot write an empty array that
 0-byte buffers and its writer then slices them at a negative length: a negative body length, or
 ``sendmsg`` failing with EINVAL; ``docs/flight.md``, "Empty slices"). Columns holding one are
 rebuilt over the same buffers before they are sent (``sendable``).
+
+Arrow IPC cannot describe a dictionary whose values are themselves a dictionary: a schema field
+carries one dictionary encoding and its type cannot be a dictionary, so pyarrow's writer drops the
+inner encoding and its reader reads the inner dictionary's indices as the values (wrong values, or
+an error). ``nested_dictionary`` finds such a column so that the front refuses it before sending.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import pyarrow as pa
 
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, to_host
 
-__all__ = ["STRUCT_ROOT", "as_table", "flight_schema", "host_table", "sendable"]
+__all__ = ["STRUCT_ROOT", "as_table", "flight_schema", "host_table", "nested_dictionary", "sendable"]
 
 STRUCT_ROOT = "+s"
 
@@ -143,6 +148,40 @@ def _children(array: pa.Array) -> list[pa.Array]:
     if isinstance(array, _LIST_ARRAYS):
         return [array.values]
     return []
+
+
+def nested_dictionary(schema: pa.Schema) -> tuple[str, pa.DataType] | None:
+    """The first column, by path (``"s.d"`` for field ``d`` of struct column ``s``, ``"l.item"``
+    for a list's values), whose type is a dictionary whose values are a dictionary (extension types
+    looked through: their storage is what IPC writes), and that column's type; None when there is
+    none. Such a column cannot cross Arrow IPC, so not Flight (module docstring): pyarrow's reader
+    gets one dictionary holding the inner dictionary's indices as values. A dictionary whose values
+    *hold* a dictionary further down (a list or struct of dictionaries) is carried intact."""
+    for column in schema:
+        found = _nested_dictionary(column.type, column.name)
+        if found is not None:
+            return found
+    return None
+
+
+def _storage(dtype: pa.DataType) -> pa.DataType:
+    while isinstance(dtype, pa.BaseExtensionType):
+        dtype = dtype.storage_type
+    return dtype
+
+
+def _nested_dictionary(dtype: pa.DataType, path: str) -> tuple[str, pa.DataType] | None:
+    storage = _storage(dtype)
+    if pa.types.is_dictionary(storage):
+        if pa.types.is_dictionary(_storage(storage.value_type)):
+            return path, dtype
+        return _nested_dictionary(storage.value_type, path)  # the values are the column's values
+    for i in range(storage.num_fields):  # struct, union and run-end fields; list and map values
+        child = storage.field(i)
+        found = _nested_dictionary(child.type, f"{path}.{child.name}")
+        if found is not None:
+            return found
+    return None
 
 
 def flight_schema(imported: ImportedArray | ImportedStream) -> pa.Schema:
