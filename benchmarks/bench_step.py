@@ -13,7 +13,8 @@ Every step, for 16 float32 CUDA columns of the given total size:
 
 Bridge: ``pub.publish("t", aib.from_cuda_arrays(columns))`` (timed on the producer: "publish"), a
 4-byte "go" to the consumer, ``session.get("t")`` -> ``__arrow_c_device_array__`` -> the struct's
-sync_event waited on (timed on the consumer: "get+capsule"), read, release, a 4-byte answer.
+sync_event waited on (timed on the consumer: "get+capsule", and ``session.get`` alone: "get"), read,
+release, a 4-byte answer.
 ``handoff`` = publish + get+capsule of the same step; ``step`` = the producer's time from before the
 publish to the answer (two notifications included).
 
@@ -144,6 +145,7 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, bool], 
     spin, as_cupy, standing = options["spin"], options["cupy"], options["standing_leases"]
     value = ffi.new("float *")
     get_times: list[float] = []
+    get_only_times: list[float] = []  # session.get alone, to split get+capsule
     handoffs: list[float] = []
     with aib.connect(path, timeout=60.0, standing_leases=standing) as session:
         while True:
@@ -152,6 +154,7 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, bool], 
                 break
             t0 = time.perf_counter()
             imported = session.get("t")
+            t_got = time.perf_counter()
             if as_cupy:  # the 16 columns as CuPy arrays, the legacy default stream ordered after the event
                 arrays = list(aib.column_arrays(imported, "cupy", stream=0).values())
                 t1 = time.perf_counter()
@@ -175,9 +178,17 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, bool], 
             answers.send_bytes(struct.pack("<i", step))
             if step > _WARMUP:
                 get_times.append(t1 - t0)
+                get_only_times.append(t_got - t0)
                 handoffs.append(t1 - t0 + publish_s)
         local_gets = session.local_gets
-    out.send({"get_capsule": _summary(get_times), "handoff": _summary(handoffs), "local_gets": local_gets})
+    out.send(
+        {
+            "get_capsule": _summary(get_times),
+            "get": _summary(get_only_times),
+            "handoff": _summary(handoffs),
+            "local_gets": local_gets,
+        }
+    )
 
 
 # ---------- torch.multiprocessing -----------------------------------------------------------------
@@ -365,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         results[text] = {"bridge": bridge, "torch": torch_result}
         line = (
             f"{text:>7}: bridge publish {bridge['publish']['median_us']:7.1f} us, get+capsule "
-            f"{bridge['get_capsule']['median_us']:6.1f} us, handoff {bridge['handoff']['median_us']:7.1f} us "
+            f"{bridge['get_capsule']['median_us']:6.1f} us (get {bridge['get']['median_us']:.1f}), "
+            f"handoff {bridge['handoff']['median_us']:7.1f} us "
             f"(p90 {bridge['handoff']['p90_us']:.1f}), step {bridge['step']['median_us']:7.1f} us, "
             f"{bridge['in_place_publishes']} in-place publishes, {bridge['local_gets']} gets from the board"
         )
