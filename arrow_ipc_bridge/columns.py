@@ -33,6 +33,8 @@ __all__ = ["column_view", "column_arrays", "ColumnView"]
 _TYPESTRS = ("|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8")
 # What batch_columns hands back per column (its `form` argument).
 _AS_ADDRESSES, _AS_LEGACY_CAPSULES, _AS_DLPACK_COLUMNS = 0, 1, 2
+# batch_columns' `select` for no column at all (only the lease and the event are wanted)
+_SELECT_NONE = -1
 _LIBRARIES = ("numpy", "cupy", "torch")
 
 Imported = ImportedArray | ImportedStream
@@ -162,6 +164,9 @@ def column_arrays(
     memory is mapped read-only), CuPy arrays or PyTorch tensors over the imported memory. Each array
     holds the batch alive on its own: the imported object may be released and the arrays stay
     valid; the lease ends when the last of them (and everything else built from the import) is gone.
+    On a session with ``standing_leases=True`` a re-get's call may return the same CuPy array
+    objects as an earlier call for the same remembered message, when nothing holds them any more
+    (``docs/lifetime.md``, "Kept CuPy arrays"); arrays still held are never handed out twice.
 
     Parameters
     ----------
@@ -219,16 +224,34 @@ def column_arrays(
             f"like={library!r} needs CUDA data and this is in host memory (read-only mappings): "
             + (why if library == "torch" else "use like='numpy'")
         )
+    device_id = imported.device_id
+    # A standing-lease session's re-get: the CuPy arrays made for this message before may be handed
+    # out again (array_cache.py); their facts are known, so C reads only the lease and the event.
+    kept = imported._kept_arrays if library == "cupy" else None
+    name = imported.name
+    if kept is not None and name is not None:
+        cache, message = kept
+        key = (name, batch, None if names is None else tuple(names))
+        known = cache.facts_of(key, message)
+        if known is not None:
+            lease, event, _, _ = _read_batch(imported, batch, _AS_ADDRESSES, _SELECT_NONE, None)
+            if event:
+                _wait_once(library, event, device_id, stream)
+            return cache.hand_out(key, message, known, lease, device=device_id, build=_cupy_parts)
+    else:
+        kept = None
     form = {"numpy": _AS_DLPACK_COLUMNS, "cupy": _AS_ADDRESSES, "torch": _AS_LEGACY_CAPSULES}[library]
     lease, event, facts, is_record_batch = _read_batch(imported, batch, form, None, None)
     if not is_record_batch:
         raise BridgeError("column_arrays takes record batches; a plain array is one column: use column_view")
     chosen = _choose(facts, names)
-    device_id = imported.device_id
     if event:
         _wait_once(library, event, device_id, stream)
+    if kept is not None:
+        return cache.hand_out(key, message, chosen, lease, device=device_id, build=_cupy_parts)
     if library == "cupy":
-        return _cupy_arrays(chosen, lease, device_id)
+        arrays, _, _ = _cupy_parts(chosen, lease, device_id)
+        return dict(zip((fact[0] for fact in chosen), arrays, strict=True))
     if library == "torch":
         torch = importlib.import_module("torch")  # optional, and untyped here
         return {name: torch.from_dlpack(capsule) for name, _, _, _, capsule in chosen}
@@ -357,22 +380,22 @@ def _wait_once(library: str, event: int, device: int, stream: int | None) -> Non
 _CUPY_DTYPES: list[Any] = []
 
 
-def _cupy_arrays(chosen: list[_Fact], lease: object, device: int) -> dict[str, Any]:
-    """CuPy arrays over the columns' memory, each owning ``lease`` (a reference on the message)
-    through its ``UnownedMemory``; the device is given, so CuPy asks the driver nothing."""
+def _cupy_parts(
+    chosen: Sequence[_Fact], owner: object, device: int
+) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
+    """CuPy arrays over the columns' memory, with their ``MemoryPointer`` and ``UnownedMemory``
+    objects (array_cache.py counts references on all three), each memory owning ``owner`` (a batch
+    lease, a reference on the message, or array_cache's holder of one); the device is given, so
+    CuPy asks the driver nothing."""
     import cupy
 
     if not _CUPY_DTYPES:
         _CUPY_DTYPES.extend(cupy.dtype(typestr) for typestr in _TYPESTRS)
     dtypes = _CUPY_DTYPES
-    memory = cupy.cuda.UnownedMemory
+    unowned = cupy.cuda.UnownedMemory
     pointer = cupy.cuda.MemoryPointer
     ndarray = cupy.ndarray
-    return {
-        name: ndarray(
-            (length,),
-            dtypes[numeric],
-            pointer(memory(address, length * dtypes[numeric].itemsize, lease, device), 0),
-        )
-        for name, numeric, length, _, address in chosen
-    }
+    memories = tuple([unowned(f[4], f[2] * dtypes[f[1]].itemsize, owner, device) for f in chosen])
+    pointers = tuple([pointer(memory, 0) for memory in memories])
+    arrays = tuple([ndarray((f[2],), dtypes[f[1]], p) for f, p in zip(chosen, pointers, strict=True)])
+    return arrays, pointers, memories

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import pyarrow as pa
 
@@ -31,6 +31,9 @@ from arrow_ipc_bridge.capsules import (
 )
 from arrow_ipc_bridge.errors import BridgeError, ReleasedError
 from arrow_ipc_bridge.metadata import SLOT_FIRST_REGION, Decoded
+
+if TYPE_CHECKING:
+    from arrow_ipc_bridge.array_cache import KeptCupyArrays
 
 __all__ = [
     "ImportedArray",
@@ -55,6 +58,10 @@ class _ImportedBase(ArrowExporter):
     # The row count, worked out on first use (the message never changes); a class default so that
     # the hot-path constructor (adopt) sets nothing more.
     _num_rows: int | None = None
+    # Set on a standing-lease session's re-gets of a remembered message: (the session's
+    # KeptCupyArrays, the remembered message), so column_arrays may hand out the CuPy arrays it made
+    # for that message before (array_cache.py); None otherwise.
+    _kept_arrays: tuple[KeptCupyArrays, object] | None = None
 
     def __init__(
         self,

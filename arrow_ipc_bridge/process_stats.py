@@ -67,6 +67,9 @@ class SessionStats:
     new_message_gets: int = 0
     python_imports: int = 0  # imports decoded and mapped (or opened) in Python: first sight of a message
     python_remembered_imports: int = 0  # imports in Python that reused a remembered decode and mapping
+    # column_arrays(..., "cupy") calls answered with the CuPy arrays made for the same remembered
+    # message before (standing leases; array_cache.py): no array made
+    reused_cupy_arrays: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class _ImportCounters(NamedTuple):
     new_message_gets: itertools.count[int]
     python_imports: itertools.count[int]
     python_remembered_imports: itertools.count[int]
+    reused_cupy_arrays: itertools.count[int]
 
 
 # The session counts with ``next(import_counters.PATH)``: one C call, atomic under the GIL and several times

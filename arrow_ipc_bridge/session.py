@@ -30,6 +30,7 @@ from arrow_ipc_bridge import (
     waiting,
 )
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
+from arrow_ipc_bridge.array_cache import KeptCupyArrays
 from arrow_ipc_bridge.board import SessionBoard, open_board
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.channel import Channel, Frame, millis
@@ -101,7 +102,9 @@ class Session:
         standing lease is given back ``pool_linger`` seconds after the name's last get, on
         :meth:`forget`, when the name is got with other data, or on :meth:`close`; the publisher
         counts it in ``active_leases`` meanwhile. Needs ``pool_linger`` > 0, remembered messages
-        and a publisher offering feature ``"board"``; off (the default): every get asks.
+        and a publisher offering feature ``"board"``; off (the default): every get asks. With it,
+        ``column_arrays(..., "cupy")`` hands out the CuPy arrays it made for a name's remembered
+        message again while nothing else holds them (``docs/lifetime.md``, "Kept CuPy arrays").
     check
         How far the contents of an import's buffers are checked before it is handed out
         (``docs/wire-format.md``, "Content checks"): ``"full"`` (every offset, view, dictionary
@@ -173,6 +176,11 @@ class Session:
         self._remembered = RememberedMessages(remembered_messages, float(pool_linger), self._request_lock)
         self._standing_leases = _arguments.boolean(standing_leases, "standing_leases")
         self._pool_linger = float(pool_linger)
+        # CuPy arrays column_arrays made for this session's re-gets, handed out again while unheld
+        # (array_cache.py): a standing lease already keeps what they hold for pool_linger.
+        self._kept_arrays = (
+            KeptCupyArrays(self._pool_linger) if self._standing_leases and self._pool_linger > 0 else None
+        )
         # The publisher's version board once connected (board.py); None: every get asks.
         self._board: SessionBoard | None = None
         self._imported: weakref.WeakSet[ImportedArray | ImportedStream] = weakref.WeakSet()
@@ -325,6 +333,8 @@ class Session:
         """
         self._check_open()
         name = _arguments.optional_name(name, "name", protocol.MAX_NAME)
+        if self._kept_arrays is not None:
+            self._kept_arrays.forget(name)
         forgotten = self._remembered.forget(name)
         _reaper.drain()
         return forgotten
@@ -509,6 +519,8 @@ class Session:
             )
             if version:
                 imported.version = version
+            if self._kept_arrays is not None:
+                imported._kept_arrays = (self._kept_arrays, hit)
             self._imported.add(imported)
             return imported if self._reader is None else self._reader.place(imported)
         assert frame is not None
@@ -709,6 +721,13 @@ class Session:
     def mapping_cache(self) -> HostMappingCache:
         return self._cache
 
+    @property
+    def reused_cupy_arrays(self) -> int:
+        """``column_arrays(..., "cupy")`` calls on this session's imports answered with the CuPy
+        arrays made before for the same remembered message (``standing_leases=True`` only;
+        ``docs/lifetime.md``, "Kept CuPy arrays")."""
+        return 0 if self._kept_arrays is None else self._kept_arrays.handed_out_again
+
     def close(self) -> None:
         """Release every imported object this session handed out and close the connection (idempotent).
 
@@ -733,6 +752,8 @@ class Session:
             return
         for imported in list(self._imported):
             imported.release()
+        if self._kept_arrays is not None:
+            self._kept_arrays.close()
         self._remembered.close()
         # While the connection is open: pool imports are freed and kept leases given back in that
         # order (the producer frees its memory only after the importer did).

@@ -24,7 +24,9 @@ the consumer gets them, reads one value the same way and answers: ``step`` as ab
 
 ``--cupy``: the consumer's "get+capsule" becomes ``session.get("t")`` ->
 ``aib.column_arrays(imported, "cupy", stream=0)`` (16 CuPy arrays, the stream ordered after the
-producer's event), and the value is read from the last array's memory.
+producer's event), and the value is read from the last array's memory. With standing leases the
+session hands out the arrays it made the step before again when nothing holds them
+(docs/lifetime.md, "Kept CuPy arrays"); the line says how many steps did.
 
 The bridge's consumer connects with ``standing_leases=True`` (docs/lifetime.md, "Standing
 leases"): from the second step on its get reads the publisher's version board instead of asking,
@@ -180,13 +182,14 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, bool], 
                 get_times.append(t1 - t0)
                 get_only_times.append(t_got - t0)
                 handoffs.append(t1 - t0 + publish_s)
-        local_gets = session.local_gets
+        local_gets, reused = session.local_gets, session.reused_cupy_arrays
     out.send(
         {
             "get_capsule": _summary(get_times),
             "get": _summary(get_only_times),
             "handoff": _summary(handoffs),
             "local_gets": local_gets,
+            "reused_cupy_arrays": reused,
         }
     )
 
@@ -381,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             f"(p90 {bridge['handoff']['p90_us']:.1f}), step {bridge['step']['median_us']:7.1f} us, "
             f"{bridge['in_place_publishes']} in-place publishes, {bridge['local_gets']} gets from the board"
         )
+        if args.cupy:
+            line += f", {bridge['reused_cupy_arrays']} kept CuPy array sets handed out again"
         if torch_result is not None:
             torch_step = torch_result["step"]["median_us"]
             line += (

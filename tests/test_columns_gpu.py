@@ -243,3 +243,46 @@ def test_dlpack_stream_argument_waits_for_the_producer(publisher: aib.Publisher,
             seen = cupy.from_dlpack(view).copy()
         consumer_stream.synchronize()
         assert bool((seen == 7.0).all())
+
+
+@pytest.mark.parametrize("hold_every", [0, 2])
+def test_a_standing_lease_consumer_gets_its_cupy_arrays_again_with_each_step_values(
+    publisher: aib.Publisher, cupy: Any, hold_every: int
+) -> None:
+    """A step loop across processes: the producer updates 16 columns in place and publishes each
+    step; the consumer (standing leases) reads every step's values through column_arrays. Arrays it
+    let go of are handed out again (array_cache.py), arrays it still holds are not, and every step
+    reads that step's values either way."""
+    import multiprocessing as mp
+
+    from helpers import gpu_children
+
+    steps, columns = 30, {f"c{i}": cupy.zeros(4096, dtype=cupy.float32) for i in range(16)}
+    publisher.publish("t", aib.from_cuda_arrays(columns))
+    context = mp.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(
+        target=gpu_children.cupy_step_consumer, args=(str(publisher.path), child, steps, hold_every)
+    )
+    process.start()
+    try:
+        for step in range(steps):
+            for column in columns.values():
+                cupy.add(column, 1, out=column)  # in place; the publish's event orders the reads
+            publisher.publish("t", aib.from_cuda_arrays(columns))
+            parent.send("go")
+            assert parent.poll(120), "the consumer did not answer"
+            assert parent.recv() == step
+        assert parent.poll(120)
+        result = parent.recv()
+    finally:
+        process.join(60)
+        if process.is_alive():
+            process.kill()
+    assert process.exitcode == 0
+    assert result["read"] == [[float(step + 1)] * 16 for step in range(steps)]
+    assert result["local_gets"] >= steps - 3
+    if hold_every == 0:  # the first two gets are not remembered yet, the third makes the arrays
+        assert result["reused"] >= steps - 4
+    else:  # a held step's arrays are new, and the step after it makes new ones again
+        assert 0 < result["reused"] < steps // 2 + 1

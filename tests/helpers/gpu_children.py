@@ -162,3 +162,32 @@ def swapped_gpu_producer(socket_path: str, conn: Connection) -> None:
     except Exception:
         traceback.print_exc()
         sys.exit(1)
+
+
+def cupy_step_consumer(socket_path: str, conn: Connection, steps: int, hold_every: int) -> None:
+    """A step loop's consumer with standing leases: per parent "go", get "t", take every column as
+    CuPy arrays (column_arrays), read the first value of each, release the import; with
+    ``hold_every`` > 0, keep the arrays of every such step until the next step (so the kept arrays
+    are held then). Sends the values read per step, then the session's counts."""
+    try:
+        import cupy
+
+        import arrow_ipc_bridge as aib
+
+        read: list[list[float]] = []
+        held: dict[str, Any] | None = None
+        with aib.connect(socket_path, timeout=30.0, standing_leases=True, pool_linger=5.0) as session:
+            for step in range(steps):
+                conn.recv()
+                with session.get("t") as imported:
+                    arrays = aib.column_arrays(imported, "cupy")
+                firsts = cupy.stack([array[:1] for array in arrays.values()])  # on the current stream
+                read.append([float(value) for value in firsts.get()])
+                held = arrays if hold_every and step % hold_every == 0 else None
+                del arrays, firsts
+                conn.send(step)
+            del held
+            conn.send({"read": read, "reused": session.reused_cupy_arrays, "local_gets": session.local_gets})
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
