@@ -13,6 +13,7 @@ import ctypes
 import gc
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -265,17 +266,24 @@ def test_a_standing_lease_consumer_gets_its_cupy_arrays_again_with_each_step_val
         target=gpu_children.cupy_step_consumer, args=(str(publisher.path), child, steps, hold_every)
     )
     process.start()
+
+    def answer() -> Any:
+        deadline = time.monotonic() + 60
+        while not parent.poll(0.2):
+            assert process.is_alive(), f"the consumer exited with {process.exitcode} (its traceback is above)"
+            assert time.monotonic() < deadline, "the consumer did not answer"
+        return parent.recv()
+
     try:
         for step in range(steps):
             for column in columns.values():
                 cupy.add(column, 1, out=column)  # in place; the publish's event orders the reads
             publisher.publish("t", aib.from_cuda_arrays(columns))
             parent.send("go")
-            assert parent.poll(120), "the consumer did not answer"
-            assert parent.recv() == step
-        assert parent.poll(120)
-        result = parent.recv()
+            assert answer() == step
+        result = answer()
     finally:
+        parent.close()  # a consumer still waiting for "go" reads the end of the pipe and exits
         process.join(60)
         if process.is_alive():
             process.kill()

@@ -181,7 +181,7 @@ def cupy_step_consumer(socket_path: str, conn: Connection, steps: int, hold_ever
                 conn.recv()
                 with session.get("t") as imported:
                     arrays = aib.column_arrays(imported, "cupy")
-                firsts = cupy.stack([array[:1] for array in arrays.values()])  # on the current stream
+                firsts = cupy.concatenate([array[:1] for array in arrays.values()])  # on the current stream
                 read.append([float(value) for value in firsts.get()])
                 held = arrays if hold_every and step % hold_every == 0 else None
                 del arrays, firsts
