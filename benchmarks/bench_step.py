@@ -34,6 +34,9 @@ and imports the message it remembers. ``--no-standing-leases``: every get asks t
 
 ``--spin`` makes both sides of both methods wait for each other by polling instead of sleeping (a
 sleeping side wakes on a cold core, which slows the Python that follows it).
+``--producer-idle-us N``: the bridge's producer sleeps N µs after its kernels' sync, before the
+timed publish: both sides then sit idle longer between steps, as they do when larger data's
+kernels take longer, with no more data (a way to tell the two apart).
 ``--profile`` adds a cProfile of the producer's ``from_cuda_arrays`` + ``publish`` at each size.
 Producer and consumer are separate processes started with *spawn* (CUDA never crosses a fork).
 """
@@ -93,7 +96,7 @@ def bridge_producer(cfg: dict[str, Any], out: Any) -> None:
     import arrow_ipc_bridge as aib
 
     path, size, steps, go, answers = cfg["path"], cfg["size"], cfg["steps"], cfg["go"], cfg["answers"]
-    profile, spin = cfg["profile"], cfg["spin"]
+    profile, spin, idle = cfg["profile"], cfg["spin"], cfg["idle"]
     n = size // _COLUMNS // 4
     columns = {f"c{i}": cupy.zeros(n, dtype=cupy.float32) for i in range(_COLUMNS)}
     cupy.cuda.runtime.deviceSynchronize()
@@ -107,6 +110,8 @@ def bridge_producer(cfg: dict[str, Any], out: Any) -> None:
             for column in columns.values():
                 cupy.add(column, 1, out=column)  # in place
             cupy.cuda.runtime.deviceSynchronize()  # the producer's kernels are not the hand-off
+            if idle:  # a longer quiet gap before the hand-off, as larger data's kernels make
+                time.sleep(idle)
             if profiler is not None and step > _WARMUP:
                 profiler.enable()
             t0 = time.perf_counter()
@@ -298,6 +303,7 @@ def run_bridge(
     *,
     as_cupy: bool = False,
     standing_leases: bool = True,
+    idle: float = 0.0,
 ) -> dict[str, Any]:
     path = os.path.join(tempfile.mkdtemp(dir="/tmp"), "step.sock")
     go_recv, go_send = _CTX.Pipe(duplex=False)
@@ -314,6 +320,7 @@ def run_bridge(
                 "answers": ans_recv,
                 "profile": profile,
                 "spin": spin,
+                "idle": idle,
             },
         ),
         (path, go_recv, ans_send, {"spin": spin, "cupy": as_cupy, "standing_leases": standing_leases}),
@@ -362,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--spin", action="store_true", help="both sides of both methods wait by polling, not sleeping"
     )
+    parser.add_argument(
+        "--producer-idle-us",
+        type=float,
+        default=0.0,
+        help="the bridge's producer sleeps this long after its kernels, before publishing (untimed)",
+    )
     args = parser.parse_args(argv)
     results: dict[str, Any] = {}
     for text in args.sizes.split(","):
@@ -374,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             args.timeout,
             as_cupy=args.cupy,
             standing_leases=not args.no_standing_leases,
+            idle=args.producer_idle_us / 1e6,
         )
         torch_result = None if args.no_torch else run_torch(size, args.steps, args.spin, args.timeout)
         results[text] = {"bridge": bridge, "torch": torch_result}
