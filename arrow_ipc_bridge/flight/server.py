@@ -432,25 +432,7 @@ class FlightFront:
         schema = first.schema if first is not None else staged.schema
         del first
 
-        def generate() -> Iterator[pa.RecordBatch]:
-            # Popped as handed to gRPC: a reference kept here would hold the chunk's pinned buffer.
-            try:
-                while held:
-                    yield held.pop()
-                while True:
-                    try:
-                        batch = next(batches)
-                    except StopIteration:
-                        return
-                    except BaseException as exc:
-                        raise _flight_error(exc) from None
-                    held.append(batch)
-                    del batch
-                    yield held.pop()
-            finally:  # also when the client went away (the generator is closed)
-                staged.close()
-
-        return _batch_stream(schema, generate())
+        return _batch_stream(schema, _handed_over(held, batches, "staging the GPU data", staged.close))
 
     def _live_stream(self, name: str, cancelled: Callable[[], bool]) -> flight.FlightDataStream:
         """A live stream, batch by batch as the producer writes them. Host batches are sent over
@@ -533,26 +515,7 @@ class FlightFront:
         held = [head]
         del head
 
-        def generate() -> Iterator[pa.RecordBatch]:
-            # Batches are popped as they are handed to gRPC: a reference kept here would hold the
-            # batch's lease (host) or staging buffer (device) until the next batch came.
-            try:
-                while held:
-                    yield held.pop()
-                while True:
-                    try:
-                        batch = next(batches)
-                    except StopIteration:
-                        return
-                    except BaseException as exc:
-                        raise _flight_error(exc, f"live stream {name!r}") from None
-                    held.append(batch)
-                    del batch
-                    yield held.pop()
-            finally:  # also when the client went away (the generator is closed)
-                finish()
-
-        return _batch_stream(schema, generate())
+        return _batch_stream(schema, _handed_over(held, batches, f"live stream {name!r}", finish))
 
     def _staged_live_batch(self, imported: ImportedArray, gone: Callable[[], bool]) -> StagedPublication:
         """A device batch of a live stream through the front's pinned pool for its GPU."""
@@ -631,6 +594,31 @@ class FlightFront:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "serving"
         return f"<FlightFront {self.location} for {self._socket_path} ({state})>"
+
+
+def _handed_over(
+    held: list[pa.RecordBatch], batches: Iterator[pa.RecordBatch], what: str, finish: Callable[[], None]
+) -> Iterator[pa.RecordBatch]:
+    """The batches of a ``do_get``: ``held`` (the first, already taken), then the rest of
+    ``batches``. Each is popped as it is handed to gRPC: a reference kept here would hold the
+    batch's lease (host) or staging buffer (device) until the next batch came. A failure reaches
+    the client as a Flight error naming ``what``; ``finish`` runs at the end, also when the client
+    went away (the generator is closed)."""
+    try:
+        while held:
+            yield held.pop()
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except BaseException as exc:
+                raise _flight_error(exc, what) from None
+            held.append(batch)
+            del batch
+            yield held.pop()
+    finally:
+        finish()
 
 
 def _flight_error(exc: BaseException, what: str = "staging the GPU data") -> BaseException:
