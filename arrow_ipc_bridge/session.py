@@ -853,6 +853,7 @@ def connect(
             "reader_device": reader_device,
             "cross_device": cross_device,
             "copy_stream": copy_stream,
+            "standing_leases": standing_leases,
         }
         return connect_flight(  # type: ignore[no-any-return]  # a Session, or a FlightSession (same methods)
             path, connect, timeout=timeout, session_options=session_options, **flight_options

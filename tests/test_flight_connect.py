@@ -49,7 +49,16 @@ def test_same_host_and_uid_take_the_socket(front: FlightFront, publisher: aib.Pu
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"check": "none", "pool_linger": 0.25, "remembered_messages": 3, "timeout": 2.0}],
+    [
+        {},
+        {
+            "check": "none",
+            "pool_linger": 0.25,
+            "remembered_messages": 3,
+            "timeout": 2.0,
+            "standing_leases": True,
+        },
+    ],
     ids=["defaults", "given"],
 )
 def test_a_routed_session_is_the_session_connect_path_makes(
@@ -64,7 +73,10 @@ def test_a_routed_session_is_the_session_connect_path_makes(
         aib.connect(front.location, token=TOKEN, **options) as routed,  # type: ignore[arg-type]
     ):
         assert type(routed) is type(plain) is aib.Session
-        for attribute in ("_host_check", "_cuda_check", "_timeout", "_timeout_ms", "_path", "_reader"):
+        for attribute in (
+            *("_host_check", "_cuda_check", "_timeout", "_timeout_ms", "_path", "_reader"),
+            "_standing_leases",
+        ):
             assert getattr(routed, attribute) == getattr(plain, attribute), attribute
         assert routed._remembered._pool_linger == plain._remembered._pool_linger
         assert not any(isinstance(value, flight.FlightClient) for value in vars(routed).values()), (
