@@ -5,6 +5,12 @@ over the user's channel (:meth:`Session.import_message`); made by :func:`connect
 a :class:`~arrow_ipc_bridge.publisher.Publisher` (``list``, ``get``) and gives each lease back when
 the last struct built from it is released. The messages it remembers for re-gets, with their
 regions open, are kept by :class:`~arrow_ipc_bridge.remembered.RememberedMessages`.
+
+One concern, at some 900 lines: the consumer's session, made by :func:`connect` (and
+:func:`subscribe`), its imports and its get paths, which share the request lock, the remembered
+set and the leases. What stands apart from that state lives beside it: the remembered set
+(``remembered.py``), the version board (``board.py``), kept CuPy arrays (``array_cache.py``),
+live subscriptions (``streams/live.py``) and the answers to waits (``waiting.py``).
 """
 
 from __future__ import annotations
