@@ -35,6 +35,7 @@ __all__ = [
     "unregister",
     "unregister_family",
     "drain",
+    "settle",
     "pending_callbacks",
 ]
 
@@ -49,6 +50,9 @@ FAMILY_VALUE_BITS = int(lib.AIB_LEASE_ID_BITS)  # the C core puts lease ids in t
 _VALUE_MASK = (1 << FAMILY_VALUE_BITS) - 1
 _families: dict[int, Callable[[int], None]] = {}
 _family_ids = itertools.count(1)
+# Held by the reaper thread while it drains: a thread that must see every notice already queued run
+# (settle) waits on it for the batch the reaper thread may have taken out of the queue before it.
+_delivering = threading.Lock()
 
 
 def register(callback: Callable[[], None]) -> int:
@@ -120,12 +124,27 @@ def drain() -> int:
                 _log.exception("arrow_ipc_bridge: owner release callback failed")
 
 
+def settle(timeout: float = 1.0) -> None:
+    """Return once the callback of every owner that died before this call has run: those still
+    queued run on this thread (:func:`drain`), and one the reaper thread already took out of the
+    queue is waited for (at most ``timeout`` seconds; never on the reaper thread itself). For a
+    close that must act after its objects' release notices (a live stream giving its credit back
+    before its connection ends)."""
+    drain()
+    thread = _thread
+    if thread is None or thread is threading.current_thread():
+        return
+    if _delivering.acquire(timeout=timeout):
+        _delivering.release()
+
+
 def _after_fork_in_child() -> None:
     # The parent's owners' callbacks act on the parent's resources (a lease release is a frame on
     # the parent's connection): none runs here. The C core empties its queue and makes its own
-    # pipe (owner.c); the thread, if any, stayed in the parent; the lock may have been held.
-    global _lock, _thread
+    # pipe (owner.c); the thread, if any, stayed in the parent; the locks may have been held.
+    global _lock, _thread, _delivering
     _lock = threading.Lock()
+    _delivering = threading.Lock()
     _thread = None
     _callbacks.clear()
     _families.clear()
@@ -141,7 +160,8 @@ def _run() -> None:
     poller.register(lib.aib_reaper_fd(), select.POLLIN)
     while True:
         poller.poll()
-        drain()
+        with _delivering:
+            drain()
 
 
 def _ensure_thread() -> None:

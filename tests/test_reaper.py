@@ -131,6 +131,39 @@ def test_a_family_callback_gets_the_value_of_the_token() -> None:
     assert 7 not in got
 
 
+def test_settle_waits_for_the_notice_the_reaper_thread_is_delivering() -> None:
+    """A notice the reaper thread took out of the queue before another thread drained has run when
+    settle() returns there (drain() alone would return while it is still being delivered)."""
+    started = threading.Event()
+    finished = threading.Event()
+
+    def slow() -> None:
+        started.set()
+        time.sleep(0.3)
+        finished.set()
+
+    _kill_owners([_reaper.register(slow)])  # not quiet: the reaper thread is woken and takes it
+    assert started.wait(5), "the reaper thread never ran the notice"
+    _reaper.drain()
+    assert not finished.is_set()  # drain() found nothing to run: the reaper thread has it
+    _reaper.settle()
+    assert finished.is_set()
+
+
+def test_settle_on_the_reaper_thread_does_not_wait_for_itself() -> None:
+    """A callback that settles (a live stream closed from a release notice) returns at once."""
+    took: list[float] = []
+
+    def settle_inside() -> None:
+        began = time.monotonic()
+        _reaper.settle(timeout=2.0)
+        took.append(time.monotonic() - began)
+
+    _kill_owners([_reaper.register(settle_inside)])
+    assert _wait_for(lambda: bool(took)), "the notice never ran"
+    assert took[0] < 1.0, took
+
+
 def test_a_forked_child_runs_none_of_the_parents_callbacks() -> None:
     """An owner inherited through fork that dies in the child runs nothing there (its callback acts
     on the parent's resources); the child's own registrations work."""

@@ -257,6 +257,23 @@ def test_a_slot_repeated_without_message_or_descriptors(
     assert sorted([pub.releases.get(timeout=5), pub.releases.get(timeout=5)]) == [7, 8]
 
 
+def test_close_sends_the_releases_held_back(scripted: Callable[..., ScriptedStreamPublisher]) -> None:
+    """Under "block", released batches' leases wait to go a few at a time; closing the stream sends
+    them before the connection ends (the publisher sees RELEASE, not only the disconnect)."""
+    pub = scripted(
+        subscribed=(protocol.SUBSCRIBED, frames.encode_subscribed(frames.Subscribed(8, "block", 0))),
+        pushed=[good_batch(0, 3), good_batch(1, 4)],
+    )
+    with aib.subscribe(pub.path, "s", max_in_flight=8, timeout=10) as live:
+        first = live.next_batch()
+        second = live.next_batch()
+        first.release()
+        second.release()
+        with pytest.raises(queue.Empty):  # 2 of a window of 8: held back while nothing waits
+            pub.releases.get(timeout=0.3)
+    assert sorted([pub.releases.get(timeout=5), pub.releases.get(timeout=5)]) == [3, 4]
+
+
 def _end(error_type: str | None, message: str = "end", dropped: int = 0) -> bytes:
     return protocol.encode_json({"type": error_type, "message": message, "dropped": dropped})
 

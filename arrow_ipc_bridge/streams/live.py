@@ -77,6 +77,13 @@ class _Credit:
         if ids:
             self._send(ids)
 
+    def flush(self) -> None:
+        """Send every lease held back now (before the connection closes)."""
+        with self._lock:
+            ids, self._pending = self._pending, []
+        if ids:
+            self._send(ids)
+
     def give_back(self, ids: list[int]) -> None:
         """Send these leases' RELEASE now."""
         self._send(ids)
@@ -332,10 +339,15 @@ class LiveStream:
     def close(self) -> None:
         """Unsubscribe (idempotent): the batches handed out are released and the connection closes,
         which ends this consumer's leases at the publisher. Structs consumers built from host batches
-        stay mapped; reserved slots may then be refilled by the producer."""
+        stay mapped; reserved slots may then be refilled by the producer. The RELEASE of every batch
+        released before the call is sent before the connection closes (also of one whose release
+        notice the reaper thread was delivering, and of those held back to send a few at a time)."""
         if self._peeked is not None:
             self._peeked.release()
             self._peeked = None
+        if not self._session.closed:
+            _reaper.settle()
+            self._credit.flush()
         self._session.close()
         _close_kept(self._slots)
 
