@@ -9,6 +9,11 @@ entry; while the board shows that entry's serial, a get of the name imports the 
 in place, with no round trip, under the standing lease (``remembered.c``; docs/lifetime.md,
 "Standing leases"). Anything else asks the publisher as before.
 
+A session waiting for a newer version of a name it holds a standing lease on (``get_next``)
+sleeps on the name's slot (:meth:`SessionBoard.wait_for_change`, a futex on the slot's sequence
+word) instead of asking the publisher to hold a request: every write of the slot wakes it, and
+its get is then local (feature ``"board_wake"``).
+
 Trust: the page is a memfd the publisher sealed against growing, shrinking and writing through any
 new mapping (``F_SEAL_FUTURE_WRITE``); a session refuses one that is not sealed so (a file that can
 shrink would fault its mapping) or not the size announced. What the page says is only compared with
@@ -23,6 +28,7 @@ import mmap
 import os
 import stat
 import struct
+import threading
 from typing import TYPE_CHECKING, Any
 
 from arrow_ipc_bridge import protocol
@@ -113,13 +119,59 @@ class SessionBoard:
         self._page = mmap.mmap(fd, n_slots * SLOT_SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
         self.address: Any = ffi.from_buffer(self._page)
         """The page, for ``aib_session_get``."""
+        # Threads in peek() / wait_for_change() (slot -> how many): close() wakes them and unmaps
+        # the page only once they are out (the C get path reads it under the session's request lock).
+        self._users: dict[int, int] = {}
+        self._closing = False
+        self._cond = threading.Condition(threading.Lock())
+        self._seen = ffi.new("uint64_t[3]")  # seq, serial, version of a peek (under _cond)
+
+    def peek(self, slot: int) -> tuple[int, int, int] | None:
+        """``(seq, serial, version)`` of ``slot`` now, for :meth:`wait_for_change`; None when the
+        slot stayed busy (a writer died mid-write: ask the publisher) or the board is closing."""
+        with self._cond:
+            if self._closing or not 0 <= slot < self.n_slots:
+                return None
+            seen = self._seen
+            if not lib.aib_board_peek(self.address, slot, seen, seen + 1, seen + 2):
+                return None
+            return int(seen[0]), int(seen[1]), int(seen[2])
+
+    def wait_for_change(self, slot: int, seq: int, timeout: float) -> bool:
+        """Sleep until ``slot`` is written after :meth:`peek` saw ``seq`` (the publisher's write wakes
+        it), the board closes, or ``timeout`` seconds pass; False when the time passed. The GIL is
+        released meanwhile. Returns at once when the slot changed since the peek."""
+        with self._cond:
+            if self._closing:
+                return True  # the caller looks again and finds the session closed
+            self._users[slot] = self._users.get(slot, 0) + 1
+        try:
+            return not lib.aib_board_wait(self.address, slot, seq, max(0, int(timeout * 1e9)))
+        finally:
+            with self._cond:
+                left = self._users[slot] - 1
+                if left:
+                    self._users[slot] = left
+                else:
+                    del self._users[slot]
+                self._cond.notify_all()
 
     def close(self) -> None:
-        """Unmap; the session's gets must have stopped using it (the request lock held)."""
-        if self._page.closed:
-            return
-        ffi.release(self.address)
-        self._page.close()
+        """Wake the threads waiting on a slot, then unmap once they are out; the session's gets must
+        have stopped using the page (the request lock held)."""
+        with self._cond:
+            if self._page.closed:
+                return
+            self._closing = True
+            for slot in self._users:
+                lib.aib_board_wake(self.address, slot)
+            # A waiter between its registration and its sleep misses the wake-up and sleeps out its
+            # timeout, which get_next keeps short (its liveness check); so this wait is bounded.
+            self._cond.wait_for(lambda: not self._users, timeout=5.0)
+            if self._users:
+                return  # never unmap under a sleeper: the page stays mapped until the process ends
+            ffi.release(self.address)
+            self._page.close()
 
 
 def open_board(channel: Channel, timeout: float) -> SessionBoard:

@@ -349,6 +349,12 @@ class Channel:
                 raise self.failed(rc, err, "a request", timeout, holding="both")
             return None, frame_from(self._frame)
 
+    def quiet(self) -> bool:
+        """Whether the channel is open and nothing waits to be read on it: no buffered bytes, the
+        socket neither readable nor closed by the peer (``aib_channel_quiet``: one ``poll``)."""
+        with self._recv_lock:
+            return not self._closed and bool(lib.aib_channel_quiet(self.raw))
+
     def locked(self) -> tuple[threading.Lock, threading.Lock]:
         """Both locks, for a C call that receives and sends on this channel (the serve loop)."""
         return self._recv_lock, self._send_lock

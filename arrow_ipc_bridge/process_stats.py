@@ -93,6 +93,9 @@ class WaitStats:
     # WAITs this process's publishers held (not answerable at once); one held again (its name was
     # unpublished under its answer) counts again
     waits_held: int = 0
+    # sleeps of get_next on the publisher's version board (no WAIT sent; feature "board_wake"); a
+    # wait longer than 50 ms counts once per 50 ms
+    board_waits: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ class _WaitCounters(NamedTuple):
 
     waits_sent: itertools.count[int]
     waits_held: itertools.count[int]
+    board_waits: itertools.count[int]
 
 
 wait_counters = _WaitCounters(*(itertools.count() for _ in WaitStats.__dataclass_fields__))

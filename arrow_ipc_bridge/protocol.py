@@ -64,6 +64,7 @@ __all__ = [
     "MAX_PING",
     "POOL_IDENTITY_SIZE",
     "FEATURES",
+    "BOARD_FEATURES",
     "encode_hello",
     "decode_hello",
     "encode_json",
@@ -76,6 +77,7 @@ __all__ = [
     "decode_wait",
     "decode_versioned_item",
     "decode_board_item",
+    "board_item_place",
     "answer_message",
     "encode_error",
     "raise_error",
@@ -124,7 +126,9 @@ MAX_PING = 64
 POOL_IDENTITY_SIZE = 24
 # What this side's publisher offers beyond protocol 1's first frames, advertised in WELCOME's
 # "features": a session checks before it uses one, so older publishers keep working with it.
-FEATURES = ("board", "ping", "pool_fd", "stream", "watch")
+FEATURES = ("board", "board_wake", "ping", "pool_fd", "stream", "watch")
+# Features offered only with the version board (a kernel without F_SEAL_FUTURE_WRITE gets none).
+BOARD_FEATURES = frozenset({"board", "board_wake"})
 
 MAX_JSON = 1 << 20
 MAX_NAME = 4096
@@ -264,6 +268,13 @@ def decode_board_item(payload: bytes, n_slots: int) -> tuple[int, int, bytes]:
     if (slot >= n_slots and slot != NO_SLOT) or zero:
         raise ProtocolError(f"BOARD_ITEM names board slot {slot} (the board has {n_slots})")
     return int(lease_id), int(version), payload[_BOARD_ITEM.size :]
+
+
+def board_item_place(payload: bytes) -> tuple[int, int]:
+    """``(serial, slot)`` of a BOARD_ITEM whose prefix was checked already (:func:`decode_board_item`
+    or the C core); ``slot`` may be :data:`NO_SLOT`."""
+    _, _, serial, slot, _ = _BOARD_ITEM.unpack_from(payload)
+    return int(serial), int(slot)
 
 
 def answer_message(kind: int, payload: bytes) -> bytes:

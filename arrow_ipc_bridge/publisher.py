@@ -576,7 +576,9 @@ class Publisher:
             "wire": list(WIRE_VERSION),
             "publisher_id": self.publisher_id,
             "pid": os.getpid(),
-            "features": [f for f in protocol.FEATURES if f != "board" or self._board is not None],
+            "features": [
+                f for f in protocol.FEATURES if f not in protocol.BOARD_FEATURES or self._board is not None
+            ],
         }
 
     # ---------- lifetime ----------------------------------------------------------------------------

@@ -107,6 +107,15 @@ class RememberedMessages:
             # Share under the lock: another thread may forget the message next.
             return hit, Decoded.sharing(hit.template, token), int(event[0])
 
+    def board_place(self, raw_name: bytes) -> tuple[int, int] | None:
+        """``(board slot, entry serial)`` of the message remembered as ``raw_name`` while it holds a
+        standing lease (the session's gets of the name are local then); None otherwise."""
+        slot = ffi.new("uint32_t *")
+        serial = ffi.new("uint64_t *")
+        if not lib.aib_remembered_board_place(self.table, raw_name, len(raw_name), slot, serial):
+            return None
+        return int(slot[0]), int(serial[0])
+
     def used_by_c_core(self, entry_id: int) -> RememberedMessage | None:
         """The remembered message a C-side get just imported (and marked used); the caller holds
         ``request_lock``, so it is here. None if it vanished (cannot happen)."""

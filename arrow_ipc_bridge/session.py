@@ -45,16 +45,18 @@ from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
     ClosedError,
+    NotPublishedError,
     PeerClosedError,
     ProtocolError,
     RegionError,
+    WaitTimeoutError,
 )
 from arrow_ipc_bridge.host.mappings import HostMappingCache
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
 from arrow_ipc_bridge.metadata import (
     Decoded,
 )
-from arrow_ipc_bridge.process_stats import import_counters
+from arrow_ipc_bridge.process_stats import import_counters, wait_counters
 from arrow_ipc_bridge.remembered import RememberedMessage, RememberedMessages
 from arrow_ipc_bridge.streams.frames import MAX_IN_FLIGHT
 from arrow_ipc_bridge.streams.live import LiveStream, open_subscription
@@ -189,6 +191,11 @@ class Session:
         )
         # The publisher's version board once connected (board.py); None: every get asks.
         self._board: SessionBoard | None = None
+        # Whether get_next may sleep on the board: the publisher wakes its slots' sleepers.
+        self._board_wake = False
+        # name -> (slot, serial) of the last BOARD_ITEM of a message not remembered with a standing
+        # lease (those know their own): where get_next sleeps for fresh data.
+        self._board_places: dict[bytes, tuple[int, int]] = {}
         self._imported: weakref.WeakSet[ImportedArray | ImportedStream] = weakref.WeakSet()
         self._conn: transport.Connection | None = None
         self._channel: Channel | None = None  # the C side of the connection once the handshake is done
@@ -390,6 +397,7 @@ class Session:
             and self._remembered.limit
         ):
             self._board = open_board(channel, timeout)
+            self._board_wake = "board_wake" in features and "watch" in features
 
     def _request(self, kind: int, payload: bytes) -> Frame:
         channel = self._connection()
@@ -477,7 +485,12 @@ class Session:
         channel = self._connection()  # closed, not connected: before the arguments
         if wait is not None:
             imported = self._get_version(name, after=0, timeout=waiting.check_wait(wait, "wait"))
-            return imported if self._reader is None else self._reader.place(imported)
+        else:
+            imported = self._get_unplaced(channel, name)
+        return imported if self._reader is None else self._reader.place(imported)
+
+    def _get_unplaced(self, channel: Channel, name: str) -> Imported:
+        """:meth:`get` without waiting, before the reader's placement (``cross_gpu.py``)."""
         raw_name = protocol.encode_name(name)
         fast: tuple[Decoded, RememberedMessage, int, Any] | None = None
         with self._request_lock:
@@ -503,8 +516,9 @@ class Session:
                 fast = Decoded.adopt(owner, hit.template), hit, address, sync_slot
         if imported_now is not None and imported_now[0] == 0:
             assert frame is not None
-            imported = self._adopt_new(imported_now, protocol.answer_message(frame.kind, frame.payload), name)
-            return imported if self._reader is None else self._reader.place(imported)
+            if frame.kind == protocol.BOARD_ITEM:
+                self._note_board_place(raw_name, frame.payload)
+            return self._adopt_new(imported_now, protocol.answer_message(frame.kind, frame.payload), name)
         if fast is not None:
             self.remembered_gets += 1
             next(import_counters.remembered_gets)
@@ -528,13 +542,14 @@ class Session:
             if self._kept_arrays is not None:
                 imported._kept_arrays = (self._kept_arrays, hit)
             self._imported.add(imported)
-            return imported if self._reader is None else self._reader.place(imported)
+            return imported
         assert frame is not None
         try:
             if frame.kind == protocol.ERROR:
                 protocol.raise_error(frame.payload)
             if frame.kind == protocol.BOARD_ITEM and self._board is not None:
                 lease_id, version, message = protocol.decode_board_item(frame.payload, self._board.n_slots)
+                self._note_board_place(raw_name, frame.payload)
             elif frame.kind == protocol.ITEM:
                 (lease_id, message), version = protocol.decode_item(frame.payload), 0
             else:
@@ -552,7 +567,7 @@ class Session:
             frame.close_fds()  # the mappings keep the files alive
         if version:
             imported.version = version
-        return imported if self._reader is None else self._reader.place(imported)
+        return imported
 
     def get_next(self, name: str, *, after: int, timeout: float | None) -> Imported:
         """Wait for a version of ``name`` newer than ``after`` and import the newest one.
@@ -569,6 +584,13 @@ class Session:
         (``docs/lifetime.md``, "Waiting and publisher restarts"). Needs a publisher offering
         ``"watch"``. While a wait is held this session sends no other request (one at a time);
         use another session to get other names meanwhile.
+
+        With ``standing_leases=True``, once the name's gets are local (its second get on), the
+        wait sends nothing: it sleeps on the name's slot of the publisher's version board, which
+        the publisher's next publish of the name wakes, and then gets the name locally (feature
+        ``"board_wake"``; ``docs/lifetime.md``, "Waiting on the version board"). Other threads
+        may use the session meanwhile. A publisher that dies or closes meanwhile is noticed
+        within 50 ms (its connection is checked between sleeps).
         """
         self._connection()  # closed, not connected: before the arguments
         imported = self._get_version(
@@ -577,8 +599,13 @@ class Session:
         return imported if self._reader is None else self._reader.place(imported)
 
     def _get_version(self, name: str, *, after: int, timeout: float | None) -> Imported:
-        """WAIT for a version over ``after`` (``waiting.py``), then import it like a GET's answer."""
+        """WAIT for a version over ``after`` (``waiting.py``), then import it like a GET's answer;
+        a version over ``after`` > 0 of a name whose gets are local is waited for on the board."""
         raw_name = protocol.encode_name(name)
+        if after and self._board_wake:
+            imported, timeout = self._next_from_board(name, raw_name, after, timeout)
+            if imported is not None:
+                return imported
         me = threading.get_ident()
         self._waiting.add(me)  # before the closed check: close() either sees us or we see it closed
         try:
@@ -596,6 +623,68 @@ class Session:
             self._waiting.discard(me)
         return self._import_versioned(channel, answer, name)
 
+    def _next_from_board(
+        self, name: str, raw_name: bytes, after: int, timeout: float | None
+    ) -> tuple[Imported | None, float | None]:
+        """A version of ``name`` over ``after`` through the version board. While the name's slot
+        shows the entry the session knows for it (a standing lease's, or the last BOARD_ITEM's)
+        at a version not over ``after``, sleep until the publisher writes the slot; anything
+        else (a newer version, another entry, no place known) is a get: it answers, or teaches the
+        place. ``(None, time left)`` when the publisher must hold a WAIT instead: the name is not
+        published, or two gets in a row brought nothing newer. WaitTimeoutError when the time
+        runs out asleep; PeerClosedError when the session is closed meanwhile (as a held WAIT
+        would) or the publisher leaves (its farewell, if it sent one)."""
+        board = self._board
+        assert board is not None
+        channel = self._connection()
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        fruitless_gets = 0
+        while True:
+            if self._closed:  # close() wakes the sleepers
+                raise PeerClosedError(
+                    f"the session was closed while waiting for a version of {name!r}", closed_locally=True
+                )
+            place = self._remembered.board_place(raw_name) or self._board_places.get(raw_name)
+            seen = None if place is None else board.peek(place[0])
+            if place is not None and seen is not None and seen[1] == place[1] and seen[2] <= after:
+                remaining = left()
+                if remaining == 0.0:
+                    what = f"a version of {name!r} newer than {after}"
+                    raise WaitTimeoutError(f"waited {timeout} s for {what}", timeout=timeout)
+                next(wait_counters.board_waits)
+                nap = _BOARD_NAP if remaining is None else min(remaining, _BOARD_NAP)
+                if not board.wait_for_change(place[0], seen[0], nap) and not channel.quiet():
+                    _meet_unasked(channel)  # a dead publisher's end of file, a farewell
+                continue
+            if fruitless_gets == 2:
+                return None, left()  # the board and the answers disagree: the publisher decides
+            try:
+                imported = self._get_unplaced(channel, name)
+            except NotPublishedError:
+                return None, left()  # the publisher holds a WAIT until the name is published
+            if imported.version is not None and imported.version > after:
+                self._stamp_publisher(imported)
+                return imported, None
+            imported.release()
+            fruitless_gets += 1
+
+    def _note_board_place(self, raw_name: bytes, payload: bytes) -> None:
+        """Keep the slot and serial a BOARD_ITEM (checked) gave ``raw_name``, for get_next's sleeps."""
+        serial, slot = protocol.board_item_place(payload)
+        if self._board is None or slot >= self._board.n_slots:
+            return
+        if len(self._board_places) >= _BOARD_PLACES_MAX and raw_name not in self._board_places:
+            self._board_places.clear()
+        self._board_places[raw_name] = (slot, serial)
+
+    def _stamp_publisher(self, imported: Imported) -> None:
+        publisher_id = self.publisher_info.get("publisher_id")
+        imported.publisher_id = publisher_id if isinstance(publisher_id, str) else None
+
     def _import_versioned(self, channel: Channel, answer: waiting.Versioned, name: str) -> Imported:
         """Import a wait's answer like a GET's ITEM (its lease given back when the import dies)."""
         frame = answer.frame
@@ -611,8 +700,7 @@ class Session:
         finally:
             frame.close_fds()  # the mappings hold the files open
         imported.version = answer.version
-        publisher_id = self.publisher_info.get("publisher_id")
-        imported.publisher_id = publisher_id if isinstance(publisher_id, str) else None
+        self._stamp_publisher(imported)
         return imported
 
     def _import_new_in_c(self, message: bytes, token: int, name: str) -> Imported | None:
@@ -785,6 +873,22 @@ class Session:
 
 _GET_LOCAL = int(lib.AIB_GET_LOCAL)
 _GET_STANDING = int(lib.AIB_GET_STANDING)
+# get_next on the board sleeps at most this long before it checks the connection: a publisher that
+# dies or closes wakes no sleeper, its socket tells.
+_BOARD_NAP = 0.05
+_BOARD_PLACES_MAX = 4096
+
+
+def _meet_unasked(channel: Channel) -> None:
+    """Read what a publisher sent unasked (nothing is, but its farewell ERROR before it drops the
+    connection) and raise it; the end of file of a dead one raises PeerClosedError. The connection
+    is closed either way."""
+    frame = channel.recv(timeout=5.0)
+    frame.close_fds()
+    channel.close()
+    if frame.kind == protocol.ERROR:
+        protocol.raise_error(frame.payload)
+    raise ProtocolError(f"the publisher sent frame kind {frame.kind} unasked")
 
 
 def _send_release(channel: Channel, lease_id: int) -> None:

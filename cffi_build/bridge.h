@@ -431,6 +431,11 @@ int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_er
 int aib_channel_recv_idle(aib_channel *ch, int64_t idle_ms, aib_frame *out, aib_error *err);
 /* Bytes (kernel accounting) sent on the socket that the peer has not read; 0 when it read all. */
 int64_t aib_channel_peer_unread(const aib_channel *ch);
+/* Whether nothing waits to be read on the channel: no bytes or descriptors buffered, and the socket
+ * neither readable nor closed (one poll). A session's get without a round trip needs it, and so does
+ * get_next between its sleeps on the board: anything there (a farewell ERROR, an end of file) must be
+ * met by a request (channel.c). */
+int aib_channel_quiet(aib_channel *ch);
 /* send then receive the answer, both within timeout_ms */
 int aib_channel_request(aib_channel *ch, uint32_t kind, const uint8_t *payload, size_t length,
                         int64_t timeout_ms, aib_frame *out, aib_error *err);
@@ -444,6 +449,13 @@ int aib_channel_request(aib_channel *ch, uint32_t kind, const uint8_t *payload, 
 #define AIB_BOARD_MAX_SLOTS 1048576
 void aib_board_write(void *board, uint32_t slot, uint64_t serial, uint64_t version);
 int aib_board_read(const void *board, uint32_t slot, uint64_t *serial, uint64_t *version);
+/* peek: read plus the slot's seq, for a wait (1, or 0 when the slot stayed busy). wait: sleep until
+ * the slot is written after the caller saw seen_seq, or timeout_ns passed (1: timed out; 0: woken,
+ * written meanwhile, or interrupted: peek again). wake: wake the slot's sleepers in this and other
+ * processes (a closing session's own waiters); every write wakes them too. */
+int aib_board_peek(const void *board, uint32_t slot, uint64_t *seq, uint64_t *serial, uint64_t *version);
+int aib_board_wait(const void *board, uint32_t slot, uint64_t seen_seq, int64_t timeout_ns);
+void aib_board_wake(const void *board, uint32_t slot);
 /* Published entries by name. put copies name and message, borrows the fds and takes a reference on
  * keeper; the entry lives while published or leased, then drops the keeper (whose token tells
  * Python to close the export record). remove returns 1 when the name was not published. */
@@ -545,6 +557,10 @@ uint64_t aib_remembered_find(aib_remembered *r, const uint8_t *message, size_t l
 size_t aib_remembered_forget_name(aib_remembered *r, const uint8_t *name, size_t name_len, const uint8_t *unless,
                                   size_t unless_len);
 size_t aib_remembered_forget_all(aib_remembered *r);
+/* The board slot and entry serial of the name's remembered message while it holds a standing lease
+ * (1), else 0. */
+int aib_remembered_board_place(aib_remembered *r, const uint8_t *name, size_t name_len, uint32_t *slot,
+                               uint64_t *serial);
 /* Forget the messages holding a kept lease that no get used for linger seconds by now
  * (CLOCK_MONOTONIC seconds, Python's time.monotonic()), and give back the standing leases (see
  * aib_session_get) no get used for as long (the message stays remembered); returns the next such

@@ -44,11 +44,6 @@ static inline uint64_t aib_load_u64le(const uint8_t *p) {
   return (uint64_t)aib_load_u32le(p) | ((uint64_t)aib_load_u32le(p + 4) << 32);
 }
 
-/* Whether nothing waits to be read on the channel: no bytes or descriptors buffered, and the socket
- * neither readable nor closed (one poll). A session's get without a round trip needs it: anything
- * there (a farewell ERROR, an end of file) must be met by a request (channel.c). */
-int aib_channel_quiet(aib_channel *ch);
-
 /* FNV-1a over bytes (8 at a time), for the core's hash tables (remembered.c, serve.c). */
 uint64_t aib_hash_bytes(const uint8_t *p, size_t n);
 

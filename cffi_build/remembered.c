@@ -490,6 +490,20 @@ static aib_owner *import_local(aib_remembered *r, const void *board, uint32_t bo
   return owner;
 }
 
+int aib_remembered_board_place(aib_remembered *r, const uint8_t *name, size_t name_len, uint32_t *slot,
+                               uint64_t *serial) {
+  uint64_t hash = aib_hash_bytes(name, name_len);
+  pthread_mutex_lock(&r->mu);
+  entry *e = *find_name(r, name, name_len, hash);
+  int found = e != NULL && e->standing != NULL;
+  if (found) {
+    *slot = e->board_slot;
+    *serial = e->board_serial;
+  }
+  pthread_mutex_unlock(&r->mu);
+  return found;
+}
+
 static void fill(aib_get_result *out, aib_owner *owner) {
   out->owner = owner;
   out->owner_address = (uintptr_t)owner;

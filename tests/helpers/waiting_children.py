@@ -19,3 +19,17 @@ def late_publisher_main(conn: Any, path: str, delay: float) -> None:
         conn.send(("published", pub.publisher_id))
         conn.recv()  # "stop"
     conn.send(("bye",))
+
+
+def republishing_publisher_main(conn: Any, path: str) -> None:
+    """Publish "v" = [0], say ("ready",), then publish [i] for each ("publish", i) and answer
+    ("published", version); "stop" ends it. Killed by tests that need a dead publisher."""
+    with aib.Publisher(path) as pub:
+        pub.publish("v", pa.array([0]))
+        conn.send(("ready",))
+        while True:
+            command = conn.recv()
+            if command[0] == "stop":
+                break
+            pub.publish("v", pa.array([command[1]]))
+            conn.send(("published", pub.version("v")))

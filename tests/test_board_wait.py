@@ -1,0 +1,354 @@
+"""get_next on the publisher's version board (feature "board_wake"): a session with standing leases
+sleeps on the name's board slot instead of asking the publisher to hold a WAIT; the publisher's
+next publish of the name wakes it. Also: timeouts, an unpublish, a publisher that closes or dies, a
+session closed meanwhile, other threads using the session, an older publisher, and the board's wait
+and wake themselves.
+
+Every test runs under the ``no_leaks`` fixture (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from helpers import waiting_children
+from helpers.session_rig import wait_for
+
+import arrow_ipc_bridge as aib
+from arrow_ipc_bridge import protocol
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+SPAWN = mp.get_context("spawn")
+SOON = 10.0  # generous (a loaded 2-core machine): what should happen takes milliseconds
+
+
+def _later(seconds: float, action: Callable[[], object]) -> threading.Thread:
+    def run() -> None:
+        time.sleep(seconds)
+        action()
+
+    thread = threading.Thread(target=run, name="test-later")
+    thread.start()
+    return thread
+
+
+def _values(imported: Any) -> list[Any]:
+    return list(pa.array(imported).to_pylist())
+
+
+def _counters() -> tuple[int, int]:
+    waits = aib.stats().waits
+    return waits.waits_sent, waits.board_waits
+
+
+@pytest.fixture
+def standing(publisher: aib.Publisher) -> Iterator[aib.Session]:
+    """A session with standing leases (so with the board) that got "v" once."""
+    publisher.publish("v", pa.array([0]))
+    with aib.connect(publisher.path, timeout=5.0, standing_leases=True) as session:
+        assert session._board_wake
+        session.get("v").release()
+        yield session
+
+
+def test_get_next_sleeps_on_the_board_and_sends_no_wait(
+    publisher: aib.Publisher, standing: aib.Session
+) -> None:
+    seen = publisher.version("v")
+    sent, slept = _counters()
+    publishing = _later(0.3, lambda: publisher.publish("v", pa.array([1])))
+    started = time.monotonic()
+    with standing.get_next("v", after=seen, timeout=30.0) as newer:
+        assert time.monotonic() - started < SOON
+        assert _values(newer) == [1]
+        assert newer.version == publisher.version("v") > seen
+        assert newer.publisher_id == publisher.publisher_id
+    publishing.join()
+    now_sent, now_slept = _counters()
+    assert now_sent == sent  # no WAIT went to the publisher
+    assert now_slept > slept
+    assert publisher.held_waits == 0
+
+
+def test_a_step_loop_of_get_next_follows_every_publish(
+    publisher: aib.Publisher, standing: aib.Session
+) -> None:
+    """The producer publishes the next value once the consumer took the last one; the consumer
+    sees each one, in order, and never asks the publisher to hold a wait."""
+    took = threading.Semaphore(0)
+    steps = 100
+
+    def produce() -> None:
+        for value in range(1, steps + 1):
+            if not took.acquire(timeout=SOON):
+                return
+            publisher.publish("v", pa.array([value]))
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    sent, _ = _counters()
+    try:
+        after = publisher.version("v")
+        for value in range(1, steps + 1):
+            took.release()
+            with standing.get_next("v", after=after, timeout=SOON) as item:
+                assert _values(item) == [value]
+                assert item.version is not None
+                assert item.version > after
+                after = item.version
+    finally:
+        producer.join(SOON)
+    assert _counters()[0] == sent
+    assert publisher.held_waits == 0
+
+
+def test_already_newer_answers_at_once_and_timeout_zero_does_not_wait(
+    publisher: aib.Publisher, standing: aib.Session
+) -> None:
+    seen = publisher.version("v")
+    publisher.publish("v", pa.array([1]))
+    with standing.get_next("v", after=seen, timeout=0) as newer:
+        assert _values(newer) == [1]
+        current = newer.version
+    assert current is not None
+    started = time.monotonic()
+    with pytest.raises(aib.WaitTimeoutError, match="newer than"):
+        standing.get_next("v", after=current, timeout=0)
+    assert time.monotonic() - started < SOON
+
+
+def test_a_timeout_on_the_board_is_clean_and_the_session_goes_on(
+    publisher: aib.Publisher, standing: aib.Session
+) -> None:
+    seen = publisher.version("v")
+    started = time.monotonic()
+    with pytest.raises(aib.WaitTimeoutError, match="newer than"):
+        standing.get_next("v", after=seen, timeout=0.3)
+    assert 0.25 <= time.monotonic() - started < SOON
+    publisher.publish("v", pa.array([2]))
+    with standing.get_next("v", after=seen, timeout=SOON) as newer:
+        assert _values(newer) == [2]
+
+
+def test_an_unpublish_while_asleep_waits_for_the_name_to_come_back(
+    publisher: aib.Publisher, standing: aib.Session
+) -> None:
+    """The slot empties: the wait goes to the publisher, which holds it until the name is
+    published again."""
+    seen = publisher.version("v")
+
+    def unpublish_then_republish() -> None:
+        publisher.unpublish("v")
+        assert wait_for(lambda: publisher.held_waits == 1, SOON)
+        publisher.publish("v", pa.array([7]))
+
+    changing = _later(0.2, unpublish_then_republish)
+    with standing.get_next("v", after=seen, timeout=30.0) as back:
+        assert _values(back) == [7]
+        assert back.version is not None
+        assert back.version > seen
+    changing.join()
+
+
+def test_other_threads_use_the_session_while_one_sleeps_on_the_board(
+    publisher: aib.Publisher, standing: aib.Session
+) -> None:
+    publisher.publish("other", pa.array([5]))
+    seen = publisher.version("v")
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(standing.get_next("v", after=seen, timeout=30.0)))
+    _, slept = _counters()
+    waiter.start()
+    try:
+        assert wait_for(lambda: _counters()[1] > slept, SOON)
+        started = time.monotonic()
+        with standing.get("other") as other:  # a held WAIT would keep the request lock meanwhile
+            assert _values(other) == [5]
+        assert time.monotonic() - started < SOON
+        publisher.publish("v", pa.array([1]))
+    finally:
+        waiter.join(SOON)
+    assert len(got) == 1
+    with got[0] as newer:
+        assert _values(newer) == [1]
+
+
+def test_closing_the_session_wakes_its_sleeper(publisher: aib.Publisher) -> None:
+    publisher.publish("v", pa.array([0]))
+    session = aib.connect(publisher.path, timeout=5.0, standing_leases=True)
+    session.get("v").release()
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            session.get_next("v", after=publisher.version("v"), timeout=None)
+        except aib.BridgeError as exc:
+            errors.append(exc)
+
+    _, slept = _counters()
+    thread = threading.Thread(target=wait)
+    thread.start()
+    assert wait_for(lambda: _counters()[1] > slept, SOON)
+    started = time.monotonic()
+    session.close()
+    thread.join(SOON)
+    assert time.monotonic() - started < SOON
+    assert len(errors) == 1
+    assert isinstance(errors[0], aib.PeerClosedError)
+    assert "closed while waiting" in str(errors[0])
+    assert wait_for(lambda: publisher.active_leases == 0, SOON)
+
+
+def test_a_publisher_closing_while_a_session_sleeps_raises_peer_closed(sock_dir: str) -> None:
+    pub = aib.Publisher(os.path.join(sock_dir, "closing.sock"))
+    pub.publish("v", pa.array([0]))
+    session = aib.connect(pub.path, timeout=5.0, standing_leases=True)
+    try:
+        session.get("v").release()
+        closing = _later(0.3, pub.close)
+        started = time.monotonic()
+        with pytest.raises(aib.PeerClosedError):
+            session.get_next("v", after=pub.version("v"), timeout=None)
+        assert time.monotonic() - started < SOON
+        closing.join()
+    finally:
+        session.close()
+        pub.close()
+
+
+def test_a_publisher_killed_while_a_session_sleeps_raises_peer_closed(sock_dir: str) -> None:
+    """A dead publisher wakes nobody: the sleeper sees its connection end within its nap."""
+    path = os.path.join(sock_dir, "killed.sock")
+    parent, child = SPAWN.Pipe()
+    process = SPAWN.Process(target=waiting_children.republishing_publisher_main, args=(child, path))
+    process.start()
+    try:
+        assert parent.poll(60)
+        assert parent.recv() == ("ready",)
+        with aib.connect(path, timeout=10.0, standing_leases=True) as session:
+            with session.get("v") as first:
+                after = first.version
+            assert after is not None
+            parent.send(("publish", 1))
+            assert parent.recv()[0] == "published"
+            with session.get_next("v", after=after, timeout=SOON) as newer:
+                assert _values(newer) == [1]
+                after = newer.version
+            assert after is not None
+            _, slept = _counters()
+            killing = _later(0.3, process.kill)
+            started = time.monotonic()
+            with pytest.raises(aib.PeerClosedError):
+                session.get_next("v", after=after, timeout=None)
+            assert time.monotonic() - started < SOON
+            assert _counters()[1] > slept  # it was asleep on the board when the publisher died
+            killing.join()
+    finally:
+        process.kill()
+        process.join(SOON)
+        parent.close()
+        child.close()
+
+
+def test_a_publisher_without_board_wake_holds_the_wait(
+    sock_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An older publisher (a board, but no wake-ups) is asked to hold a WAIT, as before."""
+    monkeypatch.setattr(protocol, "FEATURES", tuple(f for f in protocol.FEATURES if f != "board_wake"))
+    with aib.Publisher(os.path.join(sock_dir, "older.sock")) as pub:
+        pub.publish("v", pa.array([0]))
+        with aib.connect(pub.path, timeout=5.0, standing_leases=True) as session:
+            assert session._board is not None
+            assert not session._board_wake
+            session.get("v").release()
+            seen = pub.version("v")
+
+            def publish_once_held() -> None:
+                assert wait_for(lambda: pub.held_waits == 1, SOON)  # the publisher holds the WAIT
+                pub.publish("v", pa.array([1]))
+
+            publishing = _later(0.2, publish_once_held)
+            with session.get_next("v", after=seen, timeout=30.0) as newer:
+                assert _values(newer) == [1]
+            publishing.join()
+
+
+def test_the_board_wait_times_out_and_wakes_on_a_write(
+    publisher: aib.Publisher, standing: aib.Session
+) -> None:
+    """SessionBoard.wait_for_change: False after its timeout when nothing was written; True (at
+    once) when the slot was written after the peek; a publish wakes a sleeper."""
+    board = standing._board
+    assert board is not None
+    place = standing._board_places.get(b"v") or standing._remembered.board_place(b"v")
+    assert place is not None
+    slot = place[0]
+    seen = board.peek(slot)
+    assert seen is not None
+    seq, serial, version = seen
+    assert serial == place[1]
+    assert version == publisher.version("v")
+    started = time.monotonic()
+    assert board.wait_for_change(slot, seq, 0.2) is False
+    assert 0.15 <= time.monotonic() - started < SOON
+    publisher.publish("v", pa.array([1]))
+    assert board.wait_for_change(slot, seq, SOON) is True  # written since the peek: no sleep
+    later = board.peek(slot)
+    assert later is not None
+    assert later[0] != seq
+    assert later[2] > version
+    writing = _later(0.2, lambda: publisher.publish("v", pa.array([2])))
+    started = time.monotonic()
+    assert board.wait_for_change(slot, later[0], 30.0) is True
+    assert time.monotonic() - started < SOON
+    writing.join()
+
+
+# ---------- GPU data: in-place renewals ---------------------------------------------------------
+@pytest.mark.gpu
+def test_get_next_of_columns_renewed_in_place_is_local(cuda_device: int, publisher: aib.Publisher) -> None:
+    """A step loop over CUDA columns updated in place: after the second get every get_next sleeps
+    on the board and imports the remembered message locally, with the new version and values."""
+    cupy = pytest.importorskip("cupy")
+    with cupy.cuda.Device(cuda_device):
+        columns = {"v": cupy.zeros(1000, dtype=cupy.float32)}
+        publisher.publish("cuda", aib.from_cuda_arrays(columns))
+        with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
+            session.get("cuda").release()
+            with session.get("cuda") as second:
+                after = second.version
+            assert after is not None
+            took = threading.Semaphore(0)
+
+            def produce() -> None:
+                for _ in range(50):
+                    if not took.acquire(timeout=SOON):
+                        return
+                    columns["v"] += 1
+                    publisher.publish("cuda", aib.from_cuda_arrays(columns))
+
+            producer = threading.Thread(target=produce)
+            producer.start()
+            sent, _ = _counters()
+            local = session.local_gets
+            try:
+                for step in range(1, 51):
+                    took.release()
+                    with session.get_next("cuda", after=after, timeout=SOON) as item:
+                        assert item.version is not None
+                        assert item.version > after
+                        after = item.version
+                        host = aib.to_host(item)
+                        assert host.column(0)[999].as_py() == float(step)
+            finally:
+                producer.join(SOON)
+            assert session.local_gets - local == 50
+            assert _counters()[0] == sent
