@@ -32,6 +32,14 @@ The bridge's consumer connects with ``standing_leases=True`` (docs/lifetime.md, 
 leases"): from the second step on its get reads the publisher's version board instead of asking,
 and imports the message it remembers. ``--no-standing-leases``: every get asks the publisher.
 
+``--get-next``: the consumer waits with ``session.get_next("t", after=<the last version>)``
+instead of the "go" message (with standing leases it sleeps on the publisher's version board, which
+the publish wakes: no message from the producer). ``handoff`` is then the whole hand-off across
+processes: from the producer's publish beginning to the consumer holding the waited-on capsule (or
+the CuPy arrays), one ``CLOCK_MONOTONIC`` for both; "get+capsule" is its part after ``publish``
+returned (the wake-up included) and "get" that part up to ``get_next`` returning. The "go" message
+still carries the producer's timestamps, read after the timed part.
+
 ``--spin`` makes both sides of both methods wait for each other by polling instead of sleeping (a
 sleeping side wakes on a cold core, which slows the Python that follows it).
 ``--producer-idle-us N``: the bridge's producer sleeps N µs after its kernels' sync, before the
@@ -119,7 +127,7 @@ def bridge_producer(cfg: dict[str, Any], out: Any) -> None:
             t1 = time.perf_counter()
             if profiler is not None:
                 profiler.disable()
-            go.send_bytes(struct.pack("<id", step, t1 - t0))
+            go.send_bytes(struct.pack("<idd", step, t1 - t0, t0))
             answer = _receive(answers, spin)
             t2 = time.perf_counter()
             if struct.unpack("<i", answer)[0] != step:
@@ -127,7 +135,7 @@ def bridge_producer(cfg: dict[str, Any], out: Any) -> None:
             if step > _WARMUP:
                 publish_times.append(t1 - t0)
                 step_times.append(t2 - t0)
-        go.send_bytes(struct.pack("<id", -1, 0.0))
+        go.send_bytes(struct.pack("<idd", -1, 0.0, 0.0))
         result: dict[str, Any] = {
             "publish": _summary(publish_times),
             "step": _summary(step_times),
@@ -143,25 +151,35 @@ def bridge_producer(cfg: dict[str, Any], out: Any) -> None:
         out.send(result)
 
 
-def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, bool], out: Any) -> None:
+def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, Any], out: Any) -> None:
     import arrow_ipc_bridge as aib
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge._ffi import ffi
     from arrow_ipc_bridge.capsules import capsule_struct
 
     spin, as_cupy, standing = options["spin"], options["cupy"], options["standing_leases"]
+    get_next, total = options["get_next"], options["total_steps"]
     value = ffi.new("float *")
     get_times: list[float] = []
     get_only_times: list[float] = []  # session.get alone, to split get+capsule
     handoffs: list[float] = []
     with aib.connect(path, timeout=60.0, standing_leases=standing) as session:
-        while True:
-            step, publish_s = struct.unpack("<id", _receive(go, spin))
-            if step < 0:
-                break
-            t0 = time.perf_counter()
-            imported = session.get("t")
-            t_got = time.perf_counter()
+        after = 0
+        if get_next:
+            with session.get("t") as first:
+                after = first.version or 0
+        for _ in range(total if get_next else 1 << 62):
+            if get_next:  # woken by the publish itself; the producer's stamps are read afterwards
+                imported = session.get_next("t", after=after, timeout=60.0)
+                t_got = time.perf_counter()
+                after = imported.version or 0
+            else:
+                step, publish_s, _ = struct.unpack("<idd", _receive(go, spin))
+                if step < 0:
+                    break
+                t0 = time.perf_counter()
+                imported = session.get("t")
+                t_got = time.perf_counter()
             if as_cupy:  # the 16 columns as CuPy arrays, the legacy default stream ordered after the event
                 arrays = list(aib.column_arrays(imported, "cupy", stream=0).values())
                 t1 = time.perf_counter()
@@ -174,6 +192,9 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, bool], 
                 t1 = time.perf_counter()
                 column = device_array.array.children[_COLUMNS - 1]
                 pointer = int(ffi.cast("uintptr_t", column.buffers[1]))
+            if get_next:
+                step, publish_s, published_at = struct.unpack("<idd", _receive(go, spin))
+                t0 = published_at + publish_s  # the part after publish returned
             cuda.memcpy_dtoh(int(ffi.cast("uintptr_t", value)), pointer, 4)  # after the event wait
             if value[0] != float(step):
                 raise RuntimeError(f"step {step}: read {value[0]}")
@@ -187,6 +208,8 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, bool], 
                 get_times.append(t1 - t0)
                 get_only_times.append(t_got - t0)
                 handoffs.append(t1 - t0 + publish_s)
+        if get_next:
+            _receive(go, spin)  # the producer's end
         local_gets, reused = session.local_gets, session.reused_cupy_arrays
     out.send(
         {
@@ -195,6 +218,8 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, bool], 
             "handoff": _summary(handoffs),
             "local_gets": local_gets,
             "reused_cupy_arrays": reused,
+            "board_waits": aib.stats().waits.board_waits,
+            "waits_sent": aib.stats().waits.waits_sent,
         }
     )
 
@@ -304,6 +329,7 @@ def run_bridge(
     as_cupy: bool = False,
     standing_leases: bool = True,
     idle: float = 0.0,
+    get_next: bool = False,
 ) -> dict[str, Any]:
     path = os.path.join(tempfile.mkdtemp(dir="/tmp"), "step.sock")
     go_recv, go_send = _CTX.Pipe(duplex=False)
@@ -323,7 +349,18 @@ def run_bridge(
                 "idle": idle,
             },
         ),
-        (path, go_recv, ans_send, {"spin": spin, "cupy": as_cupy, "standing_leases": standing_leases}),
+        (
+            path,
+            go_recv,
+            ans_send,
+            {
+                "spin": spin,
+                "cupy": as_cupy,
+                "standing_leases": standing_leases,
+                "get_next": get_next,
+                "total_steps": steps + _WARMUP,
+            },
+        ),
         timeout,
     )
     return {**produced, **consumed}
@@ -370,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
         "--spin", action="store_true", help="both sides of both methods wait by polling, not sleeping"
     )
     parser.add_argument(
+        "--get-next",
+        action="store_true",
+        help="the consumer waits with session.get_next (woken by the publish) instead of a message",
+    )
+    parser.add_argument(
         "--producer-idle-us",
         type=float,
         default=0.0,
@@ -388,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             as_cupy=args.cupy,
             standing_leases=not args.no_standing_leases,
             idle=args.producer_idle_us / 1e6,
+            get_next=args.get_next,
         )
         torch_result = None if args.no_torch else run_torch(size, args.steps, args.spin, args.timeout)
         results[text] = {"bridge": bridge, "torch": torch_result}
@@ -400,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.cupy:
             line += f", {bridge['reused_cupy_arrays']} kept CuPy array sets handed out again"
+        if args.get_next:
+            line += f", {bridge['board_waits']} sleeps on the board, {bridge['waits_sent']} WAITs sent"
         if torch_result is not None:
             torch_step = torch_result["step"]["median_us"]
             line += (
