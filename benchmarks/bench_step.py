@@ -114,6 +114,8 @@ def bridge_producer(cfg: dict[str, Any], out: Any) -> None:
     with aib.Publisher(path) as pub:
         pub.publish("t", aib.from_cuda_arrays(columns))
         out.send("ready")
+        if cfg["get_next"]:
+            _receive(answers, spin)  # the consumer got the first version: the steps may begin
         for step in range(1, steps + _WARMUP + 1):
             for column in columns.values():
                 cupy.add(column, 1, out=column)  # in place
@@ -168,6 +170,7 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, Any], o
         if get_next:
             with session.get("t") as first:
                 after = first.version or 0
+            answers.send_bytes(struct.pack("<i", 0))
         for _ in range(total if get_next else 1 << 62):
             if get_next:  # woken by the publish itself; the producer's stamps are read afterwards
                 imported = session.get_next("t", after=after, timeout=60.0)
@@ -347,6 +350,7 @@ def run_bridge(
                 "profile": profile,
                 "spin": spin,
                 "idle": idle,
+                "get_next": get_next,
             },
         ),
         (
