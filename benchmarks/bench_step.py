@@ -168,7 +168,7 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, Any], o
     with aib.connect(path, timeout=60.0, standing_leases=standing) as session:
         after = 0
         if get_next:
-            with session.get("t") as first:
+            with session.get("t", wait=0) as first:  # wait=0 answers with the version
                 after = first.version or 0
             answers.send_bytes(struct.pack("<i", 0))
         for _ in range(total if get_next else 1 << 62):
