@@ -294,3 +294,49 @@ def test_a_standing_lease_consumer_gets_its_cupy_arrays_again_with_each_step_val
         assert result["reused"] >= steps - 4
     else:  # a held step's arrays are new, and the step after it makes new ones again
         assert 0 < result["reused"] < steps // 2 + 1
+
+
+def test_a_get_next_step_loop_sleeps_on_the_board_and_gets_locally(
+    publisher: aib.Publisher, cupy: Any
+) -> None:
+    """A step loop across processes where the consumer waits with get_next instead of a message:
+    the producer updates 16 columns in place and publishes once the consumer took the last step;
+    the consumer (standing leases) sleeps on the version board, is woken by the publish, gets the
+    name locally and reads that step's values. It sends one WAIT only (its first get, wait=0)."""
+    import multiprocessing as mp
+
+    from helpers import gpu_children
+
+    steps, columns = 40, {f"c{i}": cupy.zeros(4096, dtype=cupy.float32) for i in range(16)}
+    publisher.publish("t", aib.from_cuda_arrays(columns))
+    context = mp.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(
+        target=gpu_children.get_next_step_consumer, args=(str(publisher.path), child, steps)
+    )
+    process.start()
+
+    def answer() -> Any:
+        deadline = time.monotonic() + 60
+        while not parent.poll(0.2):
+            assert process.is_alive(), f"the consumer exited with {process.exitcode} (its traceback is above)"
+            assert time.monotonic() < deadline, "the consumer did not answer"
+        return parent.recv()
+
+    try:
+        assert answer() == "ready"
+        for step in range(1, steps + 1):
+            for column in columns.values():
+                cupy.add(column, 1, out=column)  # in place; the publish's event orders the reads
+            publisher.publish("t", aib.from_cuda_arrays(columns))
+            assert answer() == float(step)
+        counts = answer()
+    finally:
+        parent.close()
+        process.join(60)
+        if process.is_alive():
+            process.kill()
+    assert process.exitcode == 0
+    assert counts["waits_sent"] == 1  # the first get's; every get_next slept on the board
+    assert counts["board_waits"] >= steps // 2  # (a publish may beat a get_next to its sleep)
+    assert counts["local_gets"] >= steps - 3

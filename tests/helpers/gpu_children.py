@@ -191,3 +191,35 @@ def cupy_step_consumer(socket_path: str, conn: Connection, steps: int, hold_ever
     except BaseException:
         traceback.print_exc()
         sys.exit(1)
+
+
+def get_next_step_consumer(socket_path: str, conn: Connection, steps: int) -> None:
+    """A step loop's consumer that waits with get_next (standing leases: on the version board)
+    instead of a "go": gets "t" once (sends "ready"), then per step waits for the version after the
+    last one, waits on its event on the legacy default stream, reads the last column's first value
+    and sends it. Sends the session's and the process's counts at the end."""
+    try:
+        import arrow_ipc_bridge as aib
+
+        with aib.connect(socket_path, timeout=30.0, standing_leases=True, pool_linger=5.0) as session:
+            with session.get("t", wait=0) as first:
+                after = first.version or 0
+            conn.send("ready")
+            for _ in range(steps):
+                with session.get_next("t", after=after, timeout=30.0) as imported:
+                    after = imported.version or 0
+                    arrays = aib.column_arrays(imported, "cupy", stream=0)
+                    value = float(list(arrays.values())[-1][:1].get()[0])
+                    del arrays
+                conn.send(value)
+            waits = aib.stats().waits
+            conn.send(
+                {
+                    "local_gets": session.local_gets,
+                    "board_waits": waits.board_waits,
+                    "waits_sent": waits.waits_sent,
+                }
+            )
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
