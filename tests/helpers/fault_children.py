@@ -24,6 +24,7 @@ import pyarrow as pa
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import protocol
+from helpers.child_exit import leave
 
 _HEADER = struct.Struct("<4sHHIHH")  # magic, version, kind, payload length, fd count, reserved
 
@@ -206,7 +207,7 @@ def producer_main(conn: Any, path: str, names: list[str], rows: int) -> None:
         if command[0] == "stop":
             break
     publisher.close()
-    sys.exit(0)
+    leave()
 
 
 # --- what a surviving process holds (used by the tests in the process that survives) -------------------

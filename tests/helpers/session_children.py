@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 import arrow_ipc_bridge as aib
+from helpers.child_exit import leave
 
 _LEN = struct.Struct("<Q")
 
@@ -120,6 +121,7 @@ def producer_main(conn: Any, own_path: str, upstream_path: str | None = None) ->
         publisher.close()
     conn.send(("bye", publisher.active_leases))
     conn.close()
+    leave()
 
 
 # --- export/import_message over a socketpair with SCM_RIGHTS ------------------------------------------------
