@@ -585,12 +585,13 @@ class Session:
         ``"watch"``. While a wait is held this session sends no other request (one at a time);
         use another session to get other names meanwhile.
 
-        With ``standing_leases=True``, once the name's gets are local (its second get on), the
-        wait sends nothing: it sleeps on the name's slot of the publisher's version board, which
-        the publisher's next publish of the name wakes, and then gets the name locally (feature
-        ``"board_wake"``; ``docs/lifetime.md``, "Waiting on the version board"). Other threads
-        may use the session meanwhile. A publisher that dies or closes meanwhile is noticed
-        within 50 ms (its connection is checked between sleeps).
+        With ``standing_leases=True``, once the session knows the name's slot on the publisher's
+        version board (from a get of the name), a wait for ``after`` > 0 sends nothing: it sleeps
+        on that slot, which the publisher's next publish of the name wakes, and then gets the name
+        (locally for an in-place renewal; feature ``"board_wake"``; ``docs/lifetime.md``, "Waiting
+        on the version board"). Other threads may use the session meanwhile. A publisher that
+        dies or closes meanwhile is noticed within 50 ms (its connection is checked between
+        sleeps).
         """
         self._connection()  # closed, not connected: before the arguments
         imported = self._get_version(

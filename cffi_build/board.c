@@ -64,7 +64,7 @@ void aib_board_write(void *board, uint32_t slot, uint64_t serial, uint64_t versi
  * once unless the publisher died mid-write (then the round trip reports it). */
 #define READ_TRIES 64
 
-int aib_board_read(const void *board, uint32_t slot, uint64_t *serial, uint64_t *version) {
+int aib_board_peek(const void *board, uint32_t slot, uint64_t *seq, uint64_t *serial, uint64_t *version) {
   board_slot *s = (board_slot *)board + slot; /* read only: atomic loads do not write */
   for (int i = 0; i < READ_TRIES; i++) {
     uint64_t before = atomic_load_explicit(&s->seq, memory_order_acquire);
@@ -73,6 +73,7 @@ int aib_board_read(const void *board, uint32_t slot, uint64_t *serial, uint64_t 
     uint64_t got_version = atomic_load_explicit(&s->version, memory_order_relaxed);
     atomic_thread_fence(memory_order_acquire); /* the fields before seq again */
     if (atomic_load_explicit(&s->seq, memory_order_relaxed) == before) {
+      *seq = before;
       *serial = got_serial;
       *version = got_version;
       return 1;
@@ -81,22 +82,9 @@ int aib_board_read(const void *board, uint32_t slot, uint64_t *serial, uint64_t 
   return 0;
 }
 
-int aib_board_peek(const void *board, uint32_t slot, uint64_t *seq, uint64_t *serial, uint64_t *version) {
-  board_slot *s = (board_slot *)board + slot;
-  for (int i = 0; i < READ_TRIES; i++) {
-    uint64_t before = atomic_load_explicit(&s->seq, memory_order_acquire);
-    if (before & 1) continue;
-    uint64_t got_serial = atomic_load_explicit(&s->serial, memory_order_relaxed);
-    uint64_t got_version = atomic_load_explicit(&s->version, memory_order_relaxed);
-    atomic_thread_fence(memory_order_acquire);
-    if (atomic_load_explicit(&s->seq, memory_order_relaxed) == before) {
-      *seq = before;
-      *serial = got_serial;
-      *version = got_version;
-      return 1;
-    }
-  }
-  return 0;
+int aib_board_read(const void *board, uint32_t slot, uint64_t *serial, uint64_t *version) {
+  uint64_t seq;
+  return aib_board_peek(board, slot, &seq, serial, version);
 }
 
 int aib_board_wait(const void *board, uint32_t slot, uint64_t seen_seq, int64_t timeout_ns) {
