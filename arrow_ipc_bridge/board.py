@@ -125,6 +125,7 @@ class SessionBoard:
         self._closing = False
         self._cond = threading.Condition(threading.Lock())
         self._seen = ffi.new("uint64_t[3]")  # seq, serial, version of a peek (under _cond)
+        self._stop = ffi.new("int *")  # set by close(): spinning threads look again at once
 
     def peek(self, slot: int) -> tuple[int, int, int] | None:
         """``(seq, serial, version)`` of ``slot`` now, for :meth:`wait_for_change`; None when the
@@ -137,16 +138,20 @@ class SessionBoard:
                 return None
             return int(seen[0]), int(seen[1]), int(seen[2])
 
-    def wait_for_change(self, slot: int, seq: int, timeout: float) -> bool:
+    def wait_for_change(self, slot: int, seq: int, timeout: float, *, spin: bool = False) -> bool:
         """Sleep until ``slot`` is written after :meth:`peek` saw ``seq`` (the publisher's write wakes
         it), the board closes, or ``timeout`` seconds pass; False when the time passed. The GIL is
-        released meanwhile. Returns at once when the slot changed since the peek."""
+        released meanwhile. Returns at once when the slot changed since the peek. ``spin``: poll
+        the slot instead of sleeping, keeping the core busy (no wake-up to wait for)."""
         with self._cond:
             if self._closing:
                 return True  # the caller looks again and finds the session closed
             self._users[slot] = self._users.get(slot, 0) + 1
         try:
-            return not lib.aib_board_wait(self.address, slot, seq, max(0, int(timeout * 1e9)))
+            nanoseconds = max(0, int(timeout * 1e9))
+            if spin:
+                return bool(lib.aib_board_spin(self.address, slot, seq, nanoseconds, self._stop))
+            return not lib.aib_board_wait(self.address, slot, seq, nanoseconds)
         finally:
             with self._cond:
                 left = self._users[slot] - 1
@@ -163,6 +168,7 @@ class SessionBoard:
             if self._page.closed:
                 return
             self._closing = True
+            self._stop[0] = 1
             for slot in self._users:
                 lib.aib_board_wake(self.address, slot)
             # A waiter between its registration and its sleep misses the wake-up and sleeps out its

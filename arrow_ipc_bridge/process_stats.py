@@ -96,6 +96,8 @@ class WaitStats:
     # sleeps of get_next on the publisher's version board (no WAIT sent; feature "board_wake"); a
     # wait longer than 50 ms counts once per 50 ms
     board_waits: int = 0
+    # polls of get_next on the board with spin= (no sleep; one per 50 ms polled at most)
+    board_spins: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,7 @@ class _WaitCounters(NamedTuple):
     waits_sent: itertools.count[int]
     waits_held: itertools.count[int]
     board_waits: itertools.count[int]
+    board_spins: itertools.count[int]
 
 
 wait_counters = _WaitCounters(*(itertools.count() for _ in WaitStats.__dataclass_fields__))

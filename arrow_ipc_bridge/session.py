@@ -569,7 +569,7 @@ class Session:
             imported.version = version
         return imported
 
-    def get_next(self, name: str, *, after: int, timeout: float | None) -> Imported:
+    def get_next(self, name: str, *, after: int, timeout: float | None, spin: float = 0.0) -> Imported:
         """Wait for a version of ``name`` newer than ``after`` and import the newest one.
 
         ``after`` is the ``version`` of an object got before from this publisher (with ``wait=`` or
@@ -591,20 +591,25 @@ class Session:
         (locally for an in-place renewal; feature ``"board_wake"``; ``docs/lifetime.md``, "Waiting
         on the version board"). Other threads may use the session meanwhile. A publisher that
         dies or closes meanwhile is noticed within 50 ms (its connection is checked between
-        sleeps).
+        sleeps). ``spin``: seconds to poll the slot before sleeping (a busy core, and no wake-up
+        to wait for when the version comes within them: for step loops whose next version is due
+        soon); 0, the default, sleeps at once. Only a wait on the board spins.
         """
         self._connection()  # closed, not connected: before the arguments
         imported = self._get_version(
-            name, after=waiting.check_after(after), timeout=waiting.check_wait(timeout, "timeout")
+            name,
+            after=waiting.check_after(after),
+            timeout=waiting.check_wait(timeout, "timeout"),
+            spin=_arguments.seconds(spin, "spin", maximum=waiting.MAX_WAIT),
         )
         return imported if self._reader is None else self._reader.place(imported)
 
-    def _get_version(self, name: str, *, after: int, timeout: float | None) -> Imported:
+    def _get_version(self, name: str, *, after: int, timeout: float | None, spin: float = 0.0) -> Imported:
         """WAIT for a version over ``after`` (``waiting.py``), then import it like a GET's answer;
         a version over ``after`` > 0 of a name whose gets are local is waited for on the board."""
         raw_name = protocol.encode_name(name)
         if after and self._board_wake:
-            imported, timeout = self._next_from_board(name, raw_name, after, timeout)
+            imported, timeout = self._next_from_board(name, raw_name, after, timeout, spin)
             if imported is not None:
                 return imported
         me = threading.get_ident()
@@ -625,11 +630,12 @@ class Session:
         return self._import_versioned(channel, answer, name)
 
     def _next_from_board(
-        self, name: str, raw_name: bytes, after: int, timeout: float | None
+        self, name: str, raw_name: bytes, after: int, timeout: float | None, spin: float
     ) -> tuple[Imported | None, float | None]:
         """A version of ``name`` over ``after`` through the version board. While the name's slot
         shows the entry the session knows for it (a standing lease's, or the last BOARD_ITEM's)
-        at a version not over ``after``, sleep until the publisher writes the slot; anything
+        at a version not over ``after``, sleep until the publisher writes the slot (poll it instead
+        for the first ``spin`` seconds of the call); anything
         else (a newer version, another entry, no place known) is a get: it answers, or teaches the
         place. ``(None, time left)`` when the publisher must hold a WAIT instead: the name is not
         published, or two gets in a row brought nothing newer. WaitTimeoutError when the time
@@ -638,7 +644,9 @@ class Session:
         board = self._board
         assert board is not None
         channel = self._connection()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        spin_until = started + spin
 
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -656,9 +664,12 @@ class Session:
                 if remaining == 0.0:
                     what = f"a version of {name!r} newer than {after}"
                     raise WaitTimeoutError(f"waited {timeout} s for {what}", timeout=timeout)
-                next(wait_counters.board_waits)
                 nap = _BOARD_NAP if remaining is None else min(remaining, _BOARD_NAP)
-                if not board.wait_for_change(place[0], seen[0], nap) and not channel.quiet():
+                spinning = spin > 0 and time.monotonic() < spin_until
+                if spinning:
+                    nap = min(nap, max(0.0, spin_until - time.monotonic()))
+                next(wait_counters.board_spins if spinning else wait_counters.board_waits)
+                if not board.wait_for_change(place[0], seen[0], nap, spin=spinning) and not channel.quiet():
                     _meet_unasked(channel)  # a dead publisher's end of file, a farewell
                 continue
             if fruitless_gets == 2:

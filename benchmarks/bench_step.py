@@ -40,6 +40,8 @@ the CuPy arrays), one ``CLOCK_MONOTONIC`` for both; "get+capsule" is its part af
 returned (the wake-up included) and "get" that part up to ``get_next`` returning. The "go" message
 still carries the producer's timestamps, read after the timed part.
 
+With ``--spin`` too, ``get_next`` polls the board for up to 50 ms before it sleeps (``spin=``).
+
 ``--spin`` makes both sides of both methods wait for each other by polling instead of sleeping (a
 sleeping side wakes on a cold core, which slows the Python that follows it).
 ``--producer-idle-us N``: the bridge's producer sleeps N µs after its kernels' sync, before the
@@ -68,6 +70,7 @@ from typing import Any
 _CTX = mp.get_context("spawn")
 _COLUMNS = 16
 _WARMUP = 50
+_NEXT_SPIN = 0.05  # --get-next --spin: get_next polls the board this long before it sleeps
 
 
 def _parse_size(text: str) -> int:
@@ -173,7 +176,7 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, Any], o
             answers.send_bytes(struct.pack("<i", 0))
         for _ in range(total if get_next else 1 << 62):
             if get_next:  # woken by the publish itself; the producer's stamps are read afterwards
-                imported = session.get_next("t", after=after, timeout=60.0)
+                imported = session.get_next("t", after=after, timeout=60.0, spin=_NEXT_SPIN if spin else 0.0)
                 t_got = time.perf_counter()
                 after = imported.version or 0
             else:
@@ -222,6 +225,7 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, Any], o
             "local_gets": local_gets,
             "reused_cupy_arrays": reused,
             "board_waits": aib.stats().waits.board_waits,
+            "board_spins": aib.stats().waits.board_spins,
             "waits_sent": aib.stats().waits.waits_sent,
         }
     )
@@ -448,7 +452,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cupy:
             line += f", {bridge['reused_cupy_arrays']} kept CuPy array sets handed out again"
         if args.get_next:
-            line += f", {bridge['board_waits']} sleeps on the board, {bridge['waits_sent']} WAITs sent"
+            line += (
+                f", {bridge['board_waits']} sleeps and {bridge['board_spins']} polls on the board, "
+                f"{bridge['waits_sent']} WAITs sent"
+            )
         if torch_result is not None:
             torch_step = torch_result["step"]["median_us"]
             line += (

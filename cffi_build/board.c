@@ -96,4 +96,32 @@ int aib_board_wait(const void *board, uint32_t slot, uint64_t seen_seq, int64_t 
   return rc != 0 && errno == ETIMEDOUT;
 }
 
+/* A pause between polls: lets a sibling hyperthread run and spares the memory bus. */
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+int aib_board_spin(const void *board, uint32_t slot, uint64_t seen_seq, int64_t spin_ns, const int *stop) {
+  board_slot *s = (board_slot *)board + slot;
+  int64_t end = now_ns() + (spin_ns > 0 ? spin_ns : 0);
+  do {
+    for (int i = 0; i < 64; i++) { /* the clock read every 64 polls: it costs more than a poll */
+      if (atomic_load_explicit(&s->seq, memory_order_acquire) != seen_seq) return 1;
+      cpu_relax();
+    }
+    if (__atomic_load_n(stop, __ATOMIC_RELAXED)) return 1; /* the board is closing: look again */
+  } while (now_ns() < end);
+  return 0;
+}
+
 void aib_board_wake(const void *board, uint32_t slot) { wake_slot((const board_slot *)board + slot); }

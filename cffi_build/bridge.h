@@ -455,6 +455,9 @@ int aib_board_read(const void *board, uint32_t slot, uint64_t *serial, uint64_t 
  * processes (a closing session's own waiters); every write wakes them too. */
 int aib_board_peek(const void *board, uint32_t slot, uint64_t *seq, uint64_t *serial, uint64_t *version);
 int aib_board_wait(const void *board, uint32_t slot, uint64_t seen_seq, int64_t timeout_ns);
+/* spin: poll the slot's seq without sleeping for up to spin_ns (1: it changed from seen_seq, or *stop
+ * became non-zero; 0: the time passed). A busy core, for a waiter whose next version is due soon. */
+int aib_board_spin(const void *board, uint32_t slot, uint64_t seen_seq, int64_t spin_ns, const int *stop);
 void aib_board_wake(const void *board, uint32_t slot);
 /* Published entries by name. put copies name and message, borrows the fds and takes a reference on
  * keeper; the entry lives while published or leased, then drops the keeper (whose token tells

@@ -310,3 +310,58 @@ def test_the_board_wait_times_out_and_wakes_on_a_write(
     assert board.wait_for_change(slot, later[0], 30.0) is True
     assert time.monotonic() - started < SOON
     writing.join()
+
+
+def test_a_spinning_get_next_polls_instead_of_sleeping(
+    publisher: aib.Publisher, standing: aib.Session
+) -> None:
+    """spin=: the wait polls the slot (no sleep counted) and still answers the next version; once
+    the spin time is over it sleeps as before."""
+    seen = publisher.version("v")
+    waits = aib.stats().waits
+    publishing = _later(0.2, lambda: publisher.publish("v", pa.array([1])))
+    with standing.get_next("v", after=seen, timeout=30.0, spin=20.0) as newer:
+        assert _values(newer) == [1]
+        after = newer.version
+    publishing.join()
+    now = aib.stats().waits
+    assert now.board_spins > waits.board_spins
+    assert now.board_waits == waits.board_waits  # it never slept
+    assert after is not None
+    publishing = _later(0.4, lambda: publisher.publish("v", pa.array([2])))
+    with standing.get_next("v", after=after, timeout=30.0, spin=0.1) as newest:
+        assert _values(newest) == [2]
+    publishing.join()
+    assert aib.stats().waits.board_waits > now.board_waits  # slept after its 0.1 s of polling
+
+
+def test_closing_the_session_stops_a_spinning_waiter(publisher: aib.Publisher) -> None:
+    publisher.publish("v", pa.array([0]))
+    session = aib.connect(publisher.path, timeout=5.0, standing_leases=True)
+    session.get("v").release()
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            session.get_next("v", after=publisher.version("v"), timeout=None, spin=600.0)
+        except aib.BridgeError as exc:
+            errors.append(exc)
+
+    spins = aib.stats().waits.board_spins
+    thread = threading.Thread(target=wait)
+    thread.start()
+    assert wait_for(lambda: aib.stats().waits.board_spins > spins, SOON)
+    started = time.monotonic()
+    session.close()
+    thread.join(SOON)
+    assert time.monotonic() - started < SOON
+    assert len(errors) == 1
+    assert isinstance(errors[0], aib.PeerClosedError)
+
+
+@pytest.mark.parametrize("spin", [-1.0, float("nan"), float("inf")])
+def test_a_bad_spin_is_refused_before_anything_is_sent(standing: aib.Session, spin: float) -> None:
+    with pytest.raises(ValueError, match="spin"):
+        standing.get_next("v", after=1, timeout=1.0, spin=spin)
+    with pytest.raises(TypeError, match="spin"):
+        standing.get_next("v", after=1, timeout=1.0, spin="1")  # type: ignore[arg-type]
