@@ -42,6 +42,10 @@ still carries the producer's timestamps, read after the timed part.
 
 With ``--spin`` too, ``get_next`` polls the board for up to 50 ms before it sleeps (``spin=``).
 
+``--cpu-time`` also reports the consumer thread's CPU time in ``session.get`` (``time.thread_time``;
+not with ``--get-next``): CPU time near the wall time means work on a slow core, far under it means
+the thread was not running (preempted, or waiting in the kernel).
+
 ``--spin`` makes both sides of both methods wait for each other by polling instead of sleeping (a
 sleeping side wakes on a cold core, which slows the Python that follows it).
 ``--producer-idle-us N``: the bridge's producer sleeps N µs after its kernels' sync, before the
@@ -164,6 +168,8 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, Any], o
 
     spin, as_cupy, standing = options["spin"], options["cupy"], options["standing_leases"]
     get_next, total = options["get_next"], options["total_steps"]
+    cpu_time = options["cpu_time"]
+    get_cpu_times: list[float] = []  # the consumer thread's CPU time in session.get (--cpu-time)
     value = ffi.new("float *")
     get_times: list[float] = []
     get_only_times: list[float] = []  # session.get alone, to split get+capsule
@@ -183,9 +189,12 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, Any], o
                 step, publish_s, _ = struct.unpack("<idd", _receive(go, spin))
                 if step < 0:
                     break
+                c0 = time.thread_time() if cpu_time else 0.0
                 t0 = time.perf_counter()
                 imported = session.get("t")
                 t_got = time.perf_counter()
+                if cpu_time:
+                    get_cpu_times.append(time.thread_time() - c0)
             if as_cupy:  # the 16 columns as CuPy arrays, the legacy default stream ordered after the event
                 arrays = list(aib.column_arrays(imported, "cupy", stream=0).values())
                 t1 = time.perf_counter()
@@ -221,6 +230,7 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, Any], o
         {
             "get_capsule": _summary(get_times),
             "get": _summary(get_only_times),
+            "get_cpu": _summary(get_cpu_times[_WARMUP:]) if get_cpu_times else None,
             "handoff": _summary(handoffs),
             "local_gets": local_gets,
             "reused_cupy_arrays": reused,
@@ -337,6 +347,7 @@ def run_bridge(
     standing_leases: bool = True,
     idle: float = 0.0,
     get_next: bool = False,
+    cpu_time: bool = False,
 ) -> dict[str, Any]:
     path = os.path.join(tempfile.mkdtemp(dir="/tmp"), "step.sock")
     go_recv, go_send = _CTX.Pipe(duplex=False)
@@ -367,6 +378,7 @@ def run_bridge(
                 "standing_leases": standing_leases,
                 "get_next": get_next,
                 "total_steps": steps + _WARMUP,
+                "cpu_time": cpu_time,
             },
         ),
         timeout,
@@ -415,6 +427,11 @@ def main(argv: list[str] | None = None) -> int:
         "--spin", action="store_true", help="both sides of both methods wait by polling, not sleeping"
     )
     parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="also measure the consumer thread's CPU time in session.get (tells CPU work from waiting)",
+    )
+    parser.add_argument(
         "--get-next",
         action="store_true",
         help="the consumer waits with session.get_next (woken by the publish) instead of a message",
@@ -439,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             standing_leases=not args.no_standing_leases,
             idle=args.producer_idle_us / 1e6,
             get_next=args.get_next,
+            cpu_time=args.cpu_time,
         )
         torch_result = None if args.no_torch else run_torch(size, args.steps, args.spin, args.timeout)
         results[text] = {"bridge": bridge, "torch": torch_result}
@@ -451,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.cupy:
             line += f", {bridge['reused_cupy_arrays']} kept CuPy array sets handed out again"
+        if bridge.get("get_cpu"):
+            line += f", get's CPU time {bridge['get_cpu']['median_us']:.1f} us"
         if args.get_next:
             line += (
                 f", {bridge['board_waits']} sleeps and {bridge['board_spins']} polls on the board, "
