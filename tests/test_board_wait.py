@@ -365,3 +365,44 @@ def test_a_bad_spin_is_refused_before_anything_is_sent(standing: aib.Session, sp
         standing.get_next("v", after=1, timeout=1.0, spin=spin)
     with pytest.raises(TypeError, match="spin"):
         standing.get_next("v", after=1, timeout=1.0, spin="1")  # type: ignore[arg-type]
+
+
+def test_a_slot_taken_by_another_name_sends_the_wait_to_the_publisher(
+    publisher: aib.Publisher, standing: aib.Session
+) -> None:
+    """The name is unpublished and another name takes its freed slot: the board then shows that
+    name's entry, so the wait does not sleep there (it would miss the name's return); it asks the
+    publisher, which answers once the name is published again."""
+    seen = publisher.version("v")
+    place = standing._remembered.board_place(b"v") or standing._board_places.get(b"v")
+    assert place is not None
+    publisher.unpublish("v")
+    publisher.publish("w", pa.array([9]))  # the freed slot is the next one handed out
+    with standing.get("w") as other:
+        assert _values(other) == [9]
+    assert standing._board_places.get(b"w", (None,))[0] == place[0]
+    sent = aib.stats().waits.waits_sent
+    republishing = _later(0.3, lambda: publisher.publish("v", pa.array([3])))
+    with standing.get_next("v", after=seen, timeout=30.0) as back:
+        assert _values(back) == [3]
+    republishing.join()
+    assert aib.stats().waits.waits_sent == sent + 1  # one WAIT, held by the publisher
+
+
+def test_a_stale_slot_is_not_slept_on(publisher: aib.Publisher, standing: aib.Session) -> None:
+    """The session last saw the name in a slot another name holds now (the name was unpublished,
+    the other name took its slot, the name came back in a new slot): the wait does not sleep on the
+    old slot, whose entry is not the name's, but asks, learns the new slot, and is woken there."""
+    old_place = standing._board_places.get(b"v") or standing._remembered.board_place(b"v")
+    assert old_place is not None
+    publisher.unpublish("v")
+    publisher.publish("w", pa.array([9]))  # takes the freed slot
+    publisher.publish("v", pa.array([1]))  # back, in another slot, at a newer version
+    current = publisher.version("v")
+    publishing = _later(0.3, lambda: publisher.publish("v", pa.array([2])))
+    with standing.get_next("v", after=current, timeout=SOON) as newer:
+        assert _values(newer) == [2]
+    publishing.join()
+    new_place = standing._board_places.get(b"v") or standing._remembered.board_place(b"v")
+    assert new_place is not None
+    assert new_place[0] != old_place[0]
