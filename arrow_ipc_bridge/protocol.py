@@ -77,7 +77,6 @@ __all__ = [
     "decode_wait",
     "decode_versioned_item",
     "decode_board_item",
-    "board_item_place",
     "answer_message",
     "encode_error",
     "raise_error",
@@ -268,13 +267,6 @@ def decode_board_item(payload: bytes, n_slots: int) -> tuple[int, int, bytes]:
     if (slot >= n_slots and slot != NO_SLOT) or zero:
         raise ProtocolError(f"BOARD_ITEM names board slot {slot} (the board has {n_slots})")
     return int(lease_id), int(version), payload[_BOARD_ITEM.size :]
-
-
-def board_item_place(payload: bytes) -> tuple[int, int]:
-    """``(serial, slot)`` of a BOARD_ITEM whose prefix was checked already (:func:`decode_board_item`
-    or the C core); ``slot`` may be :data:`NO_SLOT`."""
-    _, _, serial, slot, _ = _BOARD_ITEM.unpack_from(payload)
-    return int(serial), int(slot)
 
 
 def answer_message(kind: int, payload: bytes) -> bytes:

@@ -193,9 +193,13 @@ class Session:
         self._board: SessionBoard | None = None
         # Whether get_next may sleep on the board: the publisher wakes its slots' sleepers.
         self._board_wake = False
-        # name -> (slot, serial) of the last BOARD_ITEM of a message not remembered with a standing
-        # lease (those know their own): where get_next sleeps for fresh data.
-        self._board_places: dict[bytes, tuple[int, int]] = {}
+        # Names whose last two WAIT answers named the same memory (renewed in place, or not
+        # republished): a get would give them a standing lease, whose board slot get_next can sleep
+        # on. Names whose every version is new data are better served by a held WAIT, whose answer
+        # brings the message (a wake on the board would still need a round trip). And a digest of
+        # each name's last WAIT answer, to tell.
+        self._board_candidates: set[bytes] = set()
+        self._answer_digests: dict[bytes, int] = {}
         self._imported: weakref.WeakSet[ImportedArray | ImportedStream] = weakref.WeakSet()
         self._conn: transport.Connection | None = None
         self._channel: Channel | None = None  # the C side of the connection once the handshake is done
@@ -516,8 +520,6 @@ class Session:
                 fast = Decoded.adopt(owner, hit.template), hit, address, sync_slot
         if imported_now is not None and imported_now[0] == 0:
             assert frame is not None
-            if frame.kind == protocol.BOARD_ITEM:
-                self._note_board_place(raw_name, frame.payload)
             return self._adopt_new(imported_now, protocol.answer_message(frame.kind, frame.payload), name)
         if fast is not None:
             self.remembered_gets += 1
@@ -549,7 +551,6 @@ class Session:
                 protocol.raise_error(frame.payload)
             if frame.kind == protocol.BOARD_ITEM and self._board is not None:
                 lease_id, version, message = protocol.decode_board_item(frame.payload, self._board.n_slots)
-                self._note_board_place(raw_name, frame.payload)
             elif frame.kind == protocol.ITEM:
                 (lease_id, message), version = protocol.decode_item(frame.payload), 0
             else:
@@ -627,20 +628,41 @@ class Session:
             )
         finally:
             self._waiting.discard(me)
+        if self._board_wake:  # (before the import closes the answer's descriptors)
+            self._note_answer(raw_name, answer.message, answer.frame.fds)
         return self._import_versioned(channel, answer, name)
+
+    def _note_answer(self, raw_name: bytes, message: bytes, fds: Sequence[int]) -> None:
+        """A WAIT answered ``raw_name`` with ``message`` and ``fds``: the name becomes a candidate for
+        waits on the board when the answer before named the same memory (the same bytes and the
+        same files: host data published anew has the same bytes in new files), and stops being one
+        otherwise."""
+        digest = hash((message, region_import.file_identities(fds)))
+        if len(self._answer_digests) >= _BOARD_NAMES_MAX and raw_name not in self._answer_digests:
+            self._answer_digests.clear()
+            self._board_candidates.clear()
+        if self._answer_digests.get(raw_name) == digest:
+            self._board_candidates.add(raw_name)
+        else:
+            self._board_candidates.discard(raw_name)
+        self._answer_digests[raw_name] = digest
 
     def _next_from_board(
         self, name: str, raw_name: bytes, after: int, timeout: float | None, spin: float
     ) -> tuple[Imported | None, float | None]:
-        """A version of ``name`` over ``after`` through the version board. While the name's slot
-        shows the entry the session knows for it (a standing lease's, or the last BOARD_ITEM's)
-        at a version not over ``after``, sleep until the publisher writes the slot (poll it instead
-        for the first ``spin`` seconds of the call); anything
-        else (a newer version, another entry, no place known) is a get: it answers, or teaches the
-        place. ``(None, time left)`` when the publisher must hold a WAIT instead: the name is not
-        published, or two gets in a row brought nothing newer. WaitTimeoutError when the time
-        runs out asleep; PeerClosedError when the session is closed meanwhile (as a held WAIT
-        would) or the publisher leaves (its farewell, if it sent one)."""
+        """A version of ``name`` over ``after`` through the version board, for a name whose gets are
+        local (its remembered message holds a standing lease on the entry in a board slot). While
+        the slot shows that entry at a version not over ``after``, sleep until the publisher
+        writes the slot (poll it instead for the first ``spin`` seconds of the call); anything
+        else (a newer version, another entry) is a get. A candidate name (``_note_answer``) without
+        a standing lease gets one get first, which gives it one.
+
+        ``(None, time left)`` when a held WAIT serves better: no standing lease (a name whose every
+        version is new data: a WAIT's answer brings it with one wake-up less), the name is not
+        published, two gets in a row brought nothing newer, or a woken get was a round trip (new
+        data: the name stops being a candidate). WaitTimeoutError when the time runs out asleep;
+        PeerClosedError when the session is closed meanwhile (as a held WAIT would) or the
+        publisher leaves (its farewell, if it sent one)."""
         board = self._board
         assert board is not None
         channel = self._connection()
@@ -657,7 +679,9 @@ class Session:
                 raise PeerClosedError(
                     f"the session was closed while waiting for a version of {name!r}", closed_locally=True
                 )
-            place = self._remembered.board_place(raw_name) or self._board_places.get(raw_name)
+            place = self._remembered.board_place(raw_name)
+            if place is None and (fruitless_gets or raw_name not in self._board_candidates):
+                return None, left()
             seen = None if place is None else board.peek(place[0])
             if place is not None and seen is not None and seen[1] == place[1] and seen[2] <= after:
                 remaining = left()
@@ -674,24 +698,18 @@ class Session:
                 continue
             if fruitless_gets == 2:
                 return None, left()  # the board and the answers disagree: the publisher decides
+            local_before = self.local_gets
             try:
                 imported = self._get_unplaced(channel, name)
             except NotPublishedError:
                 return None, left()  # the publisher holds a WAIT until the name is published
             if imported.version is not None and imported.version > after:
+                if place is not None and self.local_gets == local_before:
+                    self._board_candidates.discard(raw_name)  # new data came: WAITs serve it better
                 self._stamp_publisher(imported)
                 return imported, None
             imported.release()
             fruitless_gets += 1
-
-    def _note_board_place(self, raw_name: bytes, payload: bytes) -> None:
-        """Keep the slot and serial a BOARD_ITEM (checked) gave ``raw_name``, for get_next's sleeps."""
-        serial, slot = protocol.board_item_place(payload)
-        if self._board is None or slot >= self._board.n_slots:
-            return
-        if len(self._board_places) >= _BOARD_PLACES_MAX and raw_name not in self._board_places:
-            self._board_places.clear()
-        self._board_places[raw_name] = (slot, serial)
 
     def _stamp_publisher(self, imported: Imported) -> None:
         publisher_id = self.publisher_info.get("publisher_id")
@@ -888,7 +906,7 @@ _GET_STANDING = int(lib.AIB_GET_STANDING)
 # get_next on the board sleeps at most this long before it checks the connection: a publisher that
 # dies or closes wakes no sleeper, its socket tells.
 _BOARD_NAP = 0.05
-_BOARD_PLACES_MAX = 4096
+_BOARD_NAMES_MAX = 4096
 
 
 def _meet_unasked(channel: Channel) -> None:

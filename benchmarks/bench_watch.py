@@ -19,6 +19,12 @@ the item. Per step:
 The producer publishes only once the publisher reports the wait as held (``Publisher.held_waits``,
 checked every 50 µs: a benchmark-only loop), so every step measures a held wait answered by a
 publish, never an already-answered request. Medians, 90th and 99th percentiles in µs.
+
+``--standing-leases``: the consumer connects with ``standing_leases=True``, so its ``get_next``
+sleeps on the publisher's version board instead of sending a WAIT (docs/lifetime.md, "Waiting on
+the version board"), and wakes into a get of the new message. The publisher cannot see such a
+sleeper, so the producer publishes 2 ms after being asked instead; the line says how many steps
+the consumer was asleep on the board when the publish came.
 """
 
 from __future__ import annotations
@@ -37,9 +43,10 @@ import pyarrow as pa
 import arrow_ipc_bridge as aib
 
 
-def producer_main(conn: Any, path: str, rows: int) -> None:
-    """Publish "step" each time ("publish", i) is asked, once the consumer's wait is held; answers
-    ("published", ns when publish began, ns when it returned)."""
+def producer_main(conn: Any, path: str, rows: int, board: bool = False) -> None:
+    """Publish "step" each time ("publish", i) is asked, once the consumer's wait is held (with
+    ``board``: 2 ms later, the consumer asleep on the board by then); answers ("published", ns when
+    publish began, ns when it returned)."""
     with aib.Publisher(path) as pub:
         pub.publish("step", pa.table({"v": pa.array(range(rows), pa.int64())}))
         conn.send(("ready",))
@@ -48,7 +55,9 @@ def producer_main(conn: Any, path: str, rows: int) -> None:
             if command[0] == "stop":
                 break
             table = pa.table({"v": pa.array(range(command[1], command[1] + rows), pa.int64())})
-            while pub.held_waits < 1:
+            if board:
+                time.sleep(0.002)
+            while not board and pub.held_waits < 1:
                 time.sleep(50e-6)
             started = time.perf_counter_ns()
             pub.publish("step", table)
@@ -73,26 +82,37 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000, help="measured steps (after 100 warm-up steps)")
     parser.add_argument("--rows", type=int, default=1024, help="int64 rows per published table")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--standing-leases",
+        action="store_true",
+        help="the consumer waits on the publisher's version board instead of sending WAITs",
+    )
     args = parser.parse_args()
 
     ctx = mp.get_context("spawn")
     directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-bench-")
     path = os.path.join(directory, "watch.sock")
     parent, child = ctx.Pipe()
-    producer = ctx.Process(target=producer_main, args=(child, path, args.rows), daemon=True)
+    producer = ctx.Process(
+        target=producer_main, args=(child, path, args.rows, args.standing_leases), daemon=True
+    )
     producer.start()
     child.close()
     assert parent.recv() == ("ready",)
     latencies: list[float] = []
     publishes: list[float] = []
     try:
-        with aib.connect(path, timeout=10.0, wait_for_publisher=True) as session:
+        with aib.connect(
+            path, timeout=10.0, wait_for_publisher=True, standing_leases=args.standing_leases
+        ) as session:
             item = session.get("step", wait=10.0)
             assert item.version is not None  # got by waiting: it knows its version
             seen = item.version
             item.release()
+            asleep = 0
             for step in range(100 + args.steps):
                 parent.send(("publish", step))
+                sleeps = aib.stats().waits.board_waits
                 item = session.get_next("step", after=seen, timeout=10.0)
                 returned = time.perf_counter_ns()
                 value = pa.table(item).column(0)[0].as_py()
@@ -102,6 +122,7 @@ def main() -> None:
                 item.release()
                 _, started, ended = parent.recv()
                 if step >= 100:
+                    asleep += aib.stats().waits.board_waits > sleeps
                     latencies.append((returned - started) / 1000)
                     publishes.append((ended - started) / 1000)
         parent.send(("stop",))
@@ -116,11 +137,15 @@ def main() -> None:
         "publish_to_get_next_us": percentiles(latencies),
         "publish_us": percentiles(publishes),
         "cpus": os.cpu_count(),
+        "standing_leases": args.standing_leases,
+        "steps_asleep_on_the_board": asleep,
     }
     for key in ("publish_to_get_next_us", "publish_us"):
         p = results[key]
         line = f"median {p['median']:8.1f}  p90 {p['p90']:8.1f}  p99 {p['p99']:8.1f}  min {p['min']:8.1f}"
         print(f"{key:24s} {line}")
+    if args.standing_leases:
+        print(f"steps asleep on the board when the publish came: {asleep} of {args.steps}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -302,7 +302,8 @@ def test_a_get_next_step_loop_sleeps_on_the_board_and_gets_locally(
     """A step loop across processes where the consumer waits with get_next instead of a message:
     the producer updates 16 columns in place and publishes once the consumer took the last step;
     the consumer (standing leases) sleeps on the version board, is woken by the publish, gets the
-    name locally and reads that step's values. It sends one WAIT only (its first get, wait=0)."""
+    name locally and reads that step's values. It sends two WAITs only: its first get (wait=0) and
+    its first get_next, whose answer, the same message again, makes the name a board candidate."""
     import multiprocessing as mp
 
     from helpers import gpu_children
@@ -337,6 +338,6 @@ def test_a_get_next_step_loop_sleeps_on_the_board_and_gets_locally(
         if process.is_alive():
             process.kill()
     assert process.exitcode == 0
-    assert counts["waits_sent"] == 1  # the first get's; every get_next slept on the board
+    assert counts["waits_sent"] == 2  # the first get's and the first get_next's; then the board
     assert counts["board_waits"] >= steps // 2  # (a publish may beat a get_next to its sleep)
     assert counts["local_gets"] >= steps - 3
