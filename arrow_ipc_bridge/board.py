@@ -9,10 +9,10 @@ entry; while the board shows that entry's serial, a get of the name imports the 
 in place, with no round trip, under the standing lease (``remembered.c``; docs/lifetime.md,
 "Standing leases"). Anything else asks the publisher as before.
 
-A session waiting for a newer version of a name whose slot it knows (``get_next``) sleeps on
-that slot (:meth:`SessionBoard.wait_for_change`, a futex on the slot's sequence word) instead of
-asking the publisher to hold a request: every write of the slot wakes it, and its get is then
-local for an in-place renewal (feature ``"board_wake"``).
+A session waiting for a newer version of a name it holds a standing lease on (``get_next``)
+sleeps on the name's slot (:meth:`SessionBoard.wait_for_change`, a futex on the slot's sequence
+word) instead of asking the publisher to hold a request: every write of the slot wakes it, and
+its get is then local for an in-place renewal (feature ``"board_wake"``).
 
 Trust: the page is a memfd the publisher sealed against growing, shrinking and writing through any
 new mapping (``F_SEAL_FUTURE_WRITE``); a session refuses one that is not sealed so (a file that can

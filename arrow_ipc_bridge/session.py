@@ -586,15 +586,17 @@ class Session:
         ``"watch"``. While a wait is held this session sends no other request (one at a time);
         use another session to get other names meanwhile.
 
-        With ``standing_leases=True``, once the session knows the name's slot on the publisher's
-        version board (from a get of the name), a wait for ``after`` > 0 sends nothing: it sleeps
-        on that slot, which the publisher's next publish of the name wakes, and then gets the name
-        (locally for an in-place renewal; feature ``"board_wake"``; ``docs/lifetime.md``, "Waiting
-        on the version board"). Other threads may use the session meanwhile. A publisher that
-        dies or closes meanwhile is noticed within 50 ms (its connection is checked between
-        sleeps). ``spin``: seconds to poll the slot before sleeping (a busy core, and no wake-up
-        to wait for when the version comes within them: for step loops whose next version is due
-        soon); 0, the default, sleeps at once. Only a wait on the board spins.
+        With ``standing_leases=True``, while the name's gets are local (a standing lease: its
+        second plain get on, or once two WAIT answers named the same memory, as in-place renewals
+        do), a wait for ``after`` > 0 sends nothing: it sleeps on the name's slot of the
+        publisher's version board, which the publisher's next publish of the name wakes, and then
+        gets the name (feature ``"board_wake"``; ``docs/lifetime.md``, "Waiting on the version
+        board"). New data every version goes on with held WAITs. Other threads may use the
+        session meanwhile. A publisher that dies or closes meanwhile is noticed within 50 ms (its
+        connection is checked between sleeps). ``spin``: seconds to poll the slot before sleeping
+        (a busy core, and no wake-up to wait for when the version comes within them: for step
+        loops whose next version is due soon); 0, the default, sleeps at once. Only a wait on the
+        board spins.
         """
         self._connection()  # closed, not connected: before the arguments
         imported = self._get_version(
