@@ -105,22 +105,16 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static int64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 int aib_board_spin(const void *board, uint32_t slot, uint64_t seen_seq, int64_t spin_ns, const int *stop) {
   board_slot *s = (board_slot *)board + slot;
-  int64_t end = now_ns() + (spin_ns > 0 ? spin_ns : 0);
+  int64_t end = aib_monotonic_ns() + (spin_ns > 0 ? spin_ns : 0);
   do {
     for (int i = 0; i < 64; i++) { /* the clock read every 64 polls: it costs more than a poll */
       if (atomic_load_explicit(&s->seq, memory_order_acquire) != seen_seq) return 1;
       cpu_relax();
     }
     if (__atomic_load_n(stop, __ATOMIC_RELAXED)) return 1; /* the board is closing: look again */
-  } while (now_ns() < end);
+  } while (aib_monotonic_ns() < end);
   return 0;
 }
 

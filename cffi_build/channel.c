@@ -104,11 +104,7 @@ int64_t aib_channel_peer_unread(const aib_channel *ch) {
 }
 
 /* ---------- deadlines ---------------------------------------------------------------------------- */
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
+static int64_t now_ms(void) { return aib_monotonic_ns() / 1000000; }
 
 /* Waits for `events` on fd until the deadline (-1: forever). AIB_OK, AIB_E_TIMEOUT or AIB_E_OS. */
 static int wait_for(int fd, short events, int64_t deadline, aib_error *err) {

@@ -3,6 +3,7 @@
 #define AIB_INTERNAL_H
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <time.h>
 #include "bridge.h"
 
 /* Sets err (when non-NULL) and returns code. printf-style message. */
@@ -31,6 +32,14 @@ typedef struct aib_view {
 const aib_view *aib_owner_view(aib_owner *owner);
 /* Integers on the wire are little-endian whatever the host's byte order (wire_*.c, channel.c, serve.c,
  * remembered.c). */
+/* CLOCK_MONOTONIC in nanoseconds (time.monotonic()'s clock on Linux): the one clock of the core's
+ * deadlines (channel.c), lingers (remembered.c) and spins (board.c). */
+static inline int64_t aib_monotonic_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 static inline void aib_store_u32le(uint8_t *p, uint32_t v) {
   for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
 }

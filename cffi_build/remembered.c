@@ -71,11 +71,7 @@ struct aib_remembered {
   entry *forgotten; /* let go of, waiting for take_forgotten (linked through next) */
 };
 
-static double monotonic_now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic()'s clock on Linux */
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
+static double monotonic_now(void) { return (double)aib_monotonic_ns() * 1e-9; } /* seconds, as Python's */
 
 static size_t buckets_for(size_t limit) {
   size_t n = MIN_BUCKETS;
