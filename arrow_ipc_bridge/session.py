@@ -6,11 +6,12 @@ a :class:`~arrow_ipc_bridge.publisher.Publisher` (``list``, ``get``) and gives e
 the last struct built from it is released. The messages it remembers for re-gets, with their
 regions open, are kept by :class:`~arrow_ipc_bridge.remembered.RememberedMessages`.
 
-One concern, at some 900 lines: the consumer's session, made by :func:`connect` (and
+One concern, at some 950 lines: the consumer's session, made by :func:`connect` (and
 :func:`subscribe`), its imports and its get paths, which share the request lock, the remembered
 set and the leases. What stands apart from that state lives beside it: the remembered set
 (``remembered.py``), the version board (``board.py``), kept CuPy arrays (``array_cache.py``),
-live subscriptions (``streams/live.py``) and the answers to waits (``waiting.py``).
+live subscriptions (``streams/live.py``), and waits: one WAIT and its answer, and ``get_next``'s
+waits on the board (``waiting.py``).
 """
 
 from __future__ import annotations
@@ -45,18 +46,16 @@ from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
     ClosedError,
-    NotPublishedError,
     PeerClosedError,
     ProtocolError,
     RegionError,
-    WaitTimeoutError,
 )
 from arrow_ipc_bridge.host.mappings import HostMappingCache
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
 from arrow_ipc_bridge.metadata import (
     Decoded,
 )
-from arrow_ipc_bridge.process_stats import import_counters, wait_counters
+from arrow_ipc_bridge.process_stats import import_counters
 from arrow_ipc_bridge.remembered import RememberedMessage, RememberedMessages
 from arrow_ipc_bridge.streams.frames import MAX_IN_FLIGHT
 from arrow_ipc_bridge.streams.live import LiveStream, open_subscription
@@ -191,15 +190,8 @@ class Session:
         )
         # The publisher's version board once connected (board.py); None: every get asks.
         self._board: SessionBoard | None = None
-        # Whether get_next may sleep on the board: the publisher wakes its slots' sleepers.
-        self._board_wake = False
-        # Names whose last two WAIT answers named the same memory (renewed in place, or not
-        # republished): a get would give them a standing lease, whose board slot get_next can sleep
-        # on. Names whose every version is new data are better served by a held WAIT, whose answer
-        # brings the message (a wake on the board would still need a round trip). And a digest of
-        # each name's last WAIT answer, to tell.
-        self._board_candidates: set[bytes] = set()
-        self._answer_digests: dict[bytes, int] = {}
+        # get_next's waits on the board (waiting.py) when the publisher wakes its slots' sleepers.
+        self._board_waits: waiting.BoardWaits | None = None
         self._imported: weakref.WeakSet[ImportedArray | ImportedStream] = weakref.WeakSet()
         self._conn: transport.Connection | None = None
         self._channel: Channel | None = None  # the C side of the connection once the handshake is done
@@ -401,7 +393,8 @@ class Session:
             and self._remembered.limit
         ):
             self._board = open_board(channel, timeout)
-            self._board_wake = "board_wake" in features and "watch" in features
+            if "board_wake" in features and "watch" in features:
+                self._board_waits = waiting.BoardWaits(self._board, self._remembered)
 
     def _request(self, kind: int, payload: bytes) -> Frame:
         channel = self._connection()
@@ -611,9 +604,22 @@ class Session:
         """WAIT for a version over ``after`` (``waiting.py``), then import it like a GET's answer;
         a version over ``after`` > 0 of a name whose gets are local is waited for on the board."""
         raw_name = protocol.encode_name(name)
-        if after and self._board_wake:
-            imported, timeout = self._next_from_board(name, raw_name, after, timeout, spin)
+        board_waits = self._board_waits
+        if after and board_waits is not None:
+            channel = self._connection()
+            imported, timeout = board_waits.next_version(
+                name,
+                raw_name,
+                after=after,
+                timeout=timeout,
+                spin=spin,
+                channel=channel,
+                get=lambda: self._get_unplaced(channel, name),
+                closed=lambda: self._closed,
+                local_gets=lambda: self.local_gets,
+            )
             if imported is not None:
+                self._stamp_publisher(imported)
                 return imported
         me = threading.get_ident()
         self._waiting.add(me)  # before the closed check: close() either sees us or we see it closed
@@ -630,88 +636,9 @@ class Session:
             )
         finally:
             self._waiting.discard(me)
-        if self._board_wake:  # (before the import closes the answer's descriptors)
-            self._note_answer(raw_name, answer.message, answer.frame.fds)
+        if board_waits is not None:  # (before the import closes the answer's descriptors)
+            board_waits.note_answer(raw_name, answer.message, answer.frame.fds)
         return self._import_versioned(channel, answer, name)
-
-    def _note_answer(self, raw_name: bytes, message: bytes, fds: Sequence[int]) -> None:
-        """A WAIT answered ``raw_name`` with ``message`` and ``fds``: the name becomes a candidate for
-        waits on the board when the answer before named the same memory (the same bytes and the
-        same files: host data published anew has the same bytes in new files), and stops being one
-        otherwise."""
-        digest = hash((message, region_import.file_identities(fds)))
-        if len(self._answer_digests) >= _BOARD_NAMES_MAX and raw_name not in self._answer_digests:
-            self._answer_digests.clear()
-            self._board_candidates.clear()
-        if self._answer_digests.get(raw_name) == digest:
-            self._board_candidates.add(raw_name)
-        else:
-            self._board_candidates.discard(raw_name)
-        self._answer_digests[raw_name] = digest
-
-    def _next_from_board(
-        self, name: str, raw_name: bytes, after: int, timeout: float | None, spin: float
-    ) -> tuple[Imported | None, float | None]:
-        """A version of ``name`` over ``after`` through the version board, for a name whose gets are
-        local (its remembered message holds a standing lease on the entry in a board slot). While
-        the slot shows that entry at a version not over ``after``, sleep until the publisher
-        writes the slot (poll it instead for the first ``spin`` seconds of the call); anything
-        else (a newer version, another entry) is a get. A candidate name (``_note_answer``) without
-        a standing lease gets one get first, which gives it one.
-
-        ``(None, time left)`` when a held WAIT serves better: no standing lease (a name whose every
-        version is new data: a WAIT's answer brings it with one wake-up less), the name is not
-        published, two gets in a row brought nothing newer, or a woken get was a round trip (new
-        data: the name stops being a candidate). WaitTimeoutError when the time runs out asleep;
-        PeerClosedError when the session is closed meanwhile (as a held WAIT would) or the
-        publisher leaves (its farewell, if it sent one)."""
-        board = self._board
-        assert board is not None
-        channel = self._connection()
-        started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
-        spin_until = started + spin
-
-        def left() -> float | None:
-            return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-        fruitless_gets = 0
-        while True:
-            if self._closed:  # close() wakes the sleepers
-                raise PeerClosedError(
-                    f"the session was closed while waiting for a version of {name!r}", closed_locally=True
-                )
-            place = self._remembered.board_place(raw_name)
-            if place is None and (fruitless_gets or raw_name not in self._board_candidates):
-                return None, left()
-            seen = None if place is None else board.peek(place[0])
-            if place is not None and seen is not None and seen[1] == place[1] and seen[2] <= after:
-                remaining = left()
-                if remaining == 0.0:
-                    what = f"a version of {name!r} newer than {after}"
-                    raise WaitTimeoutError(f"waited {timeout} s for {what}", timeout=timeout)
-                nap = _BOARD_NAP if remaining is None else min(remaining, _BOARD_NAP)
-                spinning = spin > 0 and time.monotonic() < spin_until
-                if spinning:
-                    nap = min(nap, max(0.0, spin_until - time.monotonic()))
-                next(wait_counters.board_spins if spinning else wait_counters.board_waits)
-                if not board.wait_for_change(place[0], seen[0], nap, spin=spinning) and not channel.quiet():
-                    _meet_unasked(channel)  # a dead publisher's end of file, a farewell
-                continue
-            if fruitless_gets == 2:
-                return None, left()  # the board and the answers disagree: the publisher decides
-            local_before = self.local_gets
-            try:
-                imported = self._get_unplaced(channel, name)
-            except NotPublishedError:
-                return None, left()  # the publisher holds a WAIT until the name is published
-            if imported.version is not None and imported.version > after:
-                if place is not None and self.local_gets == local_before:
-                    self._board_candidates.discard(raw_name)  # new data came: WAITs serve it better
-                self._stamp_publisher(imported)
-                return imported, None
-            imported.release()
-            fruitless_gets += 1
 
     def _stamp_publisher(self, imported: Imported) -> None:
         publisher_id = self.publisher_info.get("publisher_id")
@@ -905,22 +832,6 @@ class Session:
 
 _GET_LOCAL = int(lib.AIB_GET_LOCAL)
 _GET_STANDING = int(lib.AIB_GET_STANDING)
-# get_next on the board sleeps at most this long before it checks the connection: a publisher that
-# dies or closes wakes no sleeper, its socket tells.
-_BOARD_NAP = 0.05
-_BOARD_NAMES_MAX = 4096
-
-
-def _meet_unasked(channel: Channel) -> None:
-    """Read what a publisher sent unasked (nothing is, but its farewell ERROR before it drops the
-    connection) and raise it; the end of file of a dead one raises PeerClosedError. The connection
-    is closed either way."""
-    frame = channel.recv(timeout=5.0)
-    frame.close_fds()
-    channel.close()
-    if frame.kind == protocol.ERROR:
-        protocol.raise_error(frame.payload)
-    raise ProtocolError(f"the publisher sent frame kind {frame.kind} unasked")
 
 
 def _send_release(channel: Channel, lease_id: int) -> None:

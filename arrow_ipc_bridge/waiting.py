@@ -13,19 +13,37 @@ dropped meanwhile still reach the publisher. The session allows the publisher ``
 request timeout) past the wait's own timeout to answer; a publisher silent longer is taken for
 stuck: the connection is closed (a late answer would be misread) and
 :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` raised.
+
+With standing leases and a publisher offering ``"board_wake"``, :class:`BoardWaits` serves
+``get_next`` for names whose gets are local without a WAIT: it sleeps on the name's slot of the
+publisher's version board (``board.py``), which the publisher's next write of the slot wakes, then
+gets the name (docs/lifetime.md, "Waiting on the version board").
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from arrow_ipc_bridge import _arguments, protocol
+from arrow_ipc_bridge import _arguments, protocol, region_import
 from arrow_ipc_bridge.channel import Channel, Frame
-from arrow_ipc_bridge.errors import BridgeError, BridgeTimeoutError, ProtocolError
+from arrow_ipc_bridge.errors import (
+    BridgeError,
+    BridgeTimeoutError,
+    NotPublishedError,
+    PeerClosedError,
+    ProtocolError,
+    WaitTimeoutError,
+)
 from arrow_ipc_bridge.process_stats import wait_counters
 
-__all__ = ["MAX_WAIT", "Versioned", "check_after", "check_wait", "wait_for_version"]
+if TYPE_CHECKING:
+    from arrow_ipc_bridge.board import SessionBoard
+    from arrow_ipc_bridge.remembered import RememberedMessages
+
+__all__ = ["MAX_WAIT", "BoardWaits", "Versioned", "check_after", "check_wait", "wait_for_version"]
 
 MAX_WAIT = (protocol.WAIT_FOREVER - 1) / 1000
 """The longest finite wait, in seconds (~49.7 days: the WAIT frame's u32 milliseconds); ``None``
@@ -115,3 +133,133 @@ def _read_answer(channel: Channel, timeout: float | None) -> Frame:
 
 
 _SLICE = 1.0
+
+
+# ---------- waits on the version board ------------------------------------------------------------
+# A sleep on the board lasts at most this long before the connection is checked: a publisher that
+# dies or closes wakes no sleeper, its socket tells.
+_BOARD_NAP = 0.05
+_BOARD_NAMES_MAX = 4096
+
+
+class _Got(Protocol):
+    """What a session's get returns, as a board wait uses it."""
+
+    version: int | None
+
+    def release(self) -> None: ...
+
+
+_GotT = TypeVar("_GotT", bound=_Got)
+
+
+class BoardWaits:
+    """A session's ``get_next`` waits on the publisher's version board (feature ``"board_wake"``).
+
+    Only names whose gets are local sleep there: their remembered message holds a standing lease
+    on the entry in a board slot. Names whose last two WAIT answers named the same memory (renewed
+    in place, or not republished) are *candidates*: one get gives them a standing lease. Names
+    whose every version is new data stay on held WAITs, whose answer brings the message with one
+    wake-up less than a board wake followed by a get."""
+
+    def __init__(self, board: SessionBoard, remembered: RememberedMessages) -> None:
+        self._board = board
+        self._remembered = remembered
+        self._candidates: set[bytes] = set()
+        self._answer_digests: dict[bytes, int] = {}  # of each name's last WAIT answer
+
+    def note_answer(self, raw_name: bytes, message: bytes, fds: Sequence[int]) -> None:
+        """A WAIT answered ``raw_name`` with ``message`` and ``fds``: the name becomes a candidate when
+        the answer before named the same memory (the same bytes and the same files: host data
+        published anew has the same bytes in new files), and stops being one otherwise."""
+        digest = hash((message, region_import.file_identities(fds)))
+        if len(self._answer_digests) >= _BOARD_NAMES_MAX and raw_name not in self._answer_digests:
+            self._answer_digests.clear()
+            self._candidates.clear()
+        if self._answer_digests.get(raw_name) == digest:
+            self._candidates.add(raw_name)
+        else:
+            self._candidates.discard(raw_name)
+        self._answer_digests[raw_name] = digest
+
+    def next_version(
+        self,
+        name: str,
+        raw_name: bytes,
+        *,
+        after: int,
+        timeout: float | None,
+        spin: float,
+        channel: Channel,
+        get: Callable[[], _GotT],
+        closed: Callable[[], bool],
+        local_gets: Callable[[], int],
+    ) -> tuple[_GotT | None, float | None]:
+        """A version of ``name`` over ``after``. While the name's slot shows the entry its standing
+        lease is on at a version not over ``after``, sleep until the publisher writes the slot (poll
+        it instead for the first ``spin`` seconds of the call); anything else (a newer version,
+        another entry) is ``get()``, the session's get of the name. A candidate without a standing
+        lease gets one get first, which gives it one. ``closed()`` and ``local_gets()``: the
+        session's state and its count of gets answered from the board.
+
+        ``(the import, None)``, or ``(None, time left)`` when a held WAIT serves better: no standing
+        lease, the name is not published, two gets in a row brought nothing newer, or a woken get
+        was a round trip (new data: the name stops being a candidate). WaitTimeoutError when the
+        time runs out asleep; PeerClosedError when the session is closed meanwhile (as a held WAIT
+        would) or the publisher leaves (its farewell, if it sent one)."""
+        board = self._board
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        spin_until = started + spin
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        fruitless_gets = 0
+        while True:
+            if closed():  # close() wakes the sleepers
+                raise PeerClosedError(
+                    f"the session was closed while waiting for a version of {name!r}", closed_locally=True
+                )
+            place = self._remembered.board_place(raw_name)
+            if place is None and (fruitless_gets or raw_name not in self._candidates):
+                return None, left()
+            seen = None if place is None else board.peek(place[0])
+            if place is not None and seen is not None and seen[1] == place[1] and seen[2] <= after:
+                remaining = left()
+                if remaining == 0.0:
+                    what = f"a version of {name!r} newer than {after}"
+                    raise WaitTimeoutError(f"waited {timeout} s for {what}", timeout=timeout)
+                nap = _BOARD_NAP if remaining is None else min(remaining, _BOARD_NAP)
+                spinning = spin > 0 and time.monotonic() < spin_until
+                if spinning:
+                    nap = min(nap, max(0.0, spin_until - time.monotonic()))
+                next(wait_counters.board_spins if spinning else wait_counters.board_waits)
+                if not board.wait_for_change(place[0], seen[0], nap, spin=spinning) and not channel.quiet():
+                    _meet_unasked(channel)  # a dead publisher's end of file, a farewell
+                continue
+            if fruitless_gets == 2:
+                return None, left()  # the board and the answers disagree: the publisher decides
+            local_before = local_gets()
+            try:
+                imported = get()
+            except NotPublishedError:
+                return None, left()  # the publisher holds a WAIT until the name is published
+            if imported.version is not None and imported.version > after:
+                if place is not None and local_gets() == local_before:
+                    self._candidates.discard(raw_name)  # new data came: WAITs serve it better
+                return imported, None
+            imported.release()
+            fruitless_gets += 1
+
+
+def _meet_unasked(channel: Channel) -> None:
+    """Read what a publisher sent unasked (nothing is, but its farewell ERROR before it drops the
+    connection) and raise it; the end of file of a dead one raises PeerClosedError. The connection
+    is closed either way."""
+    frame = channel.recv(timeout=5.0)
+    frame.close_fds()
+    channel.close()
+    if frame.kind == protocol.ERROR:
+        protocol.raise_error(frame.payload)
+    raise ProtocolError(f"the publisher sent frame kind {frame.kind} unasked")

@@ -62,7 +62,7 @@ def standing(publisher: aib.Publisher) -> Iterator[aib.Session]:
     """A session with standing leases (so with the board) whose gets of "v" are local."""
     publisher.publish("v", pa.array([0]))
     with aib.connect(publisher.path, timeout=5.0, standing_leases=True) as session:
-        assert session._board_wake
+        assert session._board_waits is not None
         _stand(session)
         yield session
 
@@ -276,7 +276,7 @@ def test_a_publisher_without_board_wake_holds_the_wait(
         pub.publish("v", pa.array([0]))
         with aib.connect(pub.path, timeout=5.0, standing_leases=True) as session:
             assert session._board is not None
-            assert not session._board_wake
+            assert session._board_waits is None
             _stand(session)
             seen = pub.version("v")
 
