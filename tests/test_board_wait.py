@@ -14,13 +14,13 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
 import pytest
 from helpers import waiting_children
-from helpers.session_rig import wait_for
+from helpers.session_rig import run_later, wait_for
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import protocol
@@ -29,16 +29,6 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 
 SPAWN = mp.get_context("spawn")
 SOON = 10.0  # generous (a loaded 2-core machine): what should happen takes milliseconds
-
-
-def _later(seconds: float, action: Callable[[], object]) -> threading.Thread:
-    def run() -> None:
-        time.sleep(seconds)
-        action()
-
-    thread = threading.Thread(target=run, name="test-later")
-    thread.start()
-    return thread
 
 
 def _values(imported: Any) -> list[Any]:
@@ -72,7 +62,7 @@ def test_get_next_sleeps_on_the_board_and_sends_no_wait(
 ) -> None:
     seen = publisher.version("v")
     sent, slept = _counters()
-    publishing = _later(0.3, lambda: publisher.publish("v", pa.array([1])))
+    publishing = run_later(0.3, lambda: publisher.publish("v", pa.array([1])))
     started = time.monotonic()
     with standing.get_next("v", after=seen, timeout=30.0) as newer:
         assert time.monotonic() - started < SOON
@@ -157,7 +147,7 @@ def test_an_unpublish_while_asleep_waits_for_the_name_to_come_back(
         assert wait_for(lambda: publisher.held_waits == 1, SOON)
         publisher.publish("v", pa.array([7]))
 
-    changing = _later(0.2, unpublish_then_republish)
+    changing = run_later(0.2, unpublish_then_republish)
     with standing.get_next("v", after=seen, timeout=30.0) as back:
         assert _values(back) == [7]
         assert back.version is not None
@@ -188,7 +178,12 @@ def test_other_threads_use_the_session_while_one_sleeps_on_the_board(
         assert _values(newer) == [1]
 
 
-def test_closing_the_session_wakes_its_sleeper(publisher: aib.Publisher) -> None:
+@pytest.mark.parametrize(
+    ("spin", "counter"), [(0.0, "board_waits"), (600.0, "board_spins")], ids=["asleep", "spinning"]
+)
+def test_closing_the_session_wakes_its_waiter(publisher: aib.Publisher, spin: float, counter: str) -> None:
+    """close() from another thread ends a wait on the board at once, asleep or polling, with the
+    PeerClosedError a held WAIT would get; nothing stays leased."""
     publisher.publish("v", pa.array([0]))
     session = aib.connect(publisher.path, timeout=5.0, standing_leases=True)
     _stand(session)
@@ -196,14 +191,17 @@ def test_closing_the_session_wakes_its_sleeper(publisher: aib.Publisher) -> None
 
     def wait() -> None:
         try:
-            session.get_next("v", after=publisher.version("v"), timeout=None)
+            session.get_next("v", after=publisher.version("v"), timeout=None, spin=spin)
         except aib.BridgeError as exc:
             errors.append(exc)
 
-    _, slept = _counters()
+    def waited() -> int:
+        return int(getattr(aib.stats().waits, counter))
+
+    before = waited()
     thread = threading.Thread(target=wait)
     thread.start()
-    assert wait_for(lambda: _counters()[1] > slept, SOON)
+    assert wait_for(lambda: waited() > before, SOON)
     started = time.monotonic()
     session.close()
     thread.join(SOON)
@@ -220,7 +218,7 @@ def test_a_publisher_closing_while_a_session_sleeps_raises_peer_closed(sock_dir:
     session = aib.connect(pub.path, timeout=5.0, standing_leases=True)
     try:
         _stand(session)
-        closing = _later(0.3, pub.close)
+        closing = run_later(0.3, pub.close)
         started = time.monotonic()
         with pytest.raises(aib.PeerClosedError):
             session.get_next("v", after=pub.version("v"), timeout=None)
@@ -253,7 +251,7 @@ def test_a_publisher_killed_while_a_session_sleeps_raises_peer_closed(sock_dir: 
             assert after is not None
             _stand(session)  # the new data replaced the standing lease: gets make one again
             _, slept = _counters()
-            killing = _later(0.3, process.kill)
+            killing = run_later(0.3, process.kill)
             started = time.monotonic()
             with pytest.raises(aib.PeerClosedError):
                 session.get_next("v", after=after, timeout=None)
@@ -284,7 +282,7 @@ def test_a_publisher_without_board_wake_holds_the_wait(
                 assert wait_for(lambda: pub.held_waits == 1, SOON)  # the publisher holds the WAIT
                 pub.publish("v", pa.array([1]))
 
-            publishing = _later(0.2, publish_once_held)
+            publishing = run_later(0.2, publish_once_held)
             with session.get_next("v", after=seen, timeout=30.0) as newer:
                 assert _values(newer) == [1]
             publishing.join()
@@ -301,7 +299,7 @@ def test_a_name_whose_waits_bring_the_same_message_moves_to_the_board(publisher:
             seen = again.version
         assert seen is not None
         sent, slept = _counters()
-        publishing = _later(0.3, lambda: publisher.publish("v", pa.array([1])))
+        publishing = run_later(0.3, lambda: publisher.publish("v", pa.array([1])))
         with session.get_next("v", after=seen, timeout=SOON) as newer:
             assert _values(newer) == [1]
             after = newer.version
@@ -309,7 +307,7 @@ def test_a_name_whose_waits_bring_the_same_message_moves_to_the_board(publisher:
         assert _counters()[0] == sent  # no WAIT: it slept on the board
         assert _counters()[1] > slept
         assert after is not None
-        publishing = _later(0.3, lambda: publisher.publish("v", pa.array([2])))
+        publishing = run_later(0.3, lambda: publisher.publish("v", pa.array([2])))
         with session.get_next("v", after=after, timeout=SOON) as newest:
             assert _values(newest) == [2]
         publishing.join()
@@ -340,7 +338,7 @@ def test_the_board_wait_times_out_and_wakes_on_a_write(
     assert later is not None
     assert later[0] != seq
     assert later[2] > version
-    writing = _later(0.2, lambda: publisher.publish("v", pa.array([2])))
+    writing = run_later(0.2, lambda: publisher.publish("v", pa.array([2])))
     started = time.monotonic()
     assert board.wait_for_change(slot, later[0], 30.0) is True
     assert time.monotonic() - started < SOON
@@ -354,7 +352,7 @@ def test_a_spinning_get_next_polls_instead_of_sleeping(
     the spin time is over it sleeps as before."""
     seen = publisher.version("v")
     waits = aib.stats().waits
-    publishing = _later(0.2, lambda: publisher.publish("v", pa.array([1])))
+    publishing = run_later(0.2, lambda: publisher.publish("v", pa.array([1])))
     with standing.get_next("v", after=seen, timeout=30.0, spin=20.0) as newer:
         assert _values(newer) == [1]
         after = newer.version
@@ -364,35 +362,11 @@ def test_a_spinning_get_next_polls_instead_of_sleeping(
     assert now.board_waits == waits.board_waits  # it never slept
     assert after is not None
     _stand(standing)  # new data replaced the standing lease: gets make one again
-    publishing = _later(0.4, lambda: publisher.publish("v", pa.array([2])))
+    publishing = run_later(0.4, lambda: publisher.publish("v", pa.array([2])))
     with standing.get_next("v", after=after, timeout=30.0, spin=0.1) as newest:
         assert _values(newest) == [2]
     publishing.join()
     assert aib.stats().waits.board_waits > now.board_waits  # slept after its 0.1 s of polling
-
-
-def test_closing_the_session_stops_a_spinning_waiter(publisher: aib.Publisher) -> None:
-    publisher.publish("v", pa.array([0]))
-    session = aib.connect(publisher.path, timeout=5.0, standing_leases=True)
-    _stand(session)
-    errors: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            session.get_next("v", after=publisher.version("v"), timeout=None, spin=600.0)
-        except aib.BridgeError as exc:
-            errors.append(exc)
-
-    spins = aib.stats().waits.board_spins
-    thread = threading.Thread(target=wait)
-    thread.start()
-    assert wait_for(lambda: aib.stats().waits.board_spins > spins, SOON)
-    started = time.monotonic()
-    session.close()
-    thread.join(SOON)
-    assert time.monotonic() - started < SOON
-    assert len(errors) == 1
-    assert isinstance(errors[0], aib.PeerClosedError)
 
 
 @pytest.mark.parametrize("spin", [-1.0, float("nan"), float("inf")])
@@ -417,7 +391,7 @@ def test_a_slot_taken_by_another_name_sends_the_wait_to_the_publisher(
     _stand(standing, "w")
     assert standing._remembered.board_place(b"w")[0] == place[0]  # type: ignore[index]
     sent = aib.stats().waits.waits_sent
-    republishing = _later(0.3, lambda: publisher.publish("v", pa.array([3])))
+    republishing = run_later(0.3, lambda: publisher.publish("v", pa.array([3])))
     with standing.get_next("v", after=seen, timeout=30.0) as back:
         assert _values(back) == [3]
     republishing.join()
@@ -434,7 +408,7 @@ def test_a_stale_slot_is_not_slept_on(publisher: aib.Publisher, standing: aib.Se
     publisher.publish("w", pa.array([9]))  # takes the freed slot
     publisher.publish("v", pa.array([1]))  # back, in another slot, at a newer version
     current = publisher.version("v")
-    publishing = _later(0.3, lambda: publisher.publish("v", pa.array([2])))
+    publishing = run_later(0.3, lambda: publisher.publish("v", pa.array([2])))
     _, slept = _counters()
     with standing.get_next("v", after=current, timeout=SOON) as newer:
         assert _values(newer) == [2]

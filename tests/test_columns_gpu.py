@@ -246,6 +246,35 @@ def test_dlpack_stream_argument_waits_for_the_producer(publisher: aib.Publisher,
         assert bool((seen == 7.0).all())
 
 
+class _StepConsumer:
+    """A step loop's consumer child (spawn), ``target(socket_path, conn, *args)``, talking over a
+    pipe: :meth:`answer` is its next message, :meth:`stop` ends it and gives its exit code."""
+
+    def __init__(self, target: Any, socket_path: str, *args: Any) -> None:
+        import multiprocessing as mp
+
+        context = mp.get_context("spawn")
+        self.parent, child = context.Pipe()
+        self.process = context.Process(target=target, args=(socket_path, child, *args))
+        self.process.start()
+
+    def answer(self) -> Any:
+        deadline = time.monotonic() + 60
+        while not self.parent.poll(0.2):
+            assert self.process.is_alive(), (
+                f"the consumer exited with {self.process.exitcode} (its traceback is above)"
+            )
+            assert time.monotonic() < deadline, "the consumer did not answer"
+        return self.parent.recv()
+
+    def stop(self) -> int | None:
+        self.parent.close()  # a consumer still waiting for the parent reads the end of the pipe and exits
+        self.process.join(60)
+        if self.process.is_alive():
+            self.process.kill()
+        return self.process.exitcode
+
+
 @pytest.mark.parametrize("hold_every", [0, 2])
 def test_a_standing_lease_consumer_gets_its_cupy_arrays_again_with_each_step_values(
     publisher: aib.Publisher, cupy: Any, hold_every: int
@@ -254,40 +283,22 @@ def test_a_standing_lease_consumer_gets_its_cupy_arrays_again_with_each_step_val
     step; the consumer (standing leases) reads every step's values through column_arrays. Arrays it
     let go of are handed out again (array_cache.py), arrays it still holds are not, and every step
     reads that step's values either way."""
-    import multiprocessing as mp
-
     from helpers import gpu_children
 
     steps, columns = 30, {f"c{i}": cupy.zeros(4096, dtype=cupy.float32) for i in range(16)}
     publisher.publish("t", aib.from_cuda_arrays(columns))
-    context = mp.get_context("spawn")
-    parent, child = context.Pipe()
-    process = context.Process(
-        target=gpu_children.cupy_step_consumer, args=(str(publisher.path), child, steps, hold_every)
-    )
-    process.start()
-
-    def answer() -> Any:
-        deadline = time.monotonic() + 60
-        while not parent.poll(0.2):
-            assert process.is_alive(), f"the consumer exited with {process.exitcode} (its traceback is above)"
-            assert time.monotonic() < deadline, "the consumer did not answer"
-        return parent.recv()
-
+    consumer = _StepConsumer(gpu_children.cupy_step_consumer, str(publisher.path), steps, hold_every)
     try:
         for step in range(steps):
             for column in columns.values():
                 cupy.add(column, 1, out=column)  # in place; the publish's event orders the reads
             publisher.publish("t", aib.from_cuda_arrays(columns))
-            parent.send("go")
-            assert answer() == step
-        result = answer()
+            consumer.parent.send("go")
+            assert consumer.answer() == step
+        result = consumer.answer()
     finally:
-        parent.close()  # a consumer still waiting for "go" reads the end of the pipe and exits
-        process.join(60)
-        if process.is_alive():
-            process.kill()
-    assert process.exitcode == 0
+        exitcode = consumer.stop()
+    assert exitcode == 0
     assert result["read"] == [[float(step + 1)] * 16 for step in range(steps)]
     assert result["local_gets"] >= steps - 3
     if hold_every == 0:  # the first two gets are not remembered yet, the third makes the arrays
@@ -304,40 +315,22 @@ def test_a_get_next_step_loop_sleeps_on_the_board_and_gets_locally(
     the consumer (standing leases) sleeps on the version board, is woken by the publish, gets the
     name locally and reads that step's values. It sends two WAITs only: its first get (wait=0) and
     its first get_next, whose answer, the same message again, makes the name a board candidate."""
-    import multiprocessing as mp
-
     from helpers import gpu_children
 
     steps, columns = 40, {f"c{i}": cupy.zeros(4096, dtype=cupy.float32) for i in range(16)}
     publisher.publish("t", aib.from_cuda_arrays(columns))
-    context = mp.get_context("spawn")
-    parent, child = context.Pipe()
-    process = context.Process(
-        target=gpu_children.get_next_step_consumer, args=(str(publisher.path), child, steps)
-    )
-    process.start()
-
-    def answer() -> Any:
-        deadline = time.monotonic() + 60
-        while not parent.poll(0.2):
-            assert process.is_alive(), f"the consumer exited with {process.exitcode} (its traceback is above)"
-            assert time.monotonic() < deadline, "the consumer did not answer"
-        return parent.recv()
-
+    consumer = _StepConsumer(gpu_children.get_next_step_consumer, str(publisher.path), steps)
     try:
-        assert answer() == "ready"
+        assert consumer.answer() == "ready"
         for step in range(1, steps + 1):
             for column in columns.values():
                 cupy.add(column, 1, out=column)  # in place; the publish's event orders the reads
             publisher.publish("t", aib.from_cuda_arrays(columns))
-            assert answer() == float(step)
-        counts = answer()
+            assert consumer.answer() == float(step)
+        counts = consumer.answer()
     finally:
-        parent.close()
-        process.join(60)
-        if process.is_alive():
-            process.kill()
-    assert process.exitcode == 0
+        exitcode = consumer.stop()
+    assert exitcode == 0
     assert counts["waits_sent"] == 2  # the first get's and the first get_next's; then the board
     assert counts["board_waits"] >= steps // 2  # (a publish may beat a get_next to its sleep)
     assert counts["local_gets"] >= steps - 3

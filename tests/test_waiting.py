@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from helpers import waiting_children
-from helpers.session_rig import FakePublisher, raw_hello, wait_for
+from helpers.session_rig import FakePublisher, raw_hello, run_later, wait_for
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import protocol, transport
@@ -35,18 +35,6 @@ SPAWN = mp.get_context("spawn")
 # Generous bounds (a loaded 2-core machine): a wait that is answered when it should be takes
 # milliseconds; one that is not takes the whole timeout.
 SOON = 10.0
-
-
-def _later(seconds: float, action: Callable[[], object]) -> threading.Thread:
-    """Run ``action`` on a thread after ``seconds`` (joined by the caller)."""
-
-    def run() -> None:
-        time.sleep(seconds)
-        action()
-
-    thread = threading.Thread(target=run, name="test-later")
-    thread.start()
-    return thread
 
 
 def _values(imported: aib.ImportedArray | aib.ImportedStream) -> list[Any]:
@@ -127,13 +115,13 @@ def test_connect_does_not_wait_through_permission_errors(sock_dir: str) -> None:
 
 
 # ---------- waiting for a name --------------------------------------------------------------------
-def test_get_waits_for_a_name_published_later(sock_dir: str) -> None:
+def test_get_waits_for_a_name_publishedrun_later(sock_dir: str) -> None:
     """The publisher answers the held WAIT when the name appears, from the publishing thread, while
     the connection's serving thread is still waiting for its next request (park_after is long)."""
     pub = aib.Publisher(os.path.join(sock_dir, "p.sock"), park_after=60.0)
     with pub, aib.connect(pub.path, timeout=5.0) as session:
         assert "watch" in session.publisher_info["features"]
-        publishing = _later(0.3, lambda: pub.publish("later", pa.array([7, 8])))
+        publishing = run_later(0.3, lambda: pub.publish("later", pa.array([7, 8])))
         started = time.monotonic()
         with session.get("later", wait=30.0) as imported:
             elapsed = time.monotonic() - started
@@ -152,7 +140,7 @@ def test_waits_held_on_parked_connections(sock_dir: str) -> None:
     the publish answers it there, and a parked waiter that disconnects takes its wait with it."""
     pub = aib.Publisher(os.path.join(sock_dir, "park.sock"), park_after=0.1)
     with pub, aib.connect(pub.path, timeout=5.0) as session:
-        publishing = _later(1.0, lambda: pub.publish("slow", pa.array([1])))
+        publishing = run_later(1.0, lambda: pub.publish("slow", pa.array([1])))
         with session.get("slow", wait=30.0) as imported:
             assert _values(imported) == [1]
         publishing.join()
@@ -246,7 +234,7 @@ def test_get_next_waits_for_a_newer_version(publisher: aib.Publisher) -> None:
         with session.get("v", wait=0) as first:
             seen = first.version
             assert seen is not None
-        publishing = _later(0.3, lambda: publisher.publish("v", pa.array([1])))
+        publishing = run_later(0.3, lambda: publisher.publish("v", pa.array([1])))
         started = time.monotonic()
         with session.get_next("v", after=seen, timeout=30.0) as newer:
             assert time.monotonic() - started < SOON
@@ -280,7 +268,7 @@ def test_get_next_across_unpublish_and_republish(publisher: aib.Publisher) -> No
             session.get_next("u", after=seen, timeout=0.2)
         with pytest.raises(aib.WaitTimeoutError):
             session.get_next("u", after=0, timeout=0)
-        publishing = _later(0.2, lambda: publisher.publish("u", pa.array([2])))
+        publishing = run_later(0.2, lambda: publisher.publish("u", pa.array([2])))
         with session.get_next("u", after=seen, timeout=30.0) as back:
             assert _values(back) == [2]
             assert back.version is not None
@@ -319,7 +307,7 @@ def test_a_held_wait_lets_the_session_give_leases_back(publisher: aib.Publisher)
             except aib.WaitTimeoutError as exc:
                 errors.append(exc)
 
-        waiter = _later(0, wait)
+        waiter = run_later(0, wait)
         assert wait_for(lambda: publisher.held_waits == 1, SOON)
         held.release()
         assert wait_for(lambda: publisher.active_leases == 0, 2.5)
@@ -335,7 +323,7 @@ def test_other_connections_are_served_while_waits_are_held(publisher: aib.Publis
     ):
         seen = publisher.version("busy")
         results: list[Any] = []
-        waiter = _later(
+        waiter = run_later(
             0, lambda: results.append(_values(waiting.get_next("busy", after=seen, timeout=30.0)))
         )
         assert wait_for(lambda: publisher.held_waits == 1, SOON)
@@ -514,19 +502,19 @@ def test_recovering_from_a_publisher_restart(sock_dir: str) -> None:
     assert old.publisher_id == first.publisher_id
     kept = pa.array(old)  # pyarrow's own structs hold the mapping past the session's close
     try:
-        closing = _later(0.2, first.close)
+        closing = run_later(0.2, first.close)
         with pytest.raises(aib.PeerClosedError, match="publisher is closing"):
             session.get_next("state", after=old.version or 0, timeout=30.0)
         closing.join()
         session.close()
         holder: list[aib.Publisher] = []
-        starting = _later(0.5, lambda: holder.append(aib.Publisher(path)))
+        starting = run_later(0.5, lambda: holder.append(aib.Publisher(path)))
         session = aib.connect(path, timeout=30.0, wait_for_publisher=True)
         starting.join()
         second = holder[0]
         try:
             assert session.publisher_info["publisher_id"] == second.publisher_id != first.publisher_id
-            _later(0.2, lambda: second.publish("state", pa.array([2]))).join()
+            run_later(0.2, lambda: second.publish("state", pa.array([2]))).join()
             with session.get_next("state", after=0, timeout=30.0) as new:
                 assert _values(new) == [2]
                 assert new.version == 1
@@ -774,7 +762,9 @@ def test_get_next_of_cuda_columns(cuda_device: int, publisher: aib.Publisher) ->
         seen = publisher.version("cuda")
         with aib.connect(publisher.path, timeout=10.0) as session:
             second = cupy.full(1000, 2.0, dtype=cupy.float32)
-            publishing = _later(0.2, lambda: publisher.publish("cuda", aib.from_cuda_arrays({"v": second})))
+            publishing = run_later(
+                0.2, lambda: publisher.publish("cuda", aib.from_cuda_arrays({"v": second}))
+            )
             with session.get_next("cuda", after=seen, timeout=30.0) as imported:
                 assert imported.version == publisher.version("cuda")
                 host = aib.to_host(imported)

@@ -58,6 +58,18 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
         time.sleep(interval)
 
 
+def run_later(seconds: float, action: Callable[[], object]) -> threading.Thread:
+    """Run ``action`` on a thread after ``seconds`` (joined by the caller)."""
+
+    def run() -> None:
+        time.sleep(seconds)
+        action()
+
+    thread = threading.Thread(target=run, name="test-later")
+    thread.start()
+    return thread
+
+
 def settle() -> None:
     """Collect garbage and run the release callbacks of owners that died so far."""
     gc.collect()
