@@ -85,6 +85,12 @@ def _returned(pool: StagingPool) -> bool:
     return pool.lent == 0
 
 
+def _assert_all_given_back(pool: StagingPool, publisher: aib.Publisher) -> None:
+    """Every staging buffer is back in ``pool`` and every lease back at ``publisher`` (soon)."""
+    assert wait_for(lambda: _returned(pool), 5.0)
+    assert wait_for(lambda: publisher.active_leases == 0, 5.0)
+
+
 @pytest.fixture
 def session(publisher: aib.Publisher) -> Iterator[aib.Session]:
     with aib.connect(publisher.path) as s:
@@ -223,8 +229,7 @@ def test_a_client_gone_while_waiting_for_a_buffer_stops_the_staging(
     with pytest.raises(StagingCancelledError):
         next(iterator)
     del kept
-    assert wait_for(lambda: _returned(pool), 5.0)
-    assert wait_for(lambda: publisher.active_leases == 0, 5.0)
+    _assert_all_given_back(pool, publisher)
 
 
 def test_a_staging_abandoned_midway_gives_back_buffers_and_lease(
@@ -239,8 +244,7 @@ def test_a_staging_abandoned_midway_gives_back_buffers_and_lease(
     assert copier.queued == []
     assert first.num_rows == 1000
     del first
-    assert wait_for(lambda: _returned(pool), 5.0)
-    assert wait_for(lambda: publisher.active_leases == 0, 5.0)
+    _assert_all_given_back(pool, publisher)
 
 
 def test_the_pool_refuses_a_bound_below_two_chunks() -> None:
@@ -299,8 +303,7 @@ def test_a_publication_keeps_its_lease_until_its_batches_are_dropped(
     time.sleep(0.05)
     assert publisher.active_leases == 1
     del got
-    assert wait_for(lambda: _returned(pool), 5.0)
-    assert wait_for(lambda: publisher.active_leases == 0, 5.0)
+    _assert_all_given_back(pool, publisher)
 
 
 def test_a_live_batch_that_cannot_start_staging_is_released(
