@@ -62,6 +62,10 @@ class _ImportedBase(ArrowExporter):
     # KeptCupyArrays, the remembered message), so column_arrays may hand out the CuPy arrays it made
     # for that message before (array_cache.py); None otherwise.
     _kept_arrays: tuple[KeptCupyArrays, object] | None = None
+    # Set on objects from readable_on whose legacy regions were opened in another GPU's context:
+    # (that GPU's ordinal, the indexes of those regions), for copies, which read each region
+    # through the context its pointer is mapped in; None otherwise.
+    _mapped_on: tuple[int, frozenset[int]] | None = None
 
     def __init__(
         self,
@@ -271,6 +275,48 @@ class _ImportedBase(ArrowExporter):
         return imported_from(
             copy, bases, device_type=DEVICE_CUDA, device_id=device, sync_event=sync_event, name=self.name
         )
+
+    def readable_on(self, device: int) -> ImportedArray | ImportedStream:
+        """This GPU data as an object whose pointers kernels on GPU ``device`` can read in place.
+
+        Peer access (or an IPC pool's or VMM mapping's access) is given to ``device`` as
+        ``arrow_ipc_bridge.cuda.cross_gpu.grant_in_place`` does. A legacy (``cudaMalloc``)
+        allocation of another process is mapped for the GPU whose context opened its IPC
+        handle only, so where the data has such memory on another GPU, its handles are opened
+        again in ``device``'s context (once per handle and GPU in a process, held open like
+        the others) and a new object naming those pointers is returned: same data, same
+        ``device_id`` (where the bytes live), ``sync_event``, ``name``, ``version`` and
+        ``publisher_id``. It holds this object's lease until it is released; this object stays
+        usable on its own GPU (release it when done). Otherwise this object itself is
+        returned. ``aib.connect(path, reader_device=k)`` does this on every get.
+        ``docs/gpu.md``, "Several GPUs".
+
+        Raises
+        ------
+        PeerAccessError
+            The two GPUs have no peer path, or the driver refused access: both GPUs named
+            (``arrow_ipc_bridge.cuda.peer.PeerAccessError``).
+        BridgeError
+            Host data, or a released object.
+        """
+        from arrow_ipc_bridge.cuda.cross_gpu import reader_mappings
+
+        mapped = reader_mappings(self, device)
+        if mapped is None:
+            return self  # type: ignore[return-value]
+        decoded, bases, remapped = mapped
+        readable = imported_from(
+            decoded,
+            bases,
+            device_type=DEVICE_CUDA,
+            device_id=self._device_id,
+            sync_event=None if self._sync == ffi.NULL else self._sync,
+            name=self.name,
+        )
+        readable.version = self.version
+        readable.publisher_id = self.publisher_id
+        readable._mapped_on = (device, remapped)
+        return readable
 
     # -- struct builders --
     # Each holds a borrow on the message across its C calls (which release the GIL), so that a

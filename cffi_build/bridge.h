@@ -619,6 +619,10 @@ int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64
 #define AIB_REGION_KEY_EVENT 2
 #define AIB_REGION_KEY_DEVICE 3
 #define AIB_REGION_KEY_POOL 4 /* a kept IPC-pool slab's 88-byte handle -> its imported pointer */
+/* A legacy handle opened again in another GPU's context, to be read from there (cross_gpu.py):
+ * the 64-byte handle, then the reader's ordinal (4 bytes, little-endian) -> the pointer in that
+ * context. A kind of its own, so that the C get paths (kind LEGACY) never hand it to an import. */
+#define AIB_REGION_KEY_READER_LEGACY 5
 #define AIB_REGION_KEY_MAX 128
 #define AIB_MAX_NEW_REGIONS 256
 int aib_regions_put(uint32_t kind, const uint8_t *key, size_t key_len, uint64_t value, aib_owner *owner,

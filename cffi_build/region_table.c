@@ -23,7 +23,7 @@
 #include "internal.h"
 
 #define N_BUCKETS 1024 /* entries: the opener's LRUs (256 handles, 256 kept slabs), events and GPUs */
-#define N_KINDS (AIB_REGION_KEY_POOL + 1)
+#define N_KINDS (AIB_REGION_KEY_READER_LEGACY + 1)
 
 typedef struct region_entry {
   uint64_t hash;

@@ -151,6 +151,17 @@ def _check_on_reader(socket_path: str, name: str, reader: int, here: int, expect
                 problems.append(f"{name}: copy on {copy.device_id}, expected {reader}")
             if not pa.table(copy.to_host()).equals(expected):
                 problems.append(f"{name} copied to GPU {reader}: values differ")
+    # One object made readable by hand: a plain session's import, then readable_on
+    with aib.connect(socket_path, timeout=30.0) as session, session.get(name) as imported:
+        with imported.readable_on(reader) as readable:
+            if readable.device_id != here:
+                problems.append(f"{name}: readable_on({reader}) reports device {readable.device_id}")
+            column = expected.schema.names[-1]
+            want = expected.column(column).chunk(0).buffers()[1].to_pybytes()
+            if _read_in_place(readable, reader, column)[: len(want)] != want:
+                problems.append(f"{name} read in place on GPU {reader} through readable_on: {column}")
+        if reader == here and readable is not imported:
+            problems.append(f"{name}: readable_on its own GPU made a new object")
     with (
         aib.connect(socket_path, timeout=30.0, reader_device=reader, cross_device="copy") as session,
         session.get(name) as copied,
@@ -330,11 +341,13 @@ def _open_fds() -> int:
 
 def test_a_thousand_cross_gpu_imports_hold_nothing() -> None:
     """1,000 gets of data on the other GPU, each read in place and copied, then released: open
-    descriptors, IPC events, handles, pending callbacks and free GPU memory stay flat after warm-up."""
+    descriptors, IPC events, handles (those opened for the reader too), pending callbacks and free
+    GPU memory stay flat after warm-up."""
     import cupy
 
     from arrow_ipc_bridge import _reaper, cuda
     from arrow_ipc_bridge.cuda import cross_gpu
+    from arrow_ipc_bridge.cuda.opener import opener
 
     path = _socket_path()
     parent, child = _CTX.Pipe()
@@ -346,6 +359,7 @@ def test_a_thousand_cross_gpu_imports_hold_nothing() -> None:
         assert status == "ready", uuids
         source = cuda.ordinal_for_uuid(bytes.fromhex(uuids[0][4:].replace("-", "")))
         reader = 1 - source
+        want = numeric_table(0).column("c_int64").chunk(0).buffers()[1].to_pybytes()
 
         def snapshot() -> dict[str, int]:
             gc.collect()
@@ -360,6 +374,7 @@ def test_a_thousand_cross_gpu_imports_hold_nothing() -> None:
                 "pool_imports": stats.pool_imports,
                 "pending_callbacks": _reaper.pending_callbacks(),
                 "pending_copies": len(cross_gpu._pending),
+                "reader_opens": len(opener()._reader_legacy_live),
                 "free_0": cupy.cuda.Device(0).mem_info[0],
                 "free_1": cupy.cuda.Device(1).mem_info[0],
             }
@@ -368,6 +383,7 @@ def test_a_thousand_cross_gpu_imports_hold_nothing() -> None:
 
             def one_round(name: str) -> None:
                 with session.get(name) as imported, imported.to_device(reader) as copy:
+                    assert _read_in_place(imported, reader, "c_int64")[: len(want)] == want, name
                     copy.to_host()
 
             for _ in range(50):
@@ -378,7 +394,8 @@ def test_a_thousand_cross_gpu_imports_hold_nothing() -> None:
                 for name in ("legacy_on0", "pool_on0"):
                     one_round(name)
             after = snapshot()
-        for key in ("fds", "ipc_events", "legacy_opens", "pool_imports", "pending_callbacks"):
+        assert before["reader_opens"] >= 1  # the legacy data was read through the reader's mapping
+        for key in ("fds", "ipc_events", "legacy_opens", "pool_imports", "pending_callbacks", "reader_opens"):
             assert after[key] <= before[key], (key, before, after)
         assert after["pending_copies"] <= 1
         for key in ("free_0", "free_1"):

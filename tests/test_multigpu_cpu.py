@@ -218,6 +218,8 @@ def test_to_device_and_in_place_refuse_host_data() -> None:
             imported.to_device(0)
         with pytest.raises(BridgeError, match="needs GPU data"):
             cross_gpu.grant_in_place(imported, 0)
+        with pytest.raises(BridgeError, match="needs GPU data"):
+            imported.readable_on(0)
 
 
 # ---------- doctor's topology, list's GPU cell, NVML absent -------------------------------------------

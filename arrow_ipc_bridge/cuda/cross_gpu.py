@@ -4,12 +4,16 @@ The imported object says where its bytes live (``device_id``: this process's ord
 producer's GPU, as the C Device interface requires). A consumer whose work runs on another GPU,
 the *reader*, has two ways to use it:
 
-- **in place** (:func:`grant_in_place`): its kernels read the producer's memory over NVLink or
-  PCIe. That needs the reader's access to each region's memory: peer access between the two
-  primary contexts for legacy (``cudaMalloc``) allocations (``peer.enable_peer_access``, once per
-  pair), ``cuMemPoolSetAccess`` on the imported pool for IPC-pool regions (once per pool and
-  reader: an importer sets its own access), ``cuMemSetAccess`` on the mapping for VMM regions (a
-  mapping is made per get). Pairs without a peer path raise ``PeerAccessError``.
+- **in place** (``imported.readable_on(reader)``, which calls :func:`reader_mappings`): its
+  kernels read the producer's memory over NVLink or PCIe. That needs the reader's access to each
+  region's memory (:func:`grant_in_place`): peer access between the two primary contexts
+  (``peer.enable_peer_access``, once per pair),
+  ``cuMemPoolSetAccess`` on the imported pool for IPC-pool regions (once per pool and reader: an
+  importer sets its own access), ``cuMemSetAccess`` on the mapping for VMM regions (a mapping is
+  made per get). Legacy (``cudaMalloc``) regions need more: an IPC handle opened in the owner's
+  context is not mapped for another GPU even with peer access on, so each is opened again in the
+  reader's context (held open per handle and reader, ``opener.open_legacy_for_reader``) and the
+  object handed out names those pointers. Pairs without a peer path raise ``PeerAccessError``.
 - **a copy** (:func:`copy_to_device`): one new allocation on the reader's GPU (from the bridge's
   IPC pool, so the copy can be published again), one ``cuMemcpyPeerAsync`` per contiguous run of
   buffers of each region on the caller's stream, queued after the producer's event; the copy
@@ -27,6 +31,7 @@ from typing import Any
 
 from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import ffi, lib
+from arrow_ipc_bridge.cuda import _state
 from arrow_ipc_bridge.cuda._declarations import (
     CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     CU_MEM_LOCATION_TYPE_DEVICE,
@@ -44,7 +49,13 @@ from arrow_ipc_bridge.cuda.peer import (
 )
 from arrow_ipc_bridge.cuda.placer import bridge_pool
 from arrow_ipc_bridge.errors import BridgeError, CudaError
-from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, REGION_CUDA_VMM, SLOT_FIRST_REGION
+from arrow_ipc_bridge.metadata import (
+    REGION_CUDA_LEGACY,
+    REGION_CUDA_POOL,
+    REGION_CUDA_VMM,
+    SLOT_FIRST_REGION,
+    Decoded,
+)
 
 __all__ = [
     "CROSS_DEVICE_MODES",
@@ -52,6 +63,7 @@ __all__ = [
     "copy_plan",
     "copy_to_device",
     "grant_in_place",
+    "reader_mappings",
 ]
 
 _log = logging.getLogger("arrow_ipc_bridge")
@@ -131,6 +143,47 @@ def grant_in_place(imported: Any, reader: int) -> None:
                 _granted[key] = None
     finally:
         decoded.unborrow()
+
+
+def reader_mappings(imported: Any, reader: int) -> tuple[Decoded, list[int], frozenset[int]] | None:
+    """What makes ``imported`` readable in place from GPU ``reader`` (``ImportedArray.readable_on``
+    builds the object): :func:`grant_in_place` first; then, where the message has legacy
+    (``cudaMalloc``) regions of another process on another GPU, those opened again in the reader's
+    context: ``(a decode of the message with an owner of its own, the regions' bases with those
+    pointers, the indexes of the regions opened there)``. The owner holds the reader's mappings
+    and ``imported``'s owner (its lease and its event slot). None when ``imported``'s own pointers
+    serve (data on ``reader``, or no such region). Raises as :func:`grant_in_place`."""
+    grant_in_place(imported, reader)
+    if imported.device_id == reader:
+        return None
+    decoded = imported._borrow()
+    try:
+        regions = decoded.regions()
+        with _state.lock:  # this process's own exports are its own allocations: peer access covers them
+            remap = [
+                index
+                for index, region in enumerate(regions)
+                if region.kind == REGION_CUDA_LEGACY and region.handle not in _state.local_exports
+            ]
+        if not remap:
+            return None
+        bases = [int(imported._bases[index]) for index in range(imported._n_bases)]
+        pointers, group = opener().open_legacy_for_reader([regions[index].handle for index in remap], reader)
+        try:
+            for index, pointer in zip(remap, pointers, strict=True):
+                bases[index] = pointer
+            shared = Decoded.sharing(decoded)
+            try:
+                shared.depend_on(group)
+                shared.depend_on(decoded.owner)
+            except BaseException:
+                shared.close()
+                raise
+        finally:
+            lib.aib_owner_unref(group)
+    finally:
+        decoded.unborrow()
+    return shared, bases, frozenset(remap)
 
 
 def _access_descriptor(reader: int) -> Any:
@@ -270,6 +323,9 @@ def copy_to_device(imported: Any, device: int, stream: object = None) -> tuple[A
     device = _check_reader(device)
     stream_value = _stream_value(stream)
     source_device = imported.device_id
+    # The context each region's pointer is mapped in: the owner's, or the reader's for the legacy
+    # regions readable_on opened there (the copy reads them through that mapping).
+    mapped_device, mapped_regions = imported._mapped_on or (source_device, frozenset())
     if source_device != device:
         # Direct copies over the peer path when there is one; the driver stages them otherwise.
         # Pool and VMM sources have access of their own, given here too where the pair allows.
@@ -299,7 +355,7 @@ def copy_to_device(imported: Any, device: int, stream: object = None) -> tuple[A
                         base + placed_at + (start - lo),
                         device,
                         (source + start) % (1 << 64),
-                        source_device,
+                        mapped_device if region in mapped_regions else source_device,
                         end - start,
                         stream=stream_value,
                     )
@@ -374,11 +430,13 @@ class ReaderPlacement:
             return imported
         if self.mode == "peer":
             try:
-                grant_in_place(imported, self.device)
+                readable = imported.readable_on(self.device)
             except BaseException:
                 imported.release()
                 raise
-            return imported
+            if readable is not imported:  # the readable object holds the lease now
+                imported.release()
+            return readable
         try:
             return imported.to_device(self.device, stream=self.stream)
         finally:

@@ -129,6 +129,10 @@ class CudaOpener:
         # Imports of kept slabs (REGION_FLAG_KEPT: the producer never frees them), open beyond their
         # leases like legacy handles; an entry's owner, when it ends, releases the import.
         self._kept = _HeldOpen(lib.AIB_REGION_KEY_POOL, 88, max_kept)
+        # Legacy handles opened again in another GPU's context for reading there (see
+        # open_legacy_for_reader), held open like the others; keyed by handle + reader ordinal.
+        self._reader_legacy = _HeldOpen(lib.AIB_REGION_KEY_READER_LEGACY, 68, max_legacy)
+        self._reader_legacy_live: dict[bytes, list[int]] = {}
         self._max_pools = max_pools
 
     def open(
@@ -192,6 +196,56 @@ class CudaOpener:
             lib.aib_owner_unref(group)
             raise
         return bases, group
+
+    def open_legacy_for_reader(self, handles: list[bytes], reader: int) -> tuple[list[int], Any]:
+        """Open legacy handles of another GPU's memory in GPU ``reader``'s primary context:
+        ``(their pointers there, in order; one owner holding them all)``, the caller's.
+
+        A legacy allocation opened in its own GPU's context is not readable from another GPU, even
+        with peer access enabled between the two (the driver maps it in the opening context only;
+        measured on NVLink-connected H200s). Opened in the reader's context (with
+        ``CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS``) it gets a mapping, at another address, that kernels on
+        the reader can dereference. Each (handle, reader) is opened once per process and held open
+        like the owner's own opens (a table of its own kind, so no import on the owner's GPU is
+        ever given one of these pointers)."""
+        if any(len(handle) != 64 for handle in handles):
+            raise RegionError("a legacy CUDA IPC handle is 64 bytes", field="handle")
+        suffix = reader.to_bytes(4, "little")
+        group = lib.aib_owner_new(0)
+        if group == ffi.NULL:
+            raise MemoryError("allocating an owner")
+        pointers: list[int] = []
+        try:
+            with self._lock:
+                for handle in handles:
+                    opened = self._reader_legacy_locked(handle + suffix, handle, reader)
+                    failed = lib.aib_owner_add_dependency(group, opened.owner)
+                    lib.aib_owner_unref(opened.owner)
+                    if failed:
+                        raise MemoryError("adding an owner dependency")
+                    pointers.append(opened.base)
+        except BaseException:
+            lib.aib_owner_unref(group)
+            raise
+        return pointers, group
+
+    def _reader_legacy_locked(self, key: bytes, handle: bytes, reader: int) -> _Opened:
+        """:meth:`_legacy_locked` for a handle opened in GPU ``reader``'s context (``key``: the
+        handle and the reader)."""
+        hit = self._reader_legacy.find(key)
+        if hit is not None:
+            return hit
+        ptr = _acquire(self._reader_legacy_live, key, lambda: ipc_open_mem_handle(handle, reader))
+        owner = lib.aib_owner_new(
+            _reaper.register(
+                lambda: self._release(
+                    self._reader_legacy_live, key, lambda ptr: ipc_close_mem_handle(ptr, device=reader)
+                )
+            )
+        )
+        opened = _Opened(ptr, owner)
+        self._reader_legacy.add(key, opened)
+        return opened
 
     def _legacy_locked(self, handle: bytes, device: int) -> _Opened:
         """Under the lock: the open handle (one owner reference for the caller), from the region
@@ -478,6 +532,7 @@ class CudaOpener:
         with self._lock:
             self._legacy.clear()
             self._kept.clear()
+            self._reader_legacy.clear()
 
 
 def _attached_fd(region: Region, fds: list[int] | tuple[int, ...]) -> int | None:
