@@ -388,15 +388,19 @@ def _multi_gpu_producer(socket_path: str, conn: Any, count: int) -> None:
 
 
 def _read_across(session: Any, source: int, reader: int) -> str:
-    """Get GPU ``source``'s table, read it on GPU ``reader`` in place (when the pair allows) and
-    copied; returns what worked (raises when the copy reads back wrong)."""
+    """Get GPU ``source``'s table, make it readable in place on GPU ``reader`` (when the pair
+    allows: peer access, its legacy handle opened there; no kernel reads it, which would need an
+    array library) and read a copy on ``reader``; returns what worked (raises when the copy reads
+    back wrong)."""
     import pyarrow.compute as pc
 
-    from arrow_ipc_bridge.cuda import cross_gpu, peer
+    from arrow_ipc_bridge.cuda import peer
 
     with session.get(f"gpu{source}") as imported:
         if peer.can_access_peer(reader, source):
-            cross_gpu.grant_in_place(imported, reader)
+            readable = imported.readable_on(reader)  # peer access, legacy handles opened there
+            if readable is not imported:
+                readable.release()
             how = "in place and copied"
         else:
             how = "copied (no peer path: not in place)"
