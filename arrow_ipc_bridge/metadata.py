@@ -282,15 +282,18 @@ class Decoded(DeferredClose):
         self.owner = ffi.gc(owner, lib.aib_owner_unref)
 
     @classmethod
-    def sharing(cls, decoded: Decoded, token: int = 0) -> Decoded:
+    def sharing(cls, decoded: Decoded, token: int = 0, *, own_view: bool = False) -> Decoded:
         """Another handle on the same validated message, with an owner of its own (``token``) that
         keeps ``decoded``'s owner alive: an identical message seen again is not decoded twice, and
-        each lease still ends on its own."""
+        each lease still ends on its own. ``own_view``: the new owner does not take ``decoded``'s
+        view (where the regions are in this process): its object sets one of its own, for regions
+        mapped elsewhere (``ImportedArray.readable_on``)."""
         decoded._live()  # refuses a closed message before anything is allocated
         owner = lib.aib_owner_new(token)
         if owner == ffi.NULL:
             raise MemoryError("allocating an import owner")
-        if lib.aib_owner_share_decoded(owner, decoded.owner):
+        share = lib.aib_owner_share_decoded_only if own_view else lib.aib_owner_share_decoded
+        if share(owner, decoded.owner):
             lib.aib_owner_unref(owner)
             raise MemoryError("adding an owner dependency")
         return cls.adopt(owner, decoded)

@@ -71,6 +71,9 @@ int aib_owner_attach_decoded(aib_owner *owner, aib_decoded *decoded);
 /* The owner keeps source alive and uses source's decoded message as its own (an identical message
  * imported again shares the first decode). AIB_E_STATE when source has none or owner has one. */
 int aib_owner_share_decoded(aib_owner *owner, aib_owner *source);
+/* The same, without source's view: owner names the message's regions at bases of its own
+ * (aib_owner_set_view), e.g. an import of the same message mapped in another GPU's context. */
+int aib_owner_share_decoded_only(aib_owner *owner, aib_owner *source);
 /* Records where the owner's decoded message has its regions in this process (bases copied) and on
  * which device, so that structs can be rebuilt from the owner alone (aib_py_capsules_function);
  * owners sharing its decode share this too. AIB_E_STATE when it has one already. */

@@ -266,6 +266,12 @@ int aib_owner_share_decoded(aib_owner *owner, aib_owner *source) {
   return AIB_OK;
 }
 
+int aib_owner_share_decoded_only(aib_owner *owner, aib_owner *source) {
+  int rc = aib_owner_share_decoded(owner, source);
+  if (rc == AIB_OK) owner->view = NULL; /* its own comes with aib_owner_set_view */
+  return rc;
+}
+
 int aib_owner_set_view(aib_owner *owner, const uint64_t *bases, size_t n_bases, int32_t device_type,
                        int64_t device_id) {
   if (owner->view != NULL) return AIB_E_STATE;

@@ -90,16 +90,26 @@ def _join(process: Any, timeout: float = 120) -> None:
 # ---------- children ------------------------------------------------------------------------------
 def producer_on_both_gpus(socket_path: str, visible: str, conn: Connection) -> None:
     """Publish a numeric table on each of its GPUs, in legacy and in pool memory ("legacy_on0",
-    "pool_on1", ...: its own ordinals), send the GPUs' UUIDs, serve until told to stop."""
+    "pool_on1", ...: its own ordinals), and a record batch of one CuPy column ("batch_on0", values
+    ``3 * i + device``), send the GPUs' UUIDs, serve until told to stop."""
     os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before CUDA initialises in this process
     from arrow_ipc_bridge import cuda
 
     try:
         with aib.Publisher(socket_path) as pub:
+            batches = []  # the record batches' CuPy arrays (their publications hold them too)
             for device in (0, 1):
                 for allocation in ("legacy", "pool"):
                     data = aib.to_device(numeric_table(device), device, allocation=allocation)
                     pub.publish(f"{allocation}_on{device}", data)
+                # A record batch of CuPy (cudaMalloc) columns: an ImportedArray on the consumer's
+                # side, whose capsules the C core builds from its owner's view
+                import cupy
+
+                with cupy.cuda.Device(device):
+                    batches.append({"v": cupy.arange(_ROWS, dtype=cupy.int64) * 3 + device})
+                    cupy.cuda.Device(device).synchronize()
+                pub.publish(f"batch_on{device}", aib.from_cuda_arrays(batches[-1]))
             conn.send(("ready", [cuda.format_uuid(cuda.device_uuid(d)) for d in (0, 1)]))
             conn.recv()  # "stop"
     except Exception:
@@ -240,6 +250,59 @@ def test_producers_and_consumers_on_both_gpus(producer_visible: str, consumer_vi
         _join(consumer)
         assert status == "done", problems
         assert problems == []
+    finally:
+        parent.send("stop")
+        _join(producer)
+
+
+def _kernel_read(pointer: int, nbytes: int, reader: int) -> bytes:
+    """``nbytes`` at device address ``pointer`` as a kernel on GPU ``reader`` reads them."""
+    import cupy
+    import numpy as np
+
+    with cupy.cuda.Device(reader):
+        out = cupy.zeros(nbytes, dtype=cupy.uint8)
+        cupy.RawKernel(_COPY_BYTES, "copy_bytes")((64,), (256,), (np.uint64(pointer), out, np.uint64(nbytes)))
+        cupy.cuda.Device(reader).synchronize()
+        return bytes(out.get())
+
+
+def test_a_record_batch_on_the_other_gpu_reads_in_place_through_its_capsule() -> None:
+    """A record batch of cudaMalloc columns on the other GPU, got by a reader_device session: the
+    ``ArrowDeviceArray`` the C core builds from the object's owner names the reader's mapping
+    (what ``column_view`` names too), still reports the producer's GPU, and a kernel on the
+    reader reads the values there."""
+    import numpy as np
+
+    from arrow_ipc_bridge import cuda
+    from arrow_ipc_bridge._ffi import ffi
+    from arrow_ipc_bridge.capsules import capsule_struct
+
+    path = _socket_path()
+    parent, child = _CTX.Pipe()
+    producer = _CTX.Process(target=producer_on_both_gpus, args=(path, "0,1", child))
+    producer.start()
+    try:
+        assert parent.poll(120), "producer did not start"
+        status, uuids = parent.recv()
+        assert status == "ready", uuids
+        source = cuda.ordinal_for_uuid(bytes.fromhex(uuids[0][4:].replace("-", "")))
+        reader = 1 - source
+        want = (np.arange(_ROWS, dtype=np.int64) * 3).tobytes()
+        with aib.connect(path, timeout=30.0) as plain, plain.get("batch_on0") as on_owner:
+            owner_pointer = aib.column_view(on_owner, "v").__cuda_array_interface__["data"][0]
+        with aib.connect(path, timeout=30.0, reader_device=reader) as session:
+            for _ in range(3):  # the first get, then remembered ones
+                with session.get("batch_on0") as imported:
+                    assert imported.device_id == source
+                    schema, array = imported.__arrow_c_device_array__()
+                    device_array = capsule_struct(array, "device_array")
+                    assert device_array.device_id == source
+                    pointer = int(ffi.cast("uintptr_t", device_array.array.children[0].buffers[1]))
+                    assert pointer != owner_pointer  # the reader's mapping, not the owner's
+                    assert pointer == aib.column_view(imported, "v").__cuda_array_interface__["data"][0]
+                    assert _kernel_read(pointer, len(want), reader) == want
+                    del schema, array, device_array
     finally:
         parent.send("stop")
         _join(producer)

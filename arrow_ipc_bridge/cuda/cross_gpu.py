@@ -172,7 +172,7 @@ def reader_mappings(imported: Any, reader: int) -> tuple[Decoded, list[int], fro
         try:
             for index, pointer in zip(remap, pointers, strict=True):
                 bases[index] = pointer
-            shared = Decoded.sharing(decoded)
+            shared = Decoded.sharing(decoded, own_view=True)  # its structs name the reader's pointers
             try:
                 shared.depend_on(group)
                 shared.depend_on(decoded.owner)
