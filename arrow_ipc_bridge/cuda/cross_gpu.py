@@ -7,13 +7,13 @@ the *reader*, has two ways to use it:
 - **in place** (``imported.readable_on(reader)``, which calls :func:`reader_mappings`): its
   kernels read the producer's memory over NVLink or PCIe. That needs the reader's access to each
   region's memory (:func:`grant_in_place`): peer access between the two primary contexts
-  (``peer.enable_peer_access``, once per pair),
-  ``cuMemPoolSetAccess`` on the imported pool for IPC-pool regions (once per pool and reader: an
-  importer sets its own access), ``cuMemSetAccess`` on the mapping for VMM regions (a mapping is
-  made per get). Legacy (``cudaMalloc``) regions need more: an IPC handle opened in the owner's
-  context is not mapped for another GPU even with peer access on, so each is opened again in the
-  reader's context (held open per handle and reader, ``opener.open_legacy_for_reader``) and the
-  object handed out names those pointers. Pairs without a peer path raise ``PeerAccessError``.
+  (``peer.enable_peer_access``, once per pair), ``cuMemPoolSetAccess`` on the imported pool for
+  IPC-pool regions (once per pool and reader: an importer sets its own access), ``cuMemSetAccess``
+  on the mapping for VMM regions (a mapping is made per get). Legacy (``cudaMalloc``) regions need
+  more: an IPC handle opened in the owner's context is not mapped for another GPU even with peer
+  access on, so each is opened again in the reader's context (held open per handle and reader,
+  ``opener.open_legacy_for_reader``) and the object handed out names those pointers. Pairs without
+  a peer path raise ``PeerAccessError``.
 - **a copy** (:func:`copy_to_device`): one new allocation on the reader's GPU (from the bridge's
   IPC pool, so the copy can be published again), one ``cuMemcpyPeerAsync`` per contiguous run of
   buffers of each region on the caller's stream, queued after the producer's event; the copy
