@@ -9,11 +9,13 @@ producer's bytes (no library that might enable peer access on its own); a copy i
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
 import tempfile
 import traceback
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -118,18 +120,45 @@ def producer_on_both_gpus(socket_path: str, visible: str, conn: Connection) -> N
 
 def _read_in_place(imported: Any, reader: int, column: str) -> bytes:
     """The column's bytes as a kernel on GPU ``reader`` reads them from where they live."""
+    import numpy as np
+
+    interface = aib.column_view(imported, column).__cuda_array_interface__
+    nbytes = int(np.prod(interface["shape"])) * np.dtype(interface["typestr"]).itemsize
+    return _kernel_read(interface["data"][0], nbytes, reader)
+
+
+def _kernel_read(pointer: int, nbytes: int, reader: int) -> bytes:
+    """``nbytes`` at device address ``pointer`` as a kernel on GPU ``reader`` reads them (no library
+    that might enable peer access on its own)."""
     import cupy
     import numpy as np
 
-    view = aib.column_view(imported, column)
-    interface = view.__cuda_array_interface__
-    nbytes = int(np.prod(interface["shape"])) * np.dtype(interface["typestr"]).itemsize
     with cupy.cuda.Device(reader):
-        kernel = cupy.RawKernel(_COPY_BYTES, "copy_bytes")
         out = cupy.zeros(nbytes, dtype=cupy.uint8)
-        kernel((64,), (256,), (np.uint64(interface["data"][0]), out, np.uint64(nbytes)))
+        cupy.RawKernel(_COPY_BYTES, "copy_bytes")((64,), (256,), (np.uint64(pointer), out, np.uint64(nbytes)))
         cupy.cuda.Device(reader).synchronize()
         return bytes(out.get())
+
+
+@contextlib.contextmanager
+def _serving_both_gpus() -> Iterator[tuple[str, int, int]]:
+    """A ``producer_on_both_gpus`` process (its GPUs numbered as ours) serving until the block
+    ends: ``(its socket path, our ordinal of its GPU 0, the other GPU: the reader)``."""
+    from arrow_ipc_bridge import cuda
+
+    path = _socket_path()
+    parent, child = _CTX.Pipe()
+    producer = _CTX.Process(target=producer_on_both_gpus, args=(path, "0,1", child))
+    producer.start()
+    try:
+        assert parent.poll(120), "producer did not start"
+        status, uuids = parent.recv()
+        assert status == "ready", uuids
+        source = cuda.ordinal_for_uuid(bytes.fromhex(uuids[0][4:].replace("-", "")))
+        yield path, source, 1 - source
+    finally:
+        parent.send("stop")
+        _join(producer)
 
 
 def _check_on_reader(socket_path: str, name: str, reader: int, here: int, expected: pa.Table) -> list[str]:
@@ -255,18 +284,6 @@ def test_producers_and_consumers_on_both_gpus(producer_visible: str, consumer_vi
         _join(producer)
 
 
-def _kernel_read(pointer: int, nbytes: int, reader: int) -> bytes:
-    """``nbytes`` at device address ``pointer`` as a kernel on GPU ``reader`` reads them."""
-    import cupy
-    import numpy as np
-
-    with cupy.cuda.Device(reader):
-        out = cupy.zeros(nbytes, dtype=cupy.uint8)
-        cupy.RawKernel(_COPY_BYTES, "copy_bytes")((64,), (256,), (np.uint64(pointer), out, np.uint64(nbytes)))
-        cupy.cuda.Device(reader).synchronize()
-        return bytes(out.get())
-
-
 def test_a_record_batch_on_the_other_gpu_reads_in_place_through_its_capsule() -> None:
     """A record batch of cudaMalloc columns on the other GPU, got by a reader_device session: the
     ``ArrowDeviceArray`` the C core builds from the object's owner names the reader's mapping
@@ -274,20 +291,10 @@ def test_a_record_batch_on_the_other_gpu_reads_in_place_through_its_capsule() ->
     reader reads the values there."""
     import numpy as np
 
-    from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge._ffi import ffi
     from arrow_ipc_bridge.capsules import capsule_struct
 
-    path = _socket_path()
-    parent, child = _CTX.Pipe()
-    producer = _CTX.Process(target=producer_on_both_gpus, args=(path, "0,1", child))
-    producer.start()
-    try:
-        assert parent.poll(120), "producer did not start"
-        status, uuids = parent.recv()
-        assert status == "ready", uuids
-        source = cuda.ordinal_for_uuid(bytes.fromhex(uuids[0][4:].replace("-", "")))
-        reader = 1 - source
+    with _serving_both_gpus() as (path, source, reader):
         want = (np.arange(_ROWS, dtype=np.int64) * 3).tobytes()
         with aib.connect(path, timeout=30.0) as plain, plain.get("batch_on0") as on_owner:
             owner_pointer = aib.column_view(on_owner, "v").__cuda_array_interface__["data"][0]
@@ -303,9 +310,6 @@ def test_a_record_batch_on_the_other_gpu_reads_in_place_through_its_capsule() ->
                     assert pointer == aib.column_view(imported, "v").__cuda_array_interface__["data"][0]
                     assert _kernel_read(pointer, len(want), reader) == want
                     del schema, array, device_array
-    finally:
-        parent.send("stop")
-        _join(producer)
 
 
 def test_list_names_each_gpu_by_uuid_and_ordinal(capsys: pytest.CaptureFixture[str]) -> None:
@@ -412,16 +416,7 @@ def test_a_thousand_cross_gpu_imports_hold_nothing() -> None:
     from arrow_ipc_bridge.cuda import cross_gpu
     from arrow_ipc_bridge.cuda.opener import opener
 
-    path = _socket_path()
-    parent, child = _CTX.Pipe()
-    producer = _CTX.Process(target=producer_on_both_gpus, args=(path, "0,1", child))
-    producer.start()
-    try:
-        assert parent.poll(120), "producer did not start"
-        status, uuids = parent.recv()
-        assert status == "ready", uuids
-        source = cuda.ordinal_for_uuid(bytes.fromhex(uuids[0][4:].replace("-", "")))
-        reader = 1 - source
+    with _serving_both_gpus() as (path, _source, reader):
         want = numeric_table(0).column("c_int64").chunk(0).buffers()[1].to_pybytes()
 
         def snapshot() -> dict[str, int]:
@@ -463,6 +458,3 @@ def test_a_thousand_cross_gpu_imports_hold_nothing() -> None:
         assert after["pending_copies"] <= 1
         for key in ("free_0", "free_1"):
             assert before[key] - after[key] < 64 << 20, (key, before, after)
-    finally:
-        parent.send("stop")
-        _join(producer)

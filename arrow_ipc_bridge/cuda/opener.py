@@ -176,17 +176,27 @@ class CudaOpener:
         with _state.lock:
             local = [_state.local_exports.get(handle) for handle in handles]
             _state.counters["same_process"] += sum(base is not None for base in local)
+        return self._open_grouped(
+            list(zip(handles, local, strict=True)), lambda handle: self._legacy_locked(handle, device)
+        )
+
+    def _open_grouped(
+        self, handles: list[tuple[bytes, int | None]], open_locked: Callable[[bytes], _Opened]
+    ) -> tuple[list[int], Any]:
+        """``(bases in order, one owner holding every open)``, the caller's: each handle's known
+        base (our own export: mapped here, kept by the producer) or ``open_locked(handle)``,
+        called under the lock."""
         group = lib.aib_owner_new(0)
         if group == ffi.NULL:
             raise MemoryError("allocating an owner")
         bases: list[int] = []
         try:
             with self._lock:
-                for handle, local_base in zip(handles, local, strict=True):
-                    if local_base is not None:  # our own export: mapped here, kept by the producer
-                        bases.append(local_base)
+                for handle, known_base in handles:
+                    if known_base is not None:
+                        bases.append(known_base)
                         continue
-                    opened = self._legacy_locked(handle, device)
+                    opened = open_locked(handle)
                     failed = lib.aib_owner_add_dependency(group, opened.owner)
                     lib.aib_owner_unref(opened.owner)
                     if failed:
@@ -211,23 +221,10 @@ class CudaOpener:
         if any(len(handle) != 64 for handle in handles):
             raise RegionError("a legacy CUDA IPC handle is 64 bytes", field="handle")
         suffix = reader.to_bytes(4, "little")
-        group = lib.aib_owner_new(0)
-        if group == ffi.NULL:
-            raise MemoryError("allocating an owner")
-        pointers: list[int] = []
-        try:
-            with self._lock:
-                for handle in handles:
-                    opened = self._reader_legacy_locked(handle + suffix, handle, reader)
-                    failed = lib.aib_owner_add_dependency(group, opened.owner)
-                    lib.aib_owner_unref(opened.owner)
-                    if failed:
-                        raise MemoryError("adding an owner dependency")
-                    pointers.append(opened.base)
-        except BaseException:
-            lib.aib_owner_unref(group)
-            raise
-        return pointers, group
+        return self._open_grouped(
+            [(handle, None) for handle in handles],
+            lambda handle: self._reader_legacy_locked(handle + suffix, handle, reader),
+        )
 
     def _reader_legacy_locked(self, key: bytes, handle: bytes, reader: int) -> _Opened:
         """:meth:`_legacy_locked` for a handle opened in GPU ``reader``'s context (``key``: the
@@ -235,17 +232,7 @@ class CudaOpener:
         hit = self._reader_legacy.find(key)
         if hit is not None:
             return hit
-        ptr = _acquire(self._reader_legacy_live, key, lambda: ipc_open_mem_handle(handle, reader))
-        owner = lib.aib_owner_new(
-            _reaper.register(
-                lambda: self._release(
-                    self._reader_legacy_live, key, lambda ptr: ipc_close_mem_handle(ptr, device=reader)
-                )
-            )
-        )
-        opened = _Opened(ptr, owner)
-        self._reader_legacy.add(key, opened)
-        return opened
+        return self._open_and_hold(self._reader_legacy, self._reader_legacy_live, key, handle, reader)
 
     def _legacy_locked(self, handle: bytes, device: int) -> _Opened:
         """Under the lock: the open handle (one owner reference for the caller), from the region
@@ -261,16 +248,22 @@ class CudaOpener:
             return hit
         if handle not in self._legacy_live:
             _state.counters["legacy_opens"] += 1
-        ptr = _acquire(self._legacy_live, handle, lambda: ipc_open_mem_handle(handle, device))
+        return self._open_and_hold(self._legacy, self._legacy_live, handle, handle, device)
+
+    def _open_and_hold(
+        self, held: _HeldOpen, live: dict[bytes, list[int]], key: bytes, handle: bytes, device: int
+    ) -> _Opened:
+        """Under the lock, for a ``key`` that ``held`` lacks: ``handle`` opened in ``device``'s
+        context (or found open in ``live``, counting one more owner), held in ``held``; one owner
+        reference for the caller, the table takes its own. The last owner's end closes it."""
+        ptr = _acquire(live, key, lambda: ipc_open_mem_handle(handle, device))
         owner = lib.aib_owner_new(
             _reaper.register(
-                lambda: self._release(
-                    self._legacy_live, handle, lambda ptr: ipc_close_mem_handle(ptr, device=device)
-                )
+                lambda: self._release(live, key, lambda ptr: ipc_close_mem_handle(ptr, device=device))
             )
         )
-        opened = _Opened(ptr, owner)  # the caller's reference; the table takes its own
-        self._legacy.add(handle, opened)
+        opened = _Opened(ptr, owner)
+        held.add(key, opened)
         return opened
 
     def _release(self, table: dict[bytes, list[int]], key: bytes, close: Any) -> None:
