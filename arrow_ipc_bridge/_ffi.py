@@ -54,7 +54,13 @@ batch_columns: Callable[..., tuple[object, int, tuple[tuple[str, int, int, int, 
 DLPackColumn: type  # what batch_columns hands out for DLPack consumers (columns.ColumnView wraps it)
 # py_columns.c (from_cuda_arrays): (values, n, cupy_type) -> (columns read, aib_cuda_column[n] as bytes)
 read_cuda_columns: Callable[[list[Any], int, type | None], tuple[int, bytes]]
-if lib.aib_py_install(__name__.encode()) != 0 or lib.aib_py_install_columns(__name__.encode()) != 0:
+# py_local_get.c: a session's local re-gets in one builtin call (session.py makes one per session).
+LocalGetter: type
+if (
+    lib.aib_py_install(__name__.encode()) != 0
+    or lib.aib_py_install_columns(__name__.encode()) != 0
+    or lib.aib_py_install_local_get(__name__.encode()) != 0
+):
     raise BuildMismatchError(  # pragma: no cover - only out of memory
         "the C core could not install its Python functions (the error is printed above)"
     )
@@ -74,6 +80,7 @@ __all__ = [
     "batch_columns",
     "DLPackColumn",
     "read_cuda_columns",
+    "LocalGetter",
 ]
 
 

@@ -47,6 +47,20 @@ __all__ = [
 ]
 
 
+def adopted_fields(bases: Any, device_type: int, device_id: int) -> dict[str, Any]:
+    """The attributes :meth:`_ImportedBase.adopt` sets that are the same for every import of a
+    remembered message (``bases``: its shared ``uint64_t[]``). The others are each import's own:
+    ``_decoded``, ``_owner_address``, ``_sync`` and ``name`` (and ``version``, ``_kept_arrays``
+    when set). The C core's local get (``cffi_build/py_local_get.c``) starts from these too."""
+    return {
+        "_bases": bases,
+        "_n_bases": len(bases),
+        "_device_type": device_type,
+        "_device_id": device_id,
+        "_on_release": None,
+    }
+
+
 class _ImportedBase(ArrowExporter):
     # Arrays build their capsule pairs in C from the owner's view; streams are rebuilt from the
     # bases they are given and need no view.
@@ -101,27 +115,22 @@ class _ImportedBase(ArrowExporter):
     def adopt(
         cls,
         decoded: Decoded,
-        bases: Any,
+        fields: dict[str, Any],
         *,
-        device_type: int,
-        device_id: int,
         sync_event: Any,
         name: str | None,
         owner_address: int,
     ) -> Self:
-        """The steady-state constructor: ``bases`` is the session's shared ``uint64_t[]`` and
-        nothing needs checking (a get per hand-off makes every call count); ``owner_address`` is
-        ``decoded``'s owner as a number (the C core returns it)."""
+        """The steady-state constructor: ``fields`` are the attributes every import of the message
+        shares (:func:`adopted_fields`: the session's shared ``uint64_t[]`` of bases, the device),
+        made once; nothing needs checking (a get per hand-off makes every call count).
+        ``owner_address`` is ``decoded``'s owner as a number (the C core returns it)."""
         self = cls.__new__(cls)
+        self.__dict__.update(fields)
         self._decoded = decoded
         self._owner_address = owner_address
-        self._bases = bases
-        self._n_bases = len(bases)
-        self._device_type = device_type
-        self._device_id = device_id
         self._sync = sync_event if sync_event is not None else ffi.NULL
         self.name = name
-        self._on_release = None
         return self
 
     # -- lifetime --

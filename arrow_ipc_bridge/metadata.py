@@ -303,12 +303,19 @@ class Decoded(DeferredClose):
         """A handle over ``owner``, a fresh owner the C core already made to share ``decoded``'s
         message (``aib_session_get``); this object takes over the caller's reference."""
         self = cls.__new__(cls)
+        self.__dict__.update(decoded.sharing_fields())
         self.owner = ffi.gc(owner, lib.aib_owner_unref)
-        self._d = decoded._d
-        self._message = decoded._message
-        self._n_fds = decoded._n_fds
-        self._allow_process_regions = decoded._allow_process_regions
         return self
+
+    def sharing_fields(self) -> dict[str, Any]:
+        """The attributes :meth:`adopt` copies from the message it shares (all but ``owner``): the C
+        core's local get (``cffi_build/py_local_get.c``) makes its Decoded from these too."""
+        return {
+            "_d": self._d,
+            "_message": self._message,
+            "_n_fds": self._n_fds,
+            "_allow_process_regions": self._allow_process_regions,
+        }
 
     @classmethod
     def adopt_owned(cls, owner: Any, message: bytes) -> Decoded:

@@ -18,13 +18,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from arrow_ipc_bridge import _linger
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.capsules import DEVICE_CUDA
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream
+from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, adopted_fields
 from arrow_ipc_bridge.metadata import REGION_CUDA_LEGACY, REGION_CUDA_POOL, REGION_FLAG_KEPT, Decoded, Region
 
 __all__ = ["RememberedMessage", "RememberedMessages", "needs_lease"]
@@ -45,6 +45,17 @@ class RememberedMessage:
     device_type: int
     device_id: int
     imported_type: type[ImportedArray] | type[ImportedStream]
+    # (imported_type, the attributes of each import's Decoded but its owner, those every import
+    # shares): what an import is made of, made once. Session._get_unplaced and the C core's local
+    # get (cffi_build/py_local_get.c, which reads it by this name) both build from it.
+    steady_fields: tuple[type[ImportedArray] | type[ImportedStream], dict[str, Any], dict[str, Any]] = field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        shared = adopted_fields(self.bases, self.device_type, self.device_id)
+        fields = (self.imported_type, self.template.sharing_fields(), shared)
+        object.__setattr__(self, "steady_fields", fields)
 
 
 class RememberedMessages:

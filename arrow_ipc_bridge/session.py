@@ -36,7 +36,7 @@ from arrow_ipc_bridge import (
     transport,
     waiting,
 )
-from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
+from arrow_ipc_bridge._ffi import WIRE_VERSION, LocalGetter, ffi, lib
 from arrow_ipc_bridge.array_cache import KeptCupyArrays
 from arrow_ipc_bridge.board import SessionBoard, open_board
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
@@ -51,7 +51,7 @@ from arrow_ipc_bridge.errors import (
     RegionError,
 )
 from arrow_ipc_bridge.host.mappings import HostMappingCache
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
+from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, adopted_fields, imported_from
 from arrow_ipc_bridge.metadata import (
     Decoded,
 )
@@ -192,7 +192,14 @@ class Session:
         self._board: SessionBoard | None = None
         # get_next's waits on the board (waiting.py) when the publisher wakes its slots' sleepers.
         self._board_waits: waiting.BoardWaits | None = None
-        self._imported: weakref.WeakSet[ImportedArray | ImportedStream] = weakref.WeakSet()
+        # Weak references to the imports this session handed out (close() releases those alive),
+        # each removing itself when its import dies, as a WeakSet's do; a plain set, so that the C
+        # core's local get adds to it in one call (_track).
+        self._imported: set[weakref.ref[ImportedArray | ImportedStream]] = set()
+        # The C core's local re-gets (py_local_get.c) once connected with a version board: the
+        # getter, and its builtin get(name) -> import or None (None: take the Python path).
+        self._local_getter: Any = None
+        self._local_get: Any = None
         self._conn: transport.Connection | None = None
         self._channel: Channel | None = None  # the C side of the connection once the handshake is done
         self._path: str | None = None  # the publisher's socket (connect), for subscriptions
@@ -206,11 +213,9 @@ class Session:
         self._closed = False
         self._waiting: set[int] = set()  # threads in get_next / get(wait=): close() wakes them
         self.publisher_info: dict[str, object] = {}
-        self.remembered_gets = 0
-        """Gets answered with a remembered message and imported by the C core (the steady state)."""
-        self.local_gets = 0
-        """Of those, gets answered from the publisher's version board under a standing lease, with no
-        round trip to the publisher (docs/lifetime.md, "Standing leases")."""
+        # Remembered gets made in Python (the local getter counts its own: the properties add them).
+        self._python_remembered_gets = 0
+        self._python_local_gets = 0
         self.new_message_gets = 0
         """Gets answered with a message not remembered but imported by the C core all the same,
         because every region it names is open in this process (new arrays carved out of CUDA
@@ -304,7 +309,7 @@ class Session:
                 ffi.release(lease_owner)  # the import (and a remembering template) hold it
         if name is not None and not template_kept:
             self._remembered.forget_replaced(name, message)
-        self._imported.add(imported)
+        self._track(imported)
         next(import_counters.python_imports)
         return imported
 
@@ -329,7 +334,7 @@ class Session:
         except BaseException:
             decoded.close()
             raise
-        self._imported.add(imported)
+        self._track(imported)
         next(import_counters.python_remembered_imports)
         return imported
 
@@ -395,6 +400,35 @@ class Session:
             self._board = open_board(channel, timeout)
             if "board_wake" in features and "watch" in features:
                 self._board_waits = waiting.BoardWaits(self._board, self._remembered)
+            if self._reader is None:  # a reader's placement of each get stays in Python
+                self._local_getter = self._new_local_getter(channel, self._board)
+                self._local_get = self._local_getter.get
+
+    def _new_local_getter(self, channel: Channel, board: SessionBoard) -> Any:
+        """The C core's local getter over this session's state (``cffi_build/py_local_get.c``):
+        what :meth:`_get_unplaced` does for a local answer from the board, in one builtin call."""
+        remembered = self._remembered
+        return LocalGetter(
+            int(ffi.cast("uintptr_t", channel.raw)),
+            int(ffi.cast("uintptr_t", remembered.table)),
+            int(ffi.cast("uintptr_t", board.address)),
+            board.n_slots,
+            (channel, remembered.table, board),  # what keeps the three pointers valid
+            channel,
+            self._request_lock,
+            channel.locked()[0],  # the receive lock
+            remembered._by_id,
+            Decoded,
+            _LOCAL_GETTER_KIT,
+            (import_counters.remembered_gets, import_counters.local_gets),
+            self._kept_arrays,
+            self._imported,
+        )
+
+    def _track(self, imported: Imported) -> None:
+        """Add ``imported`` to the imports :meth:`close` releases (as the C core's local get does)."""
+        imported_refs = self._imported
+        imported_refs.add(weakref.ref(imported, imported_refs.discard))
 
     def _request(self, kind: int, payload: bytes) -> Frame:
         channel = self._connection()
@@ -479,6 +513,12 @@ class Session:
         ``pool_linger`` seconds after the last get of the message, when the name is got with other
         data, on :meth:`forget`, or on :meth:`close`.
         """
+        if wait is None:
+            local_get = self._local_get
+            if local_get is not None:  # (never with a reader placement: see _attach)
+                imported = local_get(name)
+                if imported is not None:
+                    return imported  # type: ignore[no-any-return]
         channel = self._connection()  # closed, not connected: before the arguments
         if wait is not None:
             imported = self._get_version(name, after=0, timeout=waiting.check_wait(wait, "wait"))
@@ -486,8 +526,15 @@ class Session:
             imported = self._get_unplaced(channel, name)
         return imported if self._reader is None else self._reader.place(imported)
 
+    def _get_local_first(self, channel: Channel, name: str) -> Imported:
+        """:meth:`_get_unplaced`, through the C core's local getter first when there is one."""
+        local_get = self._local_get
+        imported = local_get(name) if local_get is not None else None
+        return imported if imported is not None else self._get_unplaced(channel, name)
+
     def _get_unplaced(self, channel: Channel, name: str) -> Imported:
-        """:meth:`get` without waiting, before the reader's placement (``cross_gpu.py``)."""
+        """:meth:`get` without waiting, before the reader's placement (``cross_gpu.py``); the
+        Python path of every answer (:attr:`_local_get` makes local answers in C when it can)."""
         raw_name = protocol.encode_name(name)
         fast: tuple[Decoded, RememberedMessage, int, Any] | None = None
         with self._request_lock:
@@ -515,28 +562,23 @@ class Session:
             assert frame is not None
             return self._adopt_new(imported_now, protocol.answer_message(frame.kind, frame.payload), name)
         if fast is not None:
-            self.remembered_gets += 1
+            self._python_remembered_gets += 1
             next(import_counters.remembered_gets)
             if flags & _GET_LOCAL:
-                self.local_gets += 1
+                self._python_local_gets += 1
                 next(import_counters.local_gets)
             elif flags & _GET_STANDING:  # the message holds a standing lease now: its linger runs
                 _linger.watch(self._remembered)
             decoded, hit, address, sync_slot = fast
-            imported = hit.imported_type.adopt(
-                decoded,
-                hit.bases,
-                device_type=hit.device_type,
-                device_id=hit.device_id,
-                sync_event=sync_slot or None,
-                name=name,
-                owner_address=address,
+            imported_type, _, fields = hit.steady_fields
+            imported = imported_type.adopt(
+                decoded, fields, sync_event=sync_slot or None, name=name, owner_address=address
             )
             if version:
                 imported.version = version
             if self._kept_arrays is not None:
                 imported._kept_arrays = (self._kept_arrays, hit)
-            self._imported.add(imported)
+            self._track(imported)
             return imported
         assert frame is not None
         try:
@@ -614,7 +656,7 @@ class Session:
                 timeout=timeout,
                 spin=spin,
                 channel=channel,
-                get=lambda: self._get_unplaced(channel, name),
+                get=lambda: self._get_local_first(channel, name),
                 closed=lambda: self._closed,
                 local_gets=lambda: self.local_gets,
             )
@@ -699,9 +741,7 @@ class Session:
         imported_type = ImportedStream if decoded.is_stream else ImportedArray
         imported: Imported = imported_type.adopt(
             decoded,
-            bases,
-            device_type=DEVICE_CUDA,
-            device_id=int(device_id[0]),
+            adopted_fields(bases, DEVICE_CUDA, int(device_id[0])),
             sync_event=sync_slot or None,
             name=name,
             owner_address=address,
@@ -710,7 +750,7 @@ class Session:
             imported.version = version
         self.new_message_gets += 1
         next(import_counters.new_message_gets)
-        self._imported.add(imported)
+        self._track(imported)
         self._remembered.forget_replaced(name, message)
         if self._remembered.limit and self._remembered.got_again(name, message):
             # The same new message twice in a row (a consumer polling a name the producer has not
@@ -771,6 +811,19 @@ class Session:
         return self._closed
 
     @property
+    def remembered_gets(self) -> int:
+        """Gets answered with a remembered message and imported by the C core (the steady state)."""
+        local = self._local_getter
+        return self._python_remembered_gets + (0 if local is None else int(local.gets))
+
+    @property
+    def local_gets(self) -> int:
+        """Of those, gets answered from the publisher's version board under a standing lease, with no
+        round trip to the publisher (docs/lifetime.md, "Standing leases")."""
+        local = self._local_getter
+        return self._python_local_gets + (0 if local is None else int(local.gets))
+
+    @property
     def mapping_cache(self) -> HostMappingCache:
         return self._cache
 
@@ -793,6 +846,9 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        if self._local_getter is not None:  # answers nothing from now on (before any teardown)
+            self._local_getter.close()
+            self._local_get = None
         if self._waiting and self._channel is not None and self._pid == _process.pid:
             # A wait held by the publisher holds the request lock for its whole time: end it now
             # (it raises PeerClosedError). The publisher then ends this connection's leases at once.
@@ -803,8 +859,10 @@ class Session:
             if self._conn is not None:
                 self._conn.close()
             return
-        for imported in list(self._imported):
-            imported.release()
+        for imported_ref in list(self._imported):
+            imported = imported_ref()
+            if imported is not None:
+                imported.release()
         if self._kept_arrays is not None:
             self._kept_arrays.close()
         self._remembered.close()
@@ -832,6 +890,18 @@ class Session:
 
 _GET_LOCAL = int(lib.AIB_GET_LOCAL)
 _GET_STANDING = int(lib.AIB_GET_STANDING)
+
+
+# What the local getter makes cffi pointers with: ffi.cast, ffi.gc, the owner's unref, the owner's
+# and the sync slot's pointer types, and NULL (py_local_get.c).
+_LOCAL_GETTER_KIT = (
+    ffi.cast,
+    ffi.gc,
+    lib.aib_owner_unref,
+    ffi.typeof("aib_owner *"),
+    ffi.typeof("uint64_t *"),
+    ffi.NULL,
+)
 
 
 def _send_release(channel: Channel, lease_id: int) -> None:

@@ -506,24 +506,29 @@ static void fill(aib_get_result *out, aib_owner *owner) {
   out->sync_slot = *aib_owner_slot(owner) != 0 ? aib_owner_slot(owner) : NULL;
 }
 
-int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64_t timeout_ms,
-                    aib_remembered *remembered, uint64_t lease_tokens, aib_owner *keeper,
-                    const void *board, uint32_t board_slots, aib_get_result *out, aib_frame *frame,
-                    aib_error *err) {
+int aib_session_get_local(aib_channel *ch, aib_remembered *remembered, const void *board, uint32_t board_slots,
+                          const uint8_t *name, size_t name_len, aib_get_result *out) {
   out->entry_id = 0;
   out->owner = NULL;
   out->owner_address = 0;
   out->sync_slot = NULL;
   out->version = 0;
   out->flags = 0;
-  if (board != NULL && remembered != NULL && aib_channel_quiet(ch)) {
-    aib_owner *owner = import_local(remembered, board, board_slots, name, name_len, &out->entry_id, &out->version);
-    if (owner != NULL) {
-      fill(out, owner);
-      out->flags = AIB_GET_LOCAL;
-      return AIB_GET_IMPORTED;
-    }
-  }
+  /* Anything unread on the channel (an error the publisher sent, its end) is the request path's. */
+  if (board == NULL || remembered == NULL || !aib_channel_quiet(ch)) return AIB_OK;
+  aib_owner *owner = import_local(remembered, board, board_slots, name, name_len, &out->entry_id, &out->version);
+  if (owner == NULL) return AIB_OK;
+  fill(out, owner);
+  out->flags = AIB_GET_LOCAL;
+  return AIB_GET_IMPORTED;
+}
+
+int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64_t timeout_ms,
+                    aib_remembered *remembered, uint64_t lease_tokens, aib_owner *keeper,
+                    const void *board, uint32_t board_slots, aib_get_result *out, aib_frame *frame,
+                    aib_error *err) {
+  if (aib_session_get_local(ch, remembered, board, board_slots, name, name_len, out) == AIB_GET_IMPORTED)
+    return AIB_GET_IMPORTED;
   int rc = aib_channel_request(ch, FRAME_GET, name, name_len, timeout_ms, frame, err);
   if (rc) return rc;
   if (remembered == NULL || keeper == NULL) return AIB_OK;

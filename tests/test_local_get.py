@@ -1,0 +1,233 @@
+"""The C core's local re-get (``cffi_build/py_local_get.c``): a standing-lease session's gets that the
+version board answers are made in one builtin call, objects included, and behave exactly as the
+Python path's: the same data and attributes, the same counters, the same errors, released by
+``Session.close``, refused in a forked child and after a close. docs/lifetime.md ("Standing
+leases") describes the path.
+
+Every test runs under the ``no_leaks`` fixture (tests/conftest.py): descriptors, the C core's live
+owners, struct nodes and mappings, the reaper's pending callbacks and threads return to what they
+were before the test.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from helpers.session_rig import wait_for
+
+import arrow_ipc_bridge as aib
+from arrow_ipc_bridge import _reaper
+from arrow_ipc_bridge._ffi import ffi
+from arrow_ipc_bridge.errors import ArgumentTypeError, ClosedError, InvalidArgumentError, NotPublishedError
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+@pytest.fixture
+def local_session(publisher: aib.Publisher) -> Iterator[aib.Session]:
+    """A standing-lease session whose gets of "t" (a record batch) and "s" (a table) are local."""
+    publisher.publish("t", pa.record_batch({"x": pa.array([1, 2, 3], pa.int64())}))
+    publisher.publish("s", pa.table({"y": ["a", None, "c"]}))
+    with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
+        for _ in range(2):  # the first get imports, the second takes the standing lease
+            for name in ("t", "s"):
+                session.get(name).release()
+        assert session.local_gets == 0
+        yield session
+
+
+def test_local_gets_are_made_by_the_c_getter_with_the_data_and_the_counts(
+    local_session: aib.Session, publisher: aib.Publisher
+) -> None:
+    """Each later get is local and made by the getter: the data, the version, the session's and the
+    process's counters as before."""
+    before = aib.stats().session
+    getter = local_session._local_getter
+    assert getter is not None
+    for round_ in range(1, 4):
+        with local_session.get("t") as batch, local_session.get("s") as table:
+            assert isinstance(batch, aib.ImportedArray)
+            assert isinstance(table, aib.ImportedStream)
+            assert pa.record_batch(batch).column(0).to_pylist() == [1, 2, 3]
+            assert pa.table(table).column("y").to_pylist() == ["a", None, "c"]
+            assert (batch.version, table.version) == (publisher.version("t"), publisher.version("s"))
+            assert batch.name == "t"
+            assert table.name == "s"
+        assert getter.gets == 2 * round_
+    assert local_session.local_gets == 6
+    assert local_session.remembered_gets == 8  # the two standing-lease gets were remembered too
+    after = aib.stats().session
+    assert after.local_gets - before.local_gets == 6
+    assert after.remembered_gets - before.remembered_gets == 6
+
+
+def test_a_c_made_import_has_the_python_paths_attributes(local_session: aib.Session) -> None:
+    """The getter's objects carry the same attributes as those the Python path makes for the same
+    local answer (with the getter set aside), so no code can tell them apart."""
+
+    def attributes(imported: Any) -> dict[str, Any]:
+        fields = dict(vars(imported))
+        decoded = fields.pop("_decoded")
+        fields["decoded"] = {k: v for k, v in vars(decoded).items() if k != "owner"}
+        fields["owner type"] = ffi.typeof(decoded.owner)
+        # Each import's own owner, and its slot for the producer's event (none for host data).
+        assert fields.pop("_owner_address") == int(ffi.cast("uintptr_t", decoded.owner))
+        fields["has sync"] = fields.pop("_sync") != ffi.NULL
+        return fields
+
+    with local_session.get("t") as from_c:
+        c_fields = attributes(from_c)
+    getter_get, local_session._local_get = local_session._local_get, None
+    try:
+        with local_session.get("t") as from_python:
+            python_fields = attributes(from_python)
+    finally:
+        local_session._local_get = getter_get
+    assert local_session._local_getter.gets == 1
+    assert c_fields.keys() == python_fields.keys()
+    assert c_fields == python_fields
+
+
+def test_closing_the_session_releases_c_made_imports_and_stops_the_getter(local_session: aib.Session) -> None:
+    """Session.close releases what the getter handed out, and the getter answers nothing after it:
+    a get raises ClosedError from the Python path."""
+    held = [local_session.get("t"), local_session.get("s")]
+    assert local_session._local_getter.gets == 2
+    getter = local_session._local_getter
+    local_session.close()
+    assert all(imported.released for imported in held)
+    assert getter.get("t") is None
+    with pytest.raises(ClosedError):
+        local_session.get("t")
+
+
+def test_a_collected_c_made_import_leaves_the_sessions_set(local_session: aib.Session) -> None:
+    """The session's set of live imports holds weak references that leave it when their import dies,
+    whichever path made it (a consumer that never calls release leaks nothing)."""
+    before = len(local_session._imported)
+    imports = [local_session.get("t") for _ in range(50)]
+    assert local_session._local_getter.gets == 50
+    assert len(local_session._imported) == before + 50
+    del imports
+    gc.collect()
+    _reaper.drain()
+    assert len(local_session._imported) == before
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        (7, ArgumentTypeError),
+        ("", InvalidArgumentError),
+        ("\ud800", InvalidArgumentError),
+        ("x" * 5000, InvalidArgumentError),
+    ],
+)
+def test_a_bad_name_gets_the_python_paths_error(local_session: aib.Session, name: Any, error: type) -> None:
+    """What the getter cannot take (not a str, not a name) is left to the Python path, which says why."""
+    with pytest.raises(error):
+        local_session.get(name)
+    assert local_session._local_getter.gets == 0
+
+
+def test_an_unknown_or_republished_name_is_asked_of_the_publisher(
+    local_session: aib.Session, publisher: aib.Publisher
+) -> None:
+    """A name with no standing lease goes to the publisher (NotPublishedError); after a new publish
+    the board no longer matches and the get is a round trip that returns the new data."""
+    with pytest.raises(NotPublishedError):
+        local_session.get("nothing")
+    publisher.publish("t", pa.record_batch({"x": pa.array([9], pa.int64())}))
+    with local_session.get("t") as imported:
+        assert pa.record_batch(imported).column(0).to_pylist() == [9]
+    assert local_session._local_getter.gets == 0
+
+
+def test_gets_from_several_threads_are_each_whole(local_session: aib.Session) -> None:
+    """Threads getting at once (the getter takes the session's request lock, as Python does) each get
+    whole imports, and every lease ends."""
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(200):
+                with local_session.get("t") as imported:
+                    assert pa.record_batch(imported).num_rows == 3
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    assert local_session._local_getter.gets == 800
+
+
+def test_a_closed_publisher_is_a_clear_error_not_a_local_answer(
+    local_session: aib.Session, publisher: aib.Publisher
+) -> None:
+    """When the publisher closes, its end of the connection is unread on the channel: the getter
+    answers nothing and the get raises the Python path's PeerClosedError."""
+    publisher.close()
+    assert wait_for(lambda: not local_session._connection().quiet(), 5.0)
+    with pytest.raises(aib.PeerClosedError):
+        local_session.get("t")
+    assert local_session._local_getter.gets == 0
+
+
+def _forked_child(session: aib.Session, out: int) -> None:
+    report: list[Any] = []
+    report.append(session._local_getter.get("t") is None)  # answers nothing here
+    try:
+        session.get("t")
+        report.append("no error")
+    except aib.ForeignProcessError:
+        report.append("foreign")
+    session.close()
+    os.write(out, json.dumps(report).encode())
+
+
+def test_a_forked_child_gets_nothing_from_its_parents_getter(local_session: aib.Session) -> None:
+    """A child of fork inherits the getter: it answers nothing there, and the get raises
+    ForeignProcessError from the Python path; the parent's gets go on locally."""
+    read_end, write_end = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12: fork with threads running
+        pid = os.fork()
+    if pid == 0:  # never returns into pytest
+        code = 1
+        try:
+            os.close(read_end)
+            _forked_child(local_session, write_end)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read_end, "rb") as reader:
+        report = json.loads(reader.read() or b"null")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert report == [True, "foreign"]
+    with local_session.get("t") as imported:
+        assert pa.record_batch(imported).num_rows == 3
+    assert local_session._local_getter.gets == 1
+
+
+def test_a_session_without_standing_leases_makes_no_getter(publisher: aib.Publisher) -> None:
+    """Without standing leases there is no board and no local answer: no getter. (A session that
+    places each get on a reader GPU makes none either: the placement is Python's.)"""
+    publisher.publish("t", pa.table({"x": [1]}))
+    with aib.connect(publisher.path, timeout=10.0) as plain:
+        assert plain._local_getter is None
+        with plain.get("t") as imported:
+            assert pa.table(imported).num_rows == 1
