@@ -104,10 +104,16 @@ static int call_lock(PyObject *method) {
 
 /* Calls a lock's release keeping a pending exception (a release of a lock we hold cannot fail). */
 static void release_lock(PyObject *release) {
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject *pending = PyErr_GetRaisedException();
+  if (call_lock(release) < 0) PyErr_WriteUnraisable(release);
+  PyErr_SetRaisedException(pending);
+#else
   PyObject *type, *value, *tb;
   PyErr_Fetch(&type, &value, &tb);
   if (call_lock(release) < 0) PyErr_WriteUnraisable(release);
   PyErr_Restore(type, value, tb);
+#endif
 }
 
 /* cls.__new__(cls) for a Python class (what the adopt constructors do). */

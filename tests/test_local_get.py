@@ -109,6 +109,22 @@ def test_closing_the_session_releases_c_made_imports_and_stops_the_getter(local_
         local_session.get("t")
 
 
+def test_a_get_waiting_for_the_request_lock_answers_nothing_once_closed(local_session: aib.Session) -> None:
+    """A get that waited for the request lock while the session closed (close marks the getter
+    first, then tears down under that lock) answers nothing: it looks again once it holds the lock."""
+    getter = local_session._local_getter
+    answers: list[object] = []
+    with local_session._request_lock:
+        thread = threading.Thread(target=lambda: answers.append(getter.get("t")))
+        thread.start()
+        thread.join(0.2)
+        assert thread.is_alive()  # held up by the request lock
+        getter.close()
+    thread.join(10)
+    assert answers == [None]
+    assert getter.gets == 0
+
+
 def test_a_collected_c_made_import_leaves_the_sessions_set(local_session: aib.Session) -> None:
     """The session's set of live imports holds weak references that leave it when their import dies,
     whichever path made it (a consumer that never calls release leaks nothing)."""
