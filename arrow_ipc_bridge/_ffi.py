@@ -56,10 +56,13 @@ DLPackColumn: type  # what batch_columns hands out for DLPack consumers (columns
 read_cuda_columns: Callable[[list[Any], int, type | None], tuple[int, bytes]]
 # py_local_get.c: a session's local re-gets in one builtin call (session.py makes one per session).
 LocalGetter: type
+# py_in_place.c: a publisher's in-place renewals in one builtin call (publisher.py makes one).
+InPlaceRenewer: type
 if (
     lib.aib_py_install(__name__.encode()) != 0
     or lib.aib_py_install_columns(__name__.encode()) != 0
     or lib.aib_py_install_local_get(__name__.encode()) != 0
+    or lib.aib_py_install_in_place(__name__.encode()) != 0
 ):
     raise BuildMismatchError(  # pragma: no cover - only out of memory
         "the C core could not install its Python functions (the error is printed above)"
@@ -81,6 +84,7 @@ __all__ = [
     "DLPackColumn",
     "read_cuda_columns",
     "LocalGetter",
+    "InPlaceRenewer",
 ]
 
 

@@ -415,6 +415,11 @@ def _build_columns(
     return captured
 
 
+def from_cuda_arrays_type() -> type:
+    """The type :func:`from_cuda_arrays` returns (the C core's in-place renewal takes exactly it)."""
+    return _CudaColumns
+
+
 def from_cuda_array(obj: Any) -> CapturedArray:
     """Wrap a 1-D GPU array (CuPy, PyTorch, Numba, or any DLPack producer) as an Arrow column.
 

@@ -723,6 +723,9 @@ int aib_py_install_columns(const char *module_name);
 /* Installs LocalGetter on the Python module module_name (py_local_get.c): a session's local re-gets
  * (aib_session_get_local) with the imported object built in C; 0 or -1. */
 int aib_py_install_local_get(const char *module_name);
+/* Installs InPlaceRenewer on the Python module module_name (py_in_place.c): a publisher's in-place
+ * renewal of from_cuda_arrays columns (aib_cuda_record_after, aib_pubtable_renew) in one call; 0 or -1. */
+int aib_py_install_in_place(const char *module_name);
 /* aib_columns_build: the schema and array (no device wrapper) of n columns of one length: a struct
  * "+s" record batch with children named names[i] when as_batch, else one plain array (n == 1, names
  * unused). One allocation per tree; the structs own no data (the caller keeps it alive). */

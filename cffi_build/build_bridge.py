@@ -39,6 +39,7 @@ C_SOURCES = [
     "host_system.c",
     "py_columns.c",
     "py_local_get.c",
+    "py_in_place.c",
 ]
 HEADERS = ["arrow_c_abi.h", "bridge.h"]
 _INTEGER_DEFINE = re.compile(r"^#define\s+\w+\s+-?\d+\s*(/\*.*\*/)?\s*$")

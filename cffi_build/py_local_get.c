@@ -32,13 +32,39 @@
 #include <pthread.h>
 
 #include "internal.h"
+#include "py_hot.h"
 
-/* Bumped in a forked child: a getter made before the fork is its parent's (the locks may have been
- * held by parent threads, the leases are the parent's) and answers nothing there. */
+/* Bumped in a forked child: a builtin's state made before the fork is its parent's (the locks may
+ * have been held by parent threads, the leases are the parent's) and answers nothing there. */
 static atomic_uint fork_generation;
 static pthread_once_t fork_handler_once = PTHREAD_ONCE_INIT;
 static void after_fork_in_child(void) { atomic_fetch_add(&fork_generation, 1); }
 static void register_fork_handler(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
+
+unsigned aib_py_fork_generation(void) {
+  pthread_once(&fork_handler_once, register_fork_handler);
+  return atomic_load(&fork_generation);
+}
+
+int aib_py_call_lock(PyObject *method) {
+  PyObject *r = PyObject_CallNoArgs(method);
+  if (r == NULL) return -1;
+  Py_DECREF(r);
+  return 0;
+}
+
+void aib_py_release_lock(PyObject *release) {
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject *pending = PyErr_GetRaisedException();
+  if (aib_py_call_lock(release) < 0) PyErr_WriteUnraisable(release);
+  PyErr_SetRaisedException(pending);
+#else
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  if (aib_py_call_lock(release) < 0) PyErr_WriteUnraisable(release);
+  PyErr_Restore(type, value, tb);
+#endif
+}
 
 /* Attribute names, interned once at install (a lookup by an interned str hashes nothing). */
 enum { K_DECODED, K_OWNER_ADDRESS, K_SYNC, K_NAME, K_VERSION, K_KEPT, K_OWNER, K_DICT, K_CLOSED, K_STEADY, N_KEYS };
@@ -92,28 +118,6 @@ static void local_getter_dealloc(PyObject *self) {
   freefunc free_self = (freefunc)PyType_GetSlot(type, Py_tp_free);
   free_self(self);
   Py_DECREF(type); /* instances of heap types hold a reference on their type */
-}
-
-/* Calls a lock's bound acquire or release; 0, or -1 with a Python exception set. */
-static int call_lock(PyObject *method) {
-  PyObject *r = PyObject_CallNoArgs(method);
-  if (r == NULL) return -1;
-  Py_DECREF(r);
-  return 0;
-}
-
-/* Calls a lock's release keeping a pending exception (a release of a lock we hold cannot fail). */
-static void release_lock(PyObject *release) {
-#if PY_VERSION_HEX >= 0x030C0000
-  PyObject *pending = PyErr_GetRaisedException();
-  if (call_lock(release) < 0) PyErr_WriteUnraisable(release);
-  PyErr_SetRaisedException(pending);
-#else
-  PyObject *type, *value, *tb;
-  PyErr_Fetch(&type, &value, &tb);
-  if (call_lock(release) < 0) PyErr_WriteUnraisable(release);
-  PyErr_Restore(type, value, tb);
-#endif
 }
 
 /* cls.__new__(cls) for a Python class (what the adopt constructors do). */
@@ -230,20 +234,20 @@ static int count_get(local_getter *g) {
 /* get(name) -> the imported object of a local answer, or None (nothing sent or changed). */
 static PyObject *local_get(PyObject *self, PyObject *name) {
   local_getter *g = (local_getter *)self;
-  if (g->closed || g->generation != atomic_load(&fork_generation) || !PyUnicode_Check(name)) Py_RETURN_NONE;
+  if (g->closed || g->generation != aib_py_fork_generation() || !PyUnicode_Check(name)) Py_RETURN_NONE;
   Py_ssize_t name_len;
   const char *raw = PyUnicode_AsUTF8AndSize(name, &name_len);
   if (raw == NULL) { /* not encodable: the Python path says why */
     PyErr_Clear();
     Py_RETURN_NONE;
   }
-  if (call_lock(g->request_acquire) < 0) return NULL;
+  if (aib_py_call_lock(g->request_acquire) < 0) return NULL;
   if (g->closed) { /* closed while we waited: Session.close sets it before it tears anything down */
-    release_lock(g->request_release);
+    aib_py_release_lock(g->request_release);
     Py_RETURN_NONE;
   }
-  if (call_lock(g->recv_acquire) < 0) {
-    release_lock(g->request_release);
+  if (aib_py_call_lock(g->recv_acquire) < 0) {
+    aib_py_release_lock(g->request_release);
     return NULL;
   }
   /* A closed channel's descriptor may be closed (and its number reused) once nobody holds its locks:
@@ -255,9 +259,9 @@ static PyObject *local_get(PyObject *self, PyObject *name) {
   int rc = usable ? aib_session_get_local(g->channel, g->remembered, g->board, g->board_slots, (const uint8_t *)raw,
                                           (size_t)name_len, &out)
                   : AIB_OK;
-  release_lock(g->recv_release);
+  aib_py_release_lock(g->recv_release);
   if (rc != AIB_GET_IMPORTED) {
-    release_lock(g->request_release);
+    aib_py_release_lock(g->request_release);
     if (channel_closed == NULL) return NULL;
     Py_RETURN_NONE;
   }
@@ -266,7 +270,7 @@ static PyObject *local_get(PyObject *self, PyObject *name) {
   PyObject *hit = entry_id != NULL ? PyDict_GetItemWithError(g->by_id, entry_id) : NULL; /* borrowed */
   Py_XINCREF(hit);
   Py_XDECREF(entry_id);
-  release_lock(g->request_release);
+  aib_py_release_lock(g->request_release);
   if (hit == NULL) {
     aib_owner_unref(out.owner); /* cannot happen; if it did, the lease's hold ends here */
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "a remembered message vanished during a get");
@@ -312,14 +316,13 @@ static PyObject *local_getter_new(PyTypeObject *type, PyObject *args, PyObject *
     PyErr_SetString(PyExc_ValueError, "LocalGetter needs a channel, a remembered set, a board and a 6-item kit");
     return NULL;
   }
-  pthread_once(&fork_handler_once, register_fork_handler);
   local_getter *g = (local_getter *)PyType_GenericAlloc(type, 0);
   if (g == NULL) return NULL;
   g->channel = (aib_channel *)(uintptr_t)channel;
   g->remembered = (aib_remembered *)(uintptr_t)remembered;
   g->board = (const void *)(uintptr_t)board;
   g->board_slots = board_slots;
-  g->generation = atomic_load(&fork_generation);
+  g->generation = aib_py_fork_generation();
   g->keep_alive = Py_NewRef(keep_alive);
   g->channel_obj = Py_NewRef(channel_obj);
   g->by_id = Py_NewRef(by_id);

@@ -134,3 +134,28 @@ def test_the_record_pushes_the_primary_context_only_when_another_is_current(fake
 
 def test_a_forked_child_asks_about_columns_its_parent_holds(fake_libcuda: str) -> None:
     assert _run(fake_libcuda, "forked") == {"child": "CudaError", "held_parent": 1}
+
+
+def test_the_c_core_renews_from_the_second_renewal_on(fake_libcuda: str) -> None:
+    """py_in_place.c: the publisher's first in-place renewal (Python) prepares it; the next ones are
+    made in one C call each and do exactly what Python's do (one record, no wait, no query, a new
+    version, the same stats); the rest takes the Python path."""
+    seen = _run(fake_libcuda, "c_renewal")
+    assert not seen["renewer_before"]
+    assert seen["renewer_after"]
+    assert seen["c_five"] == {"pointer_queries": 0, "waits": 0, "records": 5, "pushes": 0, "in_place": 5}
+    assert seen["c_renewals"] == 5
+    assert seen["version_steps"] == 5
+    assert seen["same_stats"]
+    # A copy policy given: renewed in place by Python (the C renewer counts nothing).
+    assert seen["policy_given"]["in_place"] == 1
+    assert seen["c_renewals_policy"] == 5
+    # A forked child: the C renewer answers nothing there; Python refuses the foreign process.
+    assert seen["forked_child"] == "ForeignProcessError"
+    # Other columns, then the first ones again: two new publications, nothing renewed.
+    assert seen["other_columns"]["in_place"] == 0
+    assert seen["c_renewals_other"] == 5
+    # Closed: ClosedError from the Python path; nothing recorded or renewed.
+    assert seen["closed"] == "ClosedError"
+    assert not any(seen["publish_closed"].values())
+    assert seen["c_renewals_closed"] == 5

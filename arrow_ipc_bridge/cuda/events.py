@@ -114,6 +114,17 @@ class Event(_DriverResource):
         :meth:`record` ``(0)`` do (the device's primary context made current for them when another
         one is), in one C call (``aib_cuda_record_after``) instead of five driver calls through
         cffi: the hot path of a publisher's shared event (``cuda/shared_event.py``)."""
+        context, event = self.legacy_record_values()
+        result = _core.aib_cuda_record_after(context, _address(after, "event") if after else 0, event)
+        if result:
+            call = _RECORD_CALLS.get(result >> 16, "aib_cuda_record_after")
+            raise _DRIVER.error(call, result & 0xFFFF)
+
+    def legacy_record_values(self) -> tuple[int, int]:
+        """``(primary context, CUevent)`` as numbers: what ``aib_cuda_record_after`` takes for a
+        record of this event on the legacy default stream (:meth:`_record_on_legacy_stream`, and
+        the C core's in-place renewal, ``cffi_build/py_in_place.c``). CudaError when the event is
+        closed or the driver is not loaded by this process."""
         self._check_open()
         _api()  # the driver loaded by this process (the C core has its functions): else CudaError
         context = _context_values.get(self._device)
@@ -123,10 +134,7 @@ class Event(_DriverResource):
         event = self._value
         if event is None:
             event = self._value = self.handle
-        result = _core.aib_cuda_record_after(context, _address(after, "event") if after else 0, event)
-        if result:
-            call = _RECORD_CALLS.get(result >> 16, "aib_cuda_record_after")
-            raise _DRIVER.error(call, result & 0xFFFF)
+        return context, event
 
     def ipc_handle(self) -> bytes:
         """Return the 64-byte interprocess handle (``cuIpcGetEventHandle`` once per event, then cached)."""

@@ -225,5 +225,64 @@ def forked() -> dict[str, Any]:
         return {"child": answer, "held_parent": device.held_column_facts()}
 
 
+def c_renewal() -> dict[str, Any]:
+    """The first in-place renewal (Python) prepares the publication; from the second on the C core
+    renews (py_in_place.c): one record each, no wait, no query, a version step of one each, the same
+    stats returned, the process counter. Other columns, a copy policy given, a forked child and a
+    closed publisher take the Python path."""
+    seen: dict[str, Any] = {}
+    cols = _columns(140)
+    pub = _publisher()
+    pub.publish("t", aib.from_cuda_arrays(cols))
+    seen["renewer_before"] = pub._in_place is not None
+    first = pub.publish("t", aib.from_cuda_arrays(cols))  # renewed in Python, which prepares
+    renewer = pub._in_place
+    seen["renewer_after"] = renewer is not None
+    version = pub.version("t")
+    delta = _Delta()
+    returned = [pub.publish("t", aib.from_cuda_arrays(cols)) for _ in range(5)]
+    seen["c_five"] = delta()
+    seen["c_renewals"] = renewer.renewals
+    seen["version_steps"] = pub.version("t") - version
+    seen["same_stats"] = all(stats is first for stats in returned)
+    delta = _Delta()
+    pub.publish("t", aib.from_cuda_arrays(cols), copy="if_needed")  # a policy given: Python's renewal
+    seen["policy_given"] = delta()
+    seen["c_renewals_policy"] = renewer.renewals
+    batch = aib.from_cuda_arrays(cols)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one publish of columns made before the fork, its answer, and out
+        try:
+            pub.publish("t", batch)
+            answer = "no error"
+        except aib.BridgeError as exc:
+            answer = type(exc).__name__
+        except BaseException as exc:  # reported to the parent
+            answer = repr(exc)
+        os.write(write, answer.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as pipe:
+        seen["forked_child"] = pipe.read().decode()
+    delta = _Delta()
+    pub.publish("t", aib.from_cuda_arrays(_columns(150)))  # other columns: a new publication
+    pub.publish("t", batch)  # the first columns again: not the current version's
+    seen["other_columns"] = delta()
+    seen["c_renewals_other"] = renewer.renewals
+    pub.close()
+    _reaper.drain()
+    delta = _Delta()
+    try:
+        pub.publish("t", batch)
+        seen["closed"] = None
+    except aib.BridgeError as exc:
+        seen["closed"] = type(exc).__name__
+    seen["publish_closed"] = delta()
+    seen["c_renewals_closed"] = renewer.renewals
+    return seen
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]]()))
