@@ -6,12 +6,13 @@ a :class:`~arrow_ipc_bridge.publisher.Publisher` (``list``, ``get``) and gives e
 the last struct built from it is released. The messages it remembers for re-gets, with their
 regions open, are kept by :class:`~arrow_ipc_bridge.remembered.RememberedMessages`.
 
-One concern, at some 950 lines: the consumer's session, made by :func:`connect` (and
-:func:`subscribe`), its imports and its get paths, which share the request lock, the remembered
-set and the leases. What stands apart from that state lives beside it: the remembered set
-(``remembered.py``), the version board (``board.py``), kept CuPy arrays (``array_cache.py``),
-live subscriptions (``streams/live.py``), and waits: one WAIT and its answer, and ``get_next``'s
-waits on the board (``waiting.py``).
+One concern, at some 900 lines: the consumer's session, made by :func:`connect` (and
+:func:`subscribe`), and its get paths, which share the request lock, the remembered set and the
+leases. What stands apart from that state lives beside it: the Python import of a message
+(``message_import.py``), the remembered set (``remembered.py``), the version board
+(``board.py``), kept CuPy arrays (``array_cache.py``), live subscriptions (``streams/live.py``),
+waits: one WAIT and its answer, and ``get_next``'s waits on the board (``waiting.py``), and the C
+core's local re-get (``cffi_build/py_local_get.c``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import functools
 import os
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -39,22 +39,19 @@ from arrow_ipc_bridge import (
 from arrow_ipc_bridge._ffi import WIRE_VERSION, LocalGetter, ffi, lib
 from arrow_ipc_bridge.array_cache import KeptCupyArrays
 from arrow_ipc_bridge.board import SessionBoard, open_board
-from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.channel import Channel, Frame, millis
-from arrow_ipc_bridge.content_check import check_content, check_level, cuda_reader
+from arrow_ipc_bridge.content_check import check_level
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
     ClosedError,
     PeerClosedError,
     ProtocolError,
-    RegionError,
 )
 from arrow_ipc_bridge.host.mappings import HostMappingCache
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, adopted_fields, imported_from
-from arrow_ipc_bridge.metadata import (
-    Decoded,
-)
+from arrow_ipc_bridge.imported import ImportedArray, ImportedStream
+from arrow_ipc_bridge.message_import import ImportedRefs, MessageImporter, track
+from arrow_ipc_bridge.metadata import Decoded
 from arrow_ipc_bridge.process_stats import import_counters
 from arrow_ipc_bridge.remembered import RememberedMessage, RememberedMessages
 from arrow_ipc_bridge.streams.frames import MAX_IN_FLIGHT
@@ -192,10 +189,15 @@ class Session:
         self._board: SessionBoard | None = None
         # get_next's waits on the board (waiting.py) when the publisher wakes its slots' sleepers.
         self._board_waits: waiting.BoardWaits | None = None
-        # Weak references to the imports this session handed out (close() releases those alive),
-        # each removing itself when its import dies, as a WeakSet's do; a plain set, so that the C
-        # core's local get adds to it in one call (_track).
-        self._imported: set[weakref.ref[ImportedArray | ImportedStream]] = set()
+        # The imports this session handed out (close() releases those alive): message_import.py.
+        self._imported: ImportedRefs = set()
+        self._importer = MessageImporter(
+            self._cache,
+            self._remembered,
+            self._imported,
+            host_check=self._host_check,
+            cuda_check=self._cuda_check,
+        )
         # The C core's local re-gets (py_local_get.c) once connected with a version board: the
         # getter, and its builtin get(name) -> import or None (None: take the Python path).
         self._local_getter: Any = None
@@ -216,10 +218,6 @@ class Session:
         # Remembered gets made in Python (the local getter counts its own: the properties add them).
         self._python_remembered_gets = 0
         self._python_local_gets = 0
-        self.new_message_gets = 0
-        """Gets answered with a message not remembered but imported by the C core all the same,
-        because every region it names is open in this process (new arrays carved out of CUDA
-        allocations shared before)."""
 
     # ---------- local import ------------------------------------------------------------------------
     def import_message(self, message: bytes, fds: Sequence[int] = (), *, name: str | None = None) -> Imported:
@@ -232,111 +230,24 @@ class Session:
         message = _arguments.byte_string(message, "message")
         _arguments.optional_name(name, "name", protocol.MAX_NAME)
         imported = self._import(message, region_import.checked_fds(fds), name=name, token=0)
-        return imported if self._reader is None else self._reader.place(imported)
+        return imported if self._reader is None else self._place(imported)
 
     def _import(self, message: bytes, fds: Sequence[int], *, name: str | None, token: int) -> Imported:
+        """``message`` imported in Python (``message_import.py``) under the lease ``token`` (0: none)."""
         self._check_open()
-        found = self._remembered.lookup(message, fds, token)
-        if found is not None:
-            hit, decoded, event = found
-            return self._import_remembered(decoded, hit, event, name)
-        files = region_import.file_identities(fds)  # what a remembered message will be matched by (in C)
-        template = Decoded(message, len(fds))
-        lease_owner: Any = None
-        try:
-            device = template.device()
-            regions = template.regions() if device.device_type == DEVICE_CUDA else []
-            if self._remembered.keeps_pool_lease(regions, message, name, token):
-                # The template will keep this lease (with the pool imports) after the import ends:
-                # the lease gets an owner of its own, which both hold.
-                decoded = Decoded.sharing(template, 0)
-                owner = lib.aib_owner_new(token)
-                if owner == ffi.NULL:
-                    decoded.close()
-                    raise MemoryError("allocating a lease owner")
-                lease_owner = ffi.gc(owner, lib.aib_owner_unref)
-                try:
-                    decoded.depend_on(lease_owner)
-                except BaseException:
-                    decoded.close()
-                    raise
-            else:
-                decoded = Decoded.sharing(template, token)
-        except BaseException:
-            template.close()
-            if lease_owner is not None:
-                ffi.release(lease_owner)
-            raise
-        template_kept = False
-        try:
-            if device.device_type == DEVICE_CPU:
-                bases = region_import.map_host_regions(self._cache, decoded, fds, template)
-                # After mapping, before anything is handed out; a re-get of these bytes with these
-                # files (remembered below) is not checked again (wire-format.md says why).
-                check_content(decoded, ffi.new("uint64_t[]", bases or [0]), self._host_check)
-                imported = imported_from(decoded, bases, device_type=DEVICE_CPU, device_id=-1, name=name)
-                if files is not None:
-                    # The template holds the mappings: a re-get with the same bytes and files is
-                    # imported by the C core (also all-null data, which maps nothing).
-                    base_array = ffi.new("uint64_t[]", bases or [0])
-                    self._remembered.remember(template, base_array, DEVICE_CPU, -1, 0, files=files, name=name)
-                    template_kept = True
-            elif device.device_type == DEVICE_CUDA:
-                imported, template_kept = region_import.open_cuda_regions(
-                    template,
-                    decoded,
-                    regions,
-                    fds,
-                    device,
-                    name=name,
-                    lease_owner=lease_owner,
-                    remembered=self._remembered,
-                    cuda_check=self._cuda_check,
-                    fetch_pool_fd=self._fetch_pool_fd if self._channel is not None else None,
-                )
-            else:
-                raise RegionError(
-                    f"the message holds data on device type {device.device_type}, "
-                    "which this build cannot import"
-                )
-        except BaseException:
-            decoded.close()
-            raise
-        finally:
-            if not template_kept:
-                template.close()  # the import's owner keeps what it needs alive
-            if lease_owner is not None:
-                ffi.release(lease_owner)  # the import (and a remembering template) hold it
-        if name is not None and not template_kept:
-            self._remembered.forget_replaced(name, message)
-        self._track(imported)
-        next(import_counters.python_imports)
-        return imported
+        fetch_pool_fd = self._fetch_pool_fd if self._channel is not None else None
+        return self._importer.import_message(
+            message, fds, name=name, token=token, fetch_pool_fd=fetch_pool_fd
+        )
 
-    def _import_remembered(
-        self, decoded: Decoded, hit: RememberedMessage, event: int, name: str | None
-    ) -> Imported:
-        """The same message again (same publication), its regions already open; ``event``: its
-        opened producer event (0: none)."""
-        try:
-            sync = None
-            if event:
-                sync = lib.aib_owner_slot(decoded.owner)
-                sync[0] = event
-            imported = imported_from(
-                decoded,
-                hit.bases,
-                device_type=hit.device_type,
-                device_id=hit.device_id,
-                sync_event=sync,
-                name=name,
-            )
-        except BaseException:
-            decoded.close()
-            raise
-        self._track(imported)
-        next(import_counters.python_remembered_imports)
-        return imported
+    def _place(self, imported: Imported) -> Imported:
+        """``imported`` placed for the reader GPU (``cross_gpu.ReaderPlacement``); a new object
+        (mapped on the reader, or a copy there) joins the imports :meth:`close` releases."""
+        assert self._reader is not None
+        placed: Imported = self._reader.place(imported)
+        if placed is not imported:
+            track(self._imported, placed)
+        return placed
 
     def forget(self, name: str | None = None) -> int:
         """Forget remembered messages: the one last got as ``name``, or all of them (None).
@@ -424,11 +335,6 @@ class Session:
             self._kept_arrays,
             self._imported,
         )
-
-    def _track(self, imported: Imported) -> None:
-        """Add ``imported`` to the imports :meth:`close` releases (as the C core's local get does)."""
-        imported_refs = self._imported
-        imported_refs.add(weakref.ref(imported, imported_refs.discard))
 
     def _request(self, kind: int, payload: bytes) -> Frame:
         channel = self._connection()
@@ -524,7 +430,7 @@ class Session:
             imported = self._get_version(name, after=0, timeout=waiting.check_wait(wait, "wait"))
         else:
             imported = self._get_unplaced(channel, name)
-        return imported if self._reader is None else self._reader.place(imported)
+        return imported if self._reader is None else self._place(imported)
 
     def _get_local_first(self, channel: Channel, name: str) -> Imported:
         """:meth:`_get_unplaced`, through the C core's local getter first when there is one."""
@@ -578,7 +484,7 @@ class Session:
                 imported.version = version
             if self._kept_arrays is not None:
                 imported._kept_arrays = (self._kept_arrays, hit)
-            self._track(imported)
+            track(self._imported, imported)
             return imported
         assert frame is not None
         try:
@@ -640,7 +546,7 @@ class Session:
             timeout=waiting.check_wait(timeout, "timeout"),
             spin=_arguments.seconds(spin, "spin", maximum=waiting.MAX_WAIT),
         )
-        return imported if self._reader is None else self._reader.place(imported)
+        return imported if self._reader is None else self._place(imported)
 
     def _get_version(self, name: str, *, after: int, timeout: float | None, spin: float = 0.0) -> Imported:
         """WAIT for a version over ``after`` (``waiting.py``), then import it like a GET's answer;
@@ -722,43 +628,9 @@ class Session:
     def _adopt_new(
         self, imported_now: tuple[int, Any, int, Any, int, int], message: bytes, name: str
     ) -> Imported:
-        """The import of a message the session had not seen, which the C core made because all its
-        regions are open in this process (``aib_import_new``): its owner carries the decode, the
-        view and the lease token; wrap it. ``message``: the bytes the C core decoded."""
-        _, owner, address, sync_slot, version, _ = imported_now
-        # The C core checked the message it decoded (and a GET's lease id).
-        decoded = Decoded.adopt_owned(owner, message)  # owns the reference from here on
-        found = ffi.new("const uint64_t **")
-        device_id = ffi.new("int64_t *")
-        n = lib.aib_owner_view_bases(owner, found, device_id)
-        bases = ffi.new("uint64_t[]", ffi.unpack(found[0], n) if n else [0])
-        if self._cuda_check != "none":
-            try:
-                check_content(decoded, bases, self._cuda_check, cuda_reader(int(device_id[0])))
-            except BaseException:
-                decoded.close()  # ends the lease
-                raise
-        imported_type = ImportedStream if decoded.is_stream else ImportedArray
-        imported: Imported = imported_type.adopt(
-            decoded,
-            adopted_fields(bases, DEVICE_CUDA, int(device_id[0])),
-            sync_event=sync_slot or None,
-            name=name,
-            owner_address=address,
-        )
-        if version:
-            imported.version = version
-        self.new_message_gets += 1
-        next(import_counters.new_message_gets)
-        self._track(imported)
-        self._remembered.forget_replaced(name, message)
-        if self._remembered.limit and self._remembered.got_again(name, message):
-            # The same new message twice in a row (a consumer polling a name the producer has not
-            # republished yet): remember it, so the next gets skip even the C decode.
-            self._remembered.remember_new(
-                owner, message, bases, int(device_id[0]), name=name, lease_keeper=self._lease_keeper
-            )
-        return imported
+        """The import of a message the C core made because all its regions are open in this process
+        (``aib_import_new``), wrapped (``message_import.py``)."""
+        return self._importer.adopt_new(imported_now, message, name, self._lease_keeper)
 
     def subscribe(self, name: str, *, max_in_flight: int = 8, timeout: float | None = None) -> LiveStream:
         """Subscribe to the publisher's live stream ``name`` from now on (docs/streams.md).
@@ -822,6 +694,13 @@ class Session:
         round trip to the publisher (docs/lifetime.md, "Standing leases")."""
         local = self._local_getter
         return self._python_local_gets + (0 if local is None else int(local.gets))
+
+    @property
+    def new_message_gets(self) -> int:
+        """Gets answered with a message not remembered but imported by the C core all the same,
+        because every region it names is open in this process (new arrays carved out of CUDA
+        allocations shared before)."""
+        return self._importer.new_message_gets
 
     @property
     def mapping_cache(self) -> HostMappingCache:

@@ -141,7 +141,8 @@ unlock:
     Py_RETURN_NONE;
   }
   r->renewals++;
-  PyObject *n = PyIter_Next(r->counter);
+  PyObject *n = PyIter_Next(r->counter); /* an itertools.count: never ends, never fails */
+  if (n == NULL && PyErr_Occurred()) PyErr_WriteUnraisable(r->counter);
   Py_XDECREF(n);
   /* The held waits this version answers (a step loop's usual case: none), after the lock. */
   if (PyList_Check(waiting) && PyList_GET_SIZE(waiting) > 0) {

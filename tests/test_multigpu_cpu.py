@@ -287,3 +287,33 @@ def test_doctor_without_a_driver_prints_no_topology() -> None:
     if cuda.driver_available():
         pytest.skip("a CUDA driver is present here")
     assert doctor.cuda_checks() == [doctor.Check("CUDA", "info", "driver not found (host memory only)")]
+
+
+class _SwapPlacement:
+    """A reader placement that hands out another object for every import (as a cross-GPU mapping or
+    copy does): the original is released, the new one comes from ``source``."""
+
+    device = 1
+
+    def __init__(self, source: aib.Session) -> None:
+        self.source = source
+
+    def place(self, imported: Any) -> Any:
+        name = imported.name
+        imported.release()
+        return self.source.get(name)
+
+
+def test_session_close_releases_what_the_reader_placement_handed_out(publisher: aib.Publisher) -> None:
+    """Objects the reader placement makes in place of an import (Session(reader_device=...)) are the
+    session's imports too: its close() releases them and their leases end."""
+    publisher.publish("t", pa.table({"x": [1, 2, 3]}))
+    with aib.connect(publisher.path, timeout=5.0) as source:
+        session = aib.connect(publisher.path, timeout=5.0)
+        session._reader = _SwapPlacement(source)  # type: ignore[assignment]
+        placed = [session.get("t") for _ in range(3)]
+        assert all(not imported.released for imported in placed)
+        assert publisher.active_leases == 3  # the placed objects' (the originals were released)
+        session.close()
+        assert all(imported.released for imported in placed)
+        assert publisher.active_leases == 0
