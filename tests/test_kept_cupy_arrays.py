@@ -30,7 +30,10 @@ from arrow_ipc_bridge.imported import imported_from
 from arrow_ipc_bridge.metadata import Decoded
 from tests.helpers.session_rig import wait_for
 
-LINGER = 0.3
+# Long enough that the tests which do not wait for the linger finish each step well within it on a
+# loaded 2-core machine (each step's gc.collect() alone can take a tenth of a second there); the
+# tests that wait for it poll (wait_for).
+LINGER = 2.0
 
 
 class _Memory:
