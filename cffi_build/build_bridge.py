@@ -38,6 +38,7 @@ C_SOURCES = [
     "py_capsules.c",
     "host_system.c",
     "py_columns.c",
+    "py_hot.c",
     "py_local_get.c",
     "py_in_place.c",
 ]

@@ -60,10 +60,7 @@ static void renewer_dealloc(PyObject *self) {
   Py_XDECREF(r->deliver);
   Py_XDECREF(r->remember_local_event);
   Py_XDECREF(r->counter);
-  PyTypeObject *type = Py_TYPE(self);
-  freefunc free_self = (freefunc)PyType_GetSlot(type, Py_tp_free);
-  free_self(self);
-  Py_DECREF(type);
+  aib_py_free_instance(self);
 }
 
 /* The prepared tuple of the publication `current` when obj (exactly from_cuda_arrays columns)
@@ -226,18 +223,5 @@ static PyType_Spec renewer_spec = {
 };
 
 int aib_py_install_in_place(const char *module_name) {
-  PyGILState_STATE gil = PyGILState_Ensure();
-  int rc = -1;
-  PyObject *module = NULL, *type = NULL;
-  for (int k = 0; k < N_KEYS; k++)
-    if (keys[k] == NULL && (keys[k] = PyUnicode_InternFromString(key_names[k])) == NULL) goto done;
-  module = PyImport_ImportModule(module_name);
-  type = module != NULL ? PyType_FromSpec(&renewer_spec) : NULL;
-  if (type != NULL) rc = PyObject_SetAttrString(module, "InPlaceRenewer", type);
-done:
-  if (rc < 0) PyErr_WriteUnraisable(NULL);
-  Py_XDECREF(type);
-  Py_XDECREF(module);
-  PyGILState_Release(gil);
-  return rc;
+  return aib_py_install_type(module_name, &renewer_spec, keys, key_names, N_KEYS);
 }

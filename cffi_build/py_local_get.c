@@ -29,42 +29,8 @@
 #include <Python.h>
 #include <structmember.h> /* T_ULONGLONG, READONLY */
 
-#include <pthread.h>
-
 #include "internal.h"
 #include "py_hot.h"
-
-/* Bumped in a forked child: a builtin's state made before the fork is its parent's (the locks may
- * have been held by parent threads, the leases are the parent's) and answers nothing there. */
-static atomic_uint fork_generation;
-static pthread_once_t fork_handler_once = PTHREAD_ONCE_INIT;
-static void after_fork_in_child(void) { atomic_fetch_add(&fork_generation, 1); }
-static void register_fork_handler(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
-
-unsigned aib_py_fork_generation(void) {
-  pthread_once(&fork_handler_once, register_fork_handler);
-  return atomic_load(&fork_generation);
-}
-
-int aib_py_call_lock(PyObject *method) {
-  PyObject *r = PyObject_CallNoArgs(method);
-  if (r == NULL) return -1;
-  Py_DECREF(r);
-  return 0;
-}
-
-void aib_py_release_lock(PyObject *release) {
-#if PY_VERSION_HEX >= 0x030C0000
-  PyObject *pending = PyErr_GetRaisedException();
-  if (aib_py_call_lock(release) < 0) PyErr_WriteUnraisable(release);
-  PyErr_SetRaisedException(pending);
-#else
-  PyObject *type, *value, *tb;
-  PyErr_Fetch(&type, &value, &tb);
-  if (aib_py_call_lock(release) < 0) PyErr_WriteUnraisable(release);
-  PyErr_Restore(type, value, tb);
-#endif
-}
 
 /* Attribute names, interned once at install (a lookup by an interned str hashes nothing). */
 enum { K_DECODED, K_OWNER_ADDRESS, K_SYNC, K_NAME, K_VERSION, K_KEPT, K_OWNER, K_DICT, K_CLOSED, K_STEADY, N_KEYS };
@@ -114,10 +80,7 @@ static void local_getter_dealloc(PyObject *self) {
   Py_XDECREF(g->kept_arrays);
   Py_XDECREF(g->tracked);
   Py_XDECREF(g->untrack);
-  PyTypeObject *type = Py_TYPE(self);
-  freefunc free_self = (freefunc)PyType_GetSlot(type, Py_tp_free);
-  free_self(self);
-  Py_DECREF(type); /* instances of heap types hold a reference on their type */
+  aib_py_free_instance(self);
 }
 
 /* cls.__new__(cls) for a Python class (what the adopt constructors do). */
@@ -373,18 +336,5 @@ static PyType_Spec local_getter_spec = {
 };
 
 int aib_py_install_local_get(const char *module_name) {
-  PyGILState_STATE gil = PyGILState_Ensure();
-  int rc = -1;
-  PyObject *module = NULL, *type = NULL;
-  for (int k = 0; k < N_KEYS; k++)
-    if (keys[k] == NULL && (keys[k] = PyUnicode_InternFromString(key_names[k])) == NULL) goto done;
-  module = PyImport_ImportModule(module_name);
-  type = module != NULL ? PyType_FromSpec(&local_getter_spec) : NULL;
-  if (type != NULL) rc = PyObject_SetAttrString(module, "LocalGetter", type);
-done:
-  if (rc < 0) PyErr_WriteUnraisable(NULL);
-  Py_XDECREF(type);
-  Py_XDECREF(module);
-  PyGILState_Release(gil);
-  return rc;
+  return aib_py_install_type(module_name, &local_getter_spec, keys, key_names, N_KEYS);
 }

@@ -206,23 +206,29 @@ def forked() -> dict[str, Any]:
     cols = _columns(128)
     with _publisher() as pub:
         pub.publish("t", aib.from_cuda_arrays(cols))
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: one call, its answer down the pipe, and out
-            try:
-                aib.from_cuda_arrays(cols)
-                answer = "no error"
-            except aib.BridgeError as exc:
-                answer = type(exc).__name__
-            except BaseException as exc:  # reported to the parent
-                answer = repr(exc)
-            os.write(write, answer.encode())
-            os._exit(0)
-        os.close(write)
-        os.waitpid(pid, 0)
-        with os.fdopen(read, "rb") as pipe:
-            answer = pipe.read().decode()
+        answer = _in_forked_child(lambda: aib.from_cuda_arrays(cols))
         return {"child": answer, "held_parent": device.held_column_facts()}
+
+
+def _in_forked_child(call: Any) -> str:
+    """What ``call()`` does in a child of fork: "no error", the name of the BridgeError it raised,
+    or the repr of anything else (the child writes it down a pipe and exits)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one call, its answer down the pipe, and out
+        try:
+            call()
+            answer = "no error"
+        except aib.BridgeError as exc:
+            answer = type(exc).__name__
+        except BaseException as exc:  # reported to the parent
+            answer = repr(exc)
+        os.write(write, answer.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as pipe:
+        return pipe.read().decode()
 
 
 def c_renewal() -> dict[str, Any]:
@@ -250,22 +256,7 @@ def c_renewal() -> dict[str, Any]:
     seen["policy_given"] = delta()
     seen["c_renewals_policy"] = renewer.renewals
     batch = aib.from_cuda_arrays(cols)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: one publish of columns made before the fork, its answer, and out
-        try:
-            pub.publish("t", batch)
-            answer = "no error"
-        except aib.BridgeError as exc:
-            answer = type(exc).__name__
-        except BaseException as exc:  # reported to the parent
-            answer = repr(exc)
-        os.write(write, answer.encode())
-        os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    with os.fdopen(read, "rb") as pipe:
-        seen["forked_child"] = pipe.read().decode()
+    seen["forked_child"] = _in_forked_child(lambda: pub.publish("t", batch))  # columns made before
     delta = _Delta()
     pub.publish("t", aib.from_cuda_arrays(_columns(150)))  # other columns: a new publication
     pub.publish("t", batch)  # the first columns again: not the current version's
