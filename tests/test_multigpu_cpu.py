@@ -16,6 +16,7 @@ from arrow_ipc_bridge.cli import doctor, listing
 from arrow_ipc_bridge.cuda import _declarations, cross_gpu, nvml, peer
 from arrow_ipc_bridge.errors import BridgeError, CudaError, RegionError
 from arrow_ipc_bridge.metadata import SLOT_FIRST_REGION
+from tests.helpers.session_rig import wait_for
 
 # cuda.h (CUDA 13.0) values of what peer access uses
 _PEER_VALUES = {
@@ -313,7 +314,8 @@ def test_session_close_releases_what_the_reader_placement_handed_out(publisher: 
         session._reader = _SwapPlacement(source)  # type: ignore[assignment]
         placed = [session.get("t") for _ in range(3)]
         assert all(not imported.released for imported in placed)
-        assert publisher.active_leases == 3  # the placed objects' (the originals were released)
+        # The placed objects' leases (the originals' RELEASEs reach the publisher asynchronously).
+        assert wait_for(lambda: publisher.active_leases == 3, 5.0)
         session.close()
         assert all(imported.released for imported in placed)
-        assert publisher.active_leases == 0
+        assert wait_for(lambda: publisher.active_leases == 0, 5.0)
