@@ -296,14 +296,15 @@ class Decoded(DeferredClose):
         if share(owner, decoded.owner):
             lib.aib_owner_unref(owner)
             raise MemoryError("adding an owner dependency")
-        return cls.adopt(owner, decoded)
+        return cls.adopt(owner, decoded.sharing_fields())
 
     @classmethod
-    def adopt(cls, owner: Any, decoded: Decoded) -> Decoded:
-        """A handle over ``owner``, a fresh owner the C core already made to share ``decoded``'s
-        message (``aib_session_get``); this object takes over the caller's reference."""
+    def adopt(cls, owner: Any, fields: dict[str, Any]) -> Decoded:
+        """A handle over ``owner``, a fresh owner the C core already made to share the message whose
+        :meth:`sharing_fields` are ``fields`` (``aib_session_get``; a remembered message keeps its
+        template's, made once); this object takes over the caller's reference."""
         self = cls.__new__(cls)
-        self.__dict__.update(decoded.sharing_fields())
+        self.__dict__.update(fields)
         self.owner = ffi.gc(owner, lib.aib_owner_unref)
         return self
 

@@ -463,7 +463,7 @@ class Session:
                     lib.aib_owner_unref(owner)
                     _reaper.drain()
                     raise BridgeError("a remembered message vanished during a get")
-                fast = Decoded.adopt(owner, hit.template), hit, address, sync_slot
+                fast = Decoded.adopt(owner, hit.steady_fields[1]), hit, address, sync_slot
         if imported_now is not None and imported_now[0] == 0:
             assert frame is not None
             return self._adopt_new(imported_now, protocol.answer_message(frame.kind, frame.payload), name)
