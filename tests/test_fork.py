@@ -8,15 +8,14 @@ return to what they were before the test.
 
 from __future__ import annotations
 
+import functools
 import gc
-import json
 import os
-import warnings
 from typing import Any
 
 import pyarrow as pa
 import pytest
-from helpers.session_rig import sample_table, wait_for
+from helpers.session_rig import report_from_forked_child, sample_table, wait_for
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import _reaper
@@ -24,9 +23,9 @@ from arrow_ipc_bridge import _reaper
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
 
-def _forked_child(parent_objects: dict[str, Any], path: str, out: int) -> None:
-    """The body of test_a_forked_child_neither_uses_nor_breaks_its_parents_bridge's child: writes
-    a JSON report to ``out``. ``parent_objects`` holds what the child inherited."""
+def _forked_child(parent_objects: dict[str, Any], path: str) -> list[Any]:
+    """The body of test_a_forked_child_neither_uses_nor_breaks_its_parents_bridge's child: its
+    report. ``parent_objects`` holds what the child inherited."""
     session, pub, held = parent_objects["session"], parent_objects["pub"], parent_objects["held"]
     report: list[Any] = [pa.table(held).num_rows]  # inherited data stays readable
     for call in (lambda: session.get("t"), session.list, lambda: pub.publish("u", sample_table(1))):
@@ -44,7 +43,7 @@ def _forked_child(parent_objects: dict[str, Any], path: str, out: int) -> None:
     pub.close()
     with aib.connect(path, timeout=5.0) as own, own.get("t") as imported:  # its own session works
         report.append(pa.table(imported).num_rows)
-    os.write(out, json.dumps(report).encode())
+    return report
 
 
 def test_a_forked_child_neither_uses_nor_breaks_its_parents_bridge(sock_dir: str) -> None:
@@ -58,27 +57,10 @@ def test_a_forked_child_neither_uses_nor_breaks_its_parents_bridge(sock_dir: str
         held = session.get("t")
         other = session.get("t")
         assert pub.active_leases == 2
-        read_end, write_end = os.pipe()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # 3.12: fork with threads running
-            pid = os.fork()
-        if pid == 0:  # never returns into pytest
-            code = 1
-            try:
-                os.close(read_end)
-                _forked_child(
-                    {"session": session, "pub": pub, "held": held, "other": other}, pub.path, write_end
-                )
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(write_end)
-        try:
-            _, status = os.waitpid(pid, 0)
-            with os.fdopen(read_end, "rb") as reader:
-                report = json.loads(reader.read() or b"null")
-        finally:
-            assert os.waitstatus_to_exitcode(status) == 0
+        # Dropped after the call, so that `del other` below lets the parent's last reference go.
+        inherited = {"session": session, "pub": pub, "held": held, "other": other}
+        report = report_from_forked_child(functools.partial(_forked_child, inherited, pub.path))
+        del inherited
         assert report == [100, "foreign", "foreign", "foreign", 100]
         assert os.path.exists(pub.path)
         assert pub.active_leases == 2  # the child's new session came and went; ours stand

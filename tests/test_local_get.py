@@ -12,16 +12,13 @@ were before the test.
 from __future__ import annotations
 
 import gc
-import json
-import os
 import threading
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
 import pytest
-from helpers.session_rig import wait_for
+from helpers.session_rig import report_from_forked_child, wait_for
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import _reaper
@@ -201,7 +198,7 @@ def test_a_closed_publisher_is_a_clear_error_not_a_local_answer(
     assert local_session._local_getter.gets == 0
 
 
-def _forked_child(session: aib.Session, out: int) -> None:
+def _forked_child(session: aib.Session) -> list[Any]:
     report: list[Any] = []
     report.append(session._local_getter.get("t") is None)  # answers nothing here
     try:
@@ -210,29 +207,13 @@ def _forked_child(session: aib.Session, out: int) -> None:
     except aib.ForeignProcessError:
         report.append("foreign")
     session.close()
-    os.write(out, json.dumps(report).encode())
+    return report
 
 
 def test_a_forked_child_gets_nothing_from_its_parents_getter(local_session: aib.Session) -> None:
     """A child of fork inherits the getter: it answers nothing there, and the get raises
     ForeignProcessError from the Python path; the parent's gets go on locally."""
-    read_end, write_end = os.pipe()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12: fork with threads running
-        pid = os.fork()
-    if pid == 0:  # never returns into pytest
-        code = 1
-        try:
-            os.close(read_end)
-            _forked_child(local_session, write_end)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    _, status = os.waitpid(pid, 0)
-    with os.fdopen(read_end, "rb") as reader:
-        report = json.loads(reader.read() or b"null")
-    assert os.waitstatus_to_exitcode(status) == 0
+    report = report_from_forked_child(lambda: _forked_child(local_session))
     assert report == [True, "foreign"]
     with local_session.get("t") as imported:
         assert pa.record_batch(imported).num_rows == 3

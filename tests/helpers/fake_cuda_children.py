@@ -65,6 +65,15 @@ class _Delta:
         return {k: now[k] - self.start[k] for k in now}
 
 
+def _bridge_error(call: Any) -> str | None:
+    """The name of the BridgeError ``call()`` raises; None when it returns."""
+    try:
+        call()
+    except aib.BridgeError as exc:
+        return type(exc).__name__
+    return None
+
+
 def _publisher() -> aib.Publisher:
     return aib.Publisher(os.path.join(tempfile.mkdtemp(dir="/tmp"), "fake.sock"))
 
@@ -170,11 +179,7 @@ def closed() -> dict[str, Any]:
     pub.close()
     _reaper.drain()
     delta = _Delta()
-    try:
-        pub.publish("t", batch)
-        seen["error"] = None
-    except aib.BridgeError as exc:
-        seen["error"] = type(exc).__name__
+    seen["error"] = _bridge_error(lambda: pub.publish("t", batch))
     seen["publish_closed"] = delta()
     seen["held"] = device.held_column_facts()
     return seen
@@ -217,10 +222,7 @@ def _in_forked_child(call: Any) -> str:
     pid = os.fork()
     if pid == 0:  # the child: one call, its answer down the pipe, and out
         try:
-            call()
-            answer = "no error"
-        except aib.BridgeError as exc:
-            answer = type(exc).__name__
+            answer = _bridge_error(call) or "no error"
         except BaseException as exc:  # reported to the parent
             answer = repr(exc)
         os.write(write, answer.encode())
@@ -265,11 +267,7 @@ def c_renewal() -> dict[str, Any]:
     pub.close()
     _reaper.drain()
     delta = _Delta()
-    try:
-        pub.publish("t", batch)
-        seen["closed"] = None
-    except aib.BridgeError as exc:
-        seen["closed"] = type(exc).__name__
+    seen["closed"] = _bridge_error(lambda: pub.publish("t", batch))
     seen["publish_closed"] = delta()
     seen["c_renewals_closed"] = renewer.renewals
     return seen

@@ -70,6 +70,32 @@ def run_later(seconds: float, action: Callable[[], object]) -> threading.Thread:
     return thread
 
 
+def report_from_forked_child(body: Callable[[], Any]) -> Any:
+    """``body()`` run in a child of fork (which never returns into the caller's test: it exits), its
+    JSON-able result sent back down a pipe; asserts the child exited with status 0."""
+    import json
+    import warnings
+
+    read_end, write_end = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12: fork with threads running
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(read_end)
+            os.write(write_end, json.dumps(body()).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read_end, "rb") as reader:
+        report = json.loads(reader.read() or b"null")
+    assert os.waitstatus_to_exitcode(status) == 0
+    return report
+
+
 def settle() -> None:
     """Collect garbage and run the release callbacks of owners that died so far."""
     gc.collect()
