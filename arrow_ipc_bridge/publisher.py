@@ -191,6 +191,10 @@ class Publisher:
         self._streams = StreamHub(max_subscriptions)
         self.publisher_id = os.urandom(16).hex()
         self._watch = Watch("aib-publisher")  # versions and held waits (feature "watch")
+        # The server accepts, and serves on its threads, from inside its constructor: before
+        # self._server is assigned here. A consumer already waiting for this path (connect's
+        # wait_for_publisher) is served at once, so serving waits for this to be set.
+        self._constructed = threading.Event()
         try:
             self._server = self._start_server(path, allowed_uids, max_connections, handshake_timeout)
         except BaseException:
@@ -199,6 +203,7 @@ class Publisher:
                 self._board.close()
             raise
         self.path = self._server.path
+        self._constructed.set()
 
     def _start_server(
         self, path: str, allowed_uids: list[int] | None, max_connections: int, handshake_timeout: float
@@ -461,6 +466,8 @@ class Publisher:
     def _serve(self, conn: transport.Connection) -> object:
         """Serve ``conn`` until it goes silent (then return ``transport.PARK``: the server calls this
         again, on a new thread, when it sends) or ends."""
+        if not self._constructed.is_set():  # a connection accepted while __init__ still runs
+            self._constructed.wait()
         state = self._served.get(conn)
         if state is None:
             channel = conn.channel

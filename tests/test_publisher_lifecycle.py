@@ -10,11 +10,14 @@ return to what they were before the test.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import stat
 import subprocess
+import threading
 import time
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -22,7 +25,7 @@ from helpers.arrow_equality import assert_arrays_equal
 from helpers.session_rig import HEADER, sample_table, settle, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol
+from arrow_ipc_bridge import protocol, transport
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -66,6 +69,52 @@ def test_publisher_restart_on_the_same_path(sock_dir: str) -> None:
     finally:
         session.close()
         first.close()
+
+
+def test_a_consumer_connecting_while_the_publisher_is_constructed(
+    sock_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server accepts from inside its constructor, before ``Publisher.__init__`` has it: a
+    consumer already waiting for the path (``wait_for_publisher``) is served then. Here the
+    construction is held right after the server started until that consumer's connection is being
+    served: the serving waits for the construction, and the consumer is welcomed (it used to get
+    PeerClosedError, the publisher logging AttributeError: no attribute '_server')."""
+    path = os.path.join(sock_dir, "starting.sock")
+    serving, served = threading.Event(), threading.Event()
+    original_serve = aib.Publisher._serve
+
+    def serve(self: aib.Publisher, conn: transport.Connection) -> object:
+        serving.set()
+        try:
+            return original_serve(self, conn)
+        finally:
+            served.set()
+
+    monkeypatch.setattr(aib.Publisher, "_serve", serve)
+    outcome: list[object] = []
+
+    def consume() -> None:
+        try:
+            with aib.connect(path, timeout=30.0) as session:
+                outcome.append(session.publisher_info["publisher_id"])
+        except aib.BridgeError as exc:
+            outcome.append(exc)
+
+    consumer = threading.Thread(target=consume)
+
+    class Held(aib.Publisher):
+        def _start_server(self, *args: Any) -> transport.Server:
+            server = super()._start_server(*args)
+            consumer.start()
+            assert serving.wait(30.0)  # a thread serves the consumer's connection now
+            served.wait(0.5)  # the serving failing at once, before this constructor returned
+            return server
+
+    caplog.set_level(logging.DEBUG, logger="arrow_ipc_bridge")
+    with Held(path) as publisher:
+        consumer.join(30.0)
+        assert outcome == [publisher.publisher_id]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_unpublish_while_leased(publisher: aib.Publisher) -> None:
