@@ -9,9 +9,10 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from helpers.cli_runner import run_cli
+from helpers.cli_runner import REPO, run_cli
 
 from arrow_ipc_bridge import __version__
 from arrow_ipc_bridge._ffi import WIRE_VERSION
@@ -121,3 +122,71 @@ def test_demo_shares_a_table_between_two_processes() -> None:
         assert line.endswith(f"last column sums to {expected_sum}"), line
     # the memory-mapped table needs no copy at all
     assert re.search(r"'zero_copy' \(0 bytes copied, 1 zero-copy region\)", out)
+
+
+GOLDEN_MESSAGE = os.path.join(os.path.dirname(__file__), "golden", "primitive_batch.bin")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["doctor", "--no-cuda-processes"],
+        ["doctor", "--no-cuda-processes", "--json"],
+        ["inspect", "--json", GOLDEN_MESSAGE],
+        ["inspect", GOLDEN_MESSAGE],
+    ],
+)
+def test_a_reader_that_went_away_ends_the_command_quietly(args: list[str]) -> None:
+    """``... | head``: stdout's reader is gone before the command writes (the pipe's read end is
+    closed before it starts, so every run sees it). No traceback, and the status a command killed by
+    SIGPIPE gets (141), as other Unix tools give."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "arrow_ipc_bridge", *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == 141
+
+
+def test_serve_flight_without_credentials_names_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """The refusal names this command's flags, not serve()'s keyword arguments."""
+    assert main(["serve-flight", "/nonexistent/publisher.sock"]) == 1
+    err = capsys.readouterr().err
+    assert "anyone who reaches it" in err
+    for flag in ("--token-file", "--client-ca", "--allow-unauthenticated"):
+        assert flag in err
+    assert "tokens=" not in err
+    assert "allow_unauthenticated=" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_serve_flight_refuses_a_client_ca_without_tls(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Client certificates are asked for over TLS only: a --client-ca on a plain grpc:// location
+    would check nothing and serve everyone, so it is refused."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    assert main(["serve-flight", "/nonexistent/publisher.sock", "--client-ca", str(ca)]) == 1
+    assert "--client-ca needs TLS" in capsys.readouterr().err
+
+
+def test_demo_help_describes_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "producer process" in out
+    assert "consumer process" in out

@@ -4,7 +4,8 @@ Subcommands, one module each: ``demo`` (demo.py), ``list`` (listing.py), ``inspe
 (inspect_message.py), ``doctor`` (doctor.py), ``bench`` (bench.py; its options in _bench_options.py).
 ``_producer`` and ``_consumer`` are ``demo``'s two processes, hidden from the help. A failure the
 user can act on (a missing file, a message the decoder refuses, a publisher that does not answer)
-prints one line on stderr and exits 1; bad arguments exit 2 (argparse's usage error).
+prints one line on stderr and exits 1; bad arguments exit 2 (argparse's usage error). Output cut
+short by its reader (``| head``) ends the command quietly with status 141, as for other Unix tools.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from arrow_ipc_bridge.cli._output import CommandError
 __all__ = ["main"]
 
 _PUBLIC_COMMANDS = "{demo,list,inspect,doctor,bench,serve-flight}"
+# The status a shell reports for a command killed by SIGPIPE (128 + 13): what `cmd | head` gives for
+# other Unix tools whose reader went away. Python ignores SIGPIPE, so the write raises instead.
+_EXIT_BROKEN_PIPE = 141
 
 
 def _prog() -> str:
@@ -61,7 +65,15 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     # which argparse leaves out of the command list.
     sub = parser.add_subparsers(dest="command", required=True, metavar=_PUBLIC_COMMANDS)
 
-    p_demo = sub.add_parser("demo", help="a producer and a consumer process sharing a table")
+    p_demo = sub.add_parser(
+        "demo",
+        help="a producer and a consumer process sharing a table",
+        description="Start a producer process that publishes a table of ROWS rows and COLUMNS float64 "
+        "columns (copied into shared memory, memory-mapped with no copy, and on the GPU too when a "
+        "CUDA GPU is here) and a consumer process that lists the names and reads each one 20 times, "
+        "printing the median time from request to a usable table and the sum of the last column. "
+        "Exit status: nonzero when either process failed.",
+    )
     p_demo.add_argument("--rows", type=positive_int, default=1_000_000, help="rows of the table (>= 1)")
     p_demo.add_argument("--columns", type=positive_int, default=16, help="float64 columns (>= 1)")
 
@@ -125,6 +137,23 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # Flushed here rather than at interpreter exit, so that a reader gone away is seen below
+            # (and not reported by the interpreter as an ignored exception after the command ended).
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # stdout's reader went away (`... | head`): stop quietly like other Unix tools. What is still
+        # buffered goes to /dev/null, so the interpreter's own flush at exit cannot fail a second time.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return _EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -70,6 +70,16 @@ def serve_flight(args: argparse.Namespace) -> int:
     from arrow_ipc_bridge.errors import BridgeError
     from arrow_ipc_bridge.flight import serve
 
+    if args.token_file is None and args.client_ca is None and not args.allow_unauthenticated:
+        # Checked here so that the message names this command's flags (serve() names its arguments).
+        raise CommandError(
+            "this front would let anyone who reaches it read every publication: pass --token-file "
+            "FILE, --client-ca FILE (with --tls-cert, --tls-key and a grpc+tls:// location), or "
+            "--allow-unauthenticated"
+        )
+    if args.client_ca is not None and args.tls_cert is None:
+        # A client certificate is asked for only over TLS: without it --client-ca would check nothing.
+        raise CommandError("--client-ca needs TLS: --tls-cert, --tls-key and a grpc+tls:// location")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise CommandError("--tls-cert and --tls-key go together")
     tls = [(_read(args.tls_cert, "certificate"), _read(args.tls_key, "key"))] if args.tls_cert else None
