@@ -163,11 +163,13 @@ static void fill_array_node(const aib_decoded *d, const anode *base, int32_t idx
     *cursor += (size_t)a->n_buffers * sizeof(*buffers);
     for (uint32_t i = 0; i < a->n_buffers; i++) {
       const aib_buffer_slot *b = &m->slots[a->first_buffer + i];
-      if (b->region == AIB_REGION_NULL)
-        buffers[i] = NULL;
-      else if (b->region == AIB_REGION_EMPTY || b->length == 0)
+      if (b->region == AIB_REGION_NULL && aib_layout_is_validity(&s->layout, i))
+        buffers[i] = NULL; /* no bitmap: no nulls */
+      else if (b->region == AIB_REGION_NULL || b->region == AIB_REGION_EMPTY || b->length == 0)
         /* A buffer of no bytes: readers may still load the first offset of an empty array, so it
-         * points at zeros of ours rather than at whatever follows it in a region. */
+         * points at zeros of ours rather than at whatever follows it in a region. A producer may
+         * leave an empty array's offsets NULL (decode admits it: they need no bytes), but pyarrow
+         * refuses a NULL offsets buffer and polars panics on one: it gets the same zeros. */
         buffers[i] = empty_buffer;
       else
         buffers[i] = (const void *)(uintptr_t)(bases[b->region - AIB_REGION_FIRST] + b->offset);

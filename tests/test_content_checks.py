@@ -208,6 +208,41 @@ def test_empty_slice_needs_its_offset_in_the_offsets_buffer(fmt: str) -> None:
         exported.close()
 
 
+@pytest.mark.parametrize("fmt", ["u", "z", "U", "Z", "+l", "+L", "+m"])
+def test_an_empty_array_with_null_offsets_gets_zero_offsets(fmt: str) -> None:
+    """A producer may leave an empty array's offsets (or views) NULL: they need no bytes, so decode
+    admits it. pyarrow refuses a NULL offsets buffer and polars panics on one (a PanicException,
+    which ``except Exception`` does not catch): the rebuilt array points them at zeros instead, as
+    it does for empty buffers. The validity bitmap stays NULL (no bitmap: no nulls)."""
+    children: list[wc.Node] = []
+    child_nodes: list[wc.ArrayNode] = []
+    if fmt in ("+l", "+L"):
+        children = [wc.Node("i", "item")]
+        child_nodes = [wc.ArrayNode(0, 0, 0, [wc.NULL_BUFFER, wc.NULL_BUFFER])]
+    elif fmt == "+m":
+        key, value = wc.Node("i", "key", flags=0), wc.Node("i", "value")
+        children = [wc.Node("+s", "entries", flags=0, children=[key, value])]
+        child_nodes = [
+            wc.ArrayNode(0, 0, 0, [wc.NULL_BUFFER]),
+            wc.ArrayNode(0, 0, 0, [wc.NULL_BUFFER, wc.NULL_BUFFER]),
+            wc.ArrayNode(0, 0, 0, [wc.NULL_BUFFER, wc.NULL_BUFFER]),
+        ]
+    n_buffers = 3 if fmt in ("u", "z", "U", "Z") else 2
+    node = wc.ArrayNode(0, 0, 0, [wc.NULL_BUFFER] * n_buffers)
+    fd, region = wc.memfd_region(b"", size=64)
+    message = wc.message(wc.Node(fmt, children=children), [[node, *child_nodes]], [region])
+    try:
+        with aib.Session(check="full") as session, session.import_message(message, [fd]) as imported:
+            got = pa.array(imported)
+            got.validate(full=True)
+            assert len(got) == 0
+            assert got.buffers()[0] is None
+            pl = pytest.importorskip("polars")
+            assert len(pl.Series(imported)) == 0
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("fmt", ["+l", "+L", "+m"])
 def test_list_offsets_past_the_child(fmt: str) -> None:
     heap = wc.Heap()
