@@ -38,7 +38,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 
 # What the checks import (each module's distribution on the package index has the same name).
-NEEDED_MODULES=(cffi pycparser pyarrow numpy pytest hypothesis nanoarrow polars)
+NEEDED_MODULES=(cffi pycparser pyarrow numpy pytest pytest_timeout hypothesis nanoarrow polars)
 
 failed=()
 fail() {
