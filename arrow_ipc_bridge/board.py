@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from arrow_ipc_bridge import protocol
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.errors import ProtocolError
-from arrow_ipc_bridge.host import F_SEAL_FUTURE_WRITE
+from arrow_ipc_bridge.host import F_SEAL_FUTURE_WRITE, reopen_read_only
 
 __all__ = ["DEFAULT_SLOTS", "PublisherBoard", "SessionBoard", "decode_board", "encode_board", "open_board"]
 
@@ -66,8 +66,9 @@ def decode_board(payload: bytes) -> int:
 
 class PublisherBoard:
     """The publisher's board: a zeroed memfd of ``n_slots`` slots mapped writable here, sealed so
-    that no one can map it writable again, resize it or unseal it. Raises :class:`OSError` where
-    the kernel cannot seal so (Linux < 5.1): the publisher then offers no board."""
+    that no one can map it writable again, resize it or unseal it; :attr:`fd` is a read-only one.
+    Raises :class:`OSError` where the kernel cannot seal so (Linux < 5.1): the publisher then offers
+    no board."""
 
     def __init__(self, n_slots: int = DEFAULT_SLOTS) -> None:
         size = n_slots * SLOT_SIZE
@@ -84,7 +85,14 @@ class PublisherBoard:
         except BaseException:
             os.close(fd)
             raise
+        try:
+            # The mapping keeps the page; the fd sessions get is a read-only one (docs/security.md).
+            fd = reopen_read_only(fd)
+        except BaseException:
+            page.close()
+            raise
         self.fd = fd
+        """The read-only descriptor a BOARD answer carries."""
         self.n_slots = n_slots
         self._page = page
         self.address: Any = ffi.from_buffer(page, require_writable=True)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import mmap
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pytest
 
+import arrow_ipc_bridge as aib
 from arrow_ipc_bridge.errors import CopyRequiredError, InvalidArgumentError, RegionError, ReleasedError
 from arrow_ipc_bridge.host import (
     F_SEAL_FUTURE_WRITE,
@@ -194,23 +196,51 @@ def test_copy_path_roundtrip(sample_table: pa.Table) -> None:
 
 
 def test_copy_region_is_sealed_and_immutable() -> None:
-    """The copy memfd is sealed against shrink/grow/write and sealing: truncate, write, writable mmap fail."""
+    """The copy memfd is sealed against shrink/grow/write and sealing: truncate, write, writable mmap fail,
+    even through a read-write reopen of the file (a memfd's inode is mode 0777: any peer can reopen it)."""
     arr = pa.array(range(10_000), pa.int64())
     with export_host_buffers(buffer_pairs(arr)) as export:
         region = export.regions[0]
         assert region.sealed
         assert region.seals == FULL_SEALS
         assert fcntl.fcntl(region.fd, fcntl.F_GET_SEALS) == FULL_SEALS
-        with pytest.raises(PermissionError):
-            os.ftruncate(region.fd, 0)
-        with pytest.raises(PermissionError):
-            os.ftruncate(region.fd, region.size * 2)
-        with pytest.raises(PermissionError):
-            os.pwrite(region.fd, b"x", 0)
-        with pytest.raises(PermissionError):
-            mmap.mmap(region.fd, region.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        with pytest.raises(PermissionError):  # F_SEAL_SEAL: the seals can no longer change
-            fcntl.fcntl(region.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+        writable = os.open(f"/proc/self/fd/{region.fd}", os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.ftruncate(writable, 0)
+            with pytest.raises(PermissionError):
+                os.ftruncate(writable, region.size * 2)
+            with pytest.raises(PermissionError):
+                os.pwrite(writable, b"x", 0)
+            with pytest.raises(PermissionError):
+                mmap.mmap(writable, region.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(PermissionError):  # F_SEAL_SEAL: the seals can no longer change
+                fcntl.fcntl(writable, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+        finally:
+            os.close(writable)
+
+
+def test_a_copied_region_arrives_read_only() -> None:
+    """The copy's descriptor that leaves (and so the one a consumer receives) is a read-only open of the
+    memfd (docs/security.md), not the read-write one it was written through."""
+    batch = pa.record_batch({"x": pa.array(range(1000), pa.int64())})
+    exported = aib.export(batch, copy="always")
+    try:
+        assert exported.fds
+        sender, receiver = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with sender, receiver:
+            socket.send_fds(sender, [b"x"], list(exported.fds))
+            _, received, _, _ = socket.recv_fds(receiver, 1, len(exported.fds))
+        try:
+            for fd in received:
+                assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+                with pytest.raises(OSError, match="Bad file descriptor"):  # no write access, seals aside
+                    os.pwrite(fd, b"x", 0)
+        finally:
+            for fd in received:
+                os.close(fd)
+    finally:
+        exported.close()
 
 
 def test_copy_padding_reads_as_zeros() -> None:

@@ -224,6 +224,26 @@ def test_the_board_cannot_be_written_by_a_session(publisher: aib.Publisher) -> N
         os.close(fd)
 
 
+def test_the_board_arrives_read_only(publisher: aib.Publisher, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The descriptor a BOARD answer carries is a read-only open of the page (docs/security.md), not the
+    publisher's read-write one: checked on the descriptor the session receives."""
+    modes: list[int] = []
+    session_board = board_module.SessionBoard
+
+    def spy(fd: int, n_slots: int) -> board_module.SessionBoard:
+        modes.append(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE)
+        return session_board(fd, n_slots)
+
+    monkeypatch.setattr(board_module, "SessionBoard", spy)
+    publisher.publish("t", pa.table({"x": [1, 2, 3]}))
+    with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
+        for _ in range(3):
+            with session.get("t"):
+                pass
+        assert session.local_gets == 1  # the board was taken and used
+    assert modes == [os.O_RDONLY]
+
+
 def test_a_board_that_is_not_sealed_or_not_its_size_is_refused() -> None:
     fd = os.memfd_create("not-a-board", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:

@@ -16,9 +16,11 @@ One module per concern, dependencies pointing one way (``a <- b``: b imports a):
 * :mod:`~arrow_ipc_bridge.host.mappings` -- the consumer's read-only mappings and their cache;
 * :mod:`~arrow_ipc_bridge.host.counters` -- the counters all of them keep (:func:`host_stats`).
 
+:func:`reopen_read_only` (a sealed memfd's read-only descriptor, to send) serves the version board too.
 Names with a leading underscore are private to the package even where a sibling module imports them.
 """
 
+from arrow_ipc_bridge.host._system import reopen_read_only
 from arrow_ipc_bridge.host.counters import HostStats, host_stats
 from arrow_ipc_bridge.host.mappings import HostMappingCache, MappedRegion, map_host_region
 from arrow_ipc_bridge.host.placement import (
@@ -46,6 +48,7 @@ __all__ = [
     "SharedHostBuffer",
     "allocate_shared",
     "F_SEAL_FUTURE_WRITE",
+    "reopen_read_only",
     # diagnostics
     "SharedMapping",
     "find_shared_mapping",

@@ -2,7 +2,8 @@
 
 Each buffer lands at a 64-byte aligned offset (Arrow's recommended alignment); the memfd is then sealed
 against shrink, grow and write, so a consumer can verify the producer can never truncate it under its mapping
-(which would SIGBUS the reader) nor change the bytes it reads.
+(which would SIGBUS the reader) nor change the bytes it reads, and reopened read-only: the descriptor that
+leaves has no write access.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Final
 
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.errors import RegionError
+from arrow_ipc_bridge.host._system import reopen_read_only
 
 __all__ = ["BUFFER_ALIGNMENT", "FULL_SEALS"]
 
@@ -50,7 +52,7 @@ def _copy_to_memfd(items: list[tuple[int, int]]) -> tuple[int, int, list[int]]:
     except BaseException:
         os.close(fd)
         raise
-    return fd, total, offsets
+    return reopen_read_only(fd), total, offsets
 
 
 _ZEROS = ffi.new("char[]", BUFFER_ALIGNMENT)  # source of the padding between buffers
