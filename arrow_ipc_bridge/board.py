@@ -119,12 +119,21 @@ class SessionBoard:
                 f"the publisher's version board is not a file of {n_slots} slots "
                 f"({n_slots * SLOT_SIZE} bytes; got {info.st_size})"
             )
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            # EINVAL: a file that cannot carry seals (a disk file, not a memfd) cannot be sealed either.
+            raise ProtocolError(
+                f"the publisher's version board is not a sealed memfd (reading its seals failed: {exc})"
+            ) from exc
         if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
             # A page that can shrink would fault (SIGBUS) a session reading it.
             raise ProtocolError("the publisher's version board is not sealed against resizing")
         self.n_slots = n_slots
-        self._page = mmap.mmap(fd, n_slots * SLOT_SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+        try:
+            self._page = mmap.mmap(fd, n_slots * SLOT_SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError as exc:  # EACCES: a descriptor opened without read access
+            raise ProtocolError(f"the publisher's version board cannot be mapped read-only: {exc}") from exc
         self.address: Any = ffi.from_buffer(self._page)
         """The page, for ``aib_session_get``."""
         # Threads in peek() / wait_for_change() (slot -> how many): close() wakes them and unmaps

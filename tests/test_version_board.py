@@ -258,6 +258,32 @@ def test_a_board_that_is_not_sealed_or_not_its_size_is_refused() -> None:
         os.close(fd)
 
 
+def test_a_board_that_is_a_disk_file_or_unreadable_is_a_protocol_error(tmp_path: Path) -> None:
+    """A regular file that cannot carry seals (F_GET_SEALS fails with EINVAL) is refused as any unsealed
+    board is, with ProtocolError, not the OSError of the seal query; so is a sealed page the descriptor
+    of which cannot be read (a write-only open)."""
+    path = tmp_path / "board"
+    path.write_bytes(bytes(4 * board_module.SLOT_SIZE))
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        with pytest.raises(ProtocolError, match="not a sealed memfd"):
+            board_module.SessionBoard(fd, 4)
+    finally:
+        os.close(fd)
+    page = os.memfd_create("board", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(page, 4 * board_module.SLOT_SIZE)
+        fcntl.fcntl(page, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        fd = os.open(f"/proc/self/fd/{page}", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            with pytest.raises(ProtocolError, match="cannot be mapped"):
+                board_module.SessionBoard(fd, 4)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(page)
+
+
 @pytest.mark.parametrize("slots", [0, board_module.MAX_SLOTS + 1])
 def test_a_board_answer_with_a_bad_slot_count_is_refused(slots: int) -> None:
     with pytest.raises(ProtocolError):
