@@ -357,10 +357,14 @@ def test_malformed_stream_frames_are_protocol_errors(
     fds = [make() for make in rest[0]] if rest else []  # type: ignore[attr-defined]
     pub = scripted(pushed=[(kind, payload, fds)])
     with aib.subscribe(pub.path, "s", timeout=10) as live:
-        with pytest.raises(aib.ProtocolError, match=match):
+        with pytest.raises(aib.ProtocolError, match=match) as first:
             live.next_batch()
-        with pytest.raises(aib.BridgeError, match="closed"):
-            live.next_batch()  # a protocol error closed the subscription
+        for _ in range(2):  # its connection closed, and every later call raises the same error
+            with pytest.raises(aib.ProtocolError, match=match) as again:
+                live.next_batch()
+            assert again.value.__cause__ is first.value
+    with pytest.raises(aib.ClosedError):
+        live.next_batch()  # closed by the caller: that is what it says then
 
 
 def test_a_batch_whose_message_is_garbage_gives_its_lease_back(
@@ -389,8 +393,8 @@ def test_out_of_order_sequence_is_a_protocol_error(
         first.release()
         with pytest.raises(aib.ProtocolError, match="out of order"):
             live.next_batch()
-        with pytest.raises(aib.BridgeError, match="closed"):
-            live.next_batch()  # the connection closed: the publisher ends every lease of it
+        with pytest.raises(aib.ProtocolError, match="out of order"):
+            live.next_batch()  # raised again; the connection closed: the publisher ends every lease of it
 
 
 def test_publisher_without_the_stream_feature(sock_dir: str) -> None:

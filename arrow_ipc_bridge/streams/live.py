@@ -119,6 +119,9 @@ class LiveStream:
         self._expected = subscribed.next_sequence
         self._timeout = timeout
         self._end: frames.StreamEnd | None = None
+        # The ProtocolError that ended the subscription (its connection closed): raised again by
+        # every later call, as the end's errors are (docs/streams.md), not a "closed" of its own.
+        self._broken: ProtocolError | None = None
         self._peeked: ImportedArray | None = None
         self.received = 0
         """Batches received so far."""
@@ -156,7 +159,9 @@ class LiveStream:
         """The next batch, waiting up to ``timeout`` seconds (default: the subscription's); None at
         the stream's clean end. A wait past the timeout raises
         :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` and the stream stays usable. After
-        :meth:`close`: :class:`~arrow_ipc_bridge.errors.ClosedError`."""
+        a :class:`~arrow_ipc_bridge.errors.ProtocolError` every call raises it again (a new one
+        of the same type, message and details, caused by the first); after :meth:`close`:
+        :class:`~arrow_ipc_bridge.errors.ClosedError`."""
         if self._session.closed:
             raise ClosedError(f"the live stream {self.name!r} is closed: subscribe again", what="live stream")
         if not isinstance(timeout, EllipsisType):
@@ -164,6 +169,9 @@ class LiveStream:
         if self._peeked is not None:
             batch, self._peeked = self._peeked, None
             return batch
+        if self._broken is not None:
+            broken = self._broken
+            raise type(broken)(broken.message, **broken.details) from broken
         if self._end is not None:
             self._finished()
             return None
@@ -182,6 +190,9 @@ class LiveStream:
                     frame = channel.recv(timeout=wait)
                 finally:
                     self._credit.waiting(False)
+        except ProtocolError as exc:  # a malformed frame: the channel closed itself
+            self._broken = exc
+            raise
         except PeerClosedError as exc:
             if getattr(exc, "closed_locally", False) or self._session.closed:
                 raise BridgeError(f"the live stream {self.name!r} is closed") from exc
@@ -202,8 +213,9 @@ class LiveStream:
             if frame.kind == protocol.ERROR:
                 protocol.raise_error(frame.payload)
             raise ProtocolError(f"frame kind {frame.kind} on a subscription (BATCH or STREAM_END expected)")
-        except ProtocolError:
+        except ProtocolError as exc:
             channel.close()  # out of step with the publisher: this subscription is over
+            self._broken = exc
             raise
         finally:
             frame.close_fds()  # the mappings keep what they need open
