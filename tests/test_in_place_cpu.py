@@ -159,3 +159,14 @@ def test_the_c_core_renews_from_the_second_renewal_on(fake_libcuda: str) -> None
     assert seen["closed"] == "ClosedError"
     assert not any(seen["publish_closed"].values())
     assert seen["c_renewals_closed"] == 5
+
+
+def test_a_c_renewal_answers_the_one_wait_held_on_its_name(fake_libcuda: str) -> None:
+    """py_in_place.c: a single WAIT held on the name (a consumer's get_next) is answered by the C
+    renewal with the new version at once, not left to its timeout (kills
+    ``in-place-renewer-single-wait-unanswered``)."""
+    seen = _run(fake_libcuda, "c_renewal_answers_a_single_wait")
+    assert seen["held"] == 1
+    assert seen["c_renewed"] == 1
+    assert seen["answer"] is True, seen["answer"]
+    assert seen["answered_version"] == seen["version"]

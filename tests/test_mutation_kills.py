@@ -6,14 +6,20 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
 from helpers import wire_craft as wc
+from helpers.session_rig import raw_hello, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol, transport
+from arrow_ipc_bridge import array_cache, protocol, transport
+from arrow_ipc_bridge._ffi import ffi, lib
+from arrow_ipc_bridge.board import PublisherBoard
 from arrow_ipc_bridge.errors import PeerClosedError, ProtocolError, WireFormatError
 from arrow_ipc_bridge.metadata import Decoded
 
@@ -168,3 +174,255 @@ def test_a_first_hello_of_another_protocol_version_is_refused(tmp_path: Path) ->
                 protocol.raise_error(frame.payload)
         with pytest.raises(PeerClosedError):
             raw.recv(timeout=10.0)
+
+
+# ---------- board.c: the version board's sequence lock ---------------------------------------------------
+_SEQ, _SERIAL, _VERSION = 0, 1, 2  # a slot's 64-bit words (board.c's board_slot)
+
+
+def _board_read(board: PublisherBoard, slot: int = 0) -> tuple[int, int] | None:
+    """(serial, version) as a session reads them (aib_board_read); None when the read gave up."""
+    serial, version = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    if not lib.aib_board_read(board.address, slot, serial, version):
+        return None
+    return int(serial[0]), int(version[0])
+
+
+def test_a_board_slot_left_mid_write_is_never_read() -> None:
+    """Kills ``board-read-mid-write``: a slot whose sequence word is odd is being written (or its
+    writer died mid-write): its serial and version may be one old and one new, so a read gives up
+    (the session asks the publisher) instead of returning them."""
+    board = PublisherBoard(n_slots=1)
+    try:
+        words = ffi.cast("uint64_t *", board.address)
+        lib.aib_board_write(board.address, 0, 7, 7)
+        assert _board_read(board) == (7, 7)
+        words[_SEQ] += 1  # a writer's first store: odd
+        words[_SERIAL] = 8  # ... and its second; the version is still 7
+        assert _board_read(board) is None
+        words[_VERSION] = 8
+        words[_SEQ] += 1
+        assert _board_read(board) == (8, 8)
+    finally:
+        board.close()
+
+
+def test_board_readers_racing_a_writer_never_see_a_torn_pair() -> None:
+    """Kills ``board-read-mid-write``: reader threads (the C read, the GIL released) race a writer
+    that follows the board's protocol (sequence odd, serial, version, sequence even) but lets other
+    threads run between its stores, as a preempted publisher would. Every read that succeeds shows
+    a serial and a version written together (here always equal)."""
+    board = PublisherBoard(n_slots=1)
+    words = ffi.cast("uint64_t *", board.address)
+    stop = threading.Event()
+    torn: list[tuple[int, int]] = []
+    seen: set[int] = set()
+
+    def read() -> None:
+        while not stop.is_set():
+            got = _board_read(board)
+            if got is None:
+                continue
+            seen.add(got[0])
+            if got[0] != got[1]:
+                torn.append(got)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for reader in readers:
+        reader.start()
+    try:
+        for value in range(1, 2001):
+            # time.sleep(0) between the stores gives the readers the GIL (and orders the stores: the
+            # GIL's hand-over is a full barrier)
+            words[_SEQ] += 1
+            time.sleep(0)
+            words[_SERIAL] = value
+            time.sleep(0)
+            words[_VERSION] = value
+            time.sleep(0)
+            words[_SEQ] += 1
+            time.sleep(0)
+            if torn:
+                break
+    finally:
+        stop.set()
+        for reader in readers:
+            reader.join()
+        board.close()
+    assert not torn, f"torn reads (serial, version): {torn[:5]}"
+    assert len(seen) > 20  # the readers did read between the writes
+
+
+# ---------- content_check.c: run ends of a sliced run-end-encoded array -----------------------------------
+def _checked_import(level: str, schema: wc.Node, nodes: list[wc.ArrayNode], heap: wc.Heap) -> pa.Array:
+    fd, region = wc.memfd_region(bytes(heap.data), size=max(len(heap.data), 64))
+    try:
+        message = wc.message(schema, [nodes], [region])
+        with aib.Session(check=level) as session, session.import_message(message, [fd]) as imported:
+            return pa.array(imported)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("level", ["full", "bounds"])
+def test_the_run_ends_of_a_sliced_array_must_cover_its_offset_and_length(level: str) -> None:
+    """Kills ``content-run-ends-slice-offset-ignored``: a run-end-encoded array of length 2 at
+    offset 2 reads logical indices 2 and 3, so its last run end must reach 4: one of 3 covers the
+    length but not the slice, and a reader's search for index 3 would land past the values."""
+    schema = wc.Node("+r", children=[wc.Node("i", "run_ends", flags=0), wc.Node("l", "values")])
+
+    def nodes(heap: wc.Heap, ends: list[int]) -> list[wc.ArrayNode]:
+        return [
+            wc.ArrayNode(2, 0, 2, []),
+            wc.ArrayNode(len(ends), 0, 0, [wc.NULL_BUFFER, heap.ints(ends, "i")]),
+            wc.ArrayNode(
+                len(ends), 0, 0, [wc.NULL_BUFFER, heap.ints([10 * (i + 1) for i in range(len(ends))], "q")]
+            ),
+        ]
+
+    heap = wc.Heap()
+    assert _checked_import(level, schema, nodes(heap, [2, 4]), heap).to_pylist() == [20, 20]
+    heap = wc.Heap()
+    with pytest.raises(WireFormatError, match="does not cover the parent's 4 values"):
+        _checked_import(level, schema, nodes(heap, [2, 3]), heap)
+
+
+# ---------- watch.py: held waits ------------------------------------------------------------------------
+def test_a_wait_after_the_version_the_next_publish_gets_is_kept_for_the_one_after(
+    publisher: aib.Publisher,
+) -> None:
+    """Kills ``watch-wait-at-the-published-version-dropped``: a WAIT for a version newer than V,
+    held when the name is published at exactly V, is not due; it stays held and the publish after
+    that answers it (not its timeout)."""
+    publisher.publish("other", pa.array([0]))
+    after = publisher.version("other") + 1  # the version the next publish gets
+    raw = transport.connect(publisher.path, timeout=10.0)
+    try:
+        raw_hello(raw)
+        raw.send(protocol.WAIT, protocol.encode_wait(after, 60_000, b"t"))
+        assert wait_for(lambda: publisher.held_waits == 1, 10.0)
+        publisher.publish("t", pa.array([1]))
+        assert publisher.version("t") == after  # the premise: published at exactly `after`
+        assert publisher.held_waits == 1, "the wait was neither answered nor kept"
+        publisher.publish("t", pa.array([2]))
+        with raw.recv(timeout=10.0) as frame:
+            assert frame.kind == protocol.VERSIONED_ITEM, frame
+            lease, version, _ = protocol.decode_versioned_item(frame.payload)
+        assert version == after + 1
+        raw.send(protocol.RELEASE, protocol.encode_lease(lease))
+        raw.send(protocol.PING, b"sync")  # answered after the RELEASE
+        with raw.recv(timeout=10.0) as pong:
+            assert pong.kind == protocol.PONG
+    finally:
+        raw.close()
+
+
+# ---------- array_cache.py: kept CuPy arrays' linger ---------------------------------------------------
+class _Clock:
+    """A monotonic clock the test moves (from the real one's reading, so the linger thread, which
+    passes the real time, finds nothing due while the test runs)."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class _Shaped:
+    def __init__(self) -> None:
+        self.shape = (3,)
+
+
+def _build(facts: object, holder: object, device: int) -> tuple[tuple[Any, ...], ...]:
+    """Stand-ins for CuPy's arrays, pointers and memories (only their references and shapes count)."""
+    return (_Shaped(), _Shaped()), (object(), object()), (object(), object())
+
+
+def test_handing_kept_arrays_out_again_restarts_their_linger(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kills ``kept-arrays-hand-out-not-a-use``: kept arrays are let go ``pool_linger`` seconds after
+    their *last* hand-out, not after they were made: a consumer using them every step keeps them
+    (and their lease) however long it runs."""
+    clock = _Clock()
+    monkeypatch.setattr(array_cache, "time", clock)
+    linger = 100.0
+    cache = array_cache.KeptCupyArrays(linger)
+    key: array_cache.CacheKey = ("t", 0, None)
+    message = object()
+    facts = [("a", 0, 3, 0, 0x1000), ("b", 0, 3, 0, 0x2000)]
+    made = cache.hand_out(key, message, facts, "lease 1", device=0, build=_build)
+    first_ids = [id(array) for array in made.values()]
+    del made
+    clock.now += 0.8 * linger
+    again = cache.hand_out(key, message, facts, "lease 2", device=0, build=_build)
+    assert [id(array) for array in again.values()] == first_ids
+    assert cache.handed_out_again == 1
+    del again
+    # Past the linger since they were made, within it since they were handed out again: still kept.
+    assert cache._expire_kept_leases(clock.now + 0.5 * linger) == pytest.approx(clock.now + linger)
+    assert len(cache) == 1
+    assert cache._expire_kept_leases(clock.now + linger) is None
+    assert len(cache) == 0
+    cache.close()
+
+
+# ---------- remembered.c: the standing lease's linger -----------------------------------------------------
+def test_a_local_get_restarts_the_standing_leases_linger(publisher: aib.Publisher) -> None:
+    """Kills ``remembered-local-get-not-a-use``: a standing lease is given back ``pool_linger``
+    seconds after its last get, local gets included; one that lapsed in steady use would turn every
+    later get into a round trip without a word."""
+    linger = 100.0  # the linger thread gives nothing back during the test; the test asks itself
+    publisher.publish("t", pa.record_batch({"x": pa.array([1, 2, 3], pa.int64())}))
+    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=linger) as session:
+        for _ in range(2):  # the first get imports, the second takes the standing lease
+            session.get("t").release()
+        remembered = session._remembered
+        assert remembered.board_place(b"t") is not None
+        time.sleep(0.5)  # the local get below comes measurably later than the standing lease
+        before = time.monotonic()
+        session.get("t").release()
+        assert session.local_gets == 1
+        # Due linger seconds after the local get, not after the lease was taken.
+        assert remembered._expire_kept_leases(time.monotonic()) >= before + linger
+        assert remembered._expire_kept_leases(before + linger - 0.01) is not None
+        assert remembered.board_place(b"t") is not None, "the standing lease was given back in use"
+        with session.get("t") as imported:
+            assert pa.record_batch(imported).column(0).to_pylist() == [1, 2, 3]
+        assert session.local_gets == 2
+
+
+# ---------- py_local_get.c: the C getter's locks ------------------------------------------------------
+def test_the_c_getter_gives_its_locks_back_on_every_path(publisher: aib.Publisher) -> None:
+    """Kills ``local-getter-keeps-request-lock`` and ``local-getter-miss-keeps-request-lock``: after
+    a local get (answered), a get the board cannot answer (asked of the publisher) and a get of a
+    name nobody published, the session's request lock and its channel's receive lock are free. A
+    lock kept would make the next get wait forever; the test fails instead and frees it, so that the
+    session can close."""
+    publisher.publish("t", pa.record_batch({"x": pa.array([1, 2, 3], pa.int64())}))
+    publisher.publish("u", pa.record_batch({"y": pa.array([4], pa.int64())}))
+    with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
+        for _ in range(2):
+            session.get("t").release()
+        getter = session._local_getter
+        assert getter is not None
+        channel = session._channel
+        assert channel is not None
+        locks = {"request": session._request_lock, "receive": channel.locked()[0]}
+
+        def held() -> list[str]:
+            kept = [name for name, lock in locks.items() if lock.locked()]
+            for name in kept:
+                locks[name].release()
+            return kept
+
+        local = getter.get("t")
+        assert local is not None
+        local.release()
+        assert held() == [], "after a local get"
+        assert getter.get("u") is None  # not remembered: the Python path asks the publisher
+        assert held() == [], "after a get the board could not answer"
+        assert getter.get("never") is None
+        assert held() == [], "after a get of a name nobody published"
+        with session.get("t") as imported:
+            assert pa.record_batch(imported).column(0).to_pylist() == [1, 2, 3]
+        assert getter.gets == 2

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from typing import Any
 
 import arrow_ipc_bridge as aib
@@ -270,6 +271,41 @@ def c_renewal() -> dict[str, Any]:
     seen["closed"] = _bridge_error(lambda: pub.publish("t", batch))
     seen["publish_closed"] = delta()
     seen["c_renewals_closed"] = renewer.renewals
+    return seen
+
+
+def c_renewal_answers_a_single_wait() -> dict[str, Any]:
+    """A C renewal (py_in_place.c) answers the one WAIT held on its name at once, as a Python
+    renewal does: a raw client's WAIT for a version newer than the current one, then a renewal."""
+    from arrow_ipc_bridge import protocol, transport
+    from helpers.session_rig import raw_hello
+
+    seen: dict[str, Any] = {}
+    cols = _columns(160)
+    pub = _publisher()
+    pub.publish("t", aib.from_cuda_arrays(cols))
+    pub.publish("t", aib.from_cuda_arrays(cols))  # renewed in Python, which prepares
+    renewer = pub._in_place
+    version = pub.version("t")
+    raw = transport.connect(pub.path, timeout=10.0)
+    raw_hello(raw)
+    raw.send(protocol.WAIT, protocol.encode_wait(version, 60_000, b"t"))
+    deadline = time.monotonic() + 10.0
+    while pub.held_waits != 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    seen["held"] = pub.held_waits
+    renewals = renewer.renewals
+    pub.publish("t", aib.from_cuda_arrays(cols))
+    seen["c_renewed"] = renewer.renewals - renewals
+    seen["version"] = pub.version("t")
+    try:
+        with raw.recv(timeout=10.0) as frame:
+            seen["answer"] = frame.kind == protocol.VERSIONED_ITEM
+            seen["answered_version"] = protocol.decode_versioned_item(frame.payload)[1]
+    except aib.BridgeError as exc:
+        seen["answer"] = type(exc).__name__
+    raw.close()
+    pub.close()
     return seen
 
 
