@@ -47,6 +47,7 @@ from arrow_ipc_bridge.errors import (
     ClosedError,
     PeerClosedError,
     ProtocolError,
+    WaitTimeoutError,
 )
 from arrow_ipc_bridge.host.mappings import HostMappingCache
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream
@@ -822,8 +823,10 @@ def connect(
     wait_for_publisher
         Wait for a publisher to appear at ``path`` (the socket file missing, or refusing: one that
         is starting or restarting), retrying with a short backoff, instead of raising
-        :class:`~arrow_ipc_bridge.errors.TransportError` at once. When ``timeout`` passes first:
-        :class:`~arrow_ipc_bridge.errors.WaitTimeoutError`.
+        :class:`~arrow_ipc_bridge.errors.TransportError` at once; a publisher that takes the
+        connection and closes it before welcoming the session (going down or coming up) is tried
+        again too, instead of raising :class:`~arrow_ipc_bridge.errors.PeerClosedError`. When
+        ``timeout`` passes first: :class:`~arrow_ipc_bridge.errors.WaitTimeoutError`.
     pool_linger
         See :class:`Session`: how long a remembered IPC-pool message keeps its lease after its
         last get.
@@ -865,23 +868,50 @@ def connect(
     path = _arguments.path(path)
     timeout = _arguments.seconds(timeout, "timeout")
     _arguments.boolean(wait_for_publisher, "wait_for_publisher")
-    session = Session(
-        pool_linger=pool_linger,
-        remembered_messages=remembered_messages,
-        check=check,
-        reader_device=reader_device,
-        cross_device=cross_device,
-        copy_stream=copy_stream,
-        standing_leases=standing_leases,
-    )
-    session._path = os.fspath(path)
-    conn = transport.connect(path, timeout=timeout, wait_for_server=wait_for_publisher)
-    try:
-        session._attach(conn, timeout)
-    except BaseException:
-        conn.close()
-        raise
-    return session
+    deadline = time.monotonic() + timeout
+    delay = _RETRY_FIRST
+    while True:
+        session = Session(
+            pool_linger=pool_linger,
+            remembered_messages=remembered_messages,
+            check=check,
+            reader_device=reader_device,
+            cross_device=cross_device,
+            copy_stream=copy_stream,
+            standing_leases=standing_leases,
+        )
+        session._path = os.fspath(path)
+        try:
+            left = max(deadline - time.monotonic(), 0.0) if wait_for_publisher else timeout
+            conn = transport.connect(path, timeout=left, wait_for_server=wait_for_publisher)
+            session._attach(conn, timeout)
+            return session
+        except PeerClosedError as exc:
+            session.close()
+            # The publisher closed the connection before the session was set up: one going down
+            # (its listening socket still took the connection) or coming up and failing. Waiting
+            # for a publisher waits through that, as through a missing or refusing socket.
+            if not wait_for_publisher:
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WaitTimeoutError(
+                    f"no publisher at {path!r} completed a handshake within {timeout} s "
+                    f"(last: {exc.message})",
+                    path=os.fspath(path),
+                    timeout=timeout,
+                ) from exc
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, _RETRY_MOST)
+        except BaseException:
+            session.close()  # closes the connection too
+            raise
+
+
+# connect(wait_for_publisher=True)'s backoff between handshakes a publisher closed (seconds), as
+# transport.connect's while no socket is there.
+_RETRY_FIRST = 0.001
+_RETRY_MOST = 0.05
 
 
 def subscribe(

@@ -114,6 +114,44 @@ def test_connect_does_not_wait_through_permission_errors(sock_dir: str) -> None:
     assert time.monotonic() - started < SOON
 
 
+def test_connect_waits_through_a_publisher_restarting(sock_dir: str) -> None:
+    """A publisher restarted over and over at one path: its socket takes connections it then closes
+    before answering the HELLO (going down) or that a new one takes over. ``connect`` with
+    ``wait_for_publisher`` waits through that and is welcomed every time (it used to raise
+    PeerClosedError on about a third of the reconnects of a restart)."""
+    path = os.path.join(sock_dir, "restarting.sock")
+    parent, child = SPAWN.Pipe()
+    process = SPAWN.Process(
+        target=waiting_children.restarting_publisher_main, args=(child, path), daemon=True
+    )
+    process.start()
+    child.close()
+    failures: list[BaseException] = []
+    publishers: set[object] = set()
+    try:
+        started = time.monotonic()
+        while time.monotonic() - started < 3.0 or len(publishers) < 20:
+            try:
+                with aib.connect(path, timeout=30.0, wait_for_publisher=True) as session:
+                    publishers.add(session.publisher_info["publisher_id"])
+            except aib.BridgeError as exc:
+                failures.append(exc)
+            assert time.monotonic() - started < 60.0, (len(publishers), failures[:3])
+        parent.send("stop")
+        assert parent.poll(30.0)
+        kind, restarts = parent.recv()
+    finally:
+        process.join(30.0)
+        if process.is_alive():
+            process.kill()
+            process.join(5.0)
+        parent.close()
+    assert process.exitcode == 0
+    assert failures == []
+    assert kind == "restarts"
+    assert restarts >= len(publishers) >= 20
+
+
 # ---------- waiting for a name --------------------------------------------------------------------
 def test_get_waits_for_a_name_publishedrun_later(sock_dir: str) -> None:
     """The publisher answers the held WAIT when the name appears, from the publishing thread, while

@@ -33,3 +33,16 @@ def republishing_publisher_main(conn: Any, path: str) -> None:
                 break
             pub.publish("v", pa.array([command[1]]))
             conn.send(("published", pub.version("v")))
+
+
+def restarting_publisher_main(conn: Any, path: str) -> None:
+    """Start a publisher at ``path``, publish "x", close it after 10 ms and start the next one,
+    until told to stop; then say ("restarts", how many publishers were started)."""
+    restarts = 0
+    while not conn.poll():
+        with aib.Publisher(path) as pub:
+            restarts += 1
+            pub.publish("x", pa.array([restarts]))
+            time.sleep(0.01)
+    conn.recv()  # "stop"
+    conn.send(("restarts", restarts))
