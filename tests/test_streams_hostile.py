@@ -145,6 +145,10 @@ def test_subscribe_before_hello_is_refused(publisher: aib.Publisher) -> None:
 
 
 # ---------- a hostile publisher against a consumer --------------------------------------------------
+RAW = -1
+"""A pushed reply of this kind is written to the socket as it is: not a frame."""
+
+
 class ScriptedStreamPublisher:
     """Answers HELLO with a WELCOME offering "stream", SUBSCRIBE with ``subscribed`` then every frame
     of ``pushed``; records RELEASEs."""
@@ -167,6 +171,9 @@ class ScriptedStreamPublisher:
     def _send(self, conn: transport.Connection, reply: Reply) -> None:
         kind, payload, *rest = reply
         fds = rest[0] if rest else []
+        if kind == RAW:
+            os.write(conn.fileno(), payload)
+            return
         try:
             conn.send(kind, payload, fds)
         finally:
@@ -348,6 +355,7 @@ def _memfd() -> int:
         pytest.param((protocol.STREAM_END, _end(7)), "type 7", id="end-type"),  # type: ignore[arg-type]
         pytest.param((protocol.STREAM_END, _end(None), [_memfd]), "descriptors", id="end-with-fd"),
         pytest.param((protocol.PONG, b""), "frame kind 10 on a subscription", id="unexpected-kind"),
+        pytest.param((RAW, b"XXXX" + bytes(60)), "bad frame magic", id="not-a-frame"),
     ],
 )
 def test_malformed_stream_frames_are_protocol_errors(
