@@ -68,12 +68,15 @@ def millis(timeout: float | None) -> int:
     return -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
 
 
-def error_for(code: int, err: Any, what: str, timeout: float | None = None) -> BridgeError:
-    """The package exception for a failed channel call."""
+def error_for(
+    code: int, err: Any, what: str, timeout: float | None = None, *, peer_closed_hint: str = ""
+) -> BridgeError:
+    """The package exception for a failed channel call; ``peer_closed_hint`` ends the message of a
+    :class:`~arrow_ipc_bridge.errors.PeerClosedError` (what to do now that the peer is gone)."""
     message = ffi.string(err.message).decode("utf-8", "replace")
     text = f"{what}: {message}"
     if code == lib.AIB_E_PEER_CLOSED:
-        return PeerClosedError(text)
+        return PeerClosedError(f"{text}: {peer_closed_hint}" if peer_closed_hint else text)
     if code == lib.AIB_E_TIMEOUT:
         return BridgeTimeoutError(f"{what} timed out after {timeout} s", timeout=timeout)
     if code == lib.AIB_E_PROTOCOL:
@@ -175,6 +178,9 @@ class Channel:
         self._state_lock = threading.Lock()
         self._closed = False
         self._close_reason = ""
+        # What a PeerClosedError tells the user to do, set by whoever knows the peer (a session's
+        # connection: connect to the publisher again); kept in the close reason later calls show.
+        self.peer_closed_hint = ""
         self._recv_lock = threading.Lock()
         self._send_lock = threading.Lock()
         # Used under the receive lock only (one receive at a time).
@@ -255,7 +261,9 @@ class Channel:
                 f"send timed out after {timeout} s in the middle of a frame (connection closed)",
                 timeout=timeout,
             )
-        return self._closed_or(error_for(rc, err, "sending a frame", timeout))
+        return self._closed_or(
+            error_for(rc, err, "sending a frame", timeout, peer_closed_hint=self.peer_closed_hint)
+        )
 
     def recv(self, *, timeout: float | None = None) -> Frame:
         """The next frame; the caller owns (and must close) its :attr:`Frame.fds`.
@@ -365,7 +373,7 @@ class Channel:
         """The exception for a failed call; the connection is closed (the stream position is unknown
         after a failed receive: a timed-out frame is not kept). Call it holding the lock(s) named:
         ``"recv"`` or ``"both"`` (never the send lock alone: the locks are taken receive first)."""
-        exc = self._closed_or(error_for(rc, err, what, timeout))
+        exc = self._closed_or(error_for(rc, err, what, timeout, peer_closed_hint=self.peer_closed_hint))
         self._teardown(f"{what} failed: {exc}", holding=holding)
         return exc
 

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from arrow_ipc_bridge import _arguments, _ffi
 from arrow_ipc_bridge._ffi import ffi
 from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
-from arrow_ipc_bridge.errors import BridgeError
+from arrow_ipc_bridge.errors import BridgeError, closest_name, names_shown, shown_name
 from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, _ImportedBase
 
 __all__ = ["column_view", "column_arrays", "ColumnView"]
@@ -136,7 +136,9 @@ def column_view(
     fact = next((f for f in facts if f is not None), None)
     if fact is None:
         if isinstance(column, str):
-            raise BridgeError(f"no column named {column!r}")
+            # The C call gave the selected column's facts only: ask again for every column's name.
+            _, _, every, _ = _read_batch(imported, batch, _AS_ADDRESSES, None, None)
+            raise BridgeError(_no_column_message(column, every))
         raise BridgeError(f"no column {column!r} (the batch has {len(facts)})")
     name, numeric, length, null_count, dlpack_column = fact
     _check_plain(name, numeric, null_count)
@@ -298,13 +300,29 @@ def _read_batch(
     )
 
 
-def _check_plain(name: str, numeric: int, null_count: int) -> None:
+def _check_plain(name: str, numeric: int, null_count: int, facts: _Facts | None = None) -> None:
+    """Refuse a column a plain array cannot show, saying what to do instead; ``facts``: the batch's
+    columns when the caller chose them all (column_arrays), to name those it can take."""
     if numeric < 0:
-        raise BridgeError(f"column {name!r} has no plain-array equivalent (numbers only)")
+        raise BridgeError(f"column {shown_name(name)} has no plain-array equivalent (numbers only)")
     if null_count != 0:
+        leave_out = ""
+        if facts is not None:
+            plain = [f[0] for f in facts if f is not None and f[1] >= 0 and f[3] == 0]
+            without = names_shown(plain) if plain else "none"
+            leave_out = f"pass names= without it (numeric columns without nulls: {without}), "
         raise BridgeError(
-            f"column {name!r} has nulls (or an unknown null count); a plain array cannot show them"
+            f"column {shown_name(name)} has nulls (or an unknown null count), which a plain array "
+            f"cannot show: {leave_out}fill the nulls before publishing (pyarrow.compute.fill_null), "
+            "or read the column through Arrow (pa.table(imported); to_host() for device data)"
         )
+
+
+def _no_column_message(name: str, facts: _Facts) -> str:
+    names = [fact[0] for fact in facts if fact is not None]
+    close = closest_name(name, names)
+    guess = f"; did you mean {shown_name(close)}?" if close is not None else ""
+    return f"no column named {shown_name(name)}{guess} (columns: {names_shown(names) or 'none'})"
 
 
 def _choose(facts: _Facts, names: Sequence[str] | None) -> list[_Fact]:
@@ -321,11 +339,11 @@ def _choose(facts: _Facts, names: Sequence[str] | None) -> list[_Fact]:
         by_name = {fact[0]: fact for fact in every}
         missing = [name for name in names if name not in by_name]
         if missing:
-            raise BridgeError(f"no column named {missing[0]!r}")
+            raise BridgeError(_no_column_message(missing[0], facts))
         chosen = [by_name[name] for name in names]
     seen: set[str] = set()
     for name, numeric, _, null_count, _ in chosen:
-        _check_plain(name, numeric, null_count)
+        _check_plain(name, numeric, null_count, facts if names is None else None)
         if name in seen:
             raise BridgeError(f"two columns are named {name!r}: pick them with column_view by index")
         seen.add(name)

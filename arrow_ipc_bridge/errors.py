@@ -8,6 +8,9 @@ message that says what failed and what to do about it.
 
 from __future__ import annotations
 
+import difflib
+import heapq
+from collections.abc import Collection
 from typing import Any
 
 __all__ = [
@@ -208,10 +211,88 @@ class FileLimitError(BridgeError, OSError):
 
 
 class NotPublishedError(BridgeError, KeyError):
-    """No object is published under that name."""
+    """No object is published under that name (the message lists the first names that are, with
+    the closest one when one is close: :func:`not_published_message`)."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return self.message
+
+
+# ---------- messages that guide: what exists, and the closest name -----------------------------------
+# Names and column names come from another process, and a publisher may hold many: a message shows
+# a few of them, each cut short and escaped (repr), and the closest match is looked for among a
+# bounded number of short names (difflib compares every pair of characters: quadratic in a name's
+# length), so that answering a request for an unknown name costs a bounded few milliseconds.
+NAMES_SHOWN = 5
+"""How many names an error message lists (the first ones in sorted order)."""
+_NAME_CHARS_SHOWN = 40
+_SUGGEST_AMONG = 100
+_SUGGEST_MAX_CHARS = 64
+
+
+def shown_name(name: str) -> str:
+    """``name`` for a message: escaped (``repr``: quotes, control characters as escapes) and cut
+    to 40 characters, with ``...`` after the quote when cut."""
+    if len(name) <= _NAME_CHARS_SHOWN:
+        return repr(name)
+    return f"{name[:_NAME_CHARS_SHOWN]!r}..."
+
+
+def names_shown(names: Collection[str]) -> str:
+    """The first :data:`NAMES_SHOWN` of ``names`` in sorted order, shown with :func:`shown_name`,
+    and how many more there are: ``'a', 'b' and 3 more``."""
+    first = heapq.nsmallest(NAMES_SHOWN, names)
+    text = ", ".join(shown_name(name) for name in first)
+    more = len(names) - len(first)
+    return f"{text} and {more} more" if more else text
+
+
+def closest_name(name: str, names: Collection[str]) -> str | None:
+    """The name of ``names`` closest to ``name`` when one is close (``difflib.get_close_matches``),
+    looked for among the first 100 in sorted order of those up to 64 characters; None otherwise."""
+    if len(name) > _SUGGEST_MAX_CHARS:
+        return None
+    short = (candidate for candidate in names if len(candidate) <= _SUGGEST_MAX_CHARS)
+    candidates = heapq.nsmallest(_SUGGEST_AMONG, short)
+    matches = difflib.get_close_matches(name, candidates, n=1)
+    return matches[0] if matches else None
+
+
+def not_published_message(
+    name: str, published: Collection[str], streams: Collection[str] = (), *, every: str = "Session.list()"
+) -> str:
+    """The message of :class:`NotPublishedError` for a get of ``name``: a live stream of that name
+    is said to be one (subscribe to it), otherwise the closest published name and the first few
+    published. ``every``: the call that lists every name."""
+    head = f"nothing is published as {shown_name(name)}"
+    if name in streams:
+        return f"{head}: it is a live stream; subscribe to it (Session.subscribe) instead of get"
+    if not published:
+        return f"{head}, and nothing else is published now (get(name, wait=seconds) waits for a publish)"
+    close = closest_name(name, published)
+    guess = f"; did you mean {shown_name(close)}?" if close is not None else ""
+    return f"{head}{guess} (published: {names_shown(published)}; {every} gives every name)"
+
+
+def no_stream_message(name: str, streams: Collection[str], published: Collection[str] = ()) -> str:
+    """The message for a subscription to ``name`` when no live stream of that name is open: a
+    publication of that name is said to be one (read it with get), otherwise the closest open
+    stream and the first few open."""
+    head = f"no stream is open as {shown_name(name)}"
+    if name in published:
+        return f"{head}: it is a publication, not a live stream; read it with Session.get"
+    if not streams:
+        return f"{head}, and no live stream is open now (Publisher.open_stream opens one)"
+    close = closest_name(name, streams)
+    guess = f"; did you mean {shown_name(close)}?" if close is not None else ""
+    return f"{head}{guess} (open streams: {names_shown(streams)})"
+
+
+PUBLISHER_GONE_HINT = (
+    "the publisher closed this connection (it stopped, or its process ended): connect again "
+    "(arrow_ipc_bridge.connect; wait_for_publisher=True waits for a publisher to come back)"
+)
+"""What a session's :class:`PeerClosedError` tells the user to do when its publisher went away."""
 
 
 # ---------- live streams (arrow_ipc_bridge.streams, docs/streams.md) ----------------------------------

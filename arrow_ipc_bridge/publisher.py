@@ -40,6 +40,7 @@ from arrow_ipc_bridge.errors import (
     PublisherLimitError,
     RegionError,
     UnreadAnswersError,
+    not_published_message,
 )
 from arrow_ipc_bridge.exporter import (
     CopyPolicy,
@@ -188,7 +189,7 @@ class Publisher:
         self._in_place: Any = None
         self._renew_in_place: Any = None
         # Live streams (docs/streams.md), a namespace of their own.
-        self._streams = StreamHub(max_subscriptions)
+        self._streams = StreamHub(max_subscriptions, publications=self._published_names)
         self.publisher_id = os.urandom(16).hex()
         self._watch = Watch("aib-publisher")  # versions and held waits (feature "watch")
         # The server accepts, and serves on its threads, from inside its constructor: before
@@ -348,7 +349,9 @@ class Publisher:
             self._names.discard(name)
             self._current.pop(name, None)
         if absent:
-            raise NotPublishedError(f"nothing is published as {name!r}")
+            raise NotPublishedError(
+                not_published_message(name, self._published_names(), every="Publisher.names()")
+            )
         _reaper.drain()
 
     def version(self, name: str) -> int:
@@ -373,6 +376,11 @@ class Publisher:
         self._check_open()
         with self._lock:
             return sorted(self._names)
+
+    def _published_names(self) -> list[str]:
+        """The names published now, unsorted: what an unknown name's error lists."""
+        with self._lock:
+            return list(self._names)
 
     @property
     def active_leases(self) -> int:
@@ -587,7 +595,8 @@ class Publisher:
             lib.aib_server_conn_use_board(state.served)
         elif frame.kind == protocol.GET:
             name = protocol.decode_name(frame.payload)  # ProtocolError for a malformed name
-            raise NotPublishedError(f"nothing is published as {name!r}")
+            published = self._published_names()
+            raise NotPublishedError(not_published_message(name, published, self._streams.names()))
         elif frame.kind == protocol.RELEASE:
             protocol.decode_lease(frame.payload)  # the C loop takes every well-formed RELEASE
             raise ProtocolError("malformed RELEASE frame")

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from arrow_ipc_bridge import protocol
 from arrow_ipc_bridge.channel import Channel
@@ -35,6 +35,7 @@ from arrow_ipc_bridge.errors import (
     StreamError,
     SubscriptionLimitError,
     TransportError,
+    no_stream_message,
 )
 from arrow_ipc_bridge.process_stats import stream_counters
 from arrow_ipc_bridge.streams import frames
@@ -341,8 +342,15 @@ class StreamHub:
     thread for its whole life (it waits for its consumer's RELEASEs and is never parked), so the
     bound keeps streams from taking every thread the publisher's GETs need."""
 
-    def __init__(self, max_subscriptions: int = MAX_SUBSCRIPTIONS) -> None:
+    def __init__(
+        self,
+        max_subscriptions: int = MAX_SUBSCRIPTIONS,
+        *,
+        publications: Callable[[], Collection[str]] = tuple,
+    ) -> None:
         self._lock = threading.Lock()
+        # The publisher's names, for the error of a subscription to one of them (read it with get).
+        self._publications = publications
         self._streams: dict[str, LiveStreamState] = {}
         self._max_subscriptions = max_subscriptions
         self._subscriptions = 0  # served now (under _lock)
@@ -393,7 +401,7 @@ class StreamHub:
                     counted = True
                     next(stream_counters.subscriptions_started)  # before SUBSCRIBED goes out
             if stream is None:
-                raise NotPublishedError(f"no stream is open as {name!r}")
+                raise NotPublishedError(no_stream_message(name, self.names(), self._publications()))
             sub = stream.attach(channel, asked)
         except (NotPublishedError, ProtocolError, SubscriptionLimitError) as exc:
             if counted:

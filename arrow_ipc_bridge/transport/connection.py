@@ -18,7 +18,13 @@ from collections.abc import Sequence
 from types import TracebackType
 
 from arrow_ipc_bridge.channel import MAX_PAYLOAD, U32_MAX, Channel, Frame
-from arrow_ipc_bridge.errors import BridgeTimeoutError, TransportError, WaitTimeoutError, WireFormatError
+from arrow_ipc_bridge.errors import (
+    PUBLISHER_GONE_HINT,
+    BridgeTimeoutError,
+    TransportError,
+    WaitTimeoutError,
+    WireFormatError,
+)
 
 __all__ = ["Connection", "connect", "check_max_payload"]
 
@@ -251,7 +257,11 @@ def _connect_once(spath: str, timeout: float, deadline: float, max_payload: int)
                 raise TransportError(
                     f"cannot connect to {spath!r}: {exc}", path=spath, errno=exc.errno
                 ) from exc
-        return Connection(sock, max_payload=max_payload)
+        conn = Connection(sock, max_payload=max_payload)
+        # The server of every connection made here is a publisher: its going away is answered by
+        # connecting again, which the errors of this connection say.
+        conn.channel.peer_closed_hint = PUBLISHER_GONE_HINT
+        return conn
     except BaseException:
         sock.close()
         raise
