@@ -2,9 +2,10 @@
 
 Capture moves the producer's C structs into an owner record of the C core (no data is copied); the
 record keeps the producer's buffers alive until every struct handed out from it is released.
-:class:`ArrowExporter` is the protocol surface shared by everything the bridge hands to consumers
-(captured data here, imported data in ``session.py``): each protocol call builds fresh structs that
-share the same memory, so one object can feed pyarrow, then polars, then nanoarrow.
+:class:`ArrowExporter` and its one-method mixins are the protocol surface of everything the bridge
+hands to consumers (captured data here, imported data in ``imported.py``): each protocol call builds
+fresh structs that share the same memory, so one object can feed pyarrow, then polars, then
+nanoarrow.
 
 Every capsule is made, read and destroyed by the core (``cffi_build/py_capsules.c``), through the
 builtin functions it installs on ``arrow_ipc_bridge._ffi``; this module names the kinds and turns
@@ -32,6 +33,10 @@ __all__ = [
     "ArrowDeviceStreamExportable",
     "ArrowInput",
     "ArrowExporter",
+    "DeviceStreamExporter",
+    "TableExporter",
+    "HostStreamExporter",
+    "DeviceArrayExporter",
     "ArrowArrayExporter",
     "CapturedData",
     "CapturedArray",
@@ -309,7 +314,8 @@ def capture(obj: ArrowInput, *, requested_schema: object | None = None) -> Captu
     ----------
     obj
         Anything with ``__arrow_c_device_array__``, ``__arrow_c_array__``,
-        ``__arrow_c_device_stream__`` or ``__arrow_c_stream__`` (tried in that order), a
+        ``__arrow_c_device_stream__`` or ``__arrow_c_stream__`` (tried in that order; the bridge's
+        own tables and streams, :class:`TableExporter`, through their device stream first), a
         ``(schema_capsule, array_capsule)`` or ``(schema_capsule, device_array_capsule)`` pair, or a
         stream capsule.
     requested_schema
@@ -321,6 +327,11 @@ def capture(obj: ArrowInput, *, requested_schema: object | None = None) -> Captu
     >>> captured = capture(pa.array([1, 2, 3]))
     >>> captured.close()
     """
+    # The bridge's own tables keep their kind: an imported device table also offers its one batch as
+    # a device array (for consumers that read one batch), which must not make it a record batch here.
+    if isinstance(obj, TableExporter):
+        schema, arrays = _drain_stream(obj.__arrow_c_device_stream__(requested_schema), device=True)
+        return CapturedData(schema, arrays, is_stream=True)
     # hasattr, not isinstance on the runtime-checkable protocols: a protocol check costs microseconds.
     if hasattr(obj, "__arrow_c_device_array__"):
         device_producer = cast(ArrowDeviceArrayExportable, obj)
@@ -373,27 +384,26 @@ def _capture_pair(schema_capsule: object, array_capsule: object, *, host: bool) 
 
 
 # ---------- serving data out -------------------------------------------------------------------------
+# The protocol surface is built from one-method mixins, so that each object offers exactly the
+# methods that apply to its data: a consumer probing with hasattr (pyarrow, polars, pylibcudf) must
+# not be offered a host method that can only refuse, or it takes that method and fails instead of
+# using the device one. Imported data picks its classes when it is imported (imported.py); captured
+# data, whose device is known only per call, takes the full set and refuses at call time.
 class ArrowExporter:
-    """The stream side of the Arrow PyCapsule protocol over data this process owns or has mapped.
+    """The base of every protocol object the bridge hands out: ``__arrow_c_schema__``, the subclass
+    hooks and the checks.
 
-    Subclasses provide ``_fill_schema``, ``_fill_batch``, the stream builders and the device facts.
-    Streams (tables, several batches) derive from this class alone, so consumers such as polars,
-    which prefer ``__arrow_c_array__`` when it exists, take the stream path for them;
-    :class:`ArrowArrayExporter` adds the array methods for single arrays and record batches.
-    Host-only methods refuse device data, and ``requested_schema`` is checked before any work.
+    Subclasses provide ``_fill_schema`` and the hooks of the methods they add. The methods come from
+    :class:`DeviceStreamExporter` (``__arrow_c_device_stream__``), :class:`HostStreamExporter`
+    (``__arrow_c_stream__``), :class:`DeviceArrayExporter` (``__arrow_c_device_array__``) and
+    :class:`ArrowArrayExporter` (``__arrow_c_array__``, with the device array and the host stream).
+    Streams (tables, several batches) of host data have no array methods, so consumers such as
+    polars, which prefer ``__arrow_c_array__`` when it exists, take the stream path for them.
+    ``requested_schema`` is checked before any work.
     """
 
     # -- subclass hooks --
     def _fill_schema(self, out: Any) -> None:
-        raise NotImplementedError
-
-    def _fill_batch(self, index: int, out: Any) -> None:
-        raise NotImplementedError
-
-    def _fill_device_stream(self, out: Any) -> None:
-        raise NotImplementedError
-
-    def _fill_stream(self, out: Any) -> None:
         raise NotImplementedError
 
     @property
@@ -408,21 +418,6 @@ class ArrowExporter:
         return ffi.NULL
 
     # -- protocol --
-    def __arrow_c_device_stream__(self, requested_schema: object | None = None, **kwargs: object) -> object:
-        _check_kwargs(kwargs)
-        self._check_requested(requested_schema)
-        capsule, stream = new_capsule("device_stream")
-        self._fill_device_stream(stream)
-        return capsule
-
-    def __arrow_c_stream__(self, requested_schema: object | None = None, **kwargs: object) -> object:
-        _check_kwargs(kwargs)
-        self._check_requested(requested_schema)
-        self._require_host("__arrow_c_stream__")
-        capsule, stream = new_capsule("stream")
-        self._fill_stream(stream)
-        return capsule
-
     def __arrow_c_schema__(self) -> object:
         capsule, schema = new_capsule("schema")
         self._fill_schema(schema)
@@ -461,8 +456,45 @@ class ArrowExporter:
             own.release(own)
 
 
-class ArrowArrayExporter(ArrowExporter):
-    """Adds ``__arrow_c_device_array__`` and (host data only) ``__arrow_c_array__``: one batch."""
+class DeviceStreamExporter(ArrowExporter):
+    """Adds ``__arrow_c_device_stream__``: every batch, on whatever device it lives."""
+
+    def _fill_device_stream(self, out: Any) -> None:
+        raise NotImplementedError
+
+    def __arrow_c_device_stream__(self, requested_schema: object | None = None, **kwargs: object) -> object:
+        _check_kwargs(kwargs)
+        self._check_requested(requested_schema)
+        capsule, stream = new_capsule("device_stream")
+        self._fill_device_stream(stream)
+        return capsule
+
+
+class TableExporter(DeviceStreamExporter):
+    """A table or stream (batches in order): :func:`capture` takes its device stream whatever array
+    method it also offers, so that it is published as a stream again."""
+
+
+class HostStreamExporter(ArrowExporter):
+    """Adds ``__arrow_c_stream__``: every batch, host data only (refused at call time otherwise)."""
+
+    def _fill_stream(self, out: Any) -> None:
+        raise NotImplementedError
+
+    def __arrow_c_stream__(self, requested_schema: object | None = None, **kwargs: object) -> object:
+        _check_kwargs(kwargs)
+        self._check_requested(requested_schema)
+        self._require_host("__arrow_c_stream__")
+        capsule, stream = new_capsule("stream")
+        self._fill_stream(stream)
+        return capsule
+
+
+class DeviceArrayExporter(ArrowExporter):
+    """Adds ``__arrow_c_device_array__``: one batch, on whatever device it lives."""
+
+    def _fill_batch(self, index: int, out: Any) -> None:
+        raise NotImplementedError
 
     def __arrow_c_device_array__(
         self, requested_schema: object | None = None, **kwargs: object
@@ -489,6 +521,11 @@ class ArrowArrayExporter(ArrowExporter):
         array.device_id = self.device_id
         array.sync_event = self._sync_event()
 
+
+class ArrowArrayExporter(DeviceArrayExporter, HostStreamExporter):
+    """One array or record batch with the host methods: adds ``__arrow_c_array__`` (host data only)
+    to the device array and the host stream."""
+
     def __arrow_c_array__(
         self, requested_schema: object | None = None, **kwargs: object
     ) -> tuple[object, object]:
@@ -506,7 +543,7 @@ class ArrowArrayExporter(ArrowExporter):
         return schema_capsule, array_capsule
 
 
-class _CapturedSource(ArrowExporter):
+class _CapturedSource(DeviceStreamExporter, HostStreamExporter):
     """Serves :class:`CapturedData` back out in this process (shares its buffers, no copy)."""
 
     def __init__(self, captured: CapturedData) -> None:
@@ -572,7 +609,7 @@ class CapturedArray(_CapturedSource, ArrowArrayExporter):
     column_signature: tuple[int, tuple[str, ...] | None, bytes] | None = None
 
 
-class CapturedStream(_CapturedSource):
+class CapturedStream(_CapturedSource, TableExporter):
     """Captured stream (table, chunked array, reader), served back out as a stream."""
 
 

@@ -5,13 +5,21 @@ base address of each of its regions in this process. Every protocol call rebuild
 that point into the same mapped regions, each holding a reference on the message's owner; the lease
 ends when the object is released *and* the last struct handed out is released by its consumer.
 :func:`to_host` copies imported data (device data included) into host memory as pyarrow objects.
+
+The class is chosen when the data is imported (:func:`imported_class`), by its kind and where it
+lives: host data (:class:`ImportedHostArray`, :class:`ImportedHostStream`) offers the host protocol
+methods, device data (:class:`ImportedDeviceArray`, :class:`ImportedDeviceStream`) does not have
+them at all, so that a consumer probing with ``hasattr`` (pylibcudf's ``from_arrow`` tries
+``__arrow_c_device_array__``, then ``__arrow_c_stream__``) is never offered a method that could
+only refuse. Every kind keeps one path per operation: the classes differ in which mixins of
+``capsules.py`` they take, not in how a struct is built.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import pyarrow as pa
 
@@ -20,8 +28,12 @@ from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.capsules import (
     DEVICE_CPU,
     DEVICE_CUDA,
+    HOST_READABLE_DEVICES,
     ArrowArrayExporter,
-    ArrowExporter,
+    DeviceArrayExporter,
+    DeviceStreamExporter,
+    HostStreamExporter,
+    TableExporter,
     array_capsules,
     call_borrowed,
     capsule_struct,
@@ -38,8 +50,14 @@ if TYPE_CHECKING:
 __all__ = [
     "ImportedArray",
     "ImportedStream",
+    "ImportedHostArray",
+    "ImportedDeviceArray",
+    "ImportedHostStream",
+    "ImportedDeviceStream",
+    "ImportedBatch",
     "batch_lengths",
     "device_label",
+    "imported_class",
     "imported_from",
     "message_schema",
     "referenced_bytes",
@@ -61,10 +79,11 @@ def adopted_fields(bases: Any, device_type: int, device_id: int) -> dict[str, An
     }
 
 
-class _ImportedBase(ArrowExporter):
+class _ImportedBase(DeviceStreamExporter):
     # Arrays build their capsule pairs in C from the owner's view; streams are rebuilt from the
     # bases they are given and need no view.
     _capsules_from_owner = False
+    _kind_name: str  # the kind's public name, for repr
     # Set on objects got by waiting (Session.get(wait=...), Session.get_next): the publication's
     # version and the publisher it came from (versions are per publisher); None otherwise.
     version: int | None = None
@@ -345,13 +364,13 @@ class _ImportedBase(ArrowExporter):
         finally:
             decoded.unborrow()
 
-    def _fill_device_array(self, schema: Any, array: Any) -> None:
+    def _fill_device_array(self, schema: Any, array: Any, batch: int = 0) -> None:
         call_borrowed(
             self._borrow(),
             "rebuilding a device array",
             lambda d, err: lib.aib_rebuild_device_array(
                 d.raw,
-                0,
+                batch,
                 self._bases,
                 self._n_bases,
                 d.owner,
@@ -381,9 +400,11 @@ class _ImportedBase(ArrowExporter):
         )
 
     def __repr__(self) -> str:
+        # The kind's name (ImportedArray, ImportedStream): where the data lives is in the facts.
+        kind = self._kind_name
         label = f" {self.name!r}" if self.name is not None else ""
         if self.released:
-            return f"<{type(self).__name__}{label} released>"
+            return f"<{kind}{label} released>"
         try:
             schema = self.schema
             what = _describe_root(self._decoded.is_stream, self.root_format, self.batch_count)
@@ -391,18 +412,21 @@ class _ImportedBase(ArrowExporter):
             facts = f"{what}, {self.num_rows} rows, {self.nbytes} bytes, {self.device}, [{columns}]"
         except BridgeError:  # released by another thread meanwhile: a repr never raises
             facts = "released"
-        return f"<{type(self).__name__}{label} {facts}>"
+        return f"<{kind}{label} {facts}>"
 
 
-class ImportedArray(_ImportedBase, ArrowArrayExporter):
-    """An imported array or record batch.
+class ImportedArray(_ImportedBase, DeviceArrayExporter):
+    """An imported array or record batch: an :class:`ImportedHostArray` or an
+    :class:`ImportedDeviceArray`, by where the data lives.
 
     Use it wherever an Arrow PyCapsule producer is accepted: ``pa.array(imported)`` /
-    ``pa.record_batch(imported)``, ``polars.DataFrame(imported)``, ``nanoarrow.c_array(imported)``,
-    ``pylibcudf`` for device data. ``release()`` (or the ``with`` block) gives the lease back.
+    ``pa.record_batch(imported)``, ``polars.DataFrame(imported)``, ``nanoarrow.c_array(imported)``
+    for host data, ``pylibcudf.Table.from_arrow(imported)`` for device data.
+    ``release()`` (or the ``with`` block) gives the lease back.
     """
 
     _capsules_from_owner = True
+    _kind_name = "ImportedArray"
 
     # The hand-off's hot path: both capsules made by one C call (py_capsules.c), which also checks
     # the message is open in the same GIL-holding call that uses it (no borrow needed); the
@@ -415,7 +439,17 @@ class ImportedArray(_ImportedBase, ArrowArrayExporter):
             raise
         return pair if pair is not None else super()._device_array_capsules()
 
+    def __enter__(self) -> ImportedArray:
+        return self
+
+
+class ImportedHostArray(ImportedArray, ArrowArrayExporter):
+    """An imported array or record batch in host memory: ``__arrow_c_array__``,
+    ``__arrow_c_stream__``, ``__arrow_c_device_array__``, ``__arrow_c_device_stream__`` and
+    ``__arrow_c_schema__``."""
+
     def _array_capsules(self) -> tuple[object, object]:
+        # The C call as for the device pair (ImportedArray._device_array_capsules).
         try:
             pair = array_capsules(self._decoded, self._owner_address)
         except ReleasedError:
@@ -423,15 +457,125 @@ class ImportedArray(_ImportedBase, ArrowArrayExporter):
             raise
         return pair if pair is not None else super()._array_capsules()
 
-    def __enter__(self) -> ImportedArray:
+    def __enter__(self) -> ImportedHostArray:
         return self
 
 
-class ImportedStream(_ImportedBase):
-    """An imported table or stream of record batches (``pa.table(imported)``, polars, nanoarrow)."""
+class ImportedDeviceArray(ImportedArray):
+    """An imported array or record batch in device (CUDA) memory: ``__arrow_c_device_array__``,
+    ``__arrow_c_device_stream__`` and ``__arrow_c_schema__`` only; the host methods are absent
+    (``to_host()`` copies it to the host)."""
+
+    def __enter__(self) -> ImportedDeviceArray:
+        return self
+
+
+class ImportedStream(_ImportedBase, TableExporter):
+    """An imported table or stream of record batches: an :class:`ImportedHostStream` (read it with
+    ``pa.table(imported)``, polars, nanoarrow) or an :class:`ImportedDeviceStream`
+    (``pylibcudf.Table.from_arrow(imported)`` for one batch; :meth:`batch` for each of several)."""
+
+    _kind_name = "ImportedStream"
+
+    def batch(self, index: int) -> ImportedBatch:
+        """Batch ``index`` of this table as its own producer of ``__arrow_c_device_array__`` (zero
+        copy, on the table's device): what a consumer that reads one record batch takes, such as
+        ``pylibcudf.Table.from_arrow(imported.batch(i))`` for each ``i`` in
+        ``range(imported.batch_count)``. It uses this object's lease: this object must not be
+        released while it is used (the structs it hands out hold the lease on their own).
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``index`` is not from 0 to ``batch_count - 1``.
+        ArgumentTypeError
+            ``index`` is not an int.
+        ReleasedError
+            This object was released.
+        """
+        count = self.batch_count
+        if count == 0:
+            _arguments.fail_value("index", "a batch index, and this table has no batches", index)
+        return ImportedBatch(self, _arguments.count(index, "index", least=0, most=count - 1))
 
     def __enter__(self) -> ImportedStream:
         return self
+
+
+class ImportedHostStream(ImportedStream, HostStreamExporter):
+    """An imported table or stream in host memory: ``__arrow_c_stream__``,
+    ``__arrow_c_device_stream__`` and ``__arrow_c_schema__``. No array methods, so consumers that
+    prefer arrays (polars) take the stream."""
+
+    def __enter__(self) -> ImportedHostStream:
+        return self
+
+
+class ImportedDeviceStream(ImportedStream, DeviceArrayExporter):
+    """An imported table or stream in device (CUDA) memory: ``__arrow_c_device_stream__``,
+    ``__arrow_c_schema__`` and ``__arrow_c_device_array__``; the host methods are absent.
+
+    ``__arrow_c_device_array__`` hands over the table's one batch as it is (zero copy), for
+    consumers that take one record batch and cannot read device streams (pylibcudf's
+    ``Table.from_arrow``). A table of several batches (or none) raises :class:`BridgeError` naming
+    the count: one device array of several batches would be a concatenation, a copy on the GPU,
+    which the bridge never makes unasked. Hand over each batch with :meth:`batch`, and concatenate
+    in the consumer if one table is wanted (``pylibcudf.concatenate.concatenate``: a copy the
+    caller chose).
+    """
+
+    def _device_array_capsules(self) -> tuple[object, object]:
+        count = self.batch_count
+        if count != 1:
+            raise BridgeError(
+                f"imported {self.name or 'data'} is a table of {count} batches on {self.device}, and "
+                "__arrow_c_device_array__ hands over one batch as it is (one array of several would "
+                "be a copy): take each with imported.batch(i) for i in range(imported.batch_count), "
+                "or read them all through __arrow_c_device_stream__",
+                batch_count=count,
+            )
+        return super()._device_array_capsules()
+
+    def __enter__(self) -> ImportedDeviceStream:
+        return self
+
+
+class ImportedBatch(DeviceArrayExporter):
+    """One batch of an imported table or stream (:meth:`ImportedStream.batch`):
+    ``__arrow_c_device_array__`` and ``__arrow_c_schema__`` of that batch, on the table's device,
+    zero copy. It borrows the table's lease (the table must not be released while it is used;
+    the structs it hands out hold the lease on their own)."""
+
+    def __init__(self, table: ImportedStream, index: int) -> None:
+        self.table = table
+        self.index = index
+
+    @property
+    def device_type(self) -> int:
+        return self.table.device_type
+
+    @property
+    def device_id(self) -> int:
+        return self.table.device_id
+
+    def _fill_schema(self, out: Any) -> None:
+        self.table._fill_schema(out)
+
+    def _fill_device_array(self, schema: Any, array: Any) -> None:
+        self.table._fill_device_array(schema, array, self.index)
+
+    def __repr__(self) -> str:
+        return f"<ImportedBatch {self.index} of {self.table!r}>"
+
+
+def imported_class(
+    is_stream: bool, device_type: int
+) -> type[ImportedHostArray | ImportedDeviceArray | ImportedHostStream | ImportedDeviceStream]:
+    """The class of an import: by the message's kind (array or stream) and where its data lives
+    (host-readable memory gets the host protocol methods, any other device does not)."""
+    if device_type in HOST_READABLE_DEVICES:
+        return ImportedHostStream if is_stream else ImportedHostArray
+    return ImportedDeviceStream if is_stream else ImportedDeviceArray
 
 
 def imported_from(
@@ -444,9 +588,8 @@ def imported_from(
     name: str | None = None,
     on_release: Callable[[], None] | None = None,
 ) -> ImportedArray | ImportedStream:
-    """The right imported object for a decoded message: array messages give arrays."""
-    cls = ImportedStream if decoded.is_stream else ImportedArray
-    return cls(
+    """The right imported object for a decoded message (:func:`imported_class`)."""
+    return imported_class(decoded.is_stream, device_type)(
         decoded,
         region_bases,
         device_type=device_type,
@@ -583,10 +726,10 @@ def _copy_to_host(imported: ImportedArray | ImportedStream, decoded: Any) -> tup
 
 def _to_pyarrow(source: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBatch | pa.Table:
     """A stream becomes a Table; a struct root without top-level nulls a RecordBatch (what record
-    batches export as); anything else an Array."""
+    batches export as); anything else an Array. ``source`` is host data (the host classes)."""
     if isinstance(source, ImportedStream):
         return pa.table(source)
-    schema_capsule, array_capsule = source.__arrow_c_array__()
+    schema_capsule, array_capsule = cast(ImportedHostArray, source).__arrow_c_array__()
     root = capsule_struct(array_capsule, "array")
     if source.root_format == "+s" and root.null_count == 0:
         return pa.RecordBatch._import_from_c_capsule(schema_capsule, array_capsule)

@@ -21,7 +21,13 @@ from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
 from arrow_ipc_bridge.content_check import check_content, cuda_reader
 from arrow_ipc_bridge.errors import RegionError
 from arrow_ipc_bridge.host.mappings import HostMappingCache
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, adopted_fields, imported_from
+from arrow_ipc_bridge.imported import (
+    ImportedArray,
+    ImportedStream,
+    adopted_fields,
+    imported_class,
+    imported_from,
+)
 from arrow_ipc_bridge.metadata import Decoded
 from arrow_ipc_bridge.process_stats import import_counters
 from arrow_ipc_bridge.remembered import RememberedMessage, RememberedMessages
@@ -195,7 +201,7 @@ class MessageImporter:
             except BaseException:
                 decoded.close()  # ends the lease
                 raise
-        imported_type = ImportedStream if decoded.is_stream else ImportedArray
+        imported_type = imported_class(decoded.is_stream, DEVICE_CUDA)
         imported: Imported = imported_type.adopt(
             decoded,
             adopted_fields(bases, DEVICE_CUDA, int(device_id[0])),

@@ -24,7 +24,7 @@ from typing import Any
 from arrow_ipc_bridge import _linger
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.capsules import DEVICE_CUDA
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, adopted_fields
+from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, adopted_fields, imported_class
 from arrow_ipc_bridge.metadata import REGION_CUDA_LEGACY, REGION_CUDA_POOL, REGION_FLAG_KEPT, Decoded, Region
 
 __all__ = ["RememberedMessage", "RememberedMessages", "needs_lease"]
@@ -177,7 +177,7 @@ class RememberedMessages:
             template.close()
             return
         key = template.message
-        imported_type = ImportedStream if template.is_stream else ImportedArray
+        imported_type = imported_class(template.is_stream, device_type)
         # Leases of the message share the template's decode and this view: the C core builds their
         # capsules from their owner alone (capsules.device_array_capsules). Without it (out of
         # memory) they take the Python path.
