@@ -144,3 +144,11 @@ def test_listings_are_bounded() -> None:
     assert closest_name("x" * 65, ["x" * 65]) is None
     assert closest_name("abcd", ["abcd" + "e" * 100]) is None
     assert closest_name("trade", ["trades", "orders"]) == "trades"
+
+
+def test_a_wait_for_a_publisher_names_the_timeout_given(sock_dir: str) -> None:
+    """The time left of the user's timeout reaches the transport as a float a few microseconds short
+    of it: the message shows it rounded (0.3 s, not 0.29998834299999544 s)."""
+    with pytest.raises(aib.WaitTimeoutError) as info:
+        aib.connect(f"{sock_dir}/nobody.sock", timeout=0.3, wait_for_publisher=True)
+    assert "within 0.3 s" in str(info.value)

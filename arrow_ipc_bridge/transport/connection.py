@@ -204,7 +204,7 @@ def connect(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WaitTimeoutError(
-                    f"no server appeared at {spath!r} within {timeout} s (last: {exc.message})",
+                    f"no server appeared at {spath!r} within {round(timeout, 3)} s (last: {exc.message})",
                     path=spath,
                     timeout=timeout,
                 ) from exc
