@@ -21,7 +21,7 @@ from test_new_message_import import _cuda_shaped_message, _open_in_region_table,
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge._ffi import ffi
-from arrow_ipc_bridge.capsules import DEVICE_CUDA, capsule_struct, capture
+from arrow_ipc_bridge.capsules import DEVICE_CUDA, CapturedData, capsule_struct, capture
 from arrow_ipc_bridge.imported import (
     ImportedBatch,
     ImportedDeviceArray,
@@ -213,3 +213,36 @@ def test_a_device_table_of_several_batches_names_them_and_hands_each_over(publis
         assert wait_for(lambda: publisher.active_leases == 0, 5.0)
     finally:
         publisher.unpublish("three")
+
+
+def test_a_device_table_is_pumped_through_its_device_stream(publisher: aib.Publisher) -> None:
+    """publish_stream of a GPU table (``aib.to_device(table)``) reads it through its device stream,
+    batch by batch, device and pointers kept: it offers no host stream for the pump's pyarrow
+    reader to take (which could only refuse device data, failing the stream)."""
+    from arrow_ipc_bridge.streams.writer import batches_of
+
+    table = _float_table(3)
+    publisher.publish("t", table)
+    with aib.connect(publisher.path, timeout=5.0) as session, session.get("t") as imported:
+        device = imported_from(
+            Decoded.sharing(imported._decoded), imported._bases, device_type=DEVICE_CUDA, device_id=0
+        )
+        try:
+            batches = list(batches_of(device))
+            try:
+                assert len(batches) == 3
+                for i, captured in enumerate(batches):
+                    assert isinstance(captured, CapturedData)
+                    assert captured.device_type == DEVICE_CUDA
+                    # the same memory as batch i of the host import (nothing copied)
+                    host = capture(imported.batch(i))
+                    try:
+                        assert _column_address(captured.arrays[0]) == _column_address(host.arrays[0])
+                    finally:
+                        host.close()
+            finally:
+                for captured in batches:
+                    captured.close()  # type: ignore[union-attr]
+        finally:
+            device.release()
+    assert wait_for(lambda: publisher.active_leases == 0, 5.0)
