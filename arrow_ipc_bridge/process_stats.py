@@ -98,6 +98,9 @@ class WaitStats:
     board_waits: int = 0
     # polls of get_next on the board with spin= (no sleep; one per 50 ms polled at most)
     board_spins: int = 0
+    # connections this process's publishers closed because an answer to a held wait was due while
+    # the client had not read what it was sent before (a client that stopped reading)
+    stalled_waiters_closed: int = 0
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,7 @@ class _WaitCounters(NamedTuple):
     waits_held: itertools.count[int]
     board_waits: itertools.count[int]
     board_spins: itertools.count[int]
+    stalled_waiters_closed: itertools.count[int]
 
 
 wait_counters = _WaitCounters(*(itertools.count() for _ in WaitStats.__dataclass_fields__))

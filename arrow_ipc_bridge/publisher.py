@@ -191,7 +191,8 @@ class Publisher:
         # Live streams (docs/streams.md), a namespace of their own.
         self._streams = StreamHub(max_subscriptions, publications=self._published_names)
         self.publisher_id = os.urandom(16).hex()
-        self._watch = Watch("aib-publisher")  # versions and held waits (feature "watch")
+        # Versions and held waits (feature "watch"); it asks the size of a name's answers.
+        self._watch = Watch("aib-publisher", self._message_bytes)
         # The server accepts, and serves on its threads, from inside its constructor: before
         # self._server is assigned here. A consumer already waiting for this path (connect's
         # wait_for_publisher) is served at once, so serving waits for this to be set.
@@ -553,6 +554,12 @@ class Publisher:
             "many in flight to peers that do not read); nothing was leased, retry"
         )
 
+    def _message_bytes(self, raw_name: bytes) -> int:
+        """The size of the message published as ``raw_name`` now (0: none), what an answer to a
+        held wait carries (watch.py: the publishing thread sends only small answers itself)."""
+        exported = self._current.get(raw_name.decode("utf-8", "replace"))
+        return 0 if exported is None else len(exported.message)
+
     def _forget_connection(self, conn: transport.Connection) -> None:
         """The server closed ``conn`` for good: give its leases back (the server's on_close)."""
         state = self._served.pop(conn, None)
@@ -648,6 +655,7 @@ class Publisher:
         self._server.close(timeout)  # every connection's on_close gave its leases back
         if self._pid != _process.pid:
             return
+        self._watch.join_answerer(timeout)  # its connections are closed: it has nothing left to wait for
         with self._lock:
             self._watch.cleared()
             lib.aib_pubtable_clear(self._table)

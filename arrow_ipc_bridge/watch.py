@@ -17,9 +17,16 @@ answers it. :class:`Watch` is that book:
 Answers go out on the waiting connection from a thread that is not its serving thread, so
 :class:`WaitingConnection` orders them with that thread's sends: Python's send lock for the frames
 Python sends, the C connection's mutex (``aib_server_conn_lease_newer``) for the ones the C serve
-loop sends and for its lease table, where the answer's lease lives like a GET's. An answer that
-cannot go out within :data:`ANSWER_SEND_TIMEOUT` (a client that stopped reading) closes that
-connection, so one slow client never holds up a publish for long.
+loop sends and for its lease table, where the answer's lease lives like a GET's.
+
+A publish never waits for a consumer. The publishing thread answers a held wait only when that
+cannot block: the connection's locks are free, the client has read everything sent to it before
+(``SIOCOUTQ`` 0, as a session blocked reading the answer has: it sends one request at a time) and
+the answer fits the socket's buffer (:data:`FAST_ANSWER_BYTES`). A client that has not read what
+it was sent is not reading: its connection is closed at once (counted in
+``stats().waits.stalled_waiters_closed``). Any other answer (a busy connection, a large answer)
+goes to the answering thread, alive only while it has answers to send, which waits up to
+:data:`ANSWER_SEND_TIMEOUT` per answer and closes a connection that does not take it by then.
 
 Lock order: the publisher's lock, then :class:`Watch`'s; a connection's answer lock, then the
 channel's send lock, then the C mutex. No answer is sent while :class:`Watch`'s lock is held.
@@ -27,11 +34,13 @@ channel's send lock, then the C mutex. No answer is sent while :class:`Watch`'s 
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from arrow_ipc_bridge import protocol
@@ -47,17 +56,25 @@ from arrow_ipc_bridge.errors import (
 )
 from arrow_ipc_bridge.process_stats import wait_counters
 
-__all__ = ["ANSWER_SEND_TIMEOUT", "HeldWait", "Watch", "WaitingConnection"]
+__all__ = ["ANSWER_SEND_TIMEOUT", "FAST_ANSWER_BYTES", "HeldWait", "Watch", "WaitingConnection"]
 
 _log = logging.getLogger("arrow_ipc_bridge")
 
 ANSWER_SEND_TIMEOUT = 1.0
-"""Seconds an answer to a held wait may take to go out (the session is blocked reading it, so its
-socket has room unless it broke the one-request-at-a-time rule); past it the connection is closed."""
+"""Seconds an answer may take to go out on the answering thread (or on the serving thread, for a
+WAIT answered at once) before the connection is closed; the publishing thread waits for nothing."""
+
+FAST_ANSWER_BYTES = 32 * 1024
+"""The largest answer the publishing thread sends itself: it fits at once into the socket of a
+client that read everything before (Linux's default Unix socket buffer is 208 KiB). Larger ones go
+to the answering thread, since they take the client's reading to go out."""
 
 _ANSWERED = "answered"
 _NOT_DUE = "not due"  # the name changed under the answer (unpublished again): hold the wait again
 _GONE = "gone"  # the connection closed; nothing to answer
+_LATER = "later"  # it could not be answered without waiting: the answering thread will
+# A VERSIONED_ITEM's bytes besides its message: the frame header and the lease and version.
+_ANSWER_OVERHEAD = 16 + 16
 
 
 class WaitingConnection:
@@ -84,14 +101,23 @@ class WaitingConnection:
     def closed(self) -> bool:
         return not self._open
 
-    def answer(self, raw_name: bytes, after: int) -> str:
-        """Lease and send the newest version of ``raw_name`` if it is over ``after``."""
+    def answer(
+        self, raw_name: bytes, after: int, *, held: bool = False, answer_bytes: int | None = None
+    ) -> str:
+        """Lease and send the newest version of ``raw_name`` if it is over ``after``. ``held``: a
+        held wait's answer, due now (the client must have read everything before; one that has not
+        is closed). ``answer_bytes``: the answer's size, when it must go out without waiting
+        (the publishing thread): ``_LATER`` when it cannot, and nothing was done."""
         version = ffi.new("uint64_t *")
         rc = self._call(
             lambda err: lib.aib_server_conn_lease_newer(
                 self.served, raw_name, len(raw_name), after, millis(ANSWER_SEND_TIMEOUT), version, err
-            )
+            ),
+            unread_closes=held,
+            answer_bytes=answer_bytes,
         )
+        if isinstance(rc, str):  # _LATER
+            return rc
         if rc is None:
             return _GONE
         if rc == lib.AIB_OK:
@@ -114,27 +140,52 @@ class WaitingConnection:
             )
         )
 
-    def _call(self, send: Any) -> int | None:
+    def _call(
+        self, send: Any, *, unread_closes: bool = False, answer_bytes: int | None = None
+    ) -> int | str | None:
         """Run ``send(err)`` (a C call that may send on the connection) holding the answer lock and
         the channel's send lock; None when the connection is closed, or was closed because the
-        call failed (out of step, or a client that does not read)."""
+        call failed (out of step, or a client that does not read). ``unread_closes``: close the
+        connection instead when the client has not read everything sent to it. ``answer_bytes``
+        (not None): wait for nothing; ``_LATER`` (nothing done) when a lock is busy or an answer of
+        that many bytes might not go out at once."""
         _, send_lock = self.channel.locked()
         failure: BridgeError | None = None
-        with self._lock:
+        at_once = answer_bytes is not None
+        if not self._lock.acquire(blocking=not at_once):
+            return _LATER  # another thread answers on this connection now
+        try:
             if not self._open or self.channel.closed:
                 return None
-            if not send_lock.acquire(timeout=ANSWER_SEND_TIMEOUT):
+            if not send_lock.acquire(blocking=not at_once, timeout=-1 if at_once else ANSWER_SEND_TIMEOUT):
+                if at_once:
+                    return _LATER
                 failure = BridgeError("answering a held wait: the connection's send lock stayed busy")
-                rc = None
+                rc: int | None = None
             else:
                 try:
-                    err = new_error()
-                    rc = int(send(err))
-                    if rc not in _ANSWER_RETURNS:
-                        failure = error_for(rc, err, "answering a held wait", ANSWER_SEND_TIMEOUT)
+                    # Under the send lock: the channel closes its socket only holding it, so the
+                    # descriptor asked is this connection's.
+                    unread = int(lib.aib_channel_peer_unread(self.channel.raw)) if unread_closes else 0
+                    if unread != 0:
+                        next(wait_counters.stalled_waiters_closed)
+                        failure = BridgeError(
+                            "an answer to its held wait was due while it had not read what it was "
+                            f"sent before ({unread} bytes unread): a client that does not read"
+                        )
                         rc = None
+                    elif answer_bytes is not None and answer_bytes > FAST_ANSWER_BYTES:
+                        return _LATER
+                    else:
+                        err = new_error()
+                        rc = int(send(err))
+                        if rc not in _ANSWER_RETURNS:
+                            failure = error_for(rc, err, "answering a held wait", ANSWER_SEND_TIMEOUT)
+                            rc = None
                 finally:
                     send_lock.release()
+        finally:
+            self._lock.release()
         if failure is not None:
             # Closed outside the locks: close() takes the channel's locks itself. A client that
             # left meanwhile is no news; one that stopped reading is.
@@ -199,8 +250,12 @@ class HeldWait:
 class Watch:
     """The publisher's book of published versions and held waits (see the module docstring)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, message_bytes: Callable[[bytes], int] | None = None) -> None:
         self._name = name
+        # The size of the message a name's answer carries now (its current publication's), so that
+        # the publishing thread leaves large answers to the answering thread; None: every answer
+        # the publishing thread is due goes to the answering thread.
+        self._message_bytes = message_bytes
         self._lock = threading.Lock()
         self._clock_wakes = threading.Condition(self._lock)
         self._current: dict[bytes, int] = {}  # name -> version published now
@@ -208,6 +263,10 @@ class Watch:
         self._deadlines: list[tuple[float, int, HeldWait]] = []  # heap; entries no longer held are skipped
         self._order = itertools.count()
         self._clock: threading.Thread | None = None
+        # Held waits due that the publishing thread could not answer without waiting, and the
+        # thread that answers them (alive while there are some).
+        self._later: collections.deque[HeldWait] = collections.deque()
+        self._answerer: threading.Thread | None = None
         self._closed = False
 
     # ---------- the producer's side ---------------------------------------------------------------------
@@ -244,14 +303,65 @@ class Watch:
         self.deliver([wait], held=False)
 
     def deliver(self, waits: list[HeldWait], *, held: bool = True) -> None:
-        """Answer each of ``waits`` (taken out of the book) with its name's newest version. One whose
-        name changed again before its answer went out (unpublished meanwhile) is held again."""
+        """Answer each of ``waits`` (taken out of the book: ``held``, on the publishing thread, which
+        waits for no consumer) with its name's newest version; what cannot go out at once goes to
+        the answering thread. One whose name changed again before its answer went out (unpublished
+        meanwhile) is held again. ``held=False``: a WAIT just received (the serving thread)."""
         for wait in waits:
-            due = held
-            while not due or wait.conn.answer(wait.raw_name, wait.after) == _NOT_DUE:
-                if not self._hold(wait):
-                    break
-                due = True
+            self._answer_or_hold(wait, due=held, at_once=held)
+
+    def _answer_or_hold(self, wait: HeldWait, *, due: bool, at_once: bool) -> None:
+        """Answer ``wait`` when ``due`` (a held wait: the client must have read everything before),
+        else hold it, or answer it when its name has a newer version now (a WAIT just received,
+        answered on its serving thread like any request). ``at_once``: wait for nothing; an answer
+        that cannot go out at once is queued for the answering thread."""
+        held = due
+        while True:
+            if due:
+                answer_bytes = None
+                if at_once:  # a size not known counts as large
+                    sized = self._message_bytes
+                    message_bytes = FAST_ANSWER_BYTES + 1 if sized is None else sized(wait.raw_name)
+                    answer_bytes = _ANSWER_OVERHEAD + message_bytes
+                outcome = wait.conn.answer(wait.raw_name, wait.after, held=held, answer_bytes=answer_bytes)
+                if outcome == _LATER:
+                    self._answer_later(wait)
+                    return
+                if outcome != _NOT_DUE:
+                    return
+            if not self._hold(wait):
+                return
+            due = True
+
+    def _answer_later(self, wait: HeldWait) -> None:
+        """Queue a due wait for the answering thread (started when it is not running)."""
+        with self._lock:
+            self._later.append(wait)
+            if self._answerer is None:
+                self._answerer = threading.Thread(
+                    target=self._run_answerer, name=f"{self._name}-answers", daemon=True
+                )
+                self._answerer.start()
+
+    def _run_answerer(self) -> None:
+        while True:
+            with self._lock:
+                if not self._later:
+                    self._answerer = None
+                    return
+                wait = self._later.popleft()
+            try:
+                self._answer_or_hold(wait, due=True, at_once=False)
+            except Exception:  # one answer's failure must not strand the others queued
+                _log.exception("arrow_ipc_bridge: answering a held wait failed")
+
+    def join_answerer(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the answering thread to finish (the publisher's close, once
+        its connections are closed: what is left to answer then ends at once)."""
+        with self._lock:
+            answerer = self._answerer
+        if answerer is not None and answerer is not threading.current_thread():
+            answerer.join(timeout)
 
     def _hold(self, wait: HeldWait) -> bool:
         """Register ``wait`` unless it is due now (True: answer it) or over (answered here); False

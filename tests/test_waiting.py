@@ -26,7 +26,7 @@ from helpers import waiting_children
 from helpers.session_rig import FakePublisher, raw_hello, run_later, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol, transport
+from arrow_ipc_bridge import protocol, transport, watch
 from arrow_ipc_bridge._ffi import WIRE_VERSION
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
@@ -604,39 +604,113 @@ def test_a_consumer_leaving_while_its_wait_is_held_leaks_nothing(publisher: aib.
     assert publisher.active_leases == 0
 
 
-def test_a_client_that_does_not_read_its_answer_is_disconnected(publisher: aib.Publisher) -> None:
-    """A waiting client that stopped reading cannot hold up a publish for long: with the serving
-    thread stuck sending it PONGs (its socket full), the answer to its held wait gives up after
-    about watch.ANSWER_SEND_TIMEOUT and closes that connection."""
-    raw = transport.connect(publisher.path, timeout=5.0)
+def _stop_reading(raw: transport.Connection) -> socket.socket:
+    """Make ``raw`` a client that stopped reading: PINGs sent without reading the PONGs until the
+    publisher's serving thread is stuck sending one (no room for PINGs for 0.3 s). Returns the
+    flooding socket (a duplicate of ``raw``'s, for the caller to close)."""
     flood = socket.socket(fileno=os.dup(raw.fileno()))
+    ping = (
+        struct.pack("<4sHHIHH", b"AIBT", 1, protocol.PING, protocol.MAX_PING, 0, 0) + b"p" * protocol.MAX_PING
+    )
+    full_since: float | None = None
+    while full_since is None or time.monotonic() - full_since < 0.3:
+        try:
+            flood.send(ping, socket.MSG_DONTWAIT)
+            full_since = None
+        except BlockingIOError:
+            full_since = full_since or time.monotonic()
+            time.sleep(0.01)
+    return flood
+
+
+def test_a_client_that_does_not_read_its_answer_is_disconnected(publisher: aib.Publisher) -> None:
+    """A waiting client that stopped reading cannot hold up a publish: with the serving thread stuck
+    sending it PONGs (its socket full), the publish closes that connection instead of waiting to
+    answer its held wait."""
+    raw = transport.connect(publisher.path, timeout=5.0)
+    flood: socket.socket | None = None
     try:
         raw_hello(raw)
         raw.send(protocol.WAIT, protocol.encode_wait(0, 60_000, b"flood"))
         assert wait_for(lambda: publisher.held_waits == 1, SOON)
-        ping = (
-            struct.pack("<4sHHIHH", b"AIBT", 1, protocol.PING, protocol.MAX_PING, 0, 0)
-            + b"p" * protocol.MAX_PING
-        )
-        # Until the publisher stopped reading (its PONGs fill the socket): no room for half a second.
-        full_since: float | None = None
-        while full_since is None or time.monotonic() - full_since < 0.5:
-            try:
-                flood.send(ping, socket.MSG_DONTWAIT)
-                full_since = None
-            except BlockingIOError:
-                full_since = full_since or time.monotonic()
-                time.sleep(0.01)
+        flood = _stop_reading(raw)
         started = time.monotonic()
         publisher.publish("flood", pa.array([1]))
-        # ~1 s (the answer gives up); the serving thread itself stays stuck for its 10 s send timeout.
-        assert time.monotonic() - started < 5.0
+        assert time.monotonic() - started < 1.0  # it used to wait ANSWER_SEND_TIMEOUT (1 s)
         ok = wait_for(lambda: publisher.held_waits == 0 and publisher.active_sessions == 0, SOON)
         assert ok, (publisher.held_waits, publisher.active_sessions, time.monotonic() - started)
     finally:
-        flood.close()
+        if flood is not None:
+            flood.close()
         raw.close()
     assert wait_for(lambda: publisher.active_leases == 0, SOON)
+
+
+def test_a_publish_never_waits_for_stalled_waiters(publisher: aib.Publisher) -> None:
+    """Five waiting clients that stopped reading (their sockets full) and one session waiting as it
+    should: the publish returns at once (it used to wait ~1 s for each stalled client, one after the
+    other), the stalled connections are closed and counted, and the session gets its answer."""
+    stalled = [transport.connect(publisher.path, timeout=5.0) for _ in range(5)]
+    floods: list[socket.socket] = []
+    session = aib.connect(publisher.path, timeout=5.0)
+    answers: list[object] = []
+
+    def wait() -> None:
+        with session.get("news", wait=60.0) as imported:
+            answers.append(_values(imported))
+
+    waiter = threading.Thread(target=wait)
+    try:
+        for raw in stalled:
+            raw_hello(raw)
+            raw.send(protocol.WAIT, protocol.encode_wait(0, 60_000, b"news"))
+            floods.append(_stop_reading(raw))
+        waiter.start()
+        assert wait_for(lambda: publisher.held_waits == 6, SOON)
+        closed_before = aib.stats().waits.stalled_waiters_closed
+        started = time.monotonic()
+        publisher.publish("news", pa.array([7]))
+        elapsed = time.monotonic() - started
+        assert elapsed < 1.0, elapsed  # it took about 5 s
+        waiter.join(SOON)
+        assert answers == [[7]]
+        assert aib.stats().waits.stalled_waiters_closed - closed_before == 5
+        assert wait_for(lambda: publisher.held_waits == 0 and publisher.active_sessions == 1, SOON)
+    finally:
+        if waiter.is_alive():
+            waiter.join(SOON)
+        for flood in floods:
+            flood.close()
+        for raw in stalled:
+            raw.close()
+        session.close()
+    assert wait_for(lambda: publisher.active_leases == 0, SOON)
+
+
+def test_a_large_answer_to_a_held_wait_goes_out_from_the_answering_thread(publisher: aib.Publisher) -> None:
+    """An answer larger than watch.FAST_ANSWER_BYTES may take the client's reading to go out, so the
+    publishing thread leaves it to the answering thread: a session waiting for a wide table still
+    gets it, and the thread ends once it has nothing left to answer."""
+    wide = pa.table({f"column_{i}": pa.array([i]) for i in range(2000)})
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        answers: list[pa.Table] = []
+
+        def wait() -> None:
+            with session.get("wide", wait=60.0) as imported:
+                answers.append(pa.table(imported))
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        try:
+            assert wait_for(lambda: publisher.held_waits == 1, SOON)
+            publisher.publish("wide", wide)
+            assert publisher._message_bytes(b"wide") > watch.FAST_ANSWER_BYTES
+        finally:
+            waiter.join(SOON)
+        assert len(answers) == 1
+        assert answers[0].equals(wide)
+        answers.clear()
+    assert wait_for(lambda: not any(t.name.endswith("-answers") for t in threading.enumerate()), SOON)
 
 
 class _Interrupted(Exception):
