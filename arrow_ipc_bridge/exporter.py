@@ -23,7 +23,7 @@ from arrow_ipc_bridge.capsules import (
     _CapturedSource,
     capture,
 )
-from arrow_ipc_bridge.errors import BridgeError
+from arrow_ipc_bridge.errors import BridgeError, ClosedError
 from arrow_ipc_bridge.host.placement import COPY_POLICIES, HostExport, export_host_buffers
 from arrow_ipc_bridge.metadata import (
     REGION_FLAG_SEALED,
@@ -69,11 +69,15 @@ class Exported:
     until the consumer is done (or rely on the consumer's own mappings for host memory).
 
     ``close()`` releases the producer's hold: the captured structs, the region fds and, for device
-    data, the sync event and any policy copies.
+    data, the sync event and any policy copies. :attr:`fds` then raises
+    :class:`~arrow_ipc_bridge.errors.ClosedError`: the numbers were closed and the kernel hands
+    them to the next files this process opens, so sending them would send unrelated files.
     """
 
     message: bytes
-    fds: list[int]
+    #: the descriptors (:attr:`fds`); their numbers stay here after close, for no use but this
+    #: module's own checks of what the export carried
+    _fds: list[int]
     is_stream: bool
     stats: ExportStats
     _captured: CapturedData = field(repr=False)
@@ -92,6 +96,19 @@ class Exported:
     #: event's SharedEvent.in_place_values(), stats)``, what the C core's in-place renewal
     #: (``cffi_build/py_in_place.c``, which reads it by this name) renews the next versions from
     _in_place_c: tuple[Any, ...] | None = field(default=None, repr=False)
+
+    @property
+    def fds(self) -> list[int]:
+        """The descriptors to send with :attr:`message`, in its ``fd_index`` order; owned by this
+        export (send them, do not close them). After :meth:`close`:
+        :class:`~arrow_ipc_bridge.errors.ClosedError`, never the closed numbers."""
+        if self._closed:
+            raise ClosedError(
+                "this export is closed: its descriptors are closed (their numbers may name other "
+                "files now); export the object again to send it",
+                what="export",
+            )
+        return self._fds
 
     @property
     def closed(self) -> bool:
@@ -288,7 +305,7 @@ def _send_again(
     device, no descriptor): the event then has a reference for the new export and is recorded
     after the producer's new work. None otherwise (nothing taken)."""
     shared = previous._shared_event if previous is not None else None
-    if previous is None or shared is None or previous.fds or shared.device != device or not shared.take():
+    if previous is None or shared is None or previous._fds or shared.device != device or not shared.take():
         return None
     try:
         if encode(shared.handle) != previous.message:

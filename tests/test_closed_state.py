@@ -126,6 +126,20 @@ def test_a_closed_live_stream_raises_closed_error(publisher: aib.Publisher) -> N
     writer.close()
 
 
+def test_a_closed_export_has_no_descriptors_to_send() -> None:
+    """``Exported.fds`` after ``close()`` raises ClosedError: the numbers it held were closed, and the
+    next files this process opens get them (a script once sent such a file to its peer)."""
+    exported = aib.export(BATCH, copy="always")
+    assert len(exported.fds) == 1
+    exported.close()
+    with pytest.raises(aib.ClosedError, match="export is closed") as info:
+        _ = exported.fds
+    assert info.value.what == "export"  # type: ignore[attr-defined]
+    exported.close()  # idempotent
+    assert exported.closed
+    assert exported.message  # the bytes stay readable (they name no descriptor number)
+
+
 def test_closed_error_pickles_with_what() -> None:
     error = aib.ClosedError("this session is closed", what="session")
     again = pickle.loads(pickle.dumps(error))
