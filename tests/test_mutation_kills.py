@@ -288,33 +288,44 @@ def test_the_run_ends_of_a_sliced_array_must_cover_its_offset_and_length(level: 
 
 
 # ---------- watch.py: held waits ------------------------------------------------------------------------
+def _versioned_answer(raw: transport.Connection) -> int:
+    """The version of the VERSIONED_ITEM ``raw`` reads next; its lease is given back."""
+    with raw.recv(timeout=10.0) as frame:
+        assert frame.kind == protocol.VERSIONED_ITEM, frame
+        lease, version, _ = protocol.decode_versioned_item(frame.payload)
+    raw.send(protocol.RELEASE, protocol.encode_lease(lease))
+    raw.send(protocol.PING, b"sync")  # answered after the RELEASE
+    with raw.recv(timeout=10.0) as pong:
+        assert pong.kind == protocol.PONG
+    return version
+
+
 def test_a_wait_after_the_version_the_next_publish_gets_is_kept_for_the_one_after(
     publisher: aib.Publisher,
 ) -> None:
-    """Kills ``watch-wait-at-the-published-version-dropped``: a WAIT for a version newer than V,
-    held when the name is published at exactly V, is not due; it stays held and the publish after
-    that answers it (not its timeout)."""
+    """Kills ``watch-wait-at-the-published-version-dropped``: two WAITs held on one name, one for
+    any version, one for a version newer than V; the name is published at exactly V. The first is
+    answered; the second is not due and stays held, and the publish after that answers it (not its
+    timeout)."""
     publisher.publish("other", pa.array([0]))
     after = publisher.version("other") + 1  # the version the next publish gets
-    raw = transport.connect(publisher.path, timeout=10.0)
+    first = transport.connect(publisher.path, timeout=10.0)
+    second = transport.connect(publisher.path, timeout=10.0)
     try:
-        raw_hello(raw)
-        raw.send(protocol.WAIT, protocol.encode_wait(after, 60_000, b"t"))
-        assert wait_for(lambda: publisher.held_waits == 1, 10.0)
+        raw_hello(first)
+        raw_hello(second)
+        first.send(protocol.WAIT, protocol.encode_wait(0, 60_000, b"t"))
+        second.send(protocol.WAIT, protocol.encode_wait(after, 60_000, b"t"))
+        assert wait_for(lambda: publisher.held_waits == 2, 10.0)
         publisher.publish("t", pa.array([1]))
         assert publisher.version("t") == after  # the premise: published at exactly `after`
-        assert publisher.held_waits == 1, "the wait was neither answered nor kept"
+        assert _versioned_answer(first) == after
+        assert publisher.held_waits == 1, "the wait for a newer version was neither answered nor kept"
         publisher.publish("t", pa.array([2]))
-        with raw.recv(timeout=10.0) as frame:
-            assert frame.kind == protocol.VERSIONED_ITEM, frame
-            lease, version, _ = protocol.decode_versioned_item(frame.payload)
-        assert version == after + 1
-        raw.send(protocol.RELEASE, protocol.encode_lease(lease))
-        raw.send(protocol.PING, b"sync")  # answered after the RELEASE
-        with raw.recv(timeout=10.0) as pong:
-            assert pong.kind == protocol.PONG
+        assert _versioned_answer(second) == after + 1
     finally:
-        raw.close()
+        first.close()
+        second.close()
 
 
 # ---------- array_cache.py: kept CuPy arrays' linger ---------------------------------------------------
