@@ -13,10 +13,15 @@
 # test, the README demo and the benchmarks, and writes log.txt, gpu-tests.xml and the benchmark JSON
 # under $OUT (default /tmp/aib-out).
 #
+# cuDF: RAPIDS' wheels are not installed by this script (they are too large to fetch per run); where
+# `import pylibcudf` works with the PYTHONPATH given, every cuDF test, doc snippet and example among
+# the GPU tests must run (a skip fails the check, except the cudf-DataFrame ones where cudf itself is
+# not importable), and benchmarks/bench_cudf.py prints get + from_arrow against the host upload.
+#
 # Exit status: 0 only when every step passed and at least one GPU test ran. Non-zero when the install
 # or the build fails, when any GPU test fails or errors, when no GPU test ran (no GPU, all skipped,
-# none collected), or when a later step (smoke tests, demo, benchmarks) fails; the summary at the end
-# of the log names each failed step.
+# none collected), when pylibcudf is importable and a cuDF check skipped, or when a later step (smoke
+# tests, demo, benchmarks) fails; the summary at the end of the log names each failed step.
 #
 # Environment: PYTHON (default python3) is the interpreter to test with; AIB_SOURCE_COMMIT=<commit>
 # labels the benchmark results when this tree's .git is absent or not the commit being tested (for
@@ -65,6 +70,38 @@ install_missing() {
   else
     "$PYTHON" -m pip install -q --no-compile --upgrade --target "$AIB_SITE" "${missing[@]}"
   fi
+}
+
+# Reads pytest's JUnit XML and prints "<ran> <skipped> <wrongly skipped>" for the cuDF tests: those
+# of tests/test_cudf.py, the cuDF doc snippets and the pylibcudf example (any test whose module or
+# name says cudf). $2 is 1 where cudf itself is importable: a skip is wrong unless cudf is not
+# importable and the skip says so (the DataFrame checks need cudf on top of pylibcudf).
+cudf_counts() {
+  "$PYTHON" - "$1" "$2" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError):
+    print("0 0 1")  # no report: count it as wrong
+    raise SystemExit
+have_cudf = sys.argv[2] == "1"
+ran = skipped = wrong = 0
+for case in root.iter("testcase"):
+    if "cudf" not in case.get("classname", "") + case.get("name", ""):
+        continue
+    skip = case.find("skipped")
+    if skip is None:
+        ran += 1
+        continue
+    skipped += 1
+    reason = skip.get("message", "")
+    print(f"  skipped: {case.get('classname')}::{case.get('name')}: {reason}", file=sys.stderr)
+    if have_cudf or "pylibcudf" in reason or "cudf" not in reason:
+        wrong += 1
+print(ran, skipped, wrong)
+EOF
 }
 
 # Reads pytest's JUnit XML and prints "<ran> <failed> <errors> <skipped>".
@@ -157,6 +194,8 @@ main() {
     return # the sanitizer run checks the GPU tests only
   fi
 
+  cudf_checks "$xml" "$have_gpu"
+
   echo "== host suites (smoke)"
   timeout 900 "$PYTHON" -m pytest -p no:cacheprovider -q -x tests/test_metadata.py tests/test_layout.py -k "not fuzz" ||
     fail "host smoke tests"
@@ -182,6 +221,38 @@ main() {
     elif [ "$rc" -ne 0 ]; then
       fail "bench_gpu.py (exit $rc)"
     fi
+  fi
+}
+
+# The cuDF tests, snippets and example ran (not skipped) where pylibcudf is importable, then the
+# get + from_arrow figures against the host upload. $1: the GPU tests' JUnit XML; $2: have_gpu.
+cudf_checks() {
+  echo "== cuDF"
+  if ! "$PYTHON" -c "import pylibcudf" 2>/dev/null; then
+    echo "pylibcudf is not importable: no cuDF check (put RAPIDS' pylibcudf on PYTHONPATH to run them)"
+    return
+  fi
+  local have_cudf=0 version ran skipped wrong rc
+  if "$PYTHON" -c "import cudf" 2>/dev/null; then
+    have_cudf=1
+  fi
+  version=$("$PYTHON" -c 'import pylibcudf; print(getattr(pylibcudf, "__version__", "?"))')
+  read -r ran skipped wrong < <(cudf_counts "$1" "$have_cudf")
+  echo "pylibcudf $version (cudf importable: $have_cudf): $ran cuDF tests ran, $skipped skipped"
+  if [ "$wrong" -ne 0 ]; then
+    fail "cuDF checks: $wrong skipped although pylibcudf is importable (reasons above)"
+  fi
+  if [ "$ran" -eq 0 ]; then
+    fail "cuDF checks: none ran although pylibcudf is importable"
+  fi
+  if [ "$2" -eq 0 ]; then
+    return
+  fi
+  echo "== bench_cudf.py (get + from_arrow against the host upload)"
+  timeout 300 "$PYTHON" benchmarks/bench_cudf.py --json "$OUT/bench-cudf.json"
+  rc=$?
+  if [ "$rc" -ne 0 ]; then
+    fail "bench_cudf.py (exit $rc)"
   fi
 }
 
