@@ -53,6 +53,7 @@ from arrow_ipc_bridge.errors import (
     TransportError,
     UnreadAnswersError,
     UnsupportedFormatError,
+    WaitLimitError,
     WaitTimeoutError,
     WireFormatError,
 )
@@ -123,6 +124,7 @@ __all__ = [
     "ConnectionLimitError",
     "LeaseLimitError",
     "UnreadAnswersError",
+    "WaitLimitError",
     "DescriptorsInFlightError",
     "HandshakeTimeoutError",
     "RegionError",

@@ -149,6 +149,12 @@ class UnreadAnswersError(PublisherLimitError):
     the connection goes on. A :class:`~arrow_ipc_bridge.Session` never gets it."""
 
 
+class WaitLimitError(PublisherLimitError):
+    """This connection holds ``max_waits_per_connection`` waits already: the WAIT was refused
+    (nothing was held) and the connection goes on. A :class:`~arrow_ipc_bridge.Session` waits for
+    one thing at a time and never gets it."""
+
+
 class DescriptorsInFlightError(PublisherLimitError):
     """The kernel refused to pass the answer's descriptors (``ETOOMANYREFS``: the publisher's user
     has too many descriptors in flight to peers that did not read them). Nothing was leased and the

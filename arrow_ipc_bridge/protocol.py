@@ -31,6 +31,7 @@ from arrow_ipc_bridge.errors import (
     StreamInterruptedError,
     SubscriptionLimitError,
     UnreadAnswersError,
+    WaitLimitError,
     WaitTimeoutError,
     WireFormatError,
 )
@@ -153,6 +154,7 @@ _ERROR_TYPES: dict[str, type[BridgeError]] = {
     "ConnectionLimitError": ConnectionLimitError,
     "LeaseLimitError": LeaseLimitError,
     "UnreadAnswersError": UnreadAnswersError,
+    "WaitLimitError": WaitLimitError,
     "DescriptorsInFlightError": DescriptorsInFlightError,
     "HandshakeTimeoutError": HandshakeTimeoutError,
     "StreamError": StreamError,

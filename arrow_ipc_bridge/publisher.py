@@ -69,6 +69,9 @@ MAX_LEASES_PER_CONNECTION = 4096
 MAX_UNREAD_FDS = 256
 """Default ``max_unread_fds``: descriptors in answers one connection has not read (at least one
 frame's worth, 253, so a client that reads is never refused)."""
+MAX_WAITS_PER_CONNECTION = 16
+"""Default ``max_waits_per_connection``: waits one connection may have held at once (a session
+holds one at a time; each held wait keeps its name, up to 4 KiB)."""
 PARK_AFTER = 5.0
 """Default ``park_after``, seconds of silence before a connection's thread is given back."""
 SEND_TIMEOUT = 10.0
@@ -124,6 +127,11 @@ class Publisher:
     park_after
         Seconds a connection may stay silent before its thread is given back (5); it keeps its
         leases and gets a thread again when it sends.
+    max_waits_per_connection
+        Waits (``get(wait=)``, ``get_next``: WAIT frames) one connection may have held at once
+        (16); one more gets ERROR :class:`~arrow_ipc_bridge.errors.WaitLimitError`, nothing is
+        held and the connection goes on. A session waits for one thing at a time, so only a client
+        that sends WAITs without reading the answers meets it.
     max_subscriptions
         Live-stream subscriptions served at once (128). Each holds one publisher thread and one
         connection (counted in ``max_connections`` too) for its whole life and is never parked;
@@ -147,6 +155,7 @@ class Publisher:
         max_unread_fds: int = MAX_UNREAD_FDS,
         park_after: float = PARK_AFTER,
         max_subscriptions: int = MAX_SUBSCRIPTIONS,
+        max_waits_per_connection: int = MAX_WAITS_PER_CONNECTION,
     ) -> None:
         path = _arguments.path(path)
         allowed_uids = _uids(allowed_uids)
@@ -159,6 +168,9 @@ class Publisher:
         max_unread_fds = _arguments.count(max_unread_fds, "max_unread_fds", least=MAX_FDS)
         park_after = _arguments.seconds(park_after, "park_after", positive=True)
         max_subscriptions = _arguments.count(max_subscriptions, "max_subscriptions", least=1)
+        max_waits_per_connection = _arguments.count(
+            max_waits_per_connection, "max_waits_per_connection", least=1
+        )
         self._max_leases = max_leases_per_connection
         self._max_unread_fds = max_unread_fds
         self._park_after_ms = millis(park_after)
@@ -192,7 +204,7 @@ class Publisher:
         self._streams = StreamHub(max_subscriptions, publications=self._published_names)
         self.publisher_id = os.urandom(16).hex()
         # Versions and held waits (feature "watch"); it asks the size of a name's answers.
-        self._watch = Watch("aib-publisher", self._message_bytes)
+        self._watch = Watch("aib-publisher", self._message_bytes, max_waits_per_connection)
         # The server accepts, and serves on its threads, from inside its constructor: before
         # self._server is assigned here. A consumer already waiting for this path (connect's
         # wait_for_publisher) is served at once, so serving waits for this to be set.

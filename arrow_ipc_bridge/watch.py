@@ -52,6 +52,7 @@ from arrow_ipc_bridge.errors import (
     LeaseLimitError,
     PeerClosedError,
     UnreadAnswersError,
+    WaitLimitError,
     WaitTimeoutError,
 )
 from arrow_ipc_bridge.process_stats import wait_counters
@@ -84,13 +85,14 @@ class WaitingConnection:
     only after :meth:`close` returned, so no answer uses it afterwards.
     """
 
-    __slots__ = ("_lock", "_open", "channel", "served")
+    __slots__ = ("_lock", "_open", "channel", "served", "waits")
 
     def __init__(self, channel: Channel, served: Any) -> None:
         self.channel = channel
         self.served = served
         self._lock = threading.Lock()
         self._open = True
+        self.waits = 0  # its waits held in the Watch now (changed under the Watch's lock)
 
     def close(self) -> None:
         """No answer from now on (waits for one in progress)."""
@@ -250,8 +252,12 @@ class HeldWait:
 class Watch:
     """The publisher's book of published versions and held waits (see the module docstring)."""
 
-    def __init__(self, name: str, message_bytes: Callable[[bytes], int] | None = None) -> None:
+    def __init__(
+        self, name: str, message_bytes: Callable[[bytes], int] | None = None, max_waits: int | None = None
+    ) -> None:
         self._name = name
+        # Waits one connection may have held at once (None: no limit); one more gets WaitLimitError.
+        self._max_waits = max_waits
         # The size of the message a name's answer carries now (its current publication's), so that
         # the publishing thread leaves large answers to the answering thread; None: every answer
         # the publishing thread is due goes to the answering thread.
@@ -285,7 +291,7 @@ class Watch:
                 else:
                     del self._waits[raw_name]
                 for wait in due:
-                    wait.held = False
+                    self._let_go(wait)
             return due
 
     def unpublished(self, raw_name: bytes) -> None:
@@ -376,11 +382,14 @@ class Watch:
                 error = _closing()
             elif self._current.get(wait.raw_name, 0) > wait.after:
                 return True
+            elif self._max_waits is not None and wait.conn.waits >= self._max_waits:
+                error = _wait_limit(wait, self._max_waits)
             elif wait.deadline is not None and wait.deadline <= time.monotonic():
                 error = wait.timed_out()
             else:
                 next(wait_counters.waits_held)
                 wait.held = True
+                wait.conn.waits += 1
                 self._waits.setdefault(wait.raw_name, []).append(wait)
                 if wait.deadline is not None:
                     self._prune_deadlines()
@@ -398,7 +407,7 @@ class Watch:
                 kept = [w for w in self._waits[raw_name] if w.conn is not conn]
                 for wait in self._waits[raw_name]:
                     if wait.conn is conn:
-                        wait.held = False
+                        self._let_go(wait)
                 if kept:
                     self._waits[raw_name] = kept
                 else:
@@ -460,9 +469,14 @@ class Watch:
     def _held_count(self) -> int:
         return sum(len(waits) for waits in self._waits.values())
 
+    def _let_go(self, wait: HeldWait) -> None:
+        """(Under the lock.) ``wait`` is no longer held (its connection holds one wait less)."""
+        wait.held = False
+        wait.conn.waits -= 1
+
     def _unhold(self, wait: HeldWait) -> None:
         """(Under the lock.) Take ``wait`` out of the book."""
-        wait.held = False
+        self._let_go(wait)
         waits = self._waits.get(wait.raw_name, [])
         waits.remove(wait)
         if not waits:
@@ -478,13 +492,24 @@ class Watch:
             self._waits.clear()
             self._deadlines.clear()
             for wait in waits:
-                wait.held = False
+                self._let_go(wait)
             self._clock_wakes.notify()
             clock = self._clock
         for wait in waits:
             wait.conn.fail(_closing())
         if clock is not None and clock is not threading.current_thread():
             clock.join()
+
+
+def _wait_limit(wait: HeldWait, limit: int) -> WaitLimitError:
+    name = wait.raw_name.decode("utf-8", "replace")
+    if len(name) > 64:
+        name = name[:61] + "..."
+    return WaitLimitError(
+        f"WAIT for {name!r} refused: this connection holds {limit} waits already (the publisher's "
+        "max_waits_per_connection); a session waits for one thing at a time",
+        limit=limit,
+    )
 
 
 def _closing() -> PeerClosedError:

@@ -27,6 +27,7 @@ from helpers.session_rig import FakePublisher, raw_hello, run_later, wait_for
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import protocol, transport, watch
+from arrow_ipc_bridge import publisher as publisher_module
 from arrow_ipc_bridge._ffi import WIRE_VERSION
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
@@ -711,6 +712,52 @@ def test_a_large_answer_to_a_held_wait_goes_out_from_the_answering_thread(publis
         assert answers[0].equals(wide)
         answers.clear()
     assert wait_for(lambda: not any(t.name.endswith("-answers") for t in threading.enumerate()), SOON)
+
+
+@pytest.mark.parametrize("limit", [None, 3], ids=["default", "3"])
+def test_held_waits_per_connection_are_limited(sock_dir: str, limit: int | None) -> None:
+    """A client sending WAITs without reading (4 KiB names) holds at most max_waits_per_connection
+    of them (16 by default; it used to hold any number: 100,000 grew a publisher by 408 MB): one
+    more gets ERROR WaitLimitError, nothing more is held, and the connection goes on; a wait that
+    is answered makes room for another."""
+    options = {} if limit is None else {"max_waits_per_connection": limit}
+    limit = publisher_module.MAX_WAITS_PER_CONNECTION if limit is None else limit
+    with aib.Publisher(os.path.join(sock_dir, "waits.sock"), **options) as pub:
+        raw = transport.connect(pub.path, timeout=5.0)
+        try:
+            raw_hello(raw)
+            names = [f"{i:04}".encode() + b"n" * 4092 for i in range(limit)]
+            for name in names:
+                raw.send(protocol.WAIT, protocol.encode_wait(0, 60_000, name))
+            assert wait_for(lambda: pub.held_waits == limit, SOON)
+            raw.send(protocol.WAIT, protocol.encode_wait(0, 60_000, b"one more"))
+            with raw.recv(timeout=SOON) as refusal:
+                assert refusal.kind == protocol.ERROR
+                with pytest.raises(aib.WaitLimitError, match="max_waits_per_connection") as caught:
+                    protocol.raise_error(refusal.payload)
+            assert isinstance(caught.value, aib.PublisherLimitError)
+            assert pub.held_waits == limit
+            raw.send(protocol.PING, b"still here")  # the connection goes on
+            with raw.recv(timeout=SOON) as pong:
+                assert (pong.kind, pong.payload) == (protocol.PONG, b"still here")
+            pub.publish(names[0].decode(), pa.array([1]))
+            with raw.recv(timeout=SOON) as answer:
+                assert answer.kind == protocol.VERSIONED_ITEM
+            assert pub.held_waits == limit - 1
+            raw.send(protocol.WAIT, protocol.encode_wait(0, 60_000, b"one more"))
+            assert wait_for(lambda: pub.held_waits == limit, SOON)
+        finally:
+            raw.close()
+        assert wait_for(lambda: pub.held_waits == 0 and pub.active_leases == 0, SOON)
+
+
+def test_max_waits_per_connection_argument(sock_dir: str) -> None:
+    path = os.path.join(sock_dir, "bad.sock")
+    with pytest.raises(ValueError, match="max_waits_per_connection"):
+        aib.Publisher(path, max_waits_per_connection=0)
+    with pytest.raises(TypeError, match="max_waits_per_connection"):
+        aib.Publisher(path, max_waits_per_connection=1.5)  # type: ignore[arg-type]
+    assert not os.path.exists(path)
 
 
 class _Interrupted(Exception):
