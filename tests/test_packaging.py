@@ -56,7 +56,8 @@ def _run(args: list[str], *, cwd: Path) -> subprocess.CompletedProcess[str]:
 class Dist:
     """The sdist and wheel built once for the module."""
 
-    def __init__(self, outdir: Path) -> None:
+    def __init__(self, outdir: Path, build_log: str) -> None:
+        self.build_log = build_log  # what `python -m build` printed (stdout and stderr)
         sdists = sorted(outdir.glob("*.tar.gz"))
         wheels = sorted(outdir.glob("*.whl"))
         assert len(sdists) == 1, sdists
@@ -97,8 +98,8 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
     outdir = tmp_path_factory.mktemp("dist")
     # The default `python -m build` builds the sdist, then the wheel *from the sdist*: the wheel
     # build fails on its own when the sdist lacks a file the C core needs.
-    _run([sys.executable, "-m", "build", "--outdir", str(outdir), str(source)], cwd=source)
-    return Dist(outdir)
+    built = _run([sys.executable, "-m", "build", "--outdir", str(outdir), str(source)], cwd=source)
+    return Dist(outdir, built.stdout + built.stderr)
 
 
 def _tracked_inputs(folder: str, suffixes: tuple[str, ...]) -> set[str]:
@@ -123,6 +124,16 @@ def test_sdist_carries_what_the_c_core_is_built_from(dist: Dist) -> None:
     # Build products never ship in the sdist (the generated C file is rebuilt from the headers).
     assert not {m for m in members if m.endswith((".so", ".o", ".pyc"))}
     assert "arrow_ipc_bridge/_bridge_core.c" not in members
+
+
+def test_the_license_is_an_spdx_expression_and_the_build_warns_of_nothing_deprecated(dist: Dist) -> None:
+    """``license = "Apache-2.0"`` (not the table form setuptools 77 deprecates) reaches the wheel's
+    metadata as a License-Expression, and the build prints no deprecation warning."""
+    with zipfile.ZipFile(dist.wheel) as whl:
+        name = next(m for m in whl.namelist() if m.endswith(".dist-info/METADATA"))
+        metadata = whl.read(name).decode()
+    assert "License-Expression: Apache-2.0" in metadata.splitlines()
+    assert "deprecated" not in dist.build_log.lower(), dist.build_log[-4000:]
 
 
 def test_wheel_carries_the_compiled_core_every_module_and_the_type_marker(dist: Dist) -> None:
