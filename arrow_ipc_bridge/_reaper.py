@@ -7,6 +7,15 @@ queues the dead owner's token and writes a byte to a pipe; one daemon thread her
 drains the queue and runs the callback registered for each token (a lease release message, a CUDA
 handle close). ``drain()`` runs the same work synchronously, for tests and shutdown.
 
+At interpreter exit (``atexit``, before finalization) the thread is stopped: the batch it is
+delivering is waited for, it takes no more, and what is still queued runs on the exiting thread. A
+callback must not be running on it once finalization starts: closing an export record releases the
+producer's buffers, and pyarrow's NumPy-backed or foreign buffers take the GIL in their C++
+destructor. A daemon thread that takes the GIL during finalization is ended by ``pthread_exit``,
+whose unwinding through that destructor (implicitly ``noexcept``) calls ``std::terminate``: the
+process aborted with "terminate called without an active exception" when it exited just after a
+``Publisher`` closed, while this thread was still releasing what the close let go.
+
 A child of ``fork`` starts with nothing registered: the owners it inherited belong to the parent's
 leases and handles, so their deaths run nothing there (a release would be a frame on the parent's
 connection); it registers its own from then on.
@@ -18,6 +27,7 @@ can name a lease's owner without a Python call per get.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import logging
@@ -53,6 +63,11 @@ _family_ids = itertools.count(1)
 # Held by the reaper thread while it drains: a thread that must see every notice already queued run
 # (settle) waits on it for the batch the reaper thread may have taken out of the queue before it.
 _delivering = threading.Lock()
+# Set at interpreter exit (under _delivering): the reaper thread delivers nothing more.
+_stopped = False
+# How long exit waits for a notice being delivered: longer than any callback takes (a RELEASE send
+# or an export close), and bounded so that a callback stuck on a dead peer cannot hang the exit.
+_EXIT_WAIT_S = 10.0
 
 
 def register(callback: Callable[[], None]) -> int:
@@ -161,7 +176,25 @@ def _run() -> None:
     while True:
         poller.poll()
         with _delivering:
+            if _stopped:
+                return
             drain()
+
+
+def _stop_at_exit() -> None:
+    """Stop the reaper thread before the interpreter finalizes, and run what is queued here."""
+    global _stopped
+    waited = _delivering.acquire(timeout=_EXIT_WAIT_S)
+    _stopped = True
+    if waited:
+        _delivering.release()
+    else:
+        _log.warning("arrow_ipc_bridge: an owner release callback still runs at exit")
+    if _thread is not threading.current_thread():
+        drain()
+
+
+atexit.register(_stop_at_exit)
 
 
 def _ensure_thread() -> None:
