@@ -53,8 +53,14 @@ def producer(plc: Any) -> Iterator[str]:
 
 
 def _to_arrow(plc: Any, table: Any) -> pa.Table:
-    """A pylibcudf table on the host, columns named as published (a copy: for comparing only)."""
-    arrow = plc.interop.to_arrow(table, metadata=[plc.interop.ColumnMetadata(name) for name in NAMES])
+    """A pylibcudf table on the host, columns named as published (a copy: for comparing only).
+    ``Table.to_arrow`` in recent pylibcudf (``interop.to_arrow`` is deprecated there), the
+    ``interop`` function before."""
+    metadata = [plc.interop.ColumnMetadata(name) for name in NAMES]
+    if hasattr(table, "to_arrow"):
+        arrow = table.to_arrow(metadata=metadata)
+    else:
+        arrow = plc.interop.to_arrow(table, metadata=metadata)
     return arrow if isinstance(arrow, pa.Table) else pa.table(arrow)
 
 
