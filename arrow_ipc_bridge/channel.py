@@ -26,7 +26,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final
@@ -164,6 +164,14 @@ class Channel:
         when the channel is dropped).
     max_payload
         Largest payload accepted from the peer, and allowed in :meth:`send`, in bytes.
+
+    Attributes
+    ----------
+    farewell
+        Called with the :class:`~arrow_ipc_bridge.errors.ProtocolError` when a receive finds that the
+        peer broke the framing (a frame over a limit, a bad header), just before the channel closes:
+        what is sent then still starts at a frame boundary, so a server can tell its client why. It
+        must not block (send with ``timeout=0``); what it raises is ignored. ``None``: just close.
     """
 
     def __init__(self, sock: socket.socket, max_payload: int) -> None:
@@ -188,6 +196,7 @@ class Channel:
         self._result = ffi.new("aib_get_result *")
         self._err = new_error()
         self._send_err = new_error()
+        self.farewell: Callable[[BridgeError], object] | None = None
 
     def send(
         self,
@@ -374,6 +383,13 @@ class Channel:
         after a failed receive: a timed-out frame is not kept). Call it holding the lock(s) named:
         ``"recv"`` or ``"both"`` (never the send lock alone: the locks are taken receive first)."""
         exc = self._closed_or(error_for(rc, err, what, timeout, peer_closed_hint=self.peer_closed_hint))
+        farewell = self.farewell
+        refused = holding == "recv" and not self._closed and lib.aib_channel_refused(self.raw)
+        if farewell is not None and refused:
+            try:
+                farewell(exc)
+            except Exception as failure:  # the peer may be gone or not reading; it is closed either way
+                logger.debug("%r: farewell failed: %s", self, failure)
         self._teardown(f"{what} failed: {exc}", holding=holding)
         return exc
 

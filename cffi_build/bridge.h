@@ -432,6 +432,14 @@ int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_er
  * byte of a frame (nothing consumed: call again later); a frame begun must be complete within
  * idle_ms of its first byte, else AIB_E_PROTOCOL. */
 int aib_channel_recv_idle(aib_channel *ch, int64_t idle_ms, aib_frame *out, aib_error *err);
+/* Payload limits by frame kind for what the channel receives, on top of max_payload: a frame of
+ * kind k < n_kinds announcing more than limits[k] bytes, or of a later kind announcing any, is
+ * refused from its header before any of its payload is waited for (AIB_E_PROTOCOL, field "length";
+ * note ends the message). limits is borrowed (a static table); NULL removes them. */
+void aib_channel_limit_kinds(aib_channel *ch, const uint32_t *limits, uint32_t n_kinds, const char *note);
+/* 1 when the last receive failed because the peer broke the framing (AIB_E_PROTOCOL from a receive,
+ * not from a send): what is sent next still starts at a frame boundary, so the peer can be told why. */
+int aib_channel_refused(const aib_channel *ch);
 /* Bytes (kernel accounting) sent on the socket that the peer has not read; 0 when it read all. */
 int64_t aib_channel_peer_unread(const aib_channel *ch);
 /* Whether nothing waits to be read on the channel: no bytes or descriptors buffered, and the socket
@@ -504,6 +512,11 @@ aib_server_conn *aib_server_conn_new(aib_pubtable *t, aib_channel *ch);
 void aib_server_conn_configure(aib_server_conn *c, int64_t max_leases, int64_t max_unread_fds,
                                int64_t send_timeout_ms);
 void aib_server_conn_welcome(aib_server_conn *c);
+/* The most payload a session may send in a frame of this kind (docs/protocol.md, "Limits"), before
+ * the handshake (welcomed 0: HELLO's alone) or after it; 0 for kinds sessions do not send. A server
+ * connection's channel refuses a frame over it from its header (aib_server_conn_new installs them,
+ * aib_server_conn_welcome the ones after the handshake). */
+uint32_t aib_request_limit(uint32_t kind, int welcomed);
 /* The session mapped the board (it asked with BOARD_FD): GETs are answered with BOARD_ITEM, which
  * adds the entry's version, serial and board slot to the lease id. */
 void aib_server_conn_use_board(aib_server_conn *c);

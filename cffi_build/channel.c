@@ -44,6 +44,12 @@ struct aib_channel {
   int n_pending;
   int64_t rcvtimeo_ms; /* the socket's SO_RCVTIMEO as we set it: 0 none, -1 could not be set */
   int out_of_sync;     /* a large frame was abandoned part way: the stream cannot be resumed */
+  int refused;         /* the last receive failed because the peer broke the framing (AIB_E_PROTOCOL) */
+  /* Payload limits by frame kind (aib_channel_limit_kinds; NULL: max_payload alone), borrowed, and
+   * the words that end the error for a frame over them. */
+  const uint32_t *kind_limits;
+  uint32_t n_kind_limits;
+  const char *limits_note;
 };
 
 static void close_all(const int *fds, int n) {
@@ -73,6 +79,14 @@ void aib_channel_free(aib_channel *ch) {
 }
 
 size_t aib_channel_buffered(const aib_channel *ch) { return ch->end - ch->start; }
+
+void aib_channel_limit_kinds(aib_channel *ch, const uint32_t *limits, uint32_t n_kinds, const char *note) {
+  ch->kind_limits = limits;
+  ch->n_kind_limits = limits != NULL ? n_kinds : 0;
+  ch->limits_note = note != NULL ? note : "";
+}
+
+int aib_channel_refused(const aib_channel *ch) { return ch->refused; }
 
 int aib_channel_mid_frame(const aib_channel *ch) {
   /* A receive returns as soon as a whole frame is buffered, so bytes or descriptors still held
@@ -328,7 +342,7 @@ static void compact(aib_channel *ch) {
 /* Receives one frame. `idle` set: a timeout before the first byte of the frame is AIB_E_TIMEOUT
  * with nothing consumed (the channel is as before: the caller may wait elsewhere and call again);
  * once a byte came, the frame must be complete within timeout_ms of it, or AIB_E_PROTOCOL. */
-static int recv_frame(aib_channel *ch, int64_t timeout_ms, int idle, aib_frame *out, aib_error *err) {
+static int recv_frame_now(aib_channel *ch, int64_t timeout_ms, int idle, aib_frame *out, aib_error *err) {
   out->kind = 0;
   out->length = 0;
   out->payload = NULL;
@@ -373,6 +387,14 @@ static int recv_frame(aib_channel *ch, int64_t timeout_ms, int idle, aib_frame *
   if (length > ch->max_payload)
     return aib_fail(err, AIB_E_PROTOCOL, "length", "", "payload of %llu bytes over the limit of %u",
                     (unsigned long long)length, ch->max_payload);
+  if (ch->kind_limits != NULL) {
+    /* From the header alone: none of an oversized frame's payload is waited for or kept. */
+    uint32_t limit = kind < ch->n_kind_limits ? ch->kind_limits[kind] : 0;
+    if (length > limit)
+      return aib_fail(err, AIB_E_PROTOCOL, "length", "",
+                      "a frame of kind %u announces a payload of %llu bytes, over the %u bytes that kind may "
+                      "carry%s", kind, (unsigned long long)length, limit, ch->limits_note);
+  }
   if (n_fds > AIB_MAX_FDS) return aib_fail(err, AIB_E_PROTOCOL, "fds", "", "%u descriptors announced, at most %d", n_fds, AIB_MAX_FDS);
   out->kind = kind;
   out->length = length;
@@ -427,6 +449,12 @@ static int recv_frame(aib_channel *ch, int64_t timeout_ms, int idle, aib_frame *
   out->payload = big;
   int taken = take_fds(ch, frame_start, header_end, 1, out);
   return frame_fd_check(ch, out, taken, n_fds, err);
+}
+
+static int recv_frame(aib_channel *ch, int64_t timeout_ms, int idle, aib_frame *out, aib_error *err) {
+  int rc = recv_frame_now(ch, timeout_ms, idle, out, err);
+  ch->refused = rc == AIB_E_PROTOCOL;
+  return rc;
 }
 
 int aib_channel_recv(aib_channel *ch, int64_t timeout_ms, aib_frame *out, aib_error *err) {

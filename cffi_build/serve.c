@@ -32,6 +32,33 @@
 #define FRAME_VERSIONED_ITEM 21
 #define FRAME_BOARD_ITEM 26
 #define MAX_PING 64
+#define MAX_NAME 4096 /* protocol.py's MAX_NAME */
+
+/* The most payload a session sends in each request kind (protocol.py, docs/protocol.md "Frame
+ * kinds"). A server connection's channel refuses a frame announcing more from its header, before any
+ * of its payload is read: every request then fits the channel's 64 KiB buffer, which bounds what one
+ * connection can make the publisher hold, and a client announcing 64 MiB is told at once instead of
+ * being read. Kinds not listed (answers, reserved, unknown ones) carry nothing. */
+static const uint32_t REQUEST_LIMITS[] = {
+    [1] = 2,                    /* HELLO: u16 protocol version */
+    [3] = 0,                    /* LIST */
+    [FRAME_GET] = MAX_NAME,     /* the name */
+    [FRAME_RELEASE] = 8,        /* u64 lease id */
+    [FRAME_PING] = MAX_PING,    /* echoed */
+    [11] = 24,                  /* POOL_FD: an IPC pool's identity */
+    [13] = 4 + MAX_NAME,        /* SUBSCRIBE: u32 window, the stream's name */
+    [17] = 4096 * 8,            /* RELEASE_MANY: up to 4096 u64 lease ids */
+    [20] = 12 + MAX_NAME,       /* WAIT: u64 after, u32 timeout, the name */
+    [24] = 0,                   /* BOARD_FD */
+};
+/* Before the handshake only HELLO is valid: every other frame is refused anyway, so none is read. */
+static const uint32_t HELLO_LIMITS[] = {[1] = 2};
+#define N_LIMITS(table) ((uint32_t)(sizeof(table) / sizeof((table)[0])))
+
+uint32_t aib_request_limit(uint32_t kind, int welcomed) {
+  if (welcomed) return kind < N_LIMITS(REQUEST_LIMITS) ? REQUEST_LIMITS[kind] : 0;
+  return kind < N_LIMITS(HELLO_LIMITS) ? HELLO_LIMITS[kind] : 0;
+}
 
 typedef struct entry {
   atomic_llong refs;
@@ -314,6 +341,7 @@ aib_server_conn *aib_server_conn_new(aib_pubtable *t, aib_channel *ch) {
   c->max_leases = -1;
   c->max_unread_fds = -1;
   c->send_timeout_ms = -1;
+  aib_channel_limit_kinds(ch, HELLO_LIMITS, N_LIMITS(HELLO_LIMITS), " before HELLO (say HELLO first)");
   return c;
 }
 
@@ -324,7 +352,11 @@ void aib_server_conn_configure(aib_server_conn *c, int64_t max_leases, int64_t m
   c->send_timeout_ms = send_timeout_ms;
 }
 
-void aib_server_conn_welcome(aib_server_conn *c) { c->welcomed = 1; }
+void aib_server_conn_welcome(aib_server_conn *c) {
+  aib_channel_limit_kinds(c->ch, REQUEST_LIMITS, N_LIMITS(REQUEST_LIMITS),
+                          " (the publisher's request limits, docs/protocol.md)");
+  c->welcomed = 1;
+}
 
 void aib_server_conn_use_board(aib_server_conn *c) {
   pthread_mutex_lock(&c->mu);

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import selectors
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
@@ -43,6 +45,16 @@ __all__ = ["PARK", "Server"]
 logger = logging.getLogger(__name__)
 
 _ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+def _refused_frame(
+    conn: weakref.ref[Connection], farewell: Callable[[Connection, BridgeError], object], error: BridgeError
+) -> None:
+    """A channel's farewell (:attr:`Channel.farewell <arrow_ipc_bridge.channel.Channel.farewell>`):
+    the server's, for the connection whose frame was refused."""
+    alive = conn()
+    if alive is not None:
+        farewell(alive, error)
 
 
 class _Park:
@@ -115,8 +127,10 @@ class Server:
         Give threads only to connections with something to read (above).
     farewell:
         Called with a connection the server refuses or drops (uid not allowed, over
-        ``max_connections``, handshake timeout) and the error that says why, just before it is
-        closed: the place to tell the client in the protocol's words. It must not block.
+        ``max_connections``, handshake timeout), or whose channel refused a frame that broke the
+        framing (a :class:`~arrow_ipc_bridge.errors.ProtocolError`: a bad header, a payload over
+        the limit the channel was given for its kind), and the error that says why, just before it
+        is closed: the place to tell the client in the protocol's words. It must not block.
     on_close:
         Called once for every admitted connection, after it was closed and while no handler runs for
         it: the place to free what the handler kept for it between calls.
@@ -412,6 +426,11 @@ class Server:
                 ),
             )
             return
+        if self._farewell is not None:
+            # A frame that breaks the framing (one over its kind's limit, read from the header alone)
+            # is refused in the channel: the client hears why before it is closed. Weakly: the
+            # channel must not keep its connection alive.
+            conn.channel.farewell = functools.partial(_refused_frame, weakref.ref(conn), self._farewell)
         deadline = None if self._handshake_timeout is None else time.monotonic() + self._handshake_timeout
         with self._lock:
             closing = self._closing
