@@ -205,6 +205,13 @@ def _export_host(captured: CapturedData, copy: CopyPolicy) -> Exported:
         copied_bytes=host.copied_bytes,
         buffers=len(host.placements),
     )
+    if stats.zero_copy_regions == 0:
+        # Every byte the message names is in the sealed copy (or there is none): nothing reads the
+        # source again, so its buffers go now (their release callbacks run once nobody else shares
+        # them), not when the export closes. A published 1 GiB heap table held 1 GiB of heap beside
+        # its 1 GiB copy until it was unpublished. A zero-copy region names the source's own
+        # memory, which must stay: the capture is kept whole then (one capture holds every buffer).
+        captured.close()
     return Exported(message, host.fds(), described.is_stream, stats, captured, [host.close])
 
 

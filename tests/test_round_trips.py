@@ -56,9 +56,13 @@ def relay_round_trip(rig: ProducerRig, obj: Any, name: str = "x") -> None:
     assert stats["copied_bytes"] >= 0
     with rig.session.get(name) as imported:
         got = materialize(imported, obj)
-        # The child's export holds the array structs of its import, so its lease on us lasts until it
-        # unpublishes; a stream without batches has no array struct (the schema needs no lease).
-        holds_arrays = isinstance(imported, aib.ImportedArray) or imported.batch_count > 0
+        # The child's export holds the array structs of its import while one of its regions is
+        # zero-copy (the import's own mapping), so its lease on us lasts until it unpublishes; an
+        # export that copied every buffer lets go of its source at once (docs/lifetime.md, 2.), and a
+        # stream without batches has no array struct (the schema needs no lease).
+        holds_arrays = stats["zero_copy_regions"] > 0 and (
+            isinstance(imported, aib.ImportedArray) or imported.batch_count > 0
+        )
     if holds_arrays:
         assert rig.upstream.active_leases == 1
     else:
