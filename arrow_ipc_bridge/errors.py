@@ -134,8 +134,11 @@ class PublisherLimitError(TransportError):
 
 
 class ConnectionLimitError(PublisherLimitError):
-    """The publisher serves ``max_connections`` connections already and closed this one. Close
-    sessions that are not needed, or retry later."""
+    """The publisher closed this connection at a connection limit: it serves ``max_connections``
+    already and none is idle to close for it, or this process or uid holds its cap
+    (``max_connections_per_process``, ``max_connections_per_uid``), or this idle connection was
+    closed to make room for another client. Close sessions that are not needed, or connect again
+    later."""
 
 
 class LeaseLimitError(PublisherLimitError):

@@ -62,6 +62,11 @@ _log = logging.getLogger("arrow_ipc_bridge")
 
 MAX_CONNECTIONS = 512
 """Default ``max_connections``: connections a publisher serves at once."""
+MAX_CONNECTIONS_PER_PROCESS = 256
+"""Default ``max_connections_per_process``: connections one client process may hold at once."""
+MAX_CONNECTIONS_PER_UID = 256
+"""Default ``max_connections_per_uid``: connections the processes of one admitted uid other than the
+publisher's may hold at once."""
 HANDSHAKE_TIMEOUT = 10.0
 """Default ``handshake_timeout``, seconds from accept to HELLO answered."""
 MAX_LEASES_PER_CONNECTION = 4096
@@ -108,8 +113,18 @@ class Publisher:
     copy
         Default copy policy for :meth:`publish` (see :func:`~arrow_ipc_bridge.export`).
     max_connections
-        Connections served at once (512); one more gets ERROR
-        :class:`~arrow_ipc_bridge.errors.ConnectionLimitError` and is closed.
+        Connections served at once (512). When all are taken, a new connection takes the slot of
+        an idle one that holds nothing (parked, no lease, no held wait; or silent before HELLO) of
+        the client process holding the most connections, if that process holds at least two more
+        than the new one's; the closed connection gets ERROR
+        :class:`~arrow_ipc_bridge.errors.ConnectionLimitError`. With none to close, the new
+        connection gets ConnectionLimitError and is closed.
+    max_connections_per_process
+        Connections one client process may hold at once (256; each session and each
+        subscription is one); one more gets ConnectionLimitError and is closed.
+    max_connections_per_uid
+        Connections the processes of one uid other than the publisher's (``allowed_uids``) may
+        hold at once (256); one more gets ConnectionLimitError and is closed.
     handshake_timeout
         Seconds a new connection has to say HELLO (10); later it gets ERROR
         :class:`~arrow_ipc_bridge.errors.HandshakeTimeoutError` and is closed. Any other frame
@@ -156,6 +171,8 @@ class Publisher:
         park_after: float = PARK_AFTER,
         max_subscriptions: int = MAX_SUBSCRIPTIONS,
         max_waits_per_connection: int = MAX_WAITS_PER_CONNECTION,
+        max_connections_per_process: int = MAX_CONNECTIONS_PER_PROCESS,
+        max_connections_per_uid: int = MAX_CONNECTIONS_PER_UID,
     ) -> None:
         path = _arguments.path(path)
         allowed_uids = _uids(allowed_uids)
@@ -171,6 +188,10 @@ class Publisher:
         max_waits_per_connection = _arguments.count(
             max_waits_per_connection, "max_waits_per_connection", least=1
         )
+        self._max_per_process = _arguments.count(
+            max_connections_per_process, "max_connections_per_process", least=1
+        )
+        self._max_per_uid = _arguments.count(max_connections_per_uid, "max_connections_per_uid", least=1)
         self._max_leases = max_leases_per_connection
         self._max_unread_fds = max_unread_fds
         self._park_after_ms = millis(park_after)
@@ -232,6 +253,9 @@ class Publisher:
             park=True,
             farewell=_farewell,
             on_close=self._forget_connection,
+            max_connections_per_process=self._max_per_process,
+            max_connections_per_uid=self._max_per_uid,
+            evictable=self._holds_nothing,
         )
 
     # ---------- publishing --------------------------------------------------------------------------
@@ -571,6 +595,15 @@ class Publisher:
         held wait carries (watch.py: the publishing thread sends only small answers itself)."""
         exported = self._current.get(raw_name.decode("utf-8", "replace"))
         return 0 if exported is None else len(exported.message)
+
+    def _holds_nothing(self, conn: transport.Connection) -> bool:
+        """Whether the parked ``conn`` holds no lease and no held wait (the server's ``evictable``:
+        it closes the connection next to make room). No handler runs for a parked connection, so
+        no wait can be held after this look; a lease neither once the C table retired it."""
+        state = self._served.get(conn)
+        if state is None:  # never served: nothing of it here
+            return True
+        return state.waiting.waits == 0 and bool(lib.aib_server_conn_retire(state.served))
 
     def _forget_connection(self, conn: transport.Connection) -> None:
         """The server closed ``conn`` for good: give its leases back (the server's on_close)."""

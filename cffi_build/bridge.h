@@ -522,6 +522,10 @@ uint32_t aib_request_limit(uint32_t kind, int welcomed);
 void aib_server_conn_use_board(aib_server_conn *c);
 void aib_server_conn_free(aib_server_conn *c);
 int64_t aib_server_conn_leases(const aib_server_conn *c);
+/* 1 when the connection holds no lease (and its mutex was free): it is then retired, and every later
+ * lease on it is refused (AIB_E_PEER_CLOSED), so the server can close it without taking a lease its
+ * client relies on. 0 leaves it as it was. */
+int aib_server_conn_retire(aib_server_conn *c);
 int aib_serve(aib_server_conn *c, int64_t idle_ms, aib_frame *out, aib_error *err);
 /* Held waits (feature "watch"), answered from any thread while aib_serve may run on another: the
  * connection's mutex orders them with the loop's own lease table changes and sends (Python's send

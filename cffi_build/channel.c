@@ -30,6 +30,9 @@
 #define HEADER_SIZE 16
 #define BUFFER_SIZE (64 * 1024)
 #define PENDING_FDS_MAX (2 * AIB_MAX_FDS)
+/* How long a request whose send found the peer gone looks for its farewell (queued already, or
+ * end of file at once: a bound only). */
+#define FAREWELL_WAIT_MS 100
 
 struct aib_channel {
   int fd;
@@ -469,6 +472,16 @@ int aib_channel_request(aib_channel *ch, uint32_t kind, const uint8_t *payload, 
                         int64_t timeout_ms, aib_frame *out, aib_error *err) {
   int64_t start = now_ms();
   int rc = aib_channel_send(ch, kind, payload, length, NULL, 0, NULL, 0, timeout_ms, err);
+  if (rc == AIB_E_PEER_CLOSED) {
+    /* A server that closed the connection may have said why first (a farewell ERROR: closed to make
+     * room, a limit): that is the answer. The peer is gone, so this never waits for more than what
+     * is queued; without a frame the send's error stands. */
+    aib_error sent;
+    if (err != NULL) sent = *err;
+    if (recv_frame(ch, FAREWELL_WAIT_MS, 0, out, err) == AIB_OK) return AIB_OK;
+    if (err != NULL) *err = sent;
+    return rc;
+  }
   if (rc) return rc;
   int64_t left = timeout_ms;
   if (timeout_ms >= 0) {

@@ -310,6 +310,7 @@ struct aib_server_conn {
   entry **values;
   size_t cap, count;
   int welcomed;         /* until Python says hello was answered, every frame goes back to it */
+  int retired;          /* let go while idle (aib_server_conn_retire): it leases nothing any more */
   int board;            /* the session mapped the board: GETs are answered with BOARD_ITEM */
   int64_t max_leases;   /* < 0: no limit */
   int64_t max_unread_fds;
@@ -425,6 +426,15 @@ static entry *lease_remove(aib_server_conn *c, uint64_t key) {
 
 int64_t aib_server_conn_leases(const aib_server_conn *c) { return (int64_t)c->count; }
 
+int aib_server_conn_retire(aib_server_conn *c) {
+  /* A connection busy answering (a held wait's answer going out) is not idle. */
+  if (pthread_mutex_trylock(&c->mu) != 0) return 0;
+  int idle = c->count == 0;
+  if (idle) c->retired = 1;
+  pthread_mutex_unlock(&c->mu);
+  return idle;
+}
+
 void aib_server_conn_free(aib_server_conn *c) {
   if (c == NULL) return;
   atomic_fetch_sub(&c->table->fds_unread, c->fds_unread);
@@ -479,6 +489,10 @@ static void give_back(aib_server_conn *c, uint64_t lease) {
  * AIB_SERVE_UNREAD_LIMIT / AIB_SERVE_FDS_BUSY: nothing leased (and nothing sent). */
 static int lease_and_send(aib_server_conn *c, entry *e, uint32_t kind, uint64_t version, int64_t timeout_ms,
                           aib_error *err) {
+  if (c->retired) {
+    entry_unref(e);
+    return aib_fail(err, AIB_E_PEER_CLOSED, "", "", "the connection was closed to make room for another");
+  }
   if (c->max_leases >= 0 && (int64_t)c->count >= c->max_leases) {
     entry_unref(e);
     return AIB_SERVE_LEASE_LIMIT;

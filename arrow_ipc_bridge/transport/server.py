@@ -1,9 +1,10 @@
 """The accept side: a Unix socket server that admits, parks and serves connections on threads.
 
 What is not framing lives here: uid admission by ``SO_PEERCRED`` (``allowed_uids``), the
-``max_connections`` limit, the handshake deadline, the parking lot of idle connections (watched by
-the accept thread's selector instead of a thread each) and the farewell a refused client gets. The
-socket file itself is :mod:`~arrow_ipc_bridge.transport.socket_path`'s.
+``max_connections`` limit and its fairness (caps per process and per uid, idle connections closed
+to make room), the handshake deadline, the parking lot of idle connections (watched by the accept
+thread's selector instead of a thread each) and the farewell a refused client gets. The socket file
+itself is :mod:`~arrow_ipc_bridge.transport.socket_path`'s.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class _Slot:
 
     thread: threading.Thread | None = None  # None while parked
     deadline: float | None = None  # handshake deadline (time.monotonic()), None once established
+    parked_at: float = 0.0  # when it last went to the parking lot (time.monotonic())
 
 
 class Server:
@@ -116,8 +118,26 @@ class Server:
     name:
         Prefix of the server's thread names, and its name in log messages.
     max_connections:
-        Most connections served at once (``None``: no limit); one more gets the ``farewell`` with
-        :class:`~arrow_ipc_bridge.errors.ConnectionLimitError` and is closed.
+        Most connections served at once (``None``: no limit). When they are all taken, a new
+        connection first makes room by closing an idle one (below); when none can go it gets the
+        ``farewell`` with :class:`~arrow_ipc_bridge.errors.ConnectionLimitError` and is closed.
+    max_connections_per_process:
+        Most connections one process (the peer's ``SO_PEERCRED`` pid) may hold at once (``None``:
+        no limit); one more gets the ``farewell`` with ConnectionLimitError and is closed.
+    max_connections_per_uid:
+        Most connections the processes of one uid other than this process's may hold at once
+        (``None``: no limit); one more gets the ``farewell`` with ConnectionLimitError. The
+        server's own uid is not capped: its processes have every power over the server anyway, and
+        they are its usual clients (the per-process cap bounds each of them).
+    evictable:
+        With ``park=True``: called on the accept thread with a parked connection that completed
+        its handshake, which the server would close to make room for a new connection once
+        ``max_connections`` are taken. Return true when closing it takes nothing its client relies
+        on (and see that it gets nothing more: it is closed next), false to keep it. ``None``: only
+        connections that have not completed their handshake are closed to make room. The server
+        picks among the parked connections of the process holding the most connections, if that
+        process holds at least two more than the new connection's process; the one parked longest
+        first. The closed connection gets the ``farewell`` with ConnectionLimitError.
     handshake_timeout:
         Seconds a connection has from its accept until the handler calls :meth:`established`
         (``None``: no limit). A parked connection past it gets the ``farewell`` with
@@ -157,6 +177,9 @@ class Server:
         park: bool = False,
         farewell: Callable[[Connection, BridgeError], object] | None = None,
         on_close: Callable[[Connection], object] | None = None,
+        max_connections_per_process: int | None = None,
+        max_connections_per_uid: int | None = None,
+        evictable: Callable[[Connection], bool] | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.name = name
@@ -166,11 +189,19 @@ class Server:
         if include_owner:
             uids.add(os.getuid())
         self._allowed_uids = frozenset(uids)
-        if max_connections is not None and max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1 or None, not {max_connections!r}")
+        for what, limit in (
+            ("max_connections", max_connections),
+            ("max_connections_per_process", max_connections_per_process),
+            ("max_connections_per_uid", max_connections_per_uid),
+        ):
+            if limit is not None and limit < 1:
+                raise ValueError(f"{what} must be >= 1 or None, not {limit!r}")
         if handshake_timeout is not None and not handshake_timeout > 0:
             raise ValueError(f"handshake_timeout must be > 0 seconds or None, not {handshake_timeout!r}")
         self._max_connections = max_connections
+        self._max_per_process = max_connections_per_process
+        self._max_per_uid = max_connections_per_uid
+        self._evictable = evictable
         self._handshake_timeout = handshake_timeout
         self._park = park
         self._farewell = farewell
@@ -181,6 +212,10 @@ class Server:
         self._pid = _process.pid
         self._stop = threading.Event()
         self._conns: dict[Connection, _Slot] = {}
+        # Admitted connections by peer process and by peer uid (under _lock), for the caps and for
+        # choosing whom an idle connection is taken from.
+        self._per_pid: dict[int, int] = {}
+        self._per_uid: dict[int, int] = {}
         self._to_park: list[Connection] = []  # handed back by handlers; registered by the accept thread
         # Registered in the selector, with the descriptor they were registered under (accept thread
         # only): unregistering by that number works even if the connection was closed meanwhile.
@@ -191,6 +226,7 @@ class Server:
         self._rejected = 0
         self._over_limit = 0
         self._timed_out = 0
+        self._evicted = 0
         self._accepted = 0
 
         # The accept loop waits on the listening socket, the parked connections and this pipe; a
@@ -227,8 +263,14 @@ class Server:
 
     @property
     def refused_over_limit(self) -> int:
-        """How many connections were refused because ``max_connections`` were being served."""
+        """How many connections were refused at a connection limit (``max_connections`` with none
+        idle to close, or their process's or uid's cap)."""
         return self._over_limit
+
+    @property
+    def evicted_connections(self) -> int:
+        """How many idle connections were closed to make room for new ones (``max_connections``)."""
+        return self._evicted
 
     @property
     def handshake_timeouts(self) -> int:
@@ -431,36 +473,111 @@ class Server:
             # is refused in the channel: the client hears why before it is closed. Weakly: the
             # channel must not keep its connection alive.
             conn.channel.farewell = functools.partial(_refused_frame, weakref.ref(conn), self._farewell)
-        deadline = None if self._handshake_timeout is None else time.monotonic() + self._handshake_timeout
+        refusal = self._over_peer_cap(conn)
+        if refusal is None and self._full():
+            victim = self._idle_victim(conn)
+            if victim is None:
+                refusal = ConnectionLimitError(
+                    f"the publisher serves its maximum of {self._max_connections} connections "
+                    "(max_connections) and none is idle to close for this one: close unused sessions "
+                    "or retry later",
+                    limit=self._max_connections,
+                )
+            else:
+                self._evict(victim)
+        now = time.monotonic()
+        deadline = None if self._handshake_timeout is None else now + self._handshake_timeout
         with self._lock:
             closing = self._closing
-            over = self._max_connections is not None and len(self._conns) >= self._max_connections
-            if over:
+            if refusal is not None:
                 self._over_limit += 1
             elif not closing:
                 self._accepted += 1
-                self._conns[conn] = _Slot(deadline=deadline)
+                self._conns[conn] = _Slot(deadline=deadline, parked_at=now)
+                self._per_pid[conn.peer_pid] = self._per_pid.get(conn.peer_pid, 0) + 1
+                self._per_uid[conn.peer_uid] = self._per_uid.get(conn.peer_uid, 0) + 1
         if closing:
             conn.close()
-        elif over:
-            logger.warning(
-                "%r: refused a connection from pid %d: %d connections served already (max_connections)",
-                self,
-                conn.peer_pid,
-                self._max_connections,
-            )
-            self._refuse(
-                conn,
-                ConnectionLimitError(
-                    f"the publisher serves its maximum of {self._max_connections} connections "
-                    "(max_connections): close unused sessions or retry later",
-                    limit=self._max_connections,
-                ),
-            )
+        elif refusal is not None:
+            logger.warning("%r: refused a connection from pid %d: %s", self, conn.peer_pid, refusal.message)
+            self._refuse(conn, refusal)
         elif self._park:
             self._park_now(conn)  # a thread once it has something to say
         else:
             self._unpark(conn)
+
+    def _full(self) -> bool:
+        with self._lock:
+            return self._max_connections is not None and len(self._conns) >= self._max_connections
+
+    def _over_peer_cap(self, conn: Connection) -> ConnectionLimitError | None:
+        """The error for a connection whose process or uid holds its cap of connections already."""
+        with self._lock:
+            by_process = self._per_pid.get(conn.peer_pid, 0)
+            by_uid = self._per_uid.get(conn.peer_uid, 0)
+        if self._max_per_process is not None and by_process >= self._max_per_process:
+            return ConnectionLimitError(
+                f"process {conn.peer_pid} holds {by_process} connections to the publisher, its "
+                f"max_connections_per_process: close unused sessions (each session and each "
+                "subscription is one) or retry later",
+                limit=self._max_per_process,
+            )
+        if self._max_per_uid is not None and conn.peer_uid != os.getuid() and by_uid >= self._max_per_uid:
+            return ConnectionLimitError(
+                f"uid {conn.peer_uid} holds {by_uid} connections to the publisher, its "
+                "max_connections_per_uid: close unused sessions or retry later",
+                limit=self._max_per_uid,
+            )
+        return None
+
+    def _idle_victim(self, newcomer: Connection) -> Connection | None:
+        """A parked connection to close so that ``newcomer`` gets its slot (accept thread only): one
+        of the process holding the most connections, if it holds at least two more than the
+        newcomer's process (after the swap it still holds at least as many), the one parked
+        longest first; one that has not completed its handshake, or that ``evictable`` lets go."""
+        with self._lock:
+            newcomers = self._per_pid.get(newcomer.peer_pid, 0)
+            candidates = []
+            for conn in self._parked:
+                slot = self._conns.get(conn)
+                held = self._per_pid.get(conn.peer_pid, 0)
+                if slot is not None and slot.thread is None and held > newcomers + 1:
+                    candidates.append((-held, slot.parked_at, slot.deadline is not None, conn))
+        candidates.sort(key=lambda candidate: candidate[:2])
+        for _, _, handshaking, conn in candidates:
+            if handshaking:
+                return conn
+            if self._evictable is not None:
+                try:
+                    if self._evictable(conn):
+                        return conn
+                except Exception:
+                    logger.exception("%r: evictable for pid %d raised", self, conn.peer_pid)
+        return None
+
+    def _evict(self, conn: Connection) -> None:
+        """Close an idle parked connection to make room (accept thread only), telling its client."""
+        self._unwatch(conn)
+        with self._lock:
+            self._evicted += 1
+            held = self._per_pid.get(conn.peer_pid, 0)
+        logger.warning(
+            "%r: closing an idle connection of pid %d (which holds %d) to make room (max_connections)",
+            self,
+            conn.peer_pid,
+            held,
+        )
+        self._refuse(
+            conn,
+            ConnectionLimitError(
+                f"this connection was idle and was closed to make room for another client: the "
+                f"publisher serves its maximum of {self._max_connections} connections "
+                f"(max_connections) and process {conn.peer_pid} held {held} of them; connect again "
+                "when needed",
+                limit=self._max_connections,
+            ),
+        )
+        self._finish(conn)
 
     def _park_now(self, conn: Connection) -> None:
         """Watch a connection without a thread (accept thread only)."""
@@ -474,6 +591,8 @@ class Server:
         with self._lock:
             slot = self._conns.get(conn)
             deadline = None if slot is None else slot.deadline
+            if slot is not None:
+                slot.parked_at = time.monotonic()
         if deadline is not None:
             self._handshaking[conn] = deadline
 
@@ -577,6 +696,13 @@ class Server:
         conn.close()
         with self._lock:
             slot = self._conns.pop(conn, None)
+            if slot is not None:
+                for counts, key in ((self._per_pid, conn.peer_pid), (self._per_uid, conn.peer_uid)):
+                    left = counts[key] - 1
+                    if left:
+                        counts[key] = left
+                    else:
+                        del counts[key]
         if slot is not None and self._on_close is not None:
             try:
                 self._on_close(conn)
