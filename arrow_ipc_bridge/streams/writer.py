@@ -3,6 +3,7 @@ pump behind ``Publisher.publish_stream`` (docs/streams.md)."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -271,33 +272,143 @@ def _message_field(message: bytes, n_fds: int) -> tuple[pa.Field, bool]:
 
 
 # ---------- publish_stream: a background pump ---------------------------------------------------------
+class _Pump:
+    """One pump's part in the interpreter's exit: whether it is writing a batch (the bridge's code:
+    export, commit, the release of what it let go) and whether it may start another."""
+
+    def __init__(self, writer: StreamWriter) -> None:
+        self.writer = writer
+        self.cond = threading.Condition()
+        self.writing = False
+        self.stopped = False
+
+    def start_writing(self) -> bool:
+        with self.cond:
+            if self.stopped:
+                return False
+            self.writing = True
+            return True
+
+    def done_writing(self) -> None:
+        with self.cond:
+            self.writing = False
+            self.cond.notify_all()
+
+    def stop(self, deadline: float) -> bool:
+        """Let the pump start no more batches; wait (until ``deadline``) for the one it writes."""
+        with self.cond:
+            self.stopped = True
+            return self.cond.wait_for(lambda: not self.writing, max(deadline - time.monotonic(), 0.0))
+
+
+_pumps: set[_Pump] = set()
+_kept_at_exit: list[object] = []  # batches pumps got from their sources after they were stopped
+_pumps_lock = threading.Lock()
+# How long the exit waits for the pumps' writes: far longer than a write takes (its waits for slow
+# consumers end when the stream is closed first), bounded so that a stuck one cannot hang the exit.
+_EXIT_WAIT_S = 10.0
+
+
+def _stop_pumps_at_exit() -> None:
+    """Stop every pump before the interpreter finalizes (atexit). A pump is a daemon thread: one
+    still writing once finalization started would release the batches it let go (pyarrow's
+    NumPy-backed and foreign buffers take the GIL in their C++ destructor) and be ended there by
+    ``pthread_exit``, whose unwinding through that destructor aborts the process ("terminate called
+    without an active exception"). A pump in its source's code is not waited for: it writes
+    nothing more once the source gives it a batch."""
+    with _pumps_lock:
+        pumps = list(_pumps)
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    for each in pumps:
+        with each.cond:
+            each.stopped = True
+        each.writer.close()  # wakes a write waiting for a slow consumer (policy "block")
+    for each in pumps:
+        if not each.stop(deadline):
+            _log.warning("arrow_ipc_bridge: stream %r: the pump still writes at exit", each.writer.name)
+
+
+# Registered after _reaper's hook (this module imports it through the exporter), so it runs before:
+# atexit runs the last registered first, and what the pumps' last writes let go reaches the reaper
+# before it stops.
+atexit.register(_stop_pumps_at_exit)
+
+
 def pump(
     writer: StreamWriter, source: object, *, name: str, wait_for_subscribers: int = 0
 ) -> threading.Thread:
     """Start a daemon thread that writes every batch of ``source`` to ``writer``, then closes it
     (or fails it with the source's error). An infinite source runs until the stream is closed.
-    ``wait_for_subscribers``: read nothing of the source before that many consumers subscribed."""
+    ``wait_for_subscribers``: read nothing of the source before that many consumers subscribed.
+    At interpreter exit the pump is stopped: the batch it writes is finished, no other is started."""
+    state = _Pump(writer)
+
+    def write_one(batch: ArrowInput | CapturedData | None) -> bool:
+        """Write one batch of the source (None: its end); False once the pump is done. Errors of
+        the write are handled here, so their tracebacks (which hold the batch) go here too."""
+        if batch is None:
+            writer.close()
+            return False
+        if writer.closed:
+            if isinstance(batch, CapturedData):  # ours to close (a batch of a C device stream)
+                batch.close()
+            return False
+        try:
+            writer.write(batch)
+        except StreamError as exc:
+            if not writer.closed:
+                _log.warning("arrow_ipc_bridge: stream %r: %s", name, exc)
+                writer.fail(exc)
+            return False
+        except BaseException as exc:
+            writer.fail(exc)
+            return False
+        return True
+
+    def write_all() -> None:
+        batches = iter(batches_of(source))
+        while True:
+            try:
+                batch: ArrowInput | CapturedData | None = next(batches)
+            except StopIteration:
+                batch = None
+            if not state.start_writing():
+                # Stopped at exit: the interpreter may be finalizing by now, so this thread lets go
+                # of nothing (a release may take the GIL inside a C++ destructor); the exiting
+                # thread drops the batch with this module.
+                _kept_at_exit.append(batch)
+                return
+            try:
+                if not write_one(batch):
+                    return
+            finally:
+                batch = None  # let go while the exit waits for us: its release may run C++ code
+                state.done_writing()
 
     def run() -> None:
         if wait_for_subscribers and not writer._state.wait_for_subscribers(wait_for_subscribers):
             return  # closed before they came
         try:
-            for batch in batches_of(source):
-                if writer.closed:
-                    return
-                writer.write(batch)
-        except StreamError as exc:
+            write_all()
+        except StreamError as exc:  # the source's
             if not writer.closed:
                 _log.warning("arrow_ipc_bridge: stream %r: %s", name, exc)
                 writer.fail(exc)
-            return
-        except BaseException as exc:
+        except BaseException as exc:  # the source's
             writer.fail(exc)
-            return
-        writer.close()
+        finally:
+            with _pumps_lock:
+                _pumps.discard(state)
 
+    with _pumps_lock:
+        _pumps.add(state)
     thread = threading.Thread(target=run, name=f"aib-stream-{name}", daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except BaseException:
+        with _pumps_lock:
+            _pumps.discard(state)
+        raise
     return thread
 
 
