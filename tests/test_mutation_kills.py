@@ -404,11 +404,10 @@ def test_a_local_get_restarts_the_standing_leases_linger(publisher: aib.Publishe
 
 # ---------- py_local_get.c: the C getter's locks ------------------------------------------------------
 def test_the_c_getter_gives_its_locks_back_on_every_path(publisher: aib.Publisher) -> None:
-    """Kills ``local-getter-keeps-request-lock`` and ``local-getter-miss-keeps-request-lock``: after
-    a local get (answered), a get the board cannot answer (asked of the publisher) and a get of a
-    name nobody published, the session's request lock and its channel's receive lock are free. A
-    lock kept would make the next get wait forever; the test fails instead and frees it, so that the
-    session can close."""
+    """Kills ``local-getter-keeps-request-lock``: after a local get (answered), a get the board
+    cannot answer (asked of the publisher) and a get of a name nobody published, the session's
+    request lock and its channel's receive lock are free. A lock kept would make the next get wait
+    forever; the test fails at once instead and frees it, so that the session can close."""
     publisher.publish("t", pa.record_batch({"x": pa.array([1, 2, 3], pa.int64())}))
     publisher.publish("u", pa.record_batch({"y": pa.array([4], pa.int64())}))
     with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
