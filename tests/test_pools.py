@@ -181,7 +181,7 @@ def test_imported_pools_beyond_the_bound_are_dropped_once_idle(monkeypatch: pyte
 
     def let_go(owner: Any) -> None:
         lib.aib_owner_unref(owner)
-        _reaper.drain()
+        _reaper.settle()
 
     held = use(1, 1)  # pool 1 stays in use
     let_go(use(2, 1))  # pool 2 idle
@@ -225,7 +225,7 @@ def test_kept_slab_imports_outlive_their_leases_in_a_bounded_lru(monkeypatch: py
 
     def let_go(owner: Any) -> None:
         lib.aib_owner_unref(owner)
-        _reaper.drain()
+        _reaper.settle()
 
     tables_before = lib.aib_regions_count()
     stats = cuda.cuda_stats()
@@ -252,7 +252,7 @@ def test_kept_slab_imports_outlive_their_leases_in_a_bounded_lru(monkeypatch: py
     assert len(pool.imported) == 2
     assert lib.aib_regions_count() == tables_before + 2
     opener.close()
-    _reaper.drain()
+    _reaper.settle()
     assert pool.imported == set()
     assert opener._pool_pointers == {}
     assert lib.aib_regions_count() == tables_before
@@ -283,7 +283,7 @@ def test_legacy_regions_of_a_message_open_together(monkeypatch: pytest.MonkeyPat
 
     def let_go(owner: Any) -> None:
         lib.aib_owner_unref(owner)
-        _reaper.drain()
+        _reaper.settle()
 
     before = cuda.cuda_stats()
     bases, first = message(a, b, a)
@@ -302,7 +302,7 @@ def test_legacy_regions_of_a_message_open_together(monkeypatch: pytest.MonkeyPat
         message(a, b"short")
     assert opened == [a, b, c]
     opener.close()  # the LRU lets go: every handle is closed once
-    _reaper.drain()
+    _reaper.settle()
     assert sorted(closed) == [0x1000, 0x2000, 0x3000]
 
 
