@@ -13,9 +13,9 @@ producer exactly as a slow local subscriber does.
 Errors go to clients with the gRPC status that says what went wrong: an unknown name NOT_FOUND
 (``pyarrow.ArrowKeyError`` in a pyarrow client), a malformed ticket, descriptor, device or upload,
 or a publication Arrow IPC cannot carry (a dictionary of dictionaries, ``_unsendable``)
-INVALID_ARGUMENT (``pyarrow.ArrowInvalid``), a gone publisher UNAVAILABLE
-(``FlightUnavailableError``), a missing or wrong token UNAUTHENTICATED
-(``FlightUnauthenticatedError``), a refused ``do_put`` PERMISSION_DENIED
+INVALID_ARGUMENT (``pyarrow.ArrowInvalid``), a gone publisher or an upload past
+``max_put_total_bytes`` UNAVAILABLE (``FlightUnavailableError``), a missing or wrong token
+UNAUTHENTICATED (``FlightUnauthenticatedError``), a refused ``do_put`` PERMISSION_DENIED
 (``FlightUnauthorizedError``). pyarrow sends the last frames of a NOT_FOUND or INVALID_ARGUMENT
 exception with it (it formats every exception a handler raises that is not a Flight error): those
 are raised by the handler itself (:func:`_answering`), so the client sees pyarrow's frame and the
@@ -157,6 +157,92 @@ def _cuda_ordinal(device: str) -> int:
     return int(device[len(prefix) :])
 
 
+class _Uploads:
+    """The uploads a front takes at once: each may hold up to ``max_put_bytes`` before it is
+    published, and all together no more than ``max_put_total_bytes``, so ``total // share`` of
+    them run at once and one more is refused before it reads a batch (``docs/flight.md``,
+    "Uploads"). A share is taken whole at the start: gRPC receives a message whole before the
+    front can see its size, so what an upload will hold is only known as it arrives."""
+
+    def __init__(self, share: int, total: int) -> None:
+        self.share = share
+        self.total = total
+        self.at_once = total // share
+        self._lock = threading.Lock()
+        self._running = 0
+
+    @property
+    def running(self) -> int:
+        """Uploads in progress now."""
+        return self._running
+
+    def take(self) -> None:
+        with self._lock:
+            if self._running < self.at_once:
+                self._running += 1
+                return
+        uploads = "upload" if self.at_once == 1 else "uploads"
+        raise flight.FlightUnavailableError(
+            f"the front is taking {self.at_once} {uploads} already, as many as max_put_total_bytes "
+            f"({self.total} bytes) allows at max_put_bytes ({self.share} bytes) each: try again "
+            "when one is published"
+        )
+
+    def give_back(self) -> None:
+        with self._lock:
+            self._running -= 1
+
+
+def _held_bytes(batch: pa.RecordBatch, roots: dict[tuple[int, int], int]) -> int:
+    """Bytes of memory ``batch`` keeps alive that ``roots`` (those an upload holds already, by
+    address and size) does not count yet. A batch read from IPC is slices of its message's body, and
+    a slice keeps its whole body alive: each buffer is counted by its outermost parent, once. Not
+    ``nbytes``: a crafted message may describe a few bytes of a body of any size."""
+    added = 0
+    for column in batch.columns:
+        for array in _with_dictionaries(column):
+            for buffer in array.buffers():
+                if buffer is None:
+                    continue
+                root = buffer
+                while root.parent is not None:
+                    root = root.parent
+                key = (root.address, root.size)
+                if key not in roots:
+                    roots[key] = root.size
+                    added += root.size
+    return added
+
+
+def _with_dictionaries(array: pa.Array) -> Iterator[pa.Array]:
+    """``array`` and every dictionary in it, at any depth (``buffers()`` covers an array's children
+    but not dictionaries)."""
+    yield array
+    pending = [array]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, pa.ExtensionArray):
+            current = current.storage
+        dtype = current.type
+        if pa.types.is_dictionary(dtype):
+            yield current.dictionary
+            pending.append(current.dictionary)
+        elif isinstance(current, (pa.StructArray, pa.UnionArray)):
+            pending.extend(current.field(i) for i in range(dtype.num_fields))
+        elif isinstance(
+            current,
+            (
+                pa.ListArray,
+                pa.LargeListArray,
+                pa.FixedSizeListArray,
+                pa.ListViewArray,
+                pa.LargeListViewArray,
+                pa.RunEndEncodedArray,
+            ),
+        ):
+            pending.append(current.values)
+
+
 @dataclass(frozen=True)
 class _Facts:
     kind: str
@@ -214,7 +300,7 @@ class _BridgeFlightServer(flight.FlightServerBase):  # type: ignore[misc]
         writer: flight.FlightMetadataWriter,
     ) -> None:
         name, device = _name_of_descriptor(descriptor)
-        self._front.put(name, device, reader)
+        self._front.put(name, device, reader, context.is_cancelled)
 
     # ---------- actions --------------------------------------------------------------------------
     def list_actions(self, context: Any) -> list[tuple[str, str]]:
@@ -245,6 +331,7 @@ class FlightFront:
         max_in_flight: int,
         allow_put: bool,
         max_put_bytes: int,
+        max_put_total_bytes: int,
         advertise: str | None,
         timeout: float,
         staging_bytes: int = MAX_STAGING_BYTES,
@@ -258,6 +345,7 @@ class FlightFront:
         self._max_in_flight = max_in_flight
         self._allow_put = allow_put
         self._max_put_bytes = max_put_bytes
+        self._uploads = _Uploads(max(max_put_bytes, 1), max_put_total_bytes)
         self._timeout = timeout
         self._staging_bytes = staging_bytes
         self._pools: dict[int, StagingPool] = {}
@@ -527,14 +615,46 @@ class FlightFront:
         return stage_live_batch(imported, pool, cancelled=gone)
 
     # ---------- do_put ---------------------------------------------------------------------------
-    def put(self, name: str, device: str | None, reader: flight.MetadataRecordBatchReader) -> None:
+    def put(
+        self,
+        name: str,
+        device: str | None,
+        reader: flight.MetadataRecordBatchReader,
+        cancelled: Callable[[], bool],
+    ) -> None:
         if not self._allow_put or self._publisher is None:
             raise flight.FlightUnauthorizedError(
                 "this Flight front does not take do_put (serve(publisher, allow_put=True) does)"
             )
         ordinal = _cuda_ordinal(device) if device is not None else None
-        batches = []
-        total = 0
+        # Taken before the first batch is read: until the front reads, gRPC holds no more of the
+        # stream than its flow-control window, so a refused upload's batches stay with its client.
+        self._uploads.take()
+        try:
+            table = self._received(reader)
+            if cancelled():
+                # The reader ends the same way when the client finished and when it went away
+                # (its process died, its connection broke): only the call tells them apart.
+                raise flight.FlightCancelledError(
+                    "the client went away before the end of its upload: nothing was published"
+                )
+            if ordinal is not None:
+                from arrow_ipc_bridge.device import to_device
+
+                self._publisher.publish(name, to_device(table, ordinal))
+            else:
+                self._publisher.publish(name, table)
+            del table
+        finally:
+            self._uploads.give_back()
+
+    def _received(self, reader: flight.MetadataRecordBatchReader) -> pa.Table:
+        """The upload as a table, refused as soon as a batch puts what it holds over
+        ``max_put_bytes``. Each batch is counted by the memory it keeps alive (``_held_bytes``), not
+        by what it describes."""
+        batches: list[pa.RecordBatch] = []
+        roots: dict[tuple[int, int], int] = {}
+        held = 0
         while True:
             try:
                 chunk = reader.read_chunk()
@@ -542,17 +662,22 @@ class FlightFront:
                 break
             if chunk.data is None:
                 continue
-            total += chunk.data.nbytes
-            if total > self._max_put_bytes:
-                raise _invalid(f"the upload is over max_put_bytes ({self._max_put_bytes} bytes)")
+            held += _held_bytes(chunk.data, roots)
+            if held > self._max_put_bytes:
+                # Dropped before the refusal travels: the exception's frames would hold them.
+                batches.clear()
+                del chunk
+                raise _invalid(
+                    f"the upload is over max_put_bytes ({self._max_put_bytes} bytes): its batches "
+                    f"hold {held} bytes"
+                )
             batches.append(chunk.data)
-        table = pa.Table.from_batches(batches, schema=reader.schema)
-        if ordinal is not None:
-            from arrow_ipc_bridge.device import to_device
+        return pa.Table.from_batches(batches, schema=reader.schema)
 
-            self._publisher.publish(name, to_device(table, ordinal))
-        else:
-            self._publisher.publish(name, table)
+    @property
+    def uploads_in_progress(self) -> int:
+        """``do_put`` calls in progress now, each holding a share of ``max_put_total_bytes``."""
+        return self._uploads.running
 
     # ---------- lifetime -------------------------------------------------------------------------
     @property
@@ -672,6 +797,7 @@ def serve(
     streams: Iterable[str] = (),
     max_in_flight: int = 8,
     max_put_bytes: int = 4 << 30,
+    max_put_total_bytes: int | None = None,
     advertise: str | None = None,
     timeout: float = 5.0,
     staging_bytes: int = MAX_STAGING_BYTES,
@@ -706,7 +832,13 @@ def serve(
         Batches of a live stream the front holds per Flight client before the client's pace
         holds the producer back (the publisher's slow-consumer policy then applies).
     max_put_bytes
-        The largest upload ``do_put`` takes (it is held in memory before it is published).
+        The largest upload ``do_put`` takes (it is held in memory before it is published),
+        counted as the memory its record batches keep alive.
+    max_put_total_bytes
+        The most all uploads in progress may hold together (default: ``max_put_bytes``, one
+        upload at a time). Each upload takes a share of ``max_put_bytes`` when it starts, so the
+        front runs ``max_put_total_bytes // max_put_bytes`` uploads at once and refuses one more
+        (``FlightUnavailableError``) before reading its batches (``docs/flight.md``, "Uploads").
     advertise
         The gRPC location endpoints name; default: the listening one, or the Flight spec's
         "reuse this connection" when listening on all addresses.
@@ -734,6 +866,17 @@ def serve(
         raise ValueError(f"max_in_flight must be an int >= 1, not {max_in_flight!r}")
     if isinstance(max_put_bytes, bool) or not isinstance(max_put_bytes, int) or max_put_bytes < 0:
         raise ValueError(f"max_put_bytes must be an int >= 0, not {max_put_bytes!r}")
+    share = max(max_put_bytes, 1)
+    if max_put_total_bytes is None:
+        max_put_total_bytes = share
+    if (
+        isinstance(max_put_total_bytes, bool)
+        or not isinstance(max_put_total_bytes, int)
+        or max_put_total_bytes < share
+    ):
+        raise ValueError(
+            f"max_put_total_bytes must be an int >= max_put_bytes ({share}), not {max_put_total_bytes!r}"
+        )
     if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 2 << 20:
         raise ValueError(f"staging_bytes must be an int >= 2 MiB, not {staging_bytes!r}")
     if allow_put and not isinstance(source, Publisher):
@@ -754,6 +897,7 @@ def serve(
         max_in_flight=max_in_flight,
         allow_put=allow_put,
         max_put_bytes=max_put_bytes,
+        max_put_total_bytes=max_put_total_bytes,
         advertise=advertise,
         timeout=timeout,
         staging_bytes=staging_bytes,
