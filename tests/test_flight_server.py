@@ -311,6 +311,9 @@ def test_serve_refuses_what_would_be_unsafe_or_wrong(publisher: aib.Publisher) -
         serve(publisher, "grpc+tls://127.0.0.1:0", allow_unauthenticated=True)
     with pytest.raises(ValueError, match="verify_client needs root_certificates"):
         serve(publisher, allow_unauthenticated=True, verify_client=True)
+    # over plain gRPC no client certificate is asked for: verify_client would authenticate nobody
+    with pytest.raises(ValueError, match="need TLS"):
+        serve(publisher, verify_client=True, root_certificates=b"-----BEGIN CERTIFICATE-----")
     with pytest.raises(ValueError, match="at least 16 characters"):
         serve(publisher, tokens=["short"])
     with pytest.raises(ValueError, match="allow_put needs a Publisher"):

@@ -856,6 +856,13 @@ def serve(
         raise ValueError("a grpc+tls:// location needs tls_certificates, and tls_certificates need it")
     if verify_client and not root_certificates:
         raise ValueError("verify_client needs root_certificates (the CA that signs client certificates)")
+    # Client certificates are checked only during a TLS handshake: over plain gRPC verify_client
+    # would authenticate nobody while this front took it as its authentication.
+    if (verify_client or root_certificates) and not tls_certificates:
+        raise ValueError(
+            "verify_client and root_certificates need TLS (a grpc+tls:// location and tls_certificates): "
+            "without it no client certificate is asked for"
+        )
     token_list = list(tokens) if tokens is not None else []
     if not token_list and not verify_client and not allow_unauthenticated:
         raise ValueError(
