@@ -134,6 +134,13 @@ class StreamWriter:
         if self._schema is None:
             self._schema = field
         elif not field.equals(self._schema, check_metadata=True):
+            if field.equals(self._schema, check_metadata=False):
+                # The types print alike: name what differs, or the message reads "x differs from x".
+                raise StreamSchemaError(
+                    f"batch schema metadata {_metadata_of(field)} differs from the stream {self.name!r}'s "
+                    f"{_metadata_of(self._schema)} (the types are the same): a stream has one schema, "
+                    "its metadata included (open another stream for the new one); nothing was sent"
+                )
             raise StreamSchemaError(
                 f"batch schema {field.type} differs from the stream {self.name!r}'s {self._schema.type}: "
                 "a stream has one schema (open another stream for the new one); nothing was sent"
@@ -256,6 +263,15 @@ class StreamWriter:
             self.fail(exc)
         else:
             self.close()
+
+
+def _metadata_of(field: pa.Field) -> str:
+    """The metadata of a batch's root field (the schema's) and of each column, for an error message."""
+    parts = {"(schema)": field.metadata or {}}
+    if isinstance(field.type, pa.StructType):  # a record batch's columns (deeper fields not shown)
+        for child in field.type:
+            parts[child.name] = child.metadata or {}
+    return repr({name: metadata for name, metadata in parts.items() if metadata})
 
 
 def _message_field(message: bytes, n_fds: int) -> tuple[pa.Field, bool]:
