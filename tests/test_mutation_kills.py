@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import struct
@@ -253,6 +254,65 @@ def test_board_readers_racing_a_writer_never_see_a_torn_pair() -> None:
     assert len(seen) > 20  # the readers did read between the writes
 
 
+def test_a_board_read_stalled_between_its_loads_by_a_write_is_not_taken() -> None:
+    """Kills ``board-read-not-rechecked``: a reader that is held up after it read the serial and
+    before it read the version (preempted, or a page fault), while the publisher writes the slot,
+    holds one old and one new word; only the sequence read again afterwards shows it, and the read
+    is then retried or given up, never returned (a local get would report the old entry's data at
+    the new version).
+
+    The stall is made certain instead of waited for: the slot is placed across a page boundary
+    (sequence and serial at the end of one page, version at the start of the next), and before
+    every read the reader drops its mapping of the second page, so that loading the version takes a
+    page fault (microseconds) while a writer process (C writes in a tight loop, in parallel) goes
+    on. The real board never straddles pages; only the window is wider here."""
+    page = mmap.PAGESIZE
+    fd = os.memfd_create("aib-test-board-race", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 2 * page)
+        writable = mmap.mmap(fd, 2 * page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        readable = mmap.mmap(fd, 2 * page, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    start = page - 2 * 8  # the slot's sequence and serial end the first page
+    writer_slot = ffi.cast("char *", ffi.from_buffer(writable)) + start
+    reader_slot = ffi.cast("char *", ffi.from_buffer(readable)) + start
+    seconds = 1.0
+    pid = os.fork()
+    if pid == 0:  # the writer: C writes of (v, v) until the reader is done
+        try:
+            end = time.monotonic() + seconds
+            value = 1
+            while time.monotonic() < end:
+                for _ in range(1000):
+                    lib.aib_board_write(writer_slot, 0, value, value)
+                    value += 1
+        finally:
+            os._exit(0)
+    serial, version = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    torn: list[tuple[int, int]] = []
+    reads = changes = last = 0
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and len(torn) < 5:
+            for _ in range(100):
+                readable.madvise(mmap.MADV_DONTNEED, page, page)  # the version's page faults again
+                if not lib.aib_board_read(reader_slot, 0, serial, version):
+                    continue  # gave up after colliding with writes: allowed
+                reads += 1
+                changes += serial[0] != last
+                last = serial[0]
+                if serial[0] != version[0]:
+                    torn.append((int(serial[0]), int(version[0])))
+    finally:
+        os.waitpid(pid, 0)
+        del writer_slot, reader_slot
+        writable.close()
+        readable.close()
+    assert not torn, f"torn reads (serial, version) among {reads}: {torn[:5]}"
+    assert changes > 100, f"the reads saw {changes} writes: no overlap to test"
+
+
 # ---------- content_check.c: run ends of a sliced run-end-encoded array -----------------------------------
 def _checked_import(level: str, schema: wc.Node, nodes: list[wc.ArrayNode], heap: wc.Heap) -> pa.Array:
     fd, region = wc.memfd_region(bytes(heap.data), size=max(len(heap.data), 64))
@@ -328,6 +388,37 @@ def test_a_wait_after_the_version_the_next_publish_gets_is_kept_for_the_one_afte
         second.close()
 
 
+# ---------- streams/writer.py: one schema per stream, metadata included -------------------------------
+def test_a_stream_batch_whose_metadata_differs_is_refused(publisher: aib.Publisher) -> None:
+    """Kills ``streams-schema-metadata-unchecked``: a stream has one schema, its metadata included
+    (docs/streams.md): a batch whose column says another unit, or whose schema metadata differs, is
+    refused with StreamSchemaError, saying that the metadata differs, and nothing of it is sent;
+    consumers read every batch with the stream's metadata."""
+
+    def batch(value: float, *, unit: str = "m", calibration: str = "1") -> pa.RecordBatch:
+        schema = pa.schema(
+            [pa.field("d", pa.float64(), metadata={"unit": unit})], metadata={"calibration": calibration}
+        )
+        return pa.record_batch([pa.array([value])], schema=schema)
+
+    writer = publisher.open_stream("s")
+    with aib.subscribe(publisher.path, "s", timeout=30) as live:
+        writer.write(batch(1.0))
+        with pytest.raises(aib.StreamSchemaError, match=r"metadata .*'km'.* differs"):
+            writer.write(batch(2.0, unit="km"))
+        with pytest.raises(aib.StreamSchemaError, match=r"metadata .*'2'.* differs"):
+            writer.write(batch(3.0, calibration="2"))
+        writer.write(batch(4.0))
+        writer.close()
+        got = []
+        while (item := live.next_batch()) is not None:
+            with item:
+                received = pa.record_batch(item)
+                assert received.schema.equals(batch(0.0).schema, check_metadata=True), received.schema
+                got.append(received.column(0)[0].as_py())
+        assert got == [1.0, 4.0]  # nothing of the refused ones was sent
+
+
 # ---------- array_cache.py: kept CuPy arrays' linger ---------------------------------------------------
 class _Clock:
     """A monotonic clock the test moves (from the real one's reading, so the linger thread, which
@@ -377,6 +468,42 @@ def test_handing_kept_arrays_out_again_restarts_their_linger(monkeypatch: pytest
     cache.close()
 
 
+def test_kept_arrays_are_not_handed_out_for_another_message_of_the_same_columns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kills ``kept-arrays-other-message``: kept arrays go only to imports of the remembered message
+    they were made for. Another message whose columns have the same names, types, lengths and
+    addresses (a GPU producer that republished into the same allocation: the consumer's open handle
+    maps it at the same address) gets new arrays, kept for it, so that its next steps take the fast
+    path (``facts_of``: only the lease and the event read) and are handed those out again. Handed
+    the old message's arrays instead, every later step would pay the full column read, and the
+    cache would keep the forgotten message alive."""
+    clock = _Clock()
+    monkeypatch.setattr(array_cache, "time", clock)
+    cache = array_cache.KeptCupyArrays(100.0)
+    key: array_cache.CacheKey = ("t", 0, None)
+    facts = [("a", 0, 3, 0, 0x1000), ("b", 0, 3, 0, 0x2000)]
+    old_message, new_message = object(), object()
+    made = cache.hand_out(key, old_message, facts, "lease 1", device=0, build=_build)
+    old_ids = [id(array) for array in made.values()]
+    del made
+    assert cache.facts_of(key, new_message) is None  # the new message's step reads its columns
+    fresh = cache.hand_out(key, new_message, facts, "lease 2", device=0, build=_build)
+    assert [id(array) for array in fresh.values()] != old_ids
+    assert cache.handed_out_again == 0
+    fresh_ids = [id(array) for array in fresh.values()]
+    del fresh
+    # The next step of the new message: the fast path, and the arrays made for it.
+    known = cache.facts_of(key, new_message)
+    assert known == tuple(facts)
+    again = cache.hand_out(key, new_message, known, "lease 3", device=0, build=_build)
+    assert [id(array) for array in again.values()] == fresh_ids
+    assert cache.handed_out_again == 1
+    assert cache.facts_of(key, old_message) is None
+    del again
+    cache.close()
+
+
 # ---------- remembered.c: the standing lease's linger -----------------------------------------------------
 def test_a_local_get_restarts_the_standing_leases_linger(publisher: aib.Publisher) -> None:
     """Kills ``remembered-local-get-not-a-use``: a standing lease is given back ``pool_linger``
@@ -402,17 +529,84 @@ def test_a_local_get_restarts_the_standing_leases_linger(publisher: aib.Publishe
         assert session.local_gets == 2
 
 
+def test_an_unused_standing_lease_is_given_back_at_its_linger(publisher: aib.Publisher) -> None:
+    """Kills ``remembered-standing-lease-lingers-twice``: a standing lease no get used for
+    ``pool_linger`` seconds is given back then (docs/lifetime.md, "Standing leases"), not later: the
+    producer's entry is pinned by an idle consumer no longer than the linger it chose. The message
+    stays remembered, and its next get takes a standing lease again."""
+    linger = 100.0  # the linger thread gives nothing back during the test; the test asks itself
+    publisher.publish("t", pa.record_batch({"x": pa.array([1, 2, 3], pa.int64())}))
+    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=linger) as session:
+        session.get("t").release()
+        taken = time.monotonic()
+        session.get("t").release()  # remembered: its lease becomes the standing lease
+        used = time.monotonic()
+        remembered = session._remembered
+        assert remembered.board_place(b"t") is not None
+        assert wait_for(lambda: publisher.active_leases == 1, 10.0)
+        assert remembered._expire_kept_leases(taken + linger - 0.01) is not None
+        assert remembered.board_place(b"t") is not None, "given back before its linger"
+        assert remembered._expire_kept_leases(used + linger) is None  # nothing left to give back
+        assert remembered.board_place(b"t") is None, "kept past its linger"
+        assert wait_for(lambda: publisher.active_leases == 0, 10.0)
+        remembered_gets = session.remembered_gets
+        session.get("t").release()
+        assert session.remembered_gets == remembered_gets + 1
+        assert remembered.board_place(b"t") is not None
+        with session.get("t") as imported:
+            assert pa.record_batch(imported).column(0).to_pylist() == [1, 2, 3]
+        assert session.local_gets == 1
+
+
+def test_the_same_bytes_published_again_move_the_standing_lease(publisher: aib.Publisher) -> None:
+    """Kills ``remembered-standing-lease-kept-on-old-serial``: a batch built in shared memory and
+    published again (zero-copy: the same message bytes over the same file, so the same remembered
+    message) is a new entry under a new serial. The first get after it asks the publisher and moves
+    the standing lease to the new entry (the old entry's lease given back); the gets after that are
+    local again, not round trips for as long as the session lives."""
+    with aib.allocate_shared(4096, name="aib-test") as shared:
+        view = shared.view().cast("q")
+        for i in range(3):
+            view[i] = i + 1
+        view.release()
+        data = pa.Array.from_buffers(pa.int64(), 3, [None, shared.as_pyarrow()])
+        batch = pa.record_batch({"x": data})
+        publisher.publish("t", batch)
+        with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=100.0) as session:
+            for _ in range(3):
+                session.get("t").release()
+            assert session.local_gets == 1
+            remembered = session._remembered
+            first = remembered.board_place(b"t")
+            assert first is not None
+            publisher.publish("t", batch)  # a new entry: a new serial, the same bytes
+            remembered_gets = session.remembered_gets
+            session.get("t").release()  # the board shows another serial: a round trip
+            assert session.remembered_gets == remembered_gets + 1  # the same message, remembered
+            assert session.local_gets == 1
+            moved = remembered.board_place(b"t")
+            assert moved is not None
+            assert moved[1] != first[1], "the standing lease stayed on the entry published before"
+            assert wait_for(lambda: publisher.active_leases == 1, 10.0)  # the old entry's was given back
+            for expected_local in (2, 3):
+                with session.get("t") as imported:
+                    assert pa.record_batch(imported).column(0).to_pylist() == [1, 2, 3]
+                    assert imported.version == publisher.version("t")
+                assert session.local_gets == expected_local
+        publisher.unpublish("t")  # before the shared memory under it is closed
+        del data, batch
+
+
 # ---------- py_local_get.c: the C getter's locks ------------------------------------------------------
 def test_the_c_getter_gives_its_locks_back_on_every_path(publisher: aib.Publisher) -> None:
-    """Kills ``local-getter-keeps-request-lock``: after a local get (answered), a get the board
+    """Kills ``local-getter-keeps-request-lock``, ``local-getter-miss-keeps-request-lock`` and
+    ``local-getter-keeps-receive-lock``: after a local get (answered), a get the board
     cannot answer (asked of the publisher) and a get of a name nobody published, the session's
     request lock and its channel's receive lock are free. A lock kept would make the next get wait
     forever; the test fails at once instead and frees it, so that the session can close."""
     publisher.publish("t", pa.record_batch({"x": pa.array([1, 2, 3], pa.int64())}))
     publisher.publish("u", pa.record_batch({"y": pa.array([4], pa.int64())}))
     with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
-        for _ in range(2):
-            session.get("t").release()
         getter = session._local_getter
         assert getter is not None
         channel = session._channel
@@ -425,6 +619,12 @@ def test_the_c_getter_gives_its_locks_back_on_every_path(publisher: aib.Publishe
                 locks[name].release()
             return kept
 
+        # Before any session.get: each one asks the C getter first, then (when it cannot answer)
+        # takes the same locks in Python, so a lock the getter kept would hang the first of them.
+        assert getter.get("t") is None  # nothing remembered yet
+        assert held() == [], "after a get the board could not answer (the session's first)"
+        for _ in range(2):
+            session.get("t").release()
         local = getter.get("t")
         assert local is not None
         local.release()
