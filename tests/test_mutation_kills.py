@@ -310,7 +310,7 @@ def test_a_board_read_stalled_between_its_loads_by_a_write_is_not_taken() -> Non
         writable.close()
         readable.close()
     assert not torn, f"torn reads (serial, version) among {reads}: {torn[:5]}"
-    assert changes > 100, f"the reads saw {changes} writes: no overlap to test"
+    assert changes > 20, f"the reads saw {changes} writes: no overlap to test"
 
 
 # ---------- content_check.c: run ends of a sliced run-end-encoded array -----------------------------------
