@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from helpers import cudf_children
+from helpers.optional_modules import import_failure
 
 import arrow_ipc_bridge as aib
 
@@ -123,7 +124,11 @@ def test_each_batch_of_a_live_gpu_stream_reads_with_pylibcudf(plc: Any, producer
 
 def test_cudf_dataframes_on_both_ends(plc: Any, producer: str) -> None:
     """A cudf.DataFrame's pylibcudf table published as it is, rebuilt as a cudf.DataFrame."""
-    cudf = pytest.importorskip("cudf", reason="DataFrames need RAPIDS' cudf")
+    why = import_failure("cudf")
+    if why is not None:
+        pytest.skip(f"DataFrames need RAPIDS' cudf: {why}")
+    import cudf
+
     with aib.connect(producer, timeout=30.0) as session, session.get("frame") as imported:
         frame = cudf.DataFrame.from_pylibcudf(plc.Table.from_arrow(imported), metadata={"columns": NAMES})
         _assert_equal(frame.to_arrow(preserve_index=False), cudf_children.expected_table(1, ROWS))

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import importlib.util
 import os
 import re
 import shutil
@@ -39,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers.optional_modules import import_failure
 
 REPO = Path(__file__).parent.parent
 DOCS = REPO / "docs"
@@ -274,7 +274,9 @@ def publishers() -> Iterator[Publishers]:
 
 
 def _missing_modules(snippet: Snippet) -> list[str]:
-    return sorted(name for name in snippet.imports() if importlib.util.find_spec(name) is None)
+    """The snippet's imports that do not import here, each with why."""
+    failures = ((name, import_failure(name)) for name in snippet.imports())
+    return sorted(f"{name} ({why})" for name, why in failures if why is not None)
 
 
 # --- the snippets ------------------------------------------------------------------------------------------
@@ -292,7 +294,7 @@ def test_snippet_runs(snippet: Snippet, publishers: Publishers, request: pytest.
     if sockets:
         needs += _missing_modules(PUBLISHERS[sockets[0]])
     if needs:
-        pytest.skip(f"{snippet.ident} needs {', '.join(sorted(set(needs)))}, not installed here")
+        pytest.skip(f"{snippet.ident} needs {', '.join(sorted(set(needs)))}")
     for path in sockets:
         publishers.ensure(path)
     result = run_code(localised(snippet.code, publishers.directory), publishers.directory)

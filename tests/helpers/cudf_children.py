@@ -4,12 +4,13 @@ cuDF DataFrame, all published for a pylibcudf consumer."""
 
 from __future__ import annotations
 
-import importlib.util
 import traceback
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+from helpers.optional_modules import import_failure
 
 
 def expected_batch(index: int, rows: int) -> pa.RecordBatch:
@@ -48,7 +49,7 @@ def tables_producer(path: str, rows: int, ready: Any, done: Any) -> None:
             pub.publish("three", three)
             pub.publish("batch", batch)
             pub.publish_stream("ticks", ticks, wait_for_subscribers=1, block_timeout=120)
-            if importlib.util.find_spec("cudf") is not None:
+            if import_failure("cudf") is None:
                 import cudf
 
                 frame = cudf.DataFrame.from_arrow(expected_table(1, rows))
