@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,7 +42,10 @@ def producer(plc: Any) -> Iterator[str]:
     child = _CTX.Process(target=cudf_children.tables_producer, args=(path, ROWS, ready, done), daemon=True)
     child.start()
     try:
-        assert ready.wait(120), f"the producer did not get ready (exit code {child.exitcode})"
+        deadline = time.monotonic() + 120
+        while not ready.wait(0.5) and child.is_alive() and time.monotonic() < deadline:
+            pass  # a producer that died (its traceback is on stderr) fails the fixture at once
+        assert ready.is_set(), f"the producer did not get ready (exit code {child.exitcode})"
         yield path
     finally:
         done.set()
