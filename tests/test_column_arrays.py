@@ -87,12 +87,12 @@ def test_arrays_hold_the_lease_until_the_last_one_dies(publisher: aib.Publisher)
         del imported
         publisher.unpublish("b")
         gc.collect()
-        _reaper.drain()
+        _reaper.settle()
         assert publisher.active_leases == 1
         first = arrays.pop("x")
         arrays.clear()
         gc.collect()
-        _reaper.drain()
+        _reaper.settle()
         assert publisher.active_leases == 1  # one array still holds the batch
         assert int(first.sum()) == sum(range(1000))
         del first

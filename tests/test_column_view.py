@@ -20,7 +20,7 @@ from arrow_ipc_bridge._ffi import lib
 
 def _live() -> tuple[int, int, int]:
     gc.collect()
-    _reaper.drain()
+    _reaper.settle()
     return int(lib.aib_live_owners()), int(lib.aib_live_nodes()), int(lib.aib_live_mappings())
 
 

@@ -121,7 +121,7 @@ def test_cupy_arrays_hold_the_lease(publisher: aib.Publisher, cupy: Any) -> None
         imported.release()
         del imported
         gc.collect()
-        _reaper.drain()
+        _reaper.settle()
         assert publisher.active_leases == 1
         assert float(arrays["b"].sum()) == 2 * float(values.sum())
         del arrays

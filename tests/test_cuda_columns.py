@@ -279,11 +279,11 @@ def test_held_facts_spare_the_device_query_only_while_their_arrays_are_held() ->
     with pytest.raises(aib.BridgeError):  # other facts (one offset): asked, and refused
         aib.from_cuda_arrays({f"c{k}": a for k, a in enumerate(moved)})
     del arrays, objects, checked, again
-    _reaper.drain()
+    _reaper.settle()
     assert alive() is not None  # the holder keeps the arrays
     release()
     release()  # once only
-    _reaper.drain()
+    _reaper.settle()
     assert alive() is None
     assert device.held_column_facts() == held - 1
     same_addresses = [_FakeCudaArray(data=(base + k * 0x100000, False)) for k in range(3)]

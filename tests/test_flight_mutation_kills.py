@@ -97,7 +97,7 @@ def session(publisher: aib.Publisher) -> Iterator[aib.Session]:
 
 def _returned(pool: StagingPool) -> bool:
     gc.collect()
-    _reaper.drain()
+    _reaper.settle()
     return pool.lent == 0
 
 

@@ -81,7 +81,7 @@ class HostCopier:
 
 def _returned(pool: StagingPool) -> bool:
     gc.collect()
-    _reaper.drain()
+    _reaper.settle()
     return pool.lent == 0
 
 

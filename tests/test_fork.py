@@ -38,7 +38,7 @@ def _forked_child(parent_objects: dict[str, Any], path: str) -> list[Any]:
     held.release()
     parent_objects.clear()
     gc.collect()
-    _reaper.drain()
+    _reaper.settle()
     session.close()
     pub.close()
     with aib.connect(path, timeout=5.0) as own, own.get("t") as imported:  # its own session works

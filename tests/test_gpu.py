@@ -552,7 +552,7 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
             for name in ("cupy", "pool", "pool"):  # the second pool get keeps it (and a lease)
                 cycle(name)
             gc.collect()
-            _reaper.drain()
+            _reaper.settle()
             free_before = cuda_helpers.mem_get_info(0)[0]
             fds_before = len(os.listdir("/proc/self/fd"))
             owners_before = lib.aib_live_owners()
@@ -562,7 +562,7 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
                 cycle("cupy" if i % 2 else "pool")
             gc.collect()
             time.sleep(0.2)
-            _reaper.drain()
+            _reaper.settle()
             assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
             assert lib.aib_live_owners() <= owners_before + 2
             assert cuda_helpers.mem_get_info(0)[0] >= free_before - (64 << 20)
@@ -577,7 +577,7 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
         with aib.connect(path, timeout=30.0, pool_linger=0.0) as session:
             cycle("pool")
             gc.collect()
-            _reaper.drain()
+            _reaper.settle()
             free_before = cuda_helpers.mem_get_info(0)[0]
             fds_before = len(os.listdir("/proc/self/fd"))
             owners_before = lib.aib_live_owners()
@@ -585,7 +585,7 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
                 cycle("pool")
             gc.collect()
             time.sleep(0.2)
-            _reaper.drain()
+            _reaper.settle()
             assert session.remembered_gets == 0
             assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
             assert lib.aib_live_owners() <= owners_before + 2
@@ -729,7 +729,7 @@ def test_evicted_legacy_handle_stays_open_for_its_arrays(cuda_device: int, cupy:
         opener.close()
         gc.collect()
         time.sleep(0.1)
-        _reaper.drain()
+        _reaper.settle()
         assert opener._legacy_live == {}  # every handle closed exactly once
     finally:
         cuda_opener._opener = saved

@@ -238,7 +238,7 @@ def test_many_publishes_leak_no_event_handle_or_struct(publisher: aib.Publisher,
 
     columns = {f"c{i}": cupy.zeros(256, dtype=cupy.float32) for i in range(16)}
     events = placer.event_pool(0)
-    _reaper.drain()
+    _reaper.settle()
     # What earlier tests' publications still hold:
     leased, recorded = events.leased, len(placer._recorded_events)
     callbacks, nodes = _reaper.pending_callbacks(), lib.aib_live_nodes()
@@ -266,7 +266,7 @@ def test_many_publishes_leak_no_event_handle_or_struct(publisher: aib.Publisher,
         assert last.to_host().column("c15").to_pylist() == [2050.0] * 256
         last.release()
     publisher.unpublish("t")
-    _reaper.drain()
+    _reaper.settle()
     assert events.leased <= leased
     assert len(placer._recorded_events) <= recorded
     assert publisher.active_leases == 0
@@ -315,10 +315,10 @@ def test_republished_arrays_keep_their_message_in_lockstep(publisher: aib.Publis
     # The closed session's last releases reach the publisher asynchronously: the export (and its
     # event) closes when the last lease on it has ended.
     deadline = time.monotonic() + 10.0
-    _reaper.drain()
+    _reaper.settle()
     while events.leased >= leased and time.monotonic() < deadline:
         time.sleep(0.01)
-        _reaper.drain()
+        _reaper.settle()
     assert events.leased < leased  # the shared event went back to the pool with the last version
 
 
@@ -464,7 +464,7 @@ def test_held_columns_skip_the_device_query_until_their_publication_closes(
     assert aib.from_cuda_arrays({"x": cupy.zeros(2048, dtype=cupy.float32)}).column_signature[0] == 0
     assert asked == [8, 1]  # new memory: asked
     publisher.unpublish("h")
-    _reaper.drain()
+    _reaper.settle()
     aib.from_cuda_arrays(columns)
     assert asked == [8, 1, 8]  # no live publication holds them now
 

@@ -78,7 +78,7 @@ def test_release_while_another_thread_builds_structs_waits_for_it(publisher: aib
         imported.release()
         with pytest.raises(aib.ReleasedError):
             pa.record_batch(imported)
-        _reaper.drain()
+        _reaper.settle()
         session.ping()  # a RELEASE, had one gone out, would have reached the publisher by now
         assert publisher.active_leases == 1  # still borrowed
         decoded.unborrow()  # the deferred release happens here
@@ -138,7 +138,7 @@ def test_a_child_moved_out_outlives_its_released_parent(publisher: aib.Publisher
                 array.children[i].release = ffi.NULL
                 schema.release(schema)
                 array.release(array)
-                _reaper.drain()  # a RELEASE, had the lease ended, is sent now
+                _reaper.settle()  # a RELEASE, had the lease ended, is sent now
                 session.ping()  # and the publisher took it before answering (frames are in order)
                 assert publisher.active_leases == 1  # the moved child still holds the lease
                 moved = pa.Array._import_from_c(

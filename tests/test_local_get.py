@@ -131,7 +131,7 @@ def test_a_collected_c_made_import_leaves_the_sessions_set(local_session: aib.Se
     assert len(local_session._imported) == before + 50
     del imports
     gc.collect()
-    _reaper.drain()
+    _reaper.settle()
     assert len(local_session._imported) == before
 
 

@@ -421,7 +421,7 @@ def test_a_thousand_cross_gpu_imports_hold_nothing() -> None:
 
         def snapshot() -> dict[str, int]:
             gc.collect()
-            _reaper.drain()
+            _reaper.settle()
             for device in (0, 1):
                 cupy.cuda.Device(device).synchronize()
             stats = aib.stats().cuda

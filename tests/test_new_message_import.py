@@ -272,7 +272,7 @@ def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.
             for _, key in keys[2:]:  # the table lets go; the import still holds the handles
                 lib.aib_regions_remove(lib.AIB_REGION_KEY_LEGACY, key, 64)
             keys = keys[:2]
-            _reaper.drain()
+            _reaper.settle()
             assert released == []
             assert publisher.active_leases == 1
             imported.release()
@@ -325,7 +325,7 @@ def test_a_new_message_got_twice_in_a_row_is_remembered(publisher: aib.Publisher
             for kind, key in keys[2:]:
                 lib.aib_regions_remove(kind, key, len(key))
             keys = keys[:2]
-            _reaper.drain()
+            _reaper.settle()
             assert released == []  # the remembered template holds the handles' owners
             assert session.forget("poll") == 1
             _reaper.settle()  # the reaper thread may be running a callback already
@@ -506,7 +506,7 @@ def test_a_c_side_import_counts_as_a_use_of_its_handles(publisher: aib.Publisher
         for kind, key in keys:
             lib.aib_regions_remove(kind, key, len(key))
         publisher.unpublish("one")
-        _reaper.drain()
+        _reaper.settle()
 
 
 def test_opened_ipc_events_are_asked_of_the_region_table() -> None:

@@ -212,7 +212,7 @@ def _live_counts() -> tuple[int, int, int]:
     from arrow_ipc_bridge._ffi import lib
 
     gc.collect()
-    _reaper.drain()
+    _reaper.settle()
     return int(lib.aib_live_owners()), int(lib.aib_live_nodes()), int(lib.aib_live_mappings())
 
 

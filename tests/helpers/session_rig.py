@@ -99,7 +99,7 @@ def report_from_forked_child(body: Callable[[], Any]) -> Any:
 def settle() -> None:
     """Collect garbage and run the release callbacks of owners that died so far."""
     gc.collect()
-    _reaper.drain()
+    _reaper.settle()
 
 
 def snapshot() -> dict[str, int]:
