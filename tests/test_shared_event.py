@@ -57,7 +57,7 @@ class _Previous:
     def __init__(self, shared: SharedEvent | None, message: bytes, fds: list[int] | None = None) -> None:
         self._shared_event = shared
         self.message = message
-        self.fds = fds or []
+        self._fds = fds or []  # what exporter._send_again reads (Exported.fds raises after close)
 
 
 def _again(previous: Any, encoded: bytes, device: int = 0) -> Any:
