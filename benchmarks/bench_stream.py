@@ -14,8 +14,15 @@ Host cases (run anywhere):
     host slots      reserved slots of 4 float32 columns x 64 rows, filled in place (one value per
                     batch) and committed: no copy, the same message per slot; the consumer reads one
                     value through pyarrow and releases the batch
-    host write      the same batch built by pyarrow and written (exported per batch: one sealed copy)
+    host write      the same batch built by pyarrow and written (default writer.write)
     mp queue        the same pyarrow batch through a multiprocessing (spawn) Queue (pickle), for scale
+    write_small     default writer.write of 100-row batches of 2 columns (int64, float64) built by
+                    pyarrow; the consumer reads one value through pyarrow and releases the batch
+    socket_small    the peer: the same batches as a pyarrow IPC stream over a Unix socket
+                    (RecordBatchStreamWriter / open_stream), the consumer reading the same value
+    write_large     64 MiB batches (2 int64 columns) in allocate_shared memory, written: shared as they
+                    are (no copy); the consumer reads one value through pyarrow
+    socket_large    the peer: the same 64 MiB batches as a pyarrow IPC stream over a Unix socket
 
 CUDA cases (16 float32 CuPy columns per batch, for each size in --sizes):
     cuda slots      reserved CUDA slots (slab allocator), the producer launches a kernel writing one
@@ -75,7 +82,7 @@ def bridge_producer(case: dict[str, Any], path: str, ready: Any, results: Any) -
 
         total = case["warmup"] + case["batches"]
         with aib.Publisher(path) as pub:
-            if case["kind"] == "host_write":
+            if case["kind"] in ("host_write", "write_small", "write_large"):
                 writer = pub.open_stream("bench", max_in_flight=WINDOW, block_timeout=120)
             else:
                 cuda = case["kind"].startswith("cuda")
@@ -96,6 +103,14 @@ def bridge_producer(case: dict[str, Any], path: str, ready: Any, results: Any) -
                 for i in range(total):
                     first = pa.array([float(i)] * 64, pa.float32())
                     writer.write(pa.record_batch({"c0": first, "c1": column, "c2": column, "c3": column}))
+            elif case["kind"] == "write_small":
+                b = pa.array([0.5] * SMALL_ROWS, pa.float64())
+                for i in range(total):
+                    writer.write(pa.record_batch({"a": pa.array([i] * SMALL_ROWS, pa.int64()), "b": b}))
+            elif case["kind"] == "write_large":
+                batch = _large_shared_batch(case["size"])
+                for _ in range(total):
+                    writer.write(batch)  # in shared memory already: shared as it is, no copy
             else:
                 for i in range(total):
                     slot = writer.reserve(timeout=120)
@@ -158,7 +173,8 @@ def bridge_consumer(case: dict[str, Any], path: str, results: Any) -> None:
                 del capsules
             else:
                 value = pa.record_batch(imported).column(0)[0].as_py()
-                if value != n:
+                expected = LARGE_VALUE if case["kind"] == "write_large" else n
+                if value != expected:
                     raise AssertionError(f"batch {n} holds {value}")
             imported.release()
             n += 1
@@ -183,6 +199,89 @@ def bridge_consumer(case: dict[str, Any], path: str, results: Any) -> None:
 
 
 # ---------- peers ---------------------------------------------------------------------------------------
+SMALL_ROWS = 100
+LARGE_VALUE = 7
+
+
+def _large_shared_batch(size: int) -> Any:
+    """A record batch of two int64 columns, ``size`` bytes in all, in ``allocate_shared`` memory."""
+    import numpy as np
+    import pyarrow as pa
+
+    import arrow_ipc_bridge as aib
+
+    rows = size // 16
+    buffer = aib.allocate_shared(size, name="bench-large")
+    values = np.frombuffer(buffer.view(), dtype=np.int64)
+    values[:] = LARGE_VALUE
+    whole = buffer.as_pyarrow()
+    columns = [
+        pa.Array.from_buffers(pa.int64(), rows, [None, whole.slice(i * rows * 8, rows * 8)]) for i in range(2)
+    ]
+    return pa.RecordBatch.from_arrays(columns, names=["a", "b"])
+
+
+def _peer_batch(case: dict[str, Any], i: int) -> Any:
+    import pyarrow as pa
+
+    if case["kind"] == "socket_small":
+        return pa.record_batch(
+            {"a": pa.array([i] * SMALL_ROWS, pa.int64()), "b": pa.array([0.5] * SMALL_ROWS, pa.float64())}
+        )
+    rows = case["size"] // 16
+    column = pa.array([LARGE_VALUE] * rows, pa.int64())
+    return pa.record_batch({"a": column, "b": column})
+
+
+def socket_producer(case: dict[str, Any], path: str, ready: Any, results: Any) -> None:
+    """The peer: a plain pyarrow IPC stream written to a Unix socket."""
+    try:
+        import socket
+
+        import pyarrow as pa
+
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        server.listen(1)
+        ready.set()
+        conn, _ = server.accept()
+        total = case["warmup"] + case["batches"]
+        large = _peer_batch(case, 0) if case["kind"] == "socket_large" else None
+        with conn, conn.makefile("wb") as sink:
+            first = large if large is not None else _peer_batch(case, 0)
+            with pa.ipc.new_stream(sink, first.schema) as stream:
+                for i in range(total):
+                    stream.write_batch(large if large is not None else _peer_batch(case, i))
+        server.close()
+        results.put(("producer", {}))
+    except BaseException:
+        results.put(("error", "socket producer: " + traceback.format_exc()))
+
+
+def socket_consumer(case: dict[str, Any], path: str, results: Any) -> None:
+    try:
+        import socket
+
+        import pyarrow as pa
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        n, started = 0, 0.0
+        with sock, sock.makefile("rb") as source:
+            reader = pa.ipc.open_stream(source)
+            for batch in reader:
+                if n == case["warmup"]:
+                    started = time.perf_counter()
+                expected = LARGE_VALUE if case["kind"] == "socket_large" else n
+                if batch.column(0)[0].as_py() != expected:
+                    raise AssertionError(f"batch {n} out of order")
+                del batch
+                n += 1
+        results.put(("consumer", {"seconds": time.perf_counter() - started, "batches": case["batches"]}))
+    except BaseException:
+        results.put(("error", "socket consumer: " + traceback.format_exc()))
+
+
 def mp_queue_producer(case: dict[str, Any], q: Any, acks: Any, results: Any) -> None:
     try:
         import pyarrow as pa
@@ -293,12 +392,15 @@ def run_case(ctx: Any, case: dict[str, Any]) -> dict[str, Any]:
         directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-bench-")
         path = os.path.join(directory, "s.sock")
         ready = ctx.Event()
-        procs = [ctx.Process(target=bridge_producer, args=(case, path, ready, results))]
+        socket_peer = case["kind"].startswith("socket_")
+        producer = socket_producer if socket_peer else bridge_producer
+        consumer = socket_consumer if socket_peer else bridge_consumer
+        procs = [ctx.Process(target=producer, args=(case, path, ready, results))]
         procs[0].start()
         if not ready.wait(SPAWN_TIMEOUT):
             procs[0].kill()
             raise RuntimeError("the producer did not start")
-        procs.append(ctx.Process(target=bridge_consumer, args=(case, path, results)))
+        procs.append(ctx.Process(target=consumer, args=(case, path, results)))
     for p in procs:
         if not p.is_alive() and p.exitcode is None:
             p.start()
@@ -355,6 +457,25 @@ def main() -> int:
             {"kind": "host_slots", "rows": 64, "batches": batches, "warmup": warmup},
             {"kind": "host_write", "rows": 64, "batches": max(batches // 5, 200), "warmup": warmup // 5},
             {"kind": "mp_queue", "rows": 64, "batches": max(batches // 5, 200), "warmup": warmup // 5},
+            # issue 29's pair: default write of 100-row, 2-column batches against the same batches
+            # as a pyarrow IPC stream over a Unix socket, then 64 MiB batches (shared memory for
+            # the bridge, so shared as they are; the socket carries the bytes)
+            {"kind": "write_small", "rows": SMALL_ROWS, "batches": batches // 2, "warmup": warmup},
+            {"kind": "socket_small", "rows": SMALL_ROWS, "batches": batches // 2, "warmup": warmup},
+            {
+                "kind": "write_large",
+                "rows": 0,
+                "size": 64 << 20,
+                "batches": max(batches // 10, 200),
+                "warmup": 20,
+            },
+            {
+                "kind": "socket_large",
+                "rows": 0,
+                "size": 64 << 20,
+                "batches": max(batches // 250, 40),
+                "warmup": 5,
+            },
         ]
     notes = []
     if args.mode in ("cuda", "all"):

@@ -329,7 +329,7 @@ def _memfd() -> int:
     [
         pytest.param((protocol.BATCH, b"\x00" * 24), "BATCH payload of 24 bytes", id="no-message"),
         pytest.param(
-            (protocol.BATCH, struct.pack("<QQII", 0, 1, frames.NO_SLOT, 2) + b"x"), "flags 0x2", id="flags"
+            (protocol.BATCH, struct.pack("<QQII", 0, 1, frames.NO_SLOT, 4) + b"x"), "flags 0x4", id="flags"
         ),
         pytest.param(
             (protocol.BATCH, frames.encode_batch_header(0, 1, frames.NO_SLOT, frames.FLAG_SLOT_AGAIN)),

@@ -14,6 +14,7 @@ from arrow_ipc_bridge.errors import ProtocolError
 
 __all__ = [
     "BATCH_HEADER_SIZE",
+    "FLAG_RING",
     "FLAG_SLOT_AGAIN",
     "MAX_IN_FLIGHT",
     "MAX_SLOTS",
@@ -45,6 +46,10 @@ _BATCH = struct.Struct("<QQII")  # sequence, lease id, slot, flags
 NO_SLOT = 0xFFFFFFFF
 FLAG_SLOT_AGAIN = 1
 """BATCH flag: this slot's last message and descriptors to this subscriber, again (not re-sent)."""
+FLAG_RING = 2
+"""BATCH flag: ``slot`` is a segment of the producer's ring (a written batch copied in), not a
+reserved slot; its one descriptor must be a memfd sealed against shrinking, growing and writes."""
+_FLAGS = FLAG_SLOT_AGAIN | FLAG_RING
 BATCH_HEADER_SIZE = _BATCH.size
 _U64_MAX = (1 << 64) - 1
 
@@ -110,25 +115,29 @@ def encode_batch_header(sequence: int, lease_id: int, slot: int = NO_SLOT, flags
     return _BATCH.pack(sequence, lease_id, slot, flags)
 
 
-def decode_batch_header(payload: bytes) -> tuple[int, int, int, bool]:
-    """(sequence, lease id, slot, again) of a BATCH; the message follows at
+def decode_batch_header(payload: bytes) -> tuple[int, int, int, bool, bool]:
+    """(sequence, lease id, slot, again, ring) of a BATCH; the message follows at
     :data:`BATCH_HEADER_SIZE`, except when ``again`` (flag :data:`FLAG_SLOT_AGAIN`): the batch is
     the message and descriptors of the slot's last BATCH to this subscriber, and nothing follows.
-    ``slot`` (:data:`NO_SLOT`: none) says which reserved slot the batch reuses: the consumer keeps
-    one remembered message per slot. The message is checked in full either way."""
+    ``slot`` (:data:`NO_SLOT`: none) says which reserved slot, or with ``ring`` (flag
+    :data:`FLAG_RING`) which segment of the producer's ring, the batch lies in: the consumer keeps
+    one remembered message per slot."""
     if len(payload) < _BATCH.size:
         raise ProtocolError(f"BATCH payload of {len(payload)} bytes (a {_BATCH.size}-byte header first)")
     sequence, lease_id, slot, flags = _BATCH.unpack_from(payload)
-    if flags & ~FLAG_SLOT_AGAIN:
-        raise ProtocolError(f"BATCH flags {flags:#x} (only {FLAG_SLOT_AGAIN:#x} is defined)")
+    if flags & ~_FLAGS:
+        raise ProtocolError(f"BATCH flags {flags:#x} (only {_FLAGS:#x} are defined)")
     if slot != NO_SLOT and slot >= MAX_SLOTS:
         raise ProtocolError(f"BATCH names slot {slot} (at most {MAX_SLOTS})")
     again = bool(flags & FLAG_SLOT_AGAIN)
+    ring = bool(flags & FLAG_RING)
+    if ring and slot == NO_SLOT:
+        raise ProtocolError("a BATCH in the producer's ring names no segment")
     if again and (slot == NO_SLOT or len(payload) != _BATCH.size):
         raise ProtocolError("a BATCH repeating its slot names a slot and carries nothing after its header")
     if not again and len(payload) == _BATCH.size:
         raise ProtocolError(f"BATCH payload of {len(payload)} bytes (a header, then a message)")
-    return int(sequence), int(lease_id), int(slot), again
+    return int(sequence), int(lease_id), int(slot), again, ring
 
 
 @dataclass(frozen=True)

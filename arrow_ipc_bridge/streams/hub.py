@@ -55,9 +55,11 @@ one of its threads and one of its ``max_connections``)."""
 
 class Batch:
     """One committed batch: the message (encoded once) and its descriptors, shared by every
-    subscriber it is sent to. ``on_free`` runs when the last holder lets go."""
+    subscriber it is sent to. ``on_free`` runs when the last holder lets go. ``slot``: the
+    reserved slot or ring segment (``ring``) whose memory the batch lies in, ``generation``: which
+    file of that slot (a ring segment replaced by a larger one is another file)."""
 
-    __slots__ = ("fds", "fixed", "message", "on_free", "refs", "sequence", "slot")
+    __slots__ = ("fds", "generation", "message", "on_free", "refs", "ring", "sequence", "slot")
 
     def __init__(
         self,
@@ -66,15 +68,21 @@ class Batch:
         on_free: Callable[[], None],
         slot: int = frames.NO_SLOT,
         *,
-        fixed: bool = False,
+        ring: bool = False,
+        generation: int = 0,
     ) -> None:
         self.slot = slot
-        self.fixed = fixed  # the slot's one message for full commits: sent once per subscriber
+        self.ring = ring
+        self.generation = generation
         self.message = message
         self.fds = fds
         self.on_free = on_free
         self.refs = 1  # the writer's, until its commit returns
         self.sequence = -1
+
+    @property
+    def slot_key(self) -> tuple[bool, int]:
+        return (self.ring, self.slot)
 
     def unref(self) -> None:
         """Called with the stream's condition held."""
@@ -110,7 +118,9 @@ class _Subscriber:
         self.dropped = 0
         self.end: frames.StreamEnd | None = None  # to send once the queue is empty
         self.ended = False  # STREAM_END sent (or the connection is gone): nothing more goes out
-        self.sent_slots: set[int] = set()  # slots whose fixed message this subscriber has
+        # (ring, slot) -> (generation, message) of the last BATCH sent in full for that slot: a
+        # batch in the same slot with the same message and file goes as the slot's name alone
+        self.sent_slots: dict[tuple[bool, int], tuple[int, bytes]] = {}
 
     @property
     def has_room(self) -> bool:
@@ -223,18 +233,20 @@ class LiveStreamState:
     def _send(self, sub: _Subscriber, batch: Batch) -> None:
         lease_id = sub.next_lease
         sub.next_lease += 1
-        if batch.fixed and batch.slot in sub.sent_slots:
-            # The subscriber has this slot's message and descriptors: name the slot, send neither
-            # (no descriptor passing and no fstat of it for the consumer).
-            payload = frames.encode_batch_header(batch.sequence, lease_id, batch.slot, frames.FLAG_SLOT_AGAIN)
-            fds: list[int] = []
-        else:
-            payload = frames.encode_batch_header(batch.sequence, lease_id, batch.slot) + batch.message
+        flags = frames.FLAG_RING if batch.ring else 0
+        fds: list[int] = []
+        if batch.slot == frames.NO_SLOT:
+            payload = frames.encode_batch_header(batch.sequence, lease_id) + batch.message
             fds = batch.fds
-            if batch.fixed:
-                sub.sent_slots.add(batch.slot)
-            else:  # another message for this slot (fewer rows): the next full one goes in full
-                sub.sent_slots.discard(batch.slot)
+        elif sub.sent_slots.get(batch.slot_key) == (batch.generation, batch.message):
+            # The subscriber has this slot's message and descriptors: name the slot, send neither
+            # (no descriptor passing, no decode and no mapping for the consumer).
+            flags |= frames.FLAG_SLOT_AGAIN
+            payload = frames.encode_batch_header(batch.sequence, lease_id, batch.slot, flags)
+        else:
+            payload = frames.encode_batch_header(batch.sequence, lease_id, batch.slot, flags) + batch.message
+            fds = batch.fds
+            sub.sent_slots[batch.slot_key] = (batch.generation, batch.message)
         try:
             sub.channel.send(protocol.BATCH, payload, fds, timeout=SEND_TIMEOUT)
         except (TransportError, BridgeTimeoutError) as exc:

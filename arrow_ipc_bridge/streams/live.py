@@ -11,11 +11,12 @@ producer its credit and, for reserved slots, its memory back.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import select
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import EllipsisType, TracebackType
 from typing import Any
 
@@ -23,6 +24,7 @@ from arrow_ipc_bridge import _arguments, _reaper, protocol
 from arrow_ipc_bridge._ffi import lib
 from arrow_ipc_bridge.capsules import DEVICE_CPU, _check_kwargs
 from arrow_ipc_bridge.channel import Channel, close_fds
+from arrow_ipc_bridge.content_check import check_content
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -35,6 +37,7 @@ from arrow_ipc_bridge.errors import (
     StreamFailedError,
     StreamInterruptedError,
 )
+from arrow_ipc_bridge.host.shared_alloc import F_SEAL_FUTURE_WRITE
 from arrow_ipc_bridge.imported import ImportedArray
 from arrow_ipc_bridge.process_stats import stream_counters
 from arrow_ipc_bridge.streams import frames
@@ -42,6 +45,7 @@ from arrow_ipc_bridge.streams import frames
 __all__ = ["LiveStream", "open_subscription"]
 
 _LEASE_LIMIT = 1 << _reaper.FAMILY_VALUE_BITS
+_RING_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
 
 
 class _Credit:
@@ -51,8 +55,9 @@ class _Credit:
     frame per few batches spares both processes a wake-up per batch. Runs on any thread (the
     reaper's, a consumer's)."""
 
-    def __init__(self, channel: Channel, window: int, policy: str) -> None:
+    def __init__(self, channel: Channel, window: int, policy: str, on_release: Callable[[int], None]) -> None:
         self._channel = channel
+        self._on_release = on_release  # before its RELEASE can go: the ring segment is free here
         self._lock = threading.Lock()
         self._pending: list[int] = []
         # Only where the producer waits for credit: under "drop_oldest" and "error" a lease held
@@ -62,6 +67,7 @@ class _Credit:
 
     def released(self, lease_id: int) -> None:
         """A batch's owner died (the reaper family's callback)."""
+        self._on_release(lease_id)
         with self._lock:
             self._pending.append(lease_id)
             if not self._receiving and len(self._pending) < self._threshold:
@@ -86,6 +92,8 @@ class _Credit:
 
     def give_back(self, ids: list[int]) -> None:
         """Send these leases' RELEASE now."""
+        for lease_id in ids:
+            self._on_release(lease_id)
         self._send(ids)
 
     def _send(self, ids: list[int]) -> None:
@@ -135,10 +143,16 @@ class LiveStream:
         self._slot_names = [f"{name}#batch"]
         # Each reserved slot's last message and copies of its descriptors, for BATCH frames that
         # repeat the slot without them; closed with the stream (or when it is collected).
-        self._slots: dict[int, tuple[bytes, list[int]]] = {}
+        self._slots: dict[tuple[bool, int], tuple[bytes, list[int]]] = {}
+        # Ring segments whose batch this consumer holds (segment -> lease) and back: a BATCH in a
+        # segment still held is refused (the producer must wait for its release).
+        self._ring_held: dict[int, int] = {}
+        self._lease_ring: dict[int, int] = {}
         weakref.finalize(self, _close_kept, self._slots)
         self._channel: Channel = session._connection()
-        self._credit = _Credit(self._channel, subscribed.max_in_flight, subscribed.policy)
+        self._credit = _Credit(
+            self._channel, subscribed.max_in_flight, subscribed.policy, self._ring_released
+        )
         # Leases are a reaper family of this stream's: a batch's owner dying gives its credit back.
         self._lease_tokens = _reaper.register_family(self._credit.released)
         weakref.finalize(self, _reaper.unregister_family, self._lease_tokens)
@@ -221,24 +235,34 @@ class LiveStream:
             frame.close_fds()  # the mappings keep what they need open
 
     def _import(self, payload: bytes, fds: list[int]) -> ImportedArray:
-        sequence, lease_id, slot, again = frames.decode_batch_header(payload)
+        sequence, lease_id, slot, again, ring = frames.decode_batch_header(payload)
         session = self._session
         if not 0 < lease_id < _LEASE_LIMIT:
             raise ProtocolError(f"BATCH lease id {lease_id} out of range")
         if sequence < self._expected:
             raise ProtocolError(f"BATCH sequence {sequence} after {self._expected - 1}: out of order")
+        key = (ring, slot)
+        if ring and self._ring_held.get(slot):
+            # The producer reuses a segment only after every subscriber released the batch in it:
+            # this one still holds it, so the producer would be rewriting memory being read.
+            raise ProtocolError(
+                f"a BATCH reuses ring segment {slot} while this consumer still holds its last batch "
+                f"(lease {self._ring_held[slot]})"
+            )
         if again:
             if fds:
                 raise ProtocolError("a BATCH repeating its slot carries descriptors")
-            kept = self._slots.get(slot)
+            kept = self._slots.get(key)
             if kept is None:
                 raise ProtocolError(f"a BATCH repeats slot {slot}, which this subscription never received")
             message, fds = kept
             self.repeated += 1
         else:
             message = payload[frames.BATCH_HEADER_SIZE :]
+            if ring:
+                _check_ring_segment(fds)
             if slot != frames.NO_SLOT:  # kept for the repeats of this slot (FLAG_SLOT_AGAIN)
-                self._keep_slot(slot, message, fds)
+                self._keep_slot(key, message, fds)
         token = self._lease_tokens | lease_id
         try:
             imported = None
@@ -249,14 +273,25 @@ class LiveStream:
                 imported = session._import_new_in_c(message, token, self._slot_names[0])
             if imported is None:
                 # The session's own import (decode, full check, map), under this batch's lease; one
-                # remembered message per reserved slot, so a reused slot costs a lookup.
-                imported = session._import(message, fds, name=self._slot_name(slot), token=token)
+                # remembered message per slot, so a reused slot or segment costs a lookup.
+                imported = session._import(message, fds, name=self._slot_name(key), token=token)
         except BaseException:
             self._credit.give_back([lease_id])  # if no owner came to life, nobody else would
             raise
         if not isinstance(imported, ImportedArray):
             imported.release()
             raise ProtocolError("a stream's BATCH holds a table/stream message (one batch expected)")
+        if ring:
+            # A segment's contents are new with every batch while its message (the layout) repeats,
+            # so the remembered message's check covers the layout only: the contents are checked
+            # here, at the session's level, as a new message's would be.
+            try:
+                check_content(imported._decoded, imported._bases, session._host_check)
+            except BaseException:
+                imported.release()
+                raise
+            self._ring_held[slot] = lease_id
+            self._lease_ring[lease_id] = slot
         imported.name = self.name
         self.dropped += sequence - self._expected
         self._expected = sequence + 1
@@ -265,7 +300,13 @@ class LiveStream:
         next(stream_counters.batches_received)
         return imported
 
-    def _keep_slot(self, slot: int, message: bytes, fds: list[int]) -> None:
+    def _ring_released(self, lease_id: int) -> None:
+        """A batch's lease ends (any thread): its ring segment is no longer held here."""
+        slot = self._lease_ring.pop(lease_id, None)
+        if slot is not None and self._ring_held.get(slot) == lease_id:
+            del self._ring_held[slot]
+
+    def _keep_slot(self, slot: tuple[bool, int], message: bytes, fds: list[int]) -> None:
         """Keep a slot's message with copies of its descriptors, replacing the slot's last."""
         if len(self._slots) >= frames.MAX_SLOTS and slot not in self._slots:
             raise ProtocolError(f"more than {frames.MAX_SLOTS} slots on one stream")
@@ -281,10 +322,11 @@ class LiveStream:
         if old is not None:
             close_fds(old[1])
 
-    def _slot_name(self, slot: int) -> str:
+    def _slot_name(self, key: tuple[bool, int]) -> str:
+        ring, slot = key
         if slot == frames.NO_SLOT:
             return self._slot_names[0]
-        return f"{self.name}#slot{slot}"
+        return f"{self.name}#{'ring' if ring else 'slot'}{slot}"
 
     def _finished(self) -> None:
         """Raise the error the stream ended with, if any."""
@@ -375,7 +417,23 @@ class LiveStream:
         return f"<LiveStream {self.name!r} received={self.received} dropped={self.dropped}>"
 
 
-def _close_kept(slots: dict[int, tuple[bytes, list[int]]]) -> None:
+def _check_ring_segment(fds: list[int]) -> None:
+    """A ring segment is one memfd sealed against shrinking and growing (a mapping of it can never
+    fault past its end) and against writes through any other mapping or descriptor (so no other
+    holder, this consumer included, changes a batch under the producer and the other consumers)."""
+    if len(fds) != 1:
+        raise ProtocolError(f"a BATCH in the producer's ring carries {len(fds)} descriptors (one segment)")
+    try:
+        seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise RegionError(f"a ring segment's descriptor has no seals ({exc}): not a sealed memfd") from exc
+    if seals & _RING_SEALS != _RING_SEALS:
+        raise RegionError(
+            f"a ring segment's memfd has seals {seals:#x}, not shrink, grow and write ({_RING_SEALS:#x})"
+        )
+
+
+def _close_kept(slots: dict[tuple[bool, int], tuple[bytes, list[int]]]) -> None:
     for _, fds in slots.values():
         close_fds(fds)
     slots.clear()

@@ -15,16 +15,26 @@ import pyarrow as pa
 
 from arrow_ipc_bridge import _arguments
 from arrow_ipc_bridge._ffi import ffi, lib, new_error
-from arrow_ipc_bridge.capsules import ArrowInput, CapturedData, capsule_struct, new_capsule
+from arrow_ipc_bridge.capsules import (
+    DEVICE_CPU,
+    ArrowInput,
+    CapturedData,
+    _CapturedSource,
+    capsule_struct,
+    capture,
+    new_capsule,
+)
 from arrow_ipc_bridge.errors import BridgeError, StreamBlockedError, StreamError, StreamSchemaError
-from arrow_ipc_bridge.exporter import CopyPolicy, export, export_captured
+from arrow_ipc_bridge.exporter import CopyPolicy, export_captured
 from arrow_ipc_bridge.metadata import Decoded
 from arrow_ipc_bridge.streams.hub import Batch, LiveStreamState, StreamHub
+from arrow_ipc_bridge.streams.ring import HostRing, RingSegment
 from arrow_ipc_bridge.streams.slots import SlotLayout, StreamSlot, make_slot
 
 __all__ = ["StreamWriter", "batches_of", "check_source", "pump"]
 
 _log = logging.getLogger("arrow_ipc_bridge")
+_CHECKED_MESSAGES = 256
 
 
 class StreamWriter:
@@ -54,6 +64,10 @@ class StreamWriter:
         self._slots: list[StreamSlot] = []
         self._free: list[StreamSlot] = []
         self._allocator: Any = None
+        self._ring = HostRing(state.name)
+        # Messages whose schema was checked already: a message's bytes hold its schema, and a ring
+        # segment's batches of one layout repeat theirs (bounded; cleared when full).
+        self._checked: set[bytes] = set()
         state.on_finished = self._close_free_slots
         if slots is not None:
             slots.check()
@@ -107,11 +121,25 @@ class StreamWriter:
             if isinstance(obj, CapturedData):  # ours to close (a batch of publish_stream's source)
                 obj.close()
             raise
-        # Pool fds attached (the default): a subscription's connection carries nothing but batches.
-        if isinstance(obj, CapturedData):  # a batch of a C device stream (publish_stream)
-            exported = export_captured(obj, copy=self._copy)
+        if isinstance(obj, CapturedData):  # a batch of a C device stream (publish_stream): ours
+            captured = obj
+        elif isinstance(obj, _CapturedSource):  # captured already (from_cuda_arrays, ...): share it
+            captured = CapturedData.sharing(obj._live())
         else:
-            exported = export(obj, copy=self._copy)
+            captured = capture(obj)
+        if captured.device_type == DEVICE_CPU and self._copy == "if_needed" and not captured.is_stream:
+            try:
+                placed = self._ring.place(captured)
+            except BaseException:
+                captured.close()
+                raise
+            if placed is not None:
+                captured.close()  # copied into the segment: the source's buffers go now
+                return self._commit_ring(*placed)
+        # Anything else is exported as aib.export does (CUDA data, a large host batch: shared as it
+        # is or one sealed copy, copy="never"/"always"). Pool fds are attached (the default): a
+        # subscription's connection carries nothing but batches.
+        exported = export_captured(captured, copy=self._copy)
         try:
             self._check_schema(exported.message, len(exported.fds))
         except BaseException:
@@ -119,12 +147,31 @@ class StreamWriter:
             raise
         return self._state.commit(Batch(exported.message, list(exported.fds), exported.close))
 
+    def _commit_ring(self, message: bytes, segment: RingSegment) -> int:
+        ring = self._ring
+        try:
+            self._check_schema(message, 1)
+        except BaseException:
+            ring.free(segment)
+            raise
+        batch = Batch(
+            message,
+            [segment.buffer.fd],
+            lambda: ring.free(segment),
+            segment.index,
+            ring=True,
+            generation=segment.generation,
+        )
+        return self._state.commit(batch)
+
     def _check_writable(self) -> None:
         self._check_open()
         if self._state.closed:
             raise StreamError(f"the stream {self.name!r} is closed")
 
     def _check_schema(self, message: bytes, n_fds: int) -> None:
+        if message in self._checked:
+            return
         field, is_stream = _message_field(message, n_fds)
         if is_stream:
             raise StreamSchemaError(
@@ -145,6 +192,9 @@ class StreamWriter:
                 f"batch schema {field.type} differs from the stream {self.name!r}'s {self._schema.type}: "
                 "a stream has one schema (open another stream for the new one); nothing was sent"
             )
+        if len(self._checked) >= _CHECKED_MESSAGES:
+            self._checked.clear()
+        self._checked.add(message)
 
     # ---------- reserved slots ----------------------------------------------------------------------
     def reserve(self, timeout: float | None = None) -> StreamSlot:
@@ -200,7 +250,7 @@ class StreamWriter:
         if fixed is not None:
             slot.before_send(stream)
             message, fds = fixed
-            batch = Batch(message, fds, lambda: self._slot_free(slot), slot.index, fixed=True)
+            batch = Batch(message, fds, lambda: self._slot_free(slot), slot.index)
         else:
             exported = slot.export(rows)
 
@@ -252,6 +302,7 @@ class StreamWriter:
             for slot in self._free:
                 slot.close()
             self._free.clear()
+        self._ring.close()
 
     def __enter__(self) -> StreamWriter:
         return self
