@@ -1,12 +1,12 @@
-"""CuPy arrays a standing-lease session keeps per name and hands out again (``column_arrays``).
+"""CuPy arrays a session keeps per name and hands out again (``column_arrays``).
 
 Making CuPy arrays over imported columns costs what CuPy's own wrapping costs: an ``UnownedMemory``,
-a ``MemoryPointer`` and an ``ndarray`` per column, 2-3 µs each on an H100 host, ~50 µs for a batch
-of 16 (and twice that on a core that just woke up). A consumer that re-gets a name every step under
-a standing lease imports the same remembered message each time, at the same addresses; the arrays
-it made last step are the arrays it needs now. So a session with standing leases keeps, per (name,
-batch, columns), the last CuPy arrays ``column_arrays`` made, and hands the same objects out again
-when nobody else holds them any more.
+a ``MemoryPointer`` and an ``ndarray`` per column, on every call (``docs/benchmarks.md`` has the
+figures). A consumer that re-gets a name every step under a standing lease imports the same
+remembered message each time, at the same addresses; the arrays it made last step are the arrays it
+needs now. So a session that keeps standing leases (every session but one with ``pool_linger=0``)
+keeps, per (name, batch, columns), the last CuPy arrays ``column_arrays`` made, and hands the same
+objects out again when nobody else holds them any more.
 
 The rules (``docs/lifetime.md``, "Kept CuPy arrays"):
 

@@ -166,9 +166,10 @@ def column_arrays(
     memory is mapped read-only), CuPy arrays or PyTorch tensors over the imported memory. Each array
     holds the batch alive on its own: the imported object may be released and the arrays stay
     valid; the lease ends when the last of them (and everything else built from the import) is gone.
-    On a session with ``standing_leases=True`` a re-get's call may return the same CuPy array
-    objects as an earlier call for the same remembered message, when nothing holds them any more
-    (``docs/lifetime.md``, "Kept CuPy arrays"); arrays still held are never handed out twice.
+    On a session that keeps standing leases (any but one with ``pool_linger=0``) a re-get's call
+    may return the same CuPy array objects as an earlier call for the same remembered message, when
+    nothing holds them any more (``docs/lifetime.md``, "Kept CuPy arrays"); arrays still held are
+    never handed out twice.
 
     Parameters
     ----------

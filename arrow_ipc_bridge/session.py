@@ -22,9 +22,9 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from arrow_ipc_bridge import (
     _arguments,
@@ -88,28 +88,26 @@ class Session:
     mapping_cache_size
         How many zero-copy file mappings to keep for reuse across imports.
     pool_linger
-        Seconds a remembered IPC-pool message keeps one lease on the producer's memory after its
-        last get (see :meth:`get`); 0 keeps none, so every get of pool data imports its pointers
-        (and frees them on release).
+        Seconds this session keeps one lease per name it re-gets after that name's last get
+        (``docs/lifetime.md``, 5a and 5b): a remembered IPC-pool message's kept lease, and the
+        *standing lease* under which re-gets of a name import its remembered message in place
+        while the publisher's version board shows the same publication, with no round trip (from
+        a name's second get on, with a publisher offering feature ``"board"``; a new publish, an
+        unpublish, a closed or dead publisher, or anything waiting on the connection make the get
+        ask). The lease is given back ``pool_linger`` seconds after the name's last get, on
+        :meth:`forget`, when the name is got with other data, or on :meth:`close`; the publisher
+        counts it in ``active_leases`` meanwhile, also after the user released every import.
+        While it stands, ``column_arrays(..., "cupy")`` hands out the CuPy arrays it made for the
+        name's remembered message again while nothing else holds them (``docs/lifetime.md``,
+        "Kept CuPy arrays"). ``0`` keeps no lease: every get asks the publisher and every release
+        gives its lease back at once (for a producer that must reclaim memory as soon as its
+        consumers release it).
     remembered_messages
         How many messages the session remembers for re-gets through the C core (one per name: the
         one it was last got with), least recently used out first. Each holds its regions open (host
-        mappings, CUDA handles; for IPC-pool data a lease, for ``pool_linger``). More names than
-        this got in a cycle miss every time and take the Python import path (~200 µs for 16 GPU
-        columns on the H200 instead of ~35 µs): size it to the names a loop re-gets. 0 remembers
-        nothing.
-    standing_leases
-        Re-get remembered names without a round trip (``docs/lifetime.md``, "Standing leases"):
-        from a name's second get on, the session keeps one lease on what it got (a *standing
-        lease*) and later gets of the name import the remembered message in place while the
-        publisher's version board shows the same publication (a new publish, an unpublish, a
-        closed or dead publisher, or anything waiting on the connection make the get ask). The
-        standing lease is given back ``pool_linger`` seconds after the name's last get, on
-        :meth:`forget`, when the name is got with other data, or on :meth:`close`; the publisher
-        counts it in ``active_leases`` meanwhile. Needs ``pool_linger`` > 0, remembered messages
-        and a publisher offering feature ``"board"``; off (the default): every get asks. With it,
-        ``column_arrays(..., "cupy")`` hands out the CuPy arrays it made for a name's remembered
-        message again while nothing else holds them (``docs/lifetime.md``, "Kept CuPy arrays").
+        mappings, CUDA handles; the leases of ``pool_linger``). More names than this got in a cycle
+        miss every time and take the Python import path: size it to the names a loop re-gets. 0
+        remembers nothing (and so keeps no standing lease).
     check
         How far the contents of an import's buffers are checked before it is handed out
         (``docs/wire-format.md``, "Content checks"): ``"full"`` (every offset, view, dictionary
@@ -160,8 +158,9 @@ class Session:
         reader_device: int | None = None,
         cross_device: str = "peer",
         copy_stream: object = None,
-        standing_leases: bool = False,
+        **removed: NoReturn,
     ) -> None:
+        _refuse_removed(removed, "Session()")
         self._reader: ReaderPlacement | None = None
         if reader_device is not None:
             from arrow_ipc_bridge.cuda.cross_gpu import ReaderPlacement
@@ -179,13 +178,11 @@ class Session:
         # Lock order: _request_lock, then the remembered set's own (see RememberedMessages).
         self._request_lock = threading.Lock()
         self._remembered = RememberedMessages(remembered_messages, float(pool_linger), self._request_lock)
-        self._standing_leases = _arguments.boolean(standing_leases, "standing_leases")
         self._pool_linger = float(pool_linger)
         # CuPy arrays column_arrays made for this session's re-gets, handed out again while unheld
-        # (array_cache.py): a standing lease already keeps what they hold for pool_linger.
-        self._kept_arrays = (
-            KeptCupyArrays(self._pool_linger) if self._standing_leases and self._pool_linger > 0 else None
-        )
+        # (array_cache.py): a standing lease already keeps what they hold for pool_linger, so they
+        # exist exactly when standing leases may (pool_linger 0 keeps neither).
+        self._kept_arrays = KeptCupyArrays(self._pool_linger) if self._pool_linger > 0 else None
         # The publisher's version board once connected (board.py); None: every get asks.
         self._board: SessionBoard | None = None
         # get_next's waits on the board (waiting.py) when the publisher wakes its slots' sleepers.
@@ -302,13 +299,10 @@ class Session:
         self._lease_tokens = tokens
         self._lease_keeper = ffi.gc(keeper, lib.aib_owner_unref)
         features = info.get("features")
-        if (
-            self._standing_leases
-            and isinstance(features, list)
-            and "board" in features
-            and self._pool_linger > 0
-            and self._remembered.limit
-        ):
+        features = features if isinstance(features, list) else []
+        # Standing leases (docs/lifetime.md, 5b) whenever they can be kept: the board tells a
+        # re-get whether its remembered message is still the publication, with no round trip.
+        if "board" in features and self._pool_linger > 0 and self._remembered.limit:
             self._board = open_board(channel, timeout)
             if "board_wake" in features and "watch" in features:
                 self._board_waits = waiting.BoardWaits(self._board, self._remembered)
@@ -414,11 +408,13 @@ class Session:
 
         Re-gets of the same publication are the steady state: the session remembers the message
         with its regions open and the C core imports it without Python work (legacy CUDA handles,
-        host files). IPC-pool data is remembered from its second get under the same name on,
-        together with one more lease that keeps the producer's memory while the pointers stay
-        imported here (CUDA requires the importer to free first); that lease is given back
-        ``pool_linger`` seconds after the last get of the message, when the name is got with other
-        data, on :meth:`forget`, or on :meth:`close`.
+        host files). From a name's second get on, the session keeps one more lease on what it got
+        (a *standing lease*; for IPC-pool data the lease that keeps the producer's memory while the
+        pointers stay imported here, as CUDA requires the importer to free first), and while the
+        publisher's version board shows the same publication a re-get imports it with no round
+        trip. That lease is given back ``pool_linger`` seconds after the name's last get, when the
+        name is got with other data, on :meth:`forget`, or on :meth:`close`; ``pool_linger=0``
+        keeps none (``docs/lifetime.md``, 5a and 5b).
         """
         if wait is None:
             local_get = self._local_get
@@ -528,7 +524,7 @@ class Session:
         ``"watch"``. While a wait is held this session sends no other request (one at a time);
         use another session to get other names meanwhile.
 
-        With ``standing_leases=True``, while the name's gets are local (a standing lease: its
+        While the name's gets are local (a standing lease: its
         second plain get on, or once two WAIT answers named the same memory, as in-place renewals
         do), a wait for ``after`` > 0 sends nothing: it sleeps on the name's slot of the
         publisher's version board, which the publisher's next publish of the name wakes, and then
@@ -710,8 +706,8 @@ class Session:
     @property
     def reused_cupy_arrays(self) -> int:
         """``column_arrays(..., "cupy")`` calls on this session's imports answered with the CuPy
-        arrays made before for the same remembered message (``standing_leases=True`` only;
-        ``docs/lifetime.md``, "Kept CuPy arrays")."""
+        arrays made before for the same remembered message (``docs/lifetime.md``, "Kept CuPy
+        arrays"; none with ``pool_linger=0``)."""
         return 0 if self._kept_arrays is None else self._kept_arrays.handed_out_again
 
     def close(self) -> None:
@@ -784,6 +780,19 @@ _LOCAL_GETTER_KIT = (
 )
 
 
+def _refuse_removed(options: Mapping[str, object], where: str) -> None:
+    """TypeError for keyword arguments ``where`` does not take, naming the replacement of a removed
+    one: a caller of the old surface learns what to do instead of meeting a bare unknown name."""
+    if "standing_leases" in options:
+        raise TypeError(
+            f"{where} no longer takes standing_leases: standing leases are the default "
+            "(docs/lifetime.md, 5b); pass pool_linger=0 to keep no lease (every get asks the "
+            "publisher, every release gives its lease back at once)"
+        )
+    if options:
+        raise TypeError(f"{where} got unexpected keyword arguments {sorted(options)}")
+
+
 def _send_release(channel: Channel, lease_id: int) -> None:
     if channel.closed:
         return  # the publisher released this connection's leases when it closed
@@ -803,7 +812,6 @@ def connect(
     reader_device: int | None = None,
     cross_device: str = "peer",
     copy_stream: object = None,
-    standing_leases: bool = False,
     **flight_options: Any,
 ) -> Session:
     """Connect a new :class:`Session` to the publisher at ``path``.
@@ -828,8 +836,8 @@ def connect(
         again too, instead of raising :class:`~arrow_ipc_bridge.errors.PeerClosedError`. When
         ``timeout`` passes first: :class:`~arrow_ipc_bridge.errors.WaitTimeoutError`.
     pool_linger
-        See :class:`Session`: how long a remembered IPC-pool message keeps its lease after its
-        last get.
+        See :class:`Session`: how long the session keeps one lease per re-got name after its last
+        get (re-gets without a round trip meanwhile); 0 keeps none.
     remembered_messages
         See :class:`Session`: how many messages (one per name) re-gets find remembered.
     check
@@ -838,15 +846,14 @@ def connect(
     reader_device, cross_device, copy_stream
         See :class:`Session`: GPU data living on a GPU other than the consumer's, read in place
         (``"peer"``) or copied (``"copy"``).
-    standing_leases
-        See :class:`Session`: re-gets of remembered names without a round trip, under one lease
-        kept per name for ``pool_linger`` seconds after its last get.
 
     Examples
     --------
     >>> with aib.connect("/tmp/demo.sock") as session:  # doctest: +SKIP
     ...     table = pa.table(session.get("trades"))
     """
+    if "standing_leases" in flight_options:
+        _refuse_removed({"standing_leases": flight_options["standing_leases"]}, "connect()")
     if isinstance(path, str) and path.startswith(("grpc://", "grpc+tcp://", "grpc+tls://")):
         from arrow_ipc_bridge.flight.client import connect as connect_flight
 
@@ -858,7 +865,6 @@ def connect(
             "reader_device": reader_device,
             "cross_device": cross_device,
             "copy_stream": copy_stream,
-            "standing_leases": standing_leases,
         }
         return connect_flight(  # type: ignore[no-any-return]  # a Session, or a FlightSession (same methods)
             path, connect, timeout=timeout, session_options=session_options, **flight_options
@@ -878,7 +884,6 @@ def connect(
             reader_device=reader_device,
             cross_device=cross_device,
             copy_stream=copy_stream,
-            standing_leases=standing_leases,
         )
         session._path = os.fspath(path)
         try:

@@ -14,7 +14,8 @@ request timeout) past the wait's own timeout to answer; a publisher silent longe
 stuck: the connection is closed (a late answer would be misread) and
 :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` raised.
 
-With standing leases and a publisher offering ``"board_wake"``, :class:`BoardWaits` serves
+With standing leases (any session but one with ``pool_linger=0``) and a publisher offering
+``"board_wake"``, :class:`BoardWaits` serves
 ``get_next`` for names whose gets are local without a WAIT: it sleeps on the name's slot of the
 publisher's version board (``board.py``), which the publisher's next write of the slot wakes, then
 gets the name (docs/lifetime.md, "Waiting on the version board").

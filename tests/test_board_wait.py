@@ -51,7 +51,7 @@ def _stand(session: aib.Session, name: str = "v") -> None:
 def standing(publisher: aib.Publisher) -> Iterator[aib.Session]:
     """A session with standing leases (so with the board) whose gets of "v" are local."""
     publisher.publish("v", pa.array([0]))
-    with aib.connect(publisher.path, timeout=5.0, standing_leases=True) as session:
+    with aib.connect(publisher.path, timeout=5.0) as session:
         assert session._board_waits is not None
         _stand(session)
         yield session
@@ -185,7 +185,7 @@ def test_closing_the_session_wakes_its_waiter(publisher: aib.Publisher, spin: fl
     """close() from another thread ends a wait on the board at once, asleep or polling, with the
     PeerClosedError a held WAIT would get; nothing stays leased."""
     publisher.publish("v", pa.array([0]))
-    session = aib.connect(publisher.path, timeout=5.0, standing_leases=True)
+    session = aib.connect(publisher.path, timeout=5.0)
     _stand(session)
     errors: list[BaseException] = []
 
@@ -215,7 +215,7 @@ def test_closing_the_session_wakes_its_waiter(publisher: aib.Publisher, spin: fl
 def test_a_publisher_closing_while_a_session_sleeps_raises_peer_closed(sock_dir: str) -> None:
     pub = aib.Publisher(os.path.join(sock_dir, "closing.sock"))
     pub.publish("v", pa.array([0]))
-    session = aib.connect(pub.path, timeout=5.0, standing_leases=True)
+    session = aib.connect(pub.path, timeout=5.0)
     try:
         _stand(session)
         closing = run_later(0.3, pub.close)
@@ -238,7 +238,7 @@ def test_a_publisher_killed_while_a_session_sleeps_raises_peer_closed(sock_dir: 
     try:
         assert parent.poll(60)
         assert parent.recv() == ("ready",)
-        with aib.connect(path, timeout=10.0, standing_leases=True) as session:
+        with aib.connect(path, timeout=10.0) as session:
             _stand(session)
             with session.get("v") as first:
                 after = first.version
@@ -272,7 +272,7 @@ def test_a_publisher_without_board_wake_holds_the_wait(
     monkeypatch.setattr(protocol, "FEATURES", tuple(f for f in protocol.FEATURES if f != "board_wake"))
     with aib.Publisher(os.path.join(sock_dir, "older.sock")) as pub:
         pub.publish("v", pa.array([0]))
-        with aib.connect(pub.path, timeout=5.0, standing_leases=True) as session:
+        with aib.connect(pub.path, timeout=5.0) as session:
             assert session._board is not None
             assert session._board_waits is None
             _stand(session)
@@ -293,7 +293,7 @@ def test_a_name_whose_waits_bring_the_same_message_moves_to_the_board(publisher:
     name a candidate: its next get_next gets it once (a standing lease) and sleeps on the board. A
     woken get that brought new data (a round trip) sends the next wait to the publisher again."""
     publisher.publish("v", pa.array([0]))
-    with aib.connect(publisher.path, timeout=5.0, standing_leases=True) as session:
+    with aib.connect(publisher.path, timeout=5.0) as session:
         session.get("v", wait=0).release()
         with session.get("v", wait=0) as again:
             seen = again.version

@@ -56,7 +56,6 @@ def test_same_host_and_uid_take_the_socket(front: FlightFront, publisher: aib.Pu
             "pool_linger": 0.25,
             "remembered_messages": 3,
             "timeout": 2.0,
-            "standing_leases": True,
         },
     ],
     ids=["defaults", "given"],
@@ -75,10 +74,14 @@ def test_a_routed_session_is_the_session_connect_path_makes(
         assert type(routed) is type(plain) is aib.Session
         for attribute in (
             *("_host_check", "_cuda_check", "_timeout", "_timeout_ms", "_path", "_reader"),
-            "_standing_leases",
+            "_pool_linger",
         ):
             assert getattr(routed, attribute) == getattr(plain, attribute), attribute
         assert routed._remembered._pool_linger == plain._remembered._pool_linger
+        # both keep standing leases (the board taken) and kept CuPy arrays
+        for session in (plain, routed):
+            assert session._board is not None
+            assert session._kept_arrays is not None
         assert not any(isinstance(value, flight.FlightClient) for value in vars(routed).values()), (
             "the routed session keeps a Flight client"
         )

@@ -111,7 +111,7 @@ def _warm(session: aib.Session) -> None:
 
 def test_unheld_arrays_are_handed_out_again_with_the_new_lease(publisher: aib.Publisher) -> None:
     before = aib.stats().session.reused_cupy_arrays
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=LINGER) as session:
+    with aib.connect(publisher.path, timeout=10.0, pool_linger=LINGER) as session:
         _warm(session)
         first = _arrays(session)
         ids = {name: id(array) for name, array in first.items()}
@@ -134,7 +134,7 @@ def test_unheld_arrays_are_handed_out_again_with_the_new_lease(publisher: aib.Pu
 def test_arrays_anything_still_holds_are_not_handed_out_again(publisher: aib.Publisher, held: str) -> None:
     """Holding the dict, an array, its pointer, its memory, or an object that holds an array (as a
     view's base does) makes the next call make new arrays."""
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=LINGER) as session:
+    with aib.connect(publisher.path, timeout=10.0, pool_linger=LINGER) as session:
         _warm(session)
         first = _arrays(session)
         keep: object = {
@@ -157,7 +157,7 @@ def test_arrays_anything_still_holds_are_not_handed_out_again(publisher: aib.Pub
 
 
 def test_an_array_reshaped_in_place_is_not_handed_out_again(publisher: aib.Publisher) -> None:
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=LINGER) as session:
+    with aib.connect(publisher.path, timeout=10.0, pool_linger=LINGER) as session:
         _warm(session)
         first = _arrays(session)
         first["a"].shape = (1, 3)  # CuPy lets a contiguous array's shape be set in place
@@ -168,7 +168,7 @@ def test_an_array_reshaped_in_place_is_not_handed_out_again(publisher: aib.Publi
 
 
 def test_each_column_choice_and_batch_is_kept_apart(publisher: aib.Publisher) -> None:
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=LINGER) as session:
+    with aib.connect(publisher.path, timeout=10.0, pool_linger=LINGER) as session:
         _warm(session)
         everything = _arrays(session)
         only_b = _arrays(session, names=["b"])
@@ -182,7 +182,7 @@ def test_each_column_choice_and_batch_is_kept_apart(publisher: aib.Publisher) ->
 
 
 def test_other_data_under_the_name_gets_new_arrays(publisher: aib.Publisher) -> None:
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=LINGER) as session:
+    with aib.connect(publisher.path, timeout=10.0, pool_linger=LINGER) as session:
         _warm(session)
         first = _arrays(session)
         old_id = id(first["a"])
@@ -200,7 +200,7 @@ def test_other_data_under_the_name_gets_new_arrays(publisher: aib.Publisher) -> 
 def test_what_is_kept_is_let_go_after_the_linger(publisher: aib.Publisher) -> None:
     """Once the consumer holds nothing, the kept arrays hold the lease only for pool_linger seconds,
     as the standing lease does: then the publisher sees no lease."""
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=LINGER) as session:
+    with aib.connect(publisher.path, timeout=10.0, pool_linger=LINGER) as session:
         _warm(session)
         del _arrays(session)["a"]
         assert publisher.active_leases >= 1
@@ -213,7 +213,7 @@ def test_what_is_kept_is_let_go_after_the_linger(publisher: aib.Publisher) -> No
 
 
 def test_arrays_the_user_holds_outlive_the_linger_and_keep_their_lease(publisher: aib.Publisher) -> None:
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=LINGER) as session:
+    with aib.connect(publisher.path, timeout=10.0, pool_linger=LINGER) as session:
         _warm(session)
         arrays = _arrays(session)
         assert wait_for(lambda: len(session._kept_arrays or ()) == 0, 10.0)
@@ -225,7 +225,7 @@ def test_arrays_the_user_holds_outlive_the_linger_and_keep_their_lease(publisher
 
 @pytest.mark.parametrize("end", ["forget", "close"])
 def test_forget_and_close_let_go_at_once(publisher: aib.Publisher, end: str) -> None:
-    session = aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=60.0)
+    session = aib.connect(publisher.path, timeout=10.0, pool_linger=60.0)
     try:
         _warm(session)
         del _arrays(session)["a"]
@@ -241,7 +241,8 @@ def test_forget_and_close_let_go_at_once(publisher: aib.Publisher, end: str) -> 
 
 
 def test_without_standing_leases_nothing_is_kept(publisher: aib.Publisher) -> None:
-    with aib.connect(publisher.path, timeout=10.0) as session:
+    """``pool_linger=0`` keeps no standing lease, and so no CuPy arrays either."""
+    with aib.connect(publisher.path, timeout=10.0, pool_linger=0) as session:
         _warm(session)
         first = _arrays(session)
         assert _ffi.capsule_name(first["a"].data.mem.owner) == b"arrow_ipc_bridge.batch_lease"

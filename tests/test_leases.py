@@ -185,10 +185,11 @@ def test_lease_ids_the_token_cannot_carry_take_the_python_path(sock_dir: str) ->
 def test_c_imported_leases_outlive_their_session_object(publisher: aib.Publisher) -> None:
     """A session dropped without close() while structs of C-imported leases live on: the connection
     stays open for them, each lease ends when its struct is released, and then the session's reaper
-    family is retired (nothing of it stays registered)."""
+    family is retired (nothing of it stays registered). ``pool_linger=0``: every get asks and takes a
+    lease of its own (the standing lease's case is the next test)."""
     publisher.publish("t", null_batch(3, 10))
     families_before = len(_reaper._families)
-    session = aib.connect(publisher.path, timeout=5.0)
+    session = aib.connect(publisher.path, timeout=5.0, pool_linger=0)
     session.get("t").release()  # the first get remembers the message
     kept = []  # capsule pairs: their structs hold the leases (pyarrow lets go of buffer-less data)
     for _ in range(3):
@@ -203,6 +204,38 @@ def test_c_imported_leases_outlive_their_session_object(publisher: aib.Publisher
     kept.pop()
     gc.collect()
     assert wait_for(lambda: publisher.active_leases == 2, 2.0)
+    kept.clear()
+    gc.collect()
+    assert wait_for(lambda: publisher.active_leases == 0, 2.0)
+    assert wait_for(lambda: len(_reaper._families) == families_before, 2.0)
+    gc.collect()
+    assert wait_for(lambda: publisher.active_sessions == 0, 2.0)
+
+
+def test_a_standing_lease_outlives_its_session_object_until_its_last_import(publisher: aib.Publisher) -> None:
+    """By default re-gets after the second are local, under one standing lease: a session dropped
+    without close() while structs of those gets live on keeps that one lease (and its connection)
+    until the last struct is released, whatever the linger, then gives it back and retires its
+    reaper family."""
+    publisher.publish("t", null_batch(3, 10))
+    families_before = len(_reaper._families)
+    session = aib.connect(publisher.path, timeout=5.0, pool_linger=60.0)
+    session.get("t").release()  # the first get remembers the message
+    kept = []  # capsule pairs: their structs hold the imports (pyarrow lets go of buffer-less data)
+    for _ in range(3):
+        with session.get("t") as imported:
+            kept.append(imported.__arrow_c_device_array__())
+    assert session.remembered_gets == 3
+    assert session.local_gets == 2  # the second get took the standing lease, the others used it
+    assert wait_for(lambda: publisher.active_leases == 1, 2.0)
+    del session, imported
+    gc.collect()
+    assert publisher.active_sessions == 1
+    kept.pop()
+    kept.pop()
+    gc.collect()
+    time.sleep(0.2)  # a lease given back too early would show by now
+    assert publisher.active_leases == 1
     kept.clear()
     gc.collect()
     assert wait_for(lambda: publisher.active_leases == 0, 2.0)

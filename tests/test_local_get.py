@@ -33,7 +33,7 @@ def local_session(publisher: aib.Publisher) -> Iterator[aib.Session]:
     """A standing-lease session whose gets of "t" (a record batch) and "s" (a table) are local."""
     publisher.publish("t", pa.record_batch({"x": pa.array([1, 2, 3], pa.int64())}))
     publisher.publish("s", pa.table({"y": ["a", None, "c"]}))
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
+    with aib.connect(publisher.path, timeout=10.0) as session:
         for _ in range(2):  # the first get imports, the second takes the standing lease
             for name in ("t", "s"):
                 session.get(name).release()
@@ -221,10 +221,10 @@ def test_a_forked_child_gets_nothing_from_its_parents_getter(local_session: aib.
 
 
 def test_a_session_without_standing_leases_makes_no_getter(publisher: aib.Publisher) -> None:
-    """Without standing leases there is no board and no local answer: no getter. (A session that
-    places each get on a reader GPU makes none either: the placement is Python's.)"""
+    """Without standing leases (``pool_linger=0``) there is no board and no local answer: no getter.
+    (A session that places each get on a reader GPU makes none either: the placement is Python's.)"""
     publisher.publish("t", pa.table({"x": [1]}))
-    with aib.connect(publisher.path, timeout=10.0) as plain:
+    with aib.connect(publisher.path, timeout=10.0, pool_linger=0) as plain:
         assert plain._local_getter is None
         with plain.get("t") as imported:
             assert pa.table(imported).num_rows == 1

@@ -511,7 +511,7 @@ def test_a_local_get_restarts_the_standing_leases_linger(publisher: aib.Publishe
     later get into a round trip without a word."""
     linger = 100.0  # the linger thread gives nothing back during the test; the test asks itself
     publisher.publish("t", pa.record_batch({"x": pa.array([1, 2, 3], pa.int64())}))
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=linger) as session:
+    with aib.connect(publisher.path, timeout=10.0, pool_linger=linger) as session:
         for _ in range(2):  # the first get imports, the second takes the standing lease
             session.get("t").release()
         remembered = session._remembered
@@ -536,7 +536,7 @@ def test_an_unused_standing_lease_is_given_back_at_its_linger(publisher: aib.Pub
     stays remembered, and its next get takes a standing lease again."""
     linger = 100.0  # the linger thread gives nothing back during the test; the test asks itself
     publisher.publish("t", pa.record_batch({"x": pa.array([1, 2, 3], pa.int64())}))
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=linger) as session:
+    with aib.connect(publisher.path, timeout=10.0, pool_linger=linger) as session:
         session.get("t").release()
         taken = time.monotonic()
         session.get("t").release()  # remembered: its lease becomes the standing lease
@@ -572,7 +572,7 @@ def test_the_same_bytes_published_again_move_the_standing_lease(publisher: aib.P
         data = pa.Array.from_buffers(pa.int64(), 3, [None, shared.as_pyarrow()])
         batch = pa.record_batch({"x": data})
         publisher.publish("t", batch)
-        with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=100.0) as session:
+        with aib.connect(publisher.path, timeout=10.0, pool_linger=100.0) as session:
             for _ in range(3):
                 session.get("t").release()
             assert session.local_gets == 1
@@ -606,7 +606,7 @@ def test_the_c_getter_gives_its_locks_back_on_every_path(publisher: aib.Publishe
     forever; the test fails at once instead and frees it, so that the session can close."""
     publisher.publish("t", pa.record_batch({"x": pa.array([1, 2, 3], pa.int64())}))
     publisher.publish("u", pa.record_batch({"y": pa.array([4], pa.int64())}))
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
+    with aib.connect(publisher.path, timeout=10.0) as session:
         getter = session._local_getter
         assert getter is not None
         channel = session._channel

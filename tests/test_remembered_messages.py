@@ -91,22 +91,31 @@ def test_remembered_messages_bounds_the_steady_state(publisher: aib.Publisher) -
             aib.Session(remembered_messages=bad)  # type: ignore[arg-type]
 
 
-def test_host_messages_are_remembered_by_bytes_and_files(publisher: aib.Publisher) -> None:
+@pytest.mark.parametrize(
+    ("pool_linger", "session_fds"), [(0, 2), (1.0, 3)], ids=["every-get-asks", "default"]
+)
+def test_host_messages_are_remembered_by_bytes_and_files(
+    publisher: aib.Publisher, pool_linger: float, session_fds: int
+) -> None:
     """A host table's re-gets are imported by the C core (the descriptors that come with the answer are
     the files the remembered message mapped: closed, nothing leaks). The same bytes with other files
     (another table of the same shape) take the Python path and read their own data, and the name's old
-    message is dropped."""
+    message is dropped. With ``pool_linger=0`` every get is answered by the publisher (its descriptors
+    closed here); by default the re-gets after the second are local and bring no descriptors, and the
+    session holds its version board's page open too."""
     a = pa.record_batch({"x": pa.array([1, 2, 3]), "s": pa.array(["a", None, "c"])})
     b = pa.record_batch({"x": pa.array([4, 5, 6]), "s": pa.array(["d", None, "f"])})
     assert aib.export(a).message == aib.export(b).message  # same shape, same bytes: only the files differ
     publisher.publish("t", a)
     base_fds = fd_count()
-    with aib.connect(publisher.path, timeout=5.0) as session:
+    with aib.connect(publisher.path, timeout=5.0, pool_linger=pool_linger) as session:
         for _ in range(50):
             with session.get("t") as imported:
                 assert pa.record_batch(imported).equals(a)
         assert session.remembered_gets == 49
-        assert wait_for(lambda: fd_count() <= base_fds + 2, 2.0)  # the session's socket and template file
+        assert session.local_gets == (0 if pool_linger == 0 else 48)
+        # the session's socket and template file (and, by default, its board)
+        assert wait_for(lambda: fd_count() <= base_fds + session_fds, 2.0)
         publisher.publish("t", b)
         with session.get("t") as imported:
             assert pa.record_batch(imported).equals(b)

@@ -25,7 +25,7 @@ from arrow_ipc_bridge import protocol
 from arrow_ipc_bridge import publisher as publisher_module
 from arrow_ipc_bridge.errors import NotPublishedError, PeerClosedError, ProtocolError
 from tests.helpers.fault_children import producer_main, table_for
-from tests.helpers.session_rig import wait_for
+from tests.helpers.session_rig import settle, wait_for
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -51,7 +51,7 @@ def test_a_remembered_name_is_got_from_the_board_after_its_standing_lease(publis
     the same data, the publisher's version, counted per session and per process."""
     publisher.publish("t", pa.table({"x": [1, 2, 3]}))
     before = aib.stats().session.local_gets
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
+    with aib.connect(publisher.path, timeout=10.0) as session:
         features = session.publisher_info["features"]
         assert isinstance(features, list)
         assert "board" in features
@@ -71,7 +71,7 @@ def test_a_remembered_name_is_got_from_the_board_after_its_standing_lease(publis
 def test_a_new_publish_is_seen_at_once_not_the_remembered_data(publisher: aib.Publisher) -> None:
     """After a publish of other data, the next get is a round trip that returns it (the board's
     serial changed), and the name's later gets are local again, over the new message."""
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
+    with aib.connect(publisher.path, timeout=10.0) as session:
         for value in range(1, 6):
             publisher.publish("t", pa.table({"x": [value]}))
             for _ in range(3):
@@ -85,7 +85,7 @@ def test_an_in_place_renewal_is_got_locally_with_its_new_version(publisher: aib.
     """A renewal (the in-place fast path: the same entry, a new version) keeps the serial: gets stay
     local and report the new version."""
     publisher.publish("t", pa.table({"x": [7]}))
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
+    with aib.connect(publisher.path, timeout=10.0) as session:
         for _ in range(2):
             session.get("t").release()
         for _ in range(3):
@@ -101,7 +101,7 @@ def test_an_in_place_renewal_is_got_locally_with_its_new_version(publisher: aib.
 
 def test_an_unpublished_name_is_not_got_from_the_board(publisher: aib.Publisher) -> None:
     publisher.publish("t", pa.table({"x": [1]}))
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
+    with aib.connect(publisher.path, timeout=10.0) as session:
         for _ in range(3):
             session.get("t").release()
         assert session.local_gets == 1
@@ -116,7 +116,7 @@ def test_an_unpublished_name_is_not_got_from_the_board(publisher: aib.Publisher)
 def test_a_closed_publisher_is_reported_not_answered_from_the_board(path: str) -> None:
     publisher = aib.Publisher(path)
     publisher.publish("t", pa.table({"x": [1]}))
-    with aib.connect(path, timeout=10.0, standing_leases=True) as session:
+    with aib.connect(path, timeout=10.0) as session:
         for _ in range(3):
             session.get("t").release()
         assert session.local_gets == 1
@@ -136,7 +136,7 @@ def test_a_killed_publisher_is_reported_and_held_data_stays_readable(tmp_path: P
     try:
         assert parent_end.poll(60)
         assert parent_end.recv()[0] == "ready"
-        with aib.connect(path, timeout=10.0, standing_leases=True) as session:
+        with aib.connect(path, timeout=10.0) as session:
             for _ in range(2):
                 session.get("t").release()
             held = session.get("t")
@@ -158,7 +158,7 @@ def test_the_standing_lease_is_given_back_after_the_linger_on_forget_and_on_clos
     publisher: aib.Publisher,
 ) -> None:
     publisher.publish("t", pa.table({"x": [1]}))
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=0.2) as session:
+    with aib.connect(publisher.path, timeout=10.0, pool_linger=0.2) as session:
         for _ in range(2):
             session.get("t").release()
         assert wait_for(lambda: publisher.active_leases == 1, 10.0)  # the standing lease, nothing held
@@ -168,7 +168,7 @@ def test_the_standing_lease_is_given_back_after_the_linger_on_forget_and_on_clos
         session.get("t").release()
         assert session.remembered_gets == remembered + 1
         assert wait_for(lambda: publisher.active_leases == 1, 10.0)  # it took the standing lease again
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=60.0) as session:
+    with aib.connect(publisher.path, timeout=10.0, pool_linger=60.0) as session:
         for _ in range(2):
             session.get("t").release()
         assert wait_for(lambda: publisher.active_leases == 1, 10.0)
@@ -183,7 +183,7 @@ def test_the_standing_lease_is_given_back_after_the_linger_on_forget_and_on_clos
 def test_a_held_local_import_keeps_its_data_after_the_lease_expires(publisher: aib.Publisher) -> None:
     """A local import holds the standing lease: it outlives the linger and a republish."""
     publisher.publish("t", pa.table({"x": [5, 6]}))
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=0.05) as session:
+    with aib.connect(publisher.path, timeout=10.0, pool_linger=0.05) as session:
         for _ in range(2):
             session.get("t").release()
         held = session.get("t")
@@ -196,9 +196,44 @@ def test_a_held_local_import_keeps_its_data_after_the_lease_expires(publisher: a
         assert wait_for(lambda: publisher.active_leases == 0, 10.0)
 
 
+def test_a_session_with_no_options_keeps_standing_leases(publisher: aib.Publisher) -> None:
+    """The default is the fast re-get: a session connected with no options takes the board, makes
+    re-gets local from the second get on, and keeps one lease per re-got name after the user
+    released everything (its standing lease) until ``pool_linger`` (1 s by default) passes."""
+    publisher.publish("t", pa.table({"x": [1]}))
+    with aib.connect(publisher.path) as session:
+        assert session._board is not None
+        assert session._kept_arrays is not None
+        for _ in range(4):
+            session.get("t").release()
+        assert session.local_gets == 2
+        settle()  # the released leases' RELEASE frames are out,
+        session.ping()  # and the publisher read them: it answers in order
+        assert publisher.active_leases == 1  # the standing lease: nothing is held
+        assert wait_for(lambda: publisher.active_leases == 0, 10.0)  # given back after the linger
+    with aib.Session() as plain:
+        assert plain._kept_arrays is not None
+
+
+@pytest.mark.parametrize("standing", [True, False])
+def test_standing_leases_is_refused_naming_its_replacement(path: str, standing: bool) -> None:
+    """The ``standing_leases`` switch is gone (standing leases are the default): passing it is a
+    TypeError that says what to do instead, before anything is connected."""
+    makers = [
+        lambda: aib.Session(standing_leases=standing),  # type: ignore[call-arg]
+        lambda: aib.connect(path, standing_leases=standing),
+        lambda: aib.connect("grpc://127.0.0.1:1", standing_leases=standing),
+    ]
+    for make in makers:
+        with pytest.raises(TypeError, match=r"standing_leases.*pool_linger=0"):
+            make()
+    with pytest.raises(TypeError, match="unexpected keyword arguments \\['remembered'\\]"):
+        aib.Session(remembered=3)  # type: ignore[call-arg]
+
+
 def test_pool_linger_zero_takes_no_board_and_keeps_no_lease(publisher: aib.Publisher) -> None:
     publisher.publish("t", pa.table({"x": [1]}))
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True, pool_linger=0) as session:
+    with aib.connect(publisher.path, timeout=10.0, pool_linger=0) as session:
         for _ in range(4):
             session.get("t").release()
         assert session.local_gets == 0
@@ -236,7 +271,7 @@ def test_the_board_arrives_read_only(publisher: aib.Publisher, monkeypatch: pyte
 
     monkeypatch.setattr(board_module, "SessionBoard", spy)
     publisher.publish("t", pa.table({"x": [1, 2, 3]}))
-    with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
+    with aib.connect(publisher.path, timeout=10.0) as session:
         for _ in range(3):
             with session.get("t"):
                 pass
@@ -323,7 +358,7 @@ def test_names_past_a_full_board_are_got_by_round_trips(path: str, monkeypatch: 
     with aib.Publisher(path) as publisher:
         for name in "abc":
             publisher.publish(name, pa.table({"x": [ord(name)]}))
-        with aib.connect(path, timeout=10.0, standing_leases=True) as session:
+        with aib.connect(path, timeout=10.0) as session:
             for name in "abc":
                 for _ in range(3):
                     with session.get(name) as imported:
@@ -361,7 +396,7 @@ def test_gets_racing_publishes_always_see_a_consistent_version(publisher: aib.Pu
     thread.start()
     try:
         last = 0
-        with aib.connect(publisher.path, timeout=10.0, standing_leases=True) as session:
+        with aib.connect(publisher.path, timeout=10.0) as session:
             deadline = time.monotonic() + 3.0
             gets = 0
             while time.monotonic() < deadline:

@@ -198,9 +198,17 @@ def test_get_wait_for_a_published_name_answers_at_once(publisher: aib.Publisher)
             with session.get("here", wait=wait) as imported:
                 assert _values(imported) == [1]
                 assert imported.version == publisher.version("here")
-        with session.get("here") as plain:  # a plain get does not know its version
-            assert plain.version is None
+        # A plain get answered through the version board (every session's re-gets but with
+        # pool_linger=0) knows the version it got, not the publisher's id.
+        with session.get("here") as plain:
+            assert plain.version == publisher.version("here")
             assert plain.publisher_id is None
+    with (
+        aib.connect(publisher.path, timeout=5.0, pool_linger=0) as session,
+        session.get("here") as plain,  # no board: a plain get does not know its version
+    ):
+        assert plain.version is None
+        assert plain.publisher_id is None
 
 
 def test_get_wait_times_out_cleanly_and_the_session_goes_on(publisher: aib.Publisher) -> None:

@@ -176,7 +176,7 @@ def cupy_step_consumer(socket_path: str, conn: Connection, steps: int, hold_ever
 
         read: list[list[float]] = []
         held: dict[str, Any] | None = None
-        with aib.connect(socket_path, timeout=30.0, standing_leases=True, pool_linger=5.0) as session:
+        with aib.connect(socket_path, timeout=30.0, pool_linger=5.0) as session:
             for step in range(steps):
                 conn.recv()
                 with session.get("t") as imported:
@@ -201,7 +201,7 @@ def get_next_step_consumer(socket_path: str, conn: Connection, steps: int) -> No
     try:
         import arrow_ipc_bridge as aib
 
-        with aib.connect(socket_path, timeout=30.0, standing_leases=True, pool_linger=5.0) as session:
+        with aib.connect(socket_path, timeout=30.0, pool_linger=5.0) as session:
             with session.get("t", wait=0) as first:
                 after = first.version or 0
             conn.send("ready")
