@@ -214,6 +214,7 @@ def test_a_ring_batch_in_an_unsealed_file_is_refused(
         with aib.subscribe(pub.path, "s", timeout=10) as live:
             with pytest.raises(aib.RegionError, match="ring segment"):
                 live.next_batch()
+            assert pub.releases.get(timeout=5) == 1  # the refused batch's lease goes back
             assert live.next_batch() is None
     finally:
         close_ring(ring)

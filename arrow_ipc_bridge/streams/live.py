@@ -260,7 +260,11 @@ class LiveStream:
         else:
             message = payload[frames.BATCH_HEADER_SIZE :]
             if ring:
-                _check_ring_segment(fds)
+                try:
+                    _check_ring_segment(fds)
+                except RegionError:
+                    self._credit.give_back([lease_id])  # refused: the producer gets it back
+                    raise
             if slot != frames.NO_SLOT:  # kept for the repeats of this slot (FLAG_SLOT_AGAIN)
                 self._keep_slot(key, message, fds)
         token = self._lease_tokens | lease_id
