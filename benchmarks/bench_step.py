@@ -28,9 +28,12 @@ producer's event), and the value is read from the last array's memory. With stan
 session hands out the arrays it made the step before again when nothing holds them
 (docs/lifetime.md, "Kept CuPy arrays"); the line says how many steps did.
 
-The bridge's consumer connects with ``standing_leases=True`` (docs/lifetime.md, "Standing
-leases"): from the second step on its get reads the publisher's version board instead of asking,
-and imports the message it remembers. ``--no-standing-leases``: every get asks the publisher.
+The bridge's consumer connects with the default options, which keep standing leases
+(docs/lifetime.md, "Standing leases"): from the second step on its get reads the publisher's
+version board instead of asking, and imports the message it remembers. ``--no-standing-leases``:
+the consumer connects with ``pool_linger=0``, so every get asks the publisher and IPC-pool data
+keeps no lease either (each get imports its pointers and frees them on release; figures in
+docs/benchmarks.md measured before standing leases were the default kept the pool lease there).
 
 ``--get-next``: the consumer waits with ``session.get_next("t", after=<the last version>)``
 instead of the "go" message (with standing leases it sleeps on the publisher's version board, which
@@ -174,7 +177,8 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, Any], o
     get_times: list[float] = []
     get_only_times: list[float] = []  # session.get alone, to split get+capsule
     handoffs: list[float] = []
-    with aib.connect(path, timeout=60.0, standing_leases=standing) as session:
+    # The default options keep standing leases; pool_linger=0 keeps no lease (every get asks).
+    with aib.connect(path, timeout=60.0, **({} if standing else {"pool_linger": 0.0})) as session:
         after = 0
         if get_next:
             with session.get("t", wait=0) as first:  # wait=0 answers with the version
@@ -421,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-standing-leases",
         action="store_true",
-        help="the consumer's every get asks the publisher (no version board)",
+        help="the consumer connects with pool_linger=0: every get asks the publisher (no version board)",
     )
     parser.add_argument(
         "--spin", action="store_true", help="both sides of both methods wait by polling, not sleeping"

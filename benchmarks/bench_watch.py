@@ -20,11 +20,14 @@ The producer publishes only once the publisher reports the wait as held (``Publi
 checked every 50 µs: a benchmark-only loop), so every step measures a held wait answered by a
 publish, never an already-answered request. Medians, 90th and 99th percentiles in µs.
 
-``--standing-leases``: the consumer connects with ``standing_leases=True``, so its ``get_next``
-sleeps on the publisher's version board instead of sending a WAIT (docs/lifetime.md, "Waiting on
-the version board"), and wakes into a get of the new message. The publisher cannot see such a
-sleeper, so the producer publishes 2 ms after being asked instead; the line says how many steps
-the consumer was asleep on the board when the publish came.
+The consumer connects with the default options, which keep standing leases: its ``get_next`` may
+sleep on the publisher's version board instead of sending a WAIT (docs/lifetime.md, "Waiting on
+the version board"), and wake into a get of the new message. The publisher cannot see such a
+sleeper, so the producer publishes 2 ms after being asked; the line says how many steps the
+consumer was asleep on the board when the publish came. ``--no-standing-leases``: the consumer
+connects with ``pool_linger=0`` (no board), every wait is a held WAIT, and the producer publishes
+as soon as the publisher holds it (what runs before standing leases were the default measured
+with no option).
 """
 
 from __future__ import annotations
@@ -84,28 +87,27 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1024, help="int64 rows per published table")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument(
-        "--standing-leases",
+        "--no-standing-leases",
         action="store_true",
-        help="the consumer waits on the publisher's version board instead of sending WAITs",
+        help="the consumer connects with pool_linger=0: every wait is a WAIT the publisher holds",
     )
     args = parser.parse_args()
+    standing = not args.no_standing_leases
 
     ctx = mp.get_context("spawn")
     directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-bench-")
     path = os.path.join(directory, "watch.sock")
     parent, child = ctx.Pipe()
-    producer = ctx.Process(
-        target=producer_main, args=(child, path, args.rows, args.standing_leases), daemon=True
-    )
+    producer = ctx.Process(target=producer_main, args=(child, path, args.rows, standing), daemon=True)
     producer.start()
     child.close()
     assert parent.recv() == ("ready",)
     latencies: list[float] = []
     publishes: list[float] = []
     try:
-        with aib.connect(
-            path, timeout=10.0, wait_for_publisher=True, standing_leases=args.standing_leases
-        ) as session:
+        # The default options keep standing leases; pool_linger=0 keeps none (no board).
+        linger = {} if standing else {"pool_linger": 0.0}
+        with aib.connect(path, timeout=10.0, wait_for_publisher=True, **linger) as session:
             item = session.get("step", wait=10.0)
             assert item.version is not None  # got by waiting: it knows its version
             seen = item.version
@@ -138,14 +140,14 @@ def main() -> None:
         "publish_to_get_next_us": percentiles(latencies),
         "publish_us": percentiles(publishes),
         "cpus": os.cpu_count(),
-        "standing_leases": args.standing_leases,
+        "standing_leases": standing,
         "steps_asleep_on_the_board": asleep,
     }
     for key in ("publish_to_get_next_us", "publish_us"):
         p = results[key]
         line = f"median {p['median']:8.1f}  p90 {p['p90']:8.1f}  p99 {p['p99']:8.1f}  min {p['min']:8.1f}"
         print(f"{key:24s} {line}")
-    if args.standing_leases:
+    if standing:
         print(f"steps asleep on the board when the publish came: {asleep} of {args.steps}")
     if args.json:
         with open(args.json, "w") as f:
