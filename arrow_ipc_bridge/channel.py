@@ -22,6 +22,7 @@ had moved); an invalid frame handed to :meth:`Channel.send`:
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -36,6 +37,7 @@ from arrow_ipc_bridge._ffi import ffi, lib, new_error
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
+    DescriptorsInFlightError,
     PeerClosedError,
     ProtocolError,
     TransportError,
@@ -248,20 +250,26 @@ class Channel:
             )
             if rc == 0:
                 return
-            exc = self._send_failure(rc, err, timeout)
+            exc = self._send_failure(rc, err, timeout, fds=bool(fds))
         finally:
             lock.release()
         # A timeout before anything went out leaves the stream in step; so does a peer that is gone
         # (nobody is left to misread it, and what it sent before leaving, a farewell ERROR frame,
-        # can still be received). Anything else closes the connection: closed after letting go of
-        # the send lock, because close() takes the receive lock first and a request holds both in
-        # that order.
-        if rc not in _SEND_KEEPS_OPEN:
+        # can still be received), and descriptors the kernel refused to pass (ETOOMANYREFS: sendmsg
+        # sent nothing, as the C loop's GET answers rely on too). Anything else closes the
+        # connection: closed after letting go of the send lock, because close() takes the receive
+        # lock first and a request holds both in that order.
+        if rc not in _SEND_KEEPS_OPEN and not isinstance(exc, DescriptorsInFlightError):
             self.close()
         raise exc
 
-    def _send_failure(self, rc: int, err: Any, timeout: float | None) -> BridgeError:
+    def _send_failure(self, rc: int, err: Any, timeout: float | None, *, fds: bool) -> BridgeError:
         """The exception for a failed aib_channel_send (called holding the send lock)."""
+        if fds and rc == lib.AIB_E_OS and err.errno_value == errno.ETOOMANYREFS and not self._closed:
+            return DescriptorsInFlightError(
+                "the kernel refused to pass the frame's descriptors (ETOOMANYREFS: too many in "
+                "flight to peers that do not read); nothing was sent and the connection goes on"
+            )
         if rc in _INVALID_FRAME:  # refused before anything went out
             message = ffi.string(err.message).decode("utf-8", "replace")
             return WireFormatError(message, field=ffi.string(err.field).decode() or "frame")

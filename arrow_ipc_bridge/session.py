@@ -45,6 +45,7 @@ from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
     ClosedError,
+    DescriptorsInFlightError,
     PeerClosedError,
     ProtocolError,
     WaitTimeoutError,
@@ -130,6 +131,10 @@ class Session:
     copy_stream
         The stream of ``reader_device`` the copies of ``cross_device="copy"`` are queued on (CuPy /
         PyTorch stream or ``CUstream``); ``None``: its legacy default stream.
+    removed
+        No keyword argument is accepted here: ``standing_leases`` (earlier versions' switch;
+        standing leases are the default now) raises ``TypeError`` naming ``pool_linger=0``, any
+        other unknown name ``TypeError`` as Python's own.
 
     Examples
     --------
@@ -185,6 +190,8 @@ class Session:
         self._kept_arrays = KeptCupyArrays(self._pool_linger) if self._pool_linger > 0 else None
         # The publisher's version board once connected (board.py); None: every get asks.
         self._board: SessionBoard | None = None
+        # Whether the publisher offers a board this session has not mapped yet (see _attach).
+        self._board_wanted = False
         # get_next's waits on the board (waiting.py) when the publisher wakes its slots' sleepers.
         self._board_waits: waiting.BoardWaits | None = None
         # The imports this session handed out (close() releases those alive): message_import.py.
@@ -299,16 +306,43 @@ class Session:
         self._lease_tokens = tokens
         self._lease_keeper = ffi.gc(keeper, lib.aib_owner_unref)
         features = info.get("features")
-        features = features if isinstance(features, list) else []
         # Standing leases (docs/lifetime.md, 5b) whenever they can be kept: the board tells a
         # re-get whether its remembered message is still the publication, with no round trip.
-        if "board" in features and self._pool_linger > 0 and self._remembered.limit:
-            self._board = open_board(channel, timeout)
-            if "board_wake" in features and "watch" in features:
-                self._board_waits = waiting.BoardWaits(self._board, self._remembered)
-            if self._reader is None:  # a reader's placement of each get stays in Python
-                self._local_getter = self._new_local_getter(channel, self._board)
-                self._local_get = self._local_getter.get
+        self._board_wanted = (
+            isinstance(features, list)
+            and "board" in features
+            and self._pool_linger > 0
+            and bool(self._remembered.limit)
+        )
+        if self._board_wanted:
+            # The kernel may refuse the answer's descriptor while the publisher's user has too many
+            # in flight to peers that do not read: the connection goes on, and the board is asked
+            # for again before the next get, which raises that error while it lasts.
+            with contextlib.suppress(DescriptorsInFlightError):
+                self._take_board(channel, timeout)
+
+    def _take_board(self, channel: Channel, timeout: float) -> None:
+        """Map the publisher's version board and set up what uses it: ``get_next``'s waits on it
+        and the C core's local getter. Called while no other request can run (in :meth:`_attach`,
+        or holding ``_request_lock``)."""
+        board = open_board(channel, timeout)
+        features = self.publisher_info.get("features")
+        self._board = board
+        self._board_wanted = False
+        if isinstance(features, list) and "board_wake" in features and "watch" in features:
+            self._board_waits = waiting.BoardWaits(board, self._remembered)
+        if self._reader is None:  # a reader's placement of each get stays in Python
+            self._local_getter = self._new_local_getter(channel, board)
+            self._local_get = self._local_getter.get
+
+    def _ask_board_again(self, channel: Channel) -> None:
+        """The board a ``DescriptorsInFlightError`` kept from this session at connect, asked for
+        again before a get; that error again while the kernel still refuses."""
+        timeout = self._timeout
+        assert timeout is not None  # _attach set it before it could want the board
+        with self._request_lock:
+            if self._board_wanted and not self._closed:
+                self._take_board(channel, timeout)
 
     def _new_local_getter(self, channel: Channel, board: SessionBoard) -> Any:
         """The C core's local getter over this session's state (``cffi_build/py_local_get.c``):
@@ -439,6 +473,8 @@ class Session:
         """:meth:`get` without waiting, before the reader's placement (``cross_gpu.py``); the
         Python path of every answer (:attr:`_local_get` makes local answers in C when it can)."""
         raw_name = protocol.encode_name(name)
+        if self._board_wanted:
+            self._ask_board_again(channel)
         fast: tuple[Decoded, RememberedMessage, int, Any] | None = None
         with self._request_lock:
             imported_now, frame = channel.get(
@@ -549,6 +585,8 @@ class Session:
         """WAIT for a version over ``after`` (``waiting.py``), then import it like a GET's answer;
         a version over ``after`` > 0 of a name whose gets are local is waited for on the board."""
         raw_name = protocol.encode_name(name)
+        if self._board_wanted:
+            self._ask_board_again(self._connection())
         board_waits = self._board_waits
         if after and board_waits is not None:
             channel = self._connection()
@@ -749,9 +787,10 @@ class Session:
             self._conn.close()
         if self._lease_keeper != ffi.NULL:
             ffi.release(self._lease_keeper)  # the family retires once the last C-imported lease ends
-        if self._board is not None:
-            with self._request_lock:  # no get reads the page meanwhile
-                self._board.close()
+        if self._board is not None or self._board_wanted:
+            with self._request_lock:  # no get reads the page meanwhile (nor maps it: _closed is set)
+                if self._board is not None:
+                    self._board.close()
         self._cache.close()
         _reaper.drain()
 

@@ -167,9 +167,18 @@ def test_idle_connections_are_parked_without_a_thread(sock_dir: str) -> None:
 
 
 def test_lease_limit_refuses_the_get_and_the_session_goes_on(sock_dir: str) -> None:
+    """``pool_linger=0``: every get asks and takes a lease of its own, so held gets meet the limit.
+    A session with standing leases (the default) holds its re-gets of a name under one lease."""
     with aib.Publisher(os.path.join(sock_dir, "p.sock"), max_leases_per_connection=3) as pub:
         pub.publish("t", small_batch())
-        with aib.connect(pub.path) as session, aib.connect(pub.path) as other:
+        with aib.connect(pub.path) as standing:
+            held = [standing.get("t") for _ in range(5)]
+            assert standing.local_gets == 3
+            assert pub.active_leases == 2  # the first get's, and the standing lease
+            for imported in held:
+                imported.release()
+        assert wait_until(lambda: pub.active_leases == 0)
+        with aib.connect(pub.path, pool_linger=0) as session, aib.connect(pub.path) as other:
             held = [session.get("t") for _ in range(3)]
             with pytest.raises(LeaseLimitError, match="max_leases_per_connection"):
                 session.get("t")
@@ -392,7 +401,10 @@ def _child_fds_in_flight(directory: str, out: Connection) -> None:
                     client.close()
                 with session.get("wide") as imported:  # read: nothing in flight any more
                     then = pa.record_batch(imported).num_columns
-            out.send(("done", first, kinds, then))
+                for _ in range(2):  # remembered, then local: the board came with the retry
+                    session.get("wide").release()
+                local = session.local_gets
+            out.send(("done", first, kinds, then, local))
     except Exception as exc:  # reported to the parent, which asserts on it
         out.send(("error", type(exc).__name__, str(exc)))
 
@@ -403,7 +415,9 @@ def test_descriptors_refused_by_the_kernel_fail_only_that_answer(
 ) -> None:
     """Past RLIMIT_NOFILE descriptors in flight the kernel fails sendmsg (ETOOMANYREFS): the answer
     then is ERROR DescriptorsInFlightError, nothing is leased, and every connection goes on (the
-    session's next get, once the others read, succeeds)."""
+    session's next get, once the others read, succeeds). The session connected meanwhile was refused
+    its version board's descriptor the same way: it connected all the same, asked for the board
+    again before its gets, and re-gets once it came are local."""
     directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-")
     os.chown(directory, NOBODY, NOBODY)
     try:
@@ -420,13 +434,14 @@ def test_descriptors_refused_by_the_kernel_fail_only_that_answer(
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     assert result[0] == "done", result
-    _, first, kinds, then = result
+    _, first, kinds, then, local = result
     if protocol.ERROR not in kinds and first == "ok":
         pytest.skip("this kernel passed 256 descriptors in flight past RLIMIT_NOFILE 200 (no ETOOMANYREFS)")
     assert first == DescriptorsInFlightError.__name__
     assert kinds.count(protocol.ITEM) >= 6, kinds
     assert protocol.ERROR in kinds, kinds
     assert then == 32
+    assert local == 1
 
 
 @pytest.mark.parametrize(
