@@ -130,7 +130,8 @@ main() {
     fail "install of the missing packages"
     return
   fi
-  export PYTHONPATH="$AIB_SITE:$PWD"
+  # A PYTHONPATH given stays after ours (where RAPIDS' pylibcudf was put, for the cuDF checks).
+  export PYTHONPATH="$AIB_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
   echo "== GPU"
   local have_gpu=1
