@@ -15,8 +15,8 @@ The rules, the same everywhere:
 - counts and limits are ints (``numpy`` integers too), not floats that happen to be whole.
 
 The common types are tested first with ``type(x) is ...`` so the checks on hot paths (``publish``,
-``Session.get``) cost tens of nanoseconds; the rarer forms (NumPy scalars, ``os.PathLike``) are
-handled on the slower path only when the fast test fails.
+``Session.get``) cost one type comparison per argument; the rarer forms (NumPy scalars,
+``os.PathLike``) are handled on the slower path only when the fast test fails.
 """
 
 from __future__ import annotations

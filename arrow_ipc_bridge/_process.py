@@ -3,7 +3,7 @@
 Sessions, publishers and connections belong to the process that made them (a child of ``fork``
 inherits them but must not use them: see ``errors.ForeignProcessError``). They compare their
 creator's pid with :data:`pid` on every use, including every ``get``; ``os.getpid()`` is a system
-call (~0.2 µs), this is an attribute read.
+call, this is an attribute read.
 """
 
 from __future__ import annotations

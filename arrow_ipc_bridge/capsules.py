@@ -332,7 +332,8 @@ def capture(obj: ArrowInput, *, requested_schema: object | None = None) -> Captu
     if isinstance(obj, TableExporter):
         schema, arrays = _drain_stream(obj.__arrow_c_device_stream__(requested_schema), device=True)
         return CapturedData(schema, arrays, is_stream=True)
-    # hasattr, not isinstance on the runtime-checkable protocols: a protocol check costs microseconds.
+    # hasattr, not isinstance on the runtime-checkable protocols: isinstance against a protocol goes
+    # through the ABC machinery and tests every member it declares, where one attribute is the question.
     if hasattr(obj, "__arrow_c_device_array__"):
         device_producer = cast(ArrowDeviceArrayExportable, obj)
         schema_capsule, array_capsule = device_producer.__arrow_c_device_array__(requested_schema)

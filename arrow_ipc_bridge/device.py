@@ -70,12 +70,15 @@ def to_device(
     consumer pays per get:
 
     - ``"pool"`` (default): the bridge's IPC-enabled memory pool. A new upload costs a consumer one
-      pointer import (~5-60 µs, growing with the allocation, plus the Python import path); a
-      publication got twice is then kept by the session with a lease (``Session(pool_linger=...)``)
-      and re-gets are the steady state (~30 µs on the H200). Suits data that changes often.
+      pointer import (a driver call that maps the allocation, so it grows with its size, plus the
+      Python import path); a publication got twice is then kept by the session with a lease
+      (``Session(pool_linger=...)``) and re-gets are the steady state, which opens nothing. Suits
+      data that changes often.
     - ``"legacy"``: ``cuMemAlloc`` memory, shared by a legacy IPC handle. A consumer opens it once
-      (~20-90 µs) and remembers the message from the first get, without holding a lease: for data
-      published once and fetched often.
+      (one driver call that maps it) and remembers the message from the first get, without holding a
+      lease: for data published once and fetched often.
+
+    ``docs/benchmarks.md`` has the measured costs of both.
 
     Examples
     --------

@@ -231,7 +231,7 @@ class NotPublishedError(BridgeError, KeyError):
 # Names and column names come from another process, and a publisher may hold many: a message shows
 # a few of them, each cut short and escaped (repr), and the closest match is looked for among a
 # bounded number of short names (difflib compares every pair of characters: quadratic in a name's
-# length), so that answering a request for an unknown name costs a bounded few milliseconds.
+# length), so that the work of answering a request for an unknown name has a fixed bound.
 NAMES_SHOWN = 5
 """How many names an error message lists (the first ones in sorted order)."""
 _NAME_CHARS_SHOWN = 40

@@ -1,8 +1,8 @@
 """Interprocess CUDA events: the producer's reusable events, the consumer's cache of opened ones.
 
-Events cost ~225 us to create, so interprocess events come from an :class:`EventPool` and are reused; their
-IPC handles are fetched once per event. Opening an IPC event costs ~185 us the first time and 1-3 us after,
-so :func:`open_ipc_event` keeps a per-process cache keyed by the handle bytes.
+Creating an event is a driver call, so interprocess events come from an :class:`EventPool` and are reused;
+their IPC handles are fetched once per event. Opening an IPC event is a driver call the first time and a
+lookup after, so :func:`open_ipc_event` keeps a per-process cache keyed by the handle bytes.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class Event(_DriverResource):
         return int(_ffi().cast("uintptr_t", self._event))
 
     def record(self, stream: object = 0) -> None:
-        """Record the event on a stream (``cuEventRecord``, ~1.6 us).
+        """Record the event on a stream (``cuEventRecord``).
 
         Parameters
         ----------
@@ -178,7 +178,7 @@ _RECORD_CALLS = {
 
 
 class EventPool(_DriverResource):
-    """Reusable interprocess events for one device: ``cuEventCreate`` costs ~225 us, a pooled event nothing.
+    """Reusable interprocess events for one device: each new one is a ``cuEventCreate``, a pooled one none.
 
     Lease protocol: :meth:`acquire` an event per hand-off, record it after the producing work, send its
     :meth:`Event.ipc_handle`; when the consumer ends the lease (it has waited on the event and no longer needs
@@ -243,7 +243,7 @@ class EventPool(_DriverResource):
             if event is not None:
                 self._leased.add(event)
                 return event
-        event = Event(self._device, _pool=self)  # created outside the lock: it takes ~225 us
+        event = Event(self._device, _pool=self)  # created outside the lock: cuEventCreate is a driver call
         with self._lock:
             self.created += 1
             self._leased.add(event)
@@ -335,8 +335,9 @@ def _key_device(key: Any, length: int) -> int:
 def open_ipc_event(handle: bytes | bytearray | memoryview, device: int) -> int:
     """Open an interprocess event from its 64-byte handle, cached per process.
 
-    The first open of a handle costs ~185 us, a cache hit ~1 us. The exporter reuses pooled events, so the
-    same handle arrives again and again; it stays open until :func:`close_ipc_event`.
+    The first open of a handle is a driver call, a cache hit a lookup in the C core's region table. The
+    exporter reuses pooled events, so the same handle arrives again and again; it stays open until
+    :func:`close_ipc_event`.
 
     Parameters
     ----------
@@ -436,7 +437,7 @@ def ipc_event_cache_size() -> int:
 
 
 def stream_wait_event(stream: object, event: int | Event, *, device: int | None = None) -> None:
-    """Make future work on ``stream`` wait for the event's last recording (``cuStreamWaitEvent``, ~2.4 us).
+    """Make future work on ``stream`` wait for the event's last recording (``cuStreamWaitEvent``).
 
     Parameters
     ----------

@@ -1,7 +1,7 @@
 """Legacy CUDA IPC: ``cuIpc*MemHandle`` on ``cudaMalloc``-style memory, and the per-allocation handle cache.
 
-``cuIpcGetMemHandle`` costs 10-23 us, so :class:`LegacyHandleCache` keeps handles per allocation
-(``buffer_id``, never reused in a process).
+``cuIpcGetMemHandle`` is a driver call per allocation, which a cached handle skips, so
+:class:`LegacyHandleCache` keeps handles per allocation (``buffer_id``, never reused in a process).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ _IPC_OPEN_HINT: Final = (
 def ipc_get_mem_handle(base: int, *, device: int | None = None) -> bytes:
     """Return the 64-byte legacy IPC handle of a ``cudaMalloc``-style allocation (``cuIpcGetMemHandle``).
 
-    Costs 10-23 us: cache it per allocation (:class:`LegacyHandleCache`, keyed by ``buffer_id``).
+    A driver call each time: cache it per allocation (:class:`LegacyHandleCache`, keyed by ``buffer_id``).
 
     Parameters
     ----------
@@ -69,8 +69,9 @@ def ipc_get_mem_handle(base: int, *, device: int | None = None) -> bytes:
 def ipc_open_mem_handle(handle: bytes | bytearray | memoryview, device: int) -> int:
     """Map another process's allocation from its legacy IPC handle (``cuIpcOpenMemHandle_v2``).
 
-    Opened with ``CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS``. Costs 88-400 us; opening the same handle again in the
-    same process succeeds and returns the same pointer (measured), but every open needs its own close.
+    Opened with ``CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS``. The driver maps the allocation on every open, so
+    callers keep it open (:mod:`~arrow_ipc_bridge.cuda.opener`); opening the same handle again in the same
+    process succeeds and returns the same pointer (measured), but every open needs its own close.
 
     Parameters
     ----------
@@ -99,7 +100,7 @@ def ipc_open_mem_handle(handle: bytes | bytearray | memoryview, device: int) -> 
 
 
 def ipc_close_mem_handle(ptr: int, *, device: int | None = None) -> None:
-    """Unmap memory opened with :func:`ipc_open_mem_handle` (``cuIpcCloseMemHandle``, 73-169 us).
+    """Unmap memory opened with :func:`ipc_open_mem_handle` (``cuIpcCloseMemHandle``).
 
     Parameters
     ----------

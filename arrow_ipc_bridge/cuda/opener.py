@@ -4,11 +4,11 @@ One :class:`CudaOpener` per process (:func:`opener`), because handles are per pr
 handles and kept slabs it holds open live in the C core's region table (``region_table.c``), the one
 record of them (with their owners and least-recently-used order), which the C get path reads too; the
 opener asks it and writes to it, and keeps no copy. Legacy handles stay open (bounded LRU) because
-re-opening costs 90-400 µs; pool imports are cached per producer pool (the first import costs ~100 µs,
-a pointer ~1.5 µs and more for large allocations), but imported *pointers* are freed when the last
-owner using them dies, because CUDA requires the importer to free a pool allocation before the
-exporter does (a session that keeps a pool message holds a lease for as long as it holds the imports:
-session.py); VMM imports are unmapped with their last array.
+re-opening maps the allocation again; pool imports are cached per producer pool (the pool is imported
+once, then each pointer, which the driver maps: more work for large allocations), but imported
+*pointers* are freed when the last owner using them dies, because CUDA requires the importer to free a
+pool allocation before the exporter does (a session that keeps a pool message holds a lease for as long
+as it holds the imports: session.py); VMM imports are unmapped with their last array.
 """
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ class CudaOpener:
 
         New pointers of one pool are imported in one batch (one context switch, no per-region
         Python objects), and the whole message's imports end with one owner: this is what keeps a
-        new buffer near the driver's own ~1.5 µs. Same counting as :meth:`open`: a pointer is
+        new buffer's cost near the driver's own import call. Same counting as :meth:`open`: a pointer is
         imported once per process and freed after its last lease. ``fetch_pool_fd``: see
         :meth:`_pool`.
         """
@@ -435,7 +435,7 @@ class CudaOpener:
     def _pool(
         self, pool_key: bytes, fd: int | None, device: int, fetch_pool_fd: PoolFdSource | None
     ) -> ImportedPool:
-        """The imported pool for ``pool_key`` (imported once per process, ~100 µs).
+        """The imported pool for ``pool_key`` (imported once per process: a driver call per pool).
 
         Its fd is the one the message attached, or (``fd`` None: a publisher's message) the one
         ``fetch_pool_fd`` asks the producer for, once per pool per process. Without either the

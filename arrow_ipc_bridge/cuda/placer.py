@@ -496,7 +496,7 @@ _event_pools: dict[int, EventPool] = {}
 
 
 def event_pool(device: int) -> EventPool:
-    """The producer's pool of interprocess events on ``device`` (creating one costs ~225 µs)."""
+    """The producer's pool of interprocess events on ``device`` (an event is a driver call to create)."""
     with _state.lock:
         pool = _event_pools.get(device)
         if pool is None:

@@ -74,7 +74,7 @@ _POOL_SERIALS = itertools.count(1)
 class IpcMemoryPool(_DriverResource):
     """A stream-ordered memory pool whose allocations other processes can import (POSIX fd handle type).
 
-    A consumer imports the pool once (~100 us, :func:`import_pool`) and then each pointer for ~1.5 us, which
+    A consumer imports the pool once (:func:`import_pool`) and then each pointer with one driver call, which
     makes it the cheap path for many small or short-lived buffers. Thread-safe (the driver is).
 
     Parameters
@@ -314,7 +314,7 @@ class ImportedPool(_DriverResource):
             return len(self._imported)
 
     def import_pointer(self, export_data: bytes | bytearray | memoryview) -> int:
-        """Map one allocation of the exporter's pool (``cuMemPoolImportPointer``, ~1.5 us after the first).
+        """Map one allocation of the exporter's pool (``cuMemPoolImportPointer``: the driver maps it).
 
         The allocation must be complete in the exporter before it is accessed here (wait on its event).
 
@@ -403,7 +403,7 @@ class ImportedPool(_DriverResource):
 
 
 def import_pool(fd: int, device: int) -> ImportedPool:
-    """Import another process's IPC memory pool from its file descriptor (~100 us, once per pool).
+    """Import another process's IPC memory pool from its file descriptor (once per pool per process).
 
     Read/write access for ``device`` is granted if the pool does not give it already.
 

@@ -1,9 +1,9 @@
 """New device buffers that cost consumers no driver call: sub-allocation from kept IPC-pool slabs.
 
 A consumer imports each IPC-pool allocation with ``cuMemPoolImportPointer``, whose cost grows with
-the allocation (the driver maps it: ~2 µs for 64 KiB, ~11 µs for 4 MiB, ~75 µs for 64 MiB on the
-H200), and must free the import before the producer frees the allocation, so a producer that
-allocates new arrays every step makes every consumer import every buffer anew.
+the allocation (the driver maps all of it), and must free the import before the producer frees the
+allocation, so a producer that allocates new arrays every step makes every consumer import every
+buffer anew.
 
 :class:`SlabAllocator` allocates large pool allocations ("slabs") and carves buffers out of them.
 Slabs are **kept for the life of the process**: they are never returned to the pool, so a consumer

@@ -226,7 +226,7 @@ def vmm_export_fd(ptr: int, *, device: int | None = None) -> int:
 
 
 def vmm_import(fd: int, size: int, device: int) -> VmmMapping:
-    """Import a VMM allocation from its POSIX fd and map it read/write for ``device`` (210-260 us).
+    """Import a VMM allocation from its POSIX fd and map it read/write for ``device`` (several driver calls).
 
     Parameters
     ----------

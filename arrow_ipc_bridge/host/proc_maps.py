@@ -1,10 +1,10 @@
 """Which mapping of this process holds an address, and whether its pages are the pages of its file.
 
-``PROCMAP_QUERY`` (an ioctl on /proc/self/maps, Linux 6.11+) answers in one ~2-4 us kernel lookup that is
-always current. On older kernels the text of /proc/self/maps is parsed once and cached; a lookup re-parses on
-a miss, and a cached hit on a file mapping is re-validated with one readlink of /proc/self/map_files/START-END
-(mappings change: a stale hit must never export the wrong file). Memory from ``allocate_shared`` is found in
-its registry first, without reading /proc.
+``PROCMAP_QUERY`` (an ioctl on /proc/self/maps, Linux 6.11+) answers in one kernel lookup, without reading or
+parsing the text of the maps, and is always current. On older kernels the text of /proc/self/maps is parsed
+once and cached; a lookup re-parses on a miss, and a cached hit on a file mapping is re-validated with one
+readlink of /proc/self/map_files/START-END (mappings change: a stale hit must never export the wrong file).
+Memory from ``allocate_shared`` is found in its registry first, without reading /proc.
 
 A read-only ``MAP_PRIVATE`` file mapping is shareable only where its pages were never copied-on-write, which
 /proc/self/pagemap tells.
@@ -39,8 +39,8 @@ class SharedMapping(NamedTuple):
     (ioctl on /proc/self/maps, Linux 6.11+), ``"proc_maps"`` (text of /proc/self/maps parsed for this lookup)
     or ``"proc_maps_cache"`` (an earlier parse, re-validated with a readlink of /proc/self/map_files).
 
-    A NamedTuple rather than a frozen dataclass: one is built per lookup on the export path, and a 13-field
-    frozen dataclass costs several times more to construct (object.__setattr__ per field).
+    A NamedTuple rather than a frozen dataclass: one is built per lookup on the export path, and a frozen
+    dataclass is constructed through object.__setattr__ per field (13 here), a NamedTuple in one C call.
     """
 
     start: int  # first address of the mapping
