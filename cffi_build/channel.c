@@ -234,7 +234,7 @@ static ssize_t read_some(aib_channel *ch, uint8_t *dst, size_t cap, int64_t dead
     /* One system call where we can: a blocking recvmsg (the socket is in blocking mode; a close()
      * elsewhere shuts it down, which wakes us). With a deadline it blocks only when the socket's
      * SO_RCVTIMEO ends no later than the deadline, so it can wake early (EAGAIN: look again), never
-     * late; else poll first. poll + recvmsg cost ~3 µs more per round trip on the GPU machine. */
+     * late; else poll first. poll + recvmsg is a second system call on every round trip. */
     int blocking = deadline < 0;
     if (!blocking) {
       int64_t left = deadline - now_ms();

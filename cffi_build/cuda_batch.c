@@ -4,8 +4,8 @@
  * driver functions arrive once, as a table of addresses resolved there (aib_cuda_set_driver), and
  * every C caller takes them from here. Only what a consumer repeats per buffer of a message lives
  * here: on the producer the attribute queries of a message's buffers and the export of its IPC-pool
- * pointers, on the consumer the import of those pointers and their frees — each a driver call of
- * ~1 µs around which a Python loop cost several times more — plus the event query of sync_event.c
+ * pointers, on the consumer the import of those pointers and their frees — each a short driver
+ * call, which a Python loop around it would outweigh — plus the event query of sync_event.c
  * and the producer's per-version record of a publication's shared event (aib_cuda_record_after). */
 #define _GNU_SOURCE
 #include <pthread.h>

@@ -3,8 +3,8 @@
  * cffi cannot pass a PyObject*, so what takes or returns Python objects is written here against the
  * limited API and handed to Python as builtin function objects: aib_py_install (the one call Python
  * makes, from arrow_ipc_bridge/_ffi.py at import) puts them on a module as attributes. After that a
- * call costs what calling len() costs (a ctypes call cost ~1 us, a capsule round trip through
- * ctypes.pythonapi ~8 us on the consumer's hot path). Everything here runs with the GIL held: the
+ * call costs what calling len() costs (no ctypes argument conversion, no capsule round trip through
+ * ctypes.pythonapi on the consumer's hot path). Everything here runs with the GIL held: the
  * builtin functions are called from Python, the destructors by CPython when a capsule dies, and
  * aib_py_install takes the GIL itself (cffi releases it around its calls).
  *
@@ -146,7 +146,7 @@ static PyObject *capsule_pair(aib_owner *owner, int device) {
 }
 
 /* The functions Python calls: builtin function objects made here (make_function), so a call costs
- * what calling len() costs, where a ctypes call costs ~1 µs. */
+ * what calling len() costs, without ctypes' conversion of every argument. */
 /* args: (message, owner address), where message is the arrow_ipc_bridge.metadata.Decoded whose
  * owner that is. Its `_closed` attribute is read here, in the same GIL-holding call that uses the
  * owner: Decoded.close() sets it before it drops the owner, so a message found open cannot lose
@@ -323,8 +323,8 @@ static const char *const dlpack_keyword_names[4] = {"stream", "max_version", "dl
  * legacy one; dl_device must be where the data is and copy must not be True (BufferError: we never
  * copy); for CUDA data, stream (None: the legacy default stream; -1: no synchronisation) waits for
  * the producer's event while it is pending. Host data ignores stream.
- * METH_FASTCALL | METH_KEYWORDS with the keywords matched by hand: PyArg_ParseTupleAndKeywords cost
- * ~0.17 us per call, most of what a consumer's np.from_dlpack spent here. */
+ * METH_FASTCALL | METH_KEYWORDS with the keywords matched by hand: PyArg_ParseTupleAndKeywords
+ * parses its format and builds an argument tuple on every call, and every np.from_dlpack comes here. */
 static PyObject *dlpack_column_dlpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
   PyObject *given[4] = {Py_None, Py_None, Py_None, Py_None};
   if (nargs != 0) {
@@ -561,7 +561,7 @@ static PyObject *batch_columns(PyObject *self, PyObject *args) {
                             f->numeric, f->length, 0, 0);
     else
       item = new_dlpack_column(owner, f, device_type, (int32_t)device_id, event ? slot : NULL, waiter);
-    /* Built item by item: Py_BuildValue's format parsing cost ~0.1 us per column */
+    /* Built item by item: Py_BuildValue would parse its format string again for every column */
     PyObject *column = PyTuple_New(5);
     PyObject *numeric = PyLong_FromLong(f->numeric), *length = PyLong_FromLongLong(f->length);
     PyObject *null_count = PyLong_FromLongLong(f->null_count);

@@ -21,7 +21,7 @@ static const int64_t itemsizes[] = {1, 2, 4, 8, 1, 2, 4, 8, 2, 4, 8};
 #define N_TYPES (sizeof(typestrs) / sizeof(typestrs[0]))
 
 /* Names and typestrs made once, at install: a lookup by an interned str hashes nothing and allocates
- * nothing, where one by a C string makes a str each time (about 0.1 us, many times per column). */
+ * nothing, where one by a C string makes a str each time (many times per column). */
 enum { K_SHAPE, K_TYPESTR, K_STRIDES, K_MASK, K_DATA, K_STREAM, K_CAI, K_NDIM, K_SIZE, K_CONTIGUOUS, K_DTYPE,
        K_STR, K_PTR, N_KEYS };
 static const char *const key_names[N_KEYS] = {
@@ -109,7 +109,7 @@ static uint32_t code_of_dtype(PyObject *dtype) {
 
 /* A CuPy ndarray's column facts from its own attributes, what its __cuda_array_interface__ is
  * built from (ndim, size, _c_contiguous, dtype.str, data.ptr; ptr 0 when empty) without building
- * the interface dict and its dtype description (about 2.5 us per array). The stream is not a fact
+ * the interface dict and its dtype description for every array. The stream is not a fact
  * of the array: CuPy's interface reports the current stream, which is the first column's (read
  * through its interface in the same call). 0, or -1 (exception cleared) to take the interface. */
 static int read_cupy(PyObject *obj, int64_t stream, aib_cuda_column *out) {

@@ -17,8 +17,8 @@
  * (its attributes copied from a dict the remembered message prepared) and an ImportedArray or
  * ImportedStream, each made with its type's tp_new, as cls.__new__(cls) makes them.
  *
- * Everything here runs with the GIL held: the board read and the remembered set's lookup take a
- * few hundred nanoseconds and never block (the set's mutex is held only inside C calls that need
+ * Everything here runs with the GIL held: the board read and the remembered set's lookup are a
+ * memory read and a hash lookup and never block (the set's mutex is held only inside C calls that need
  * no GIL). The session's request lock and the channel's receive lock (threading.Lock objects) are
  * taken through their bound methods, in the order Python takes them; a contended acquire
  * releases the GIL while it waits, as in Python. */

@@ -1,9 +1,10 @@
 /* What this process has open of other processes' CUDA memory: the region table.
  *
- * A message the session has not seen before goes to Python (decode, open each region, rebuild):
- * ~200 µs for 16 columns. But producers that allocate new arrays every step mostly carve them out of
- * blocks shared before (CuPy's pool, PyTorch's caching allocator, the bridge's slab allocator), so
- * the new message names legacy IPC handles or kept pool slabs this process has open already.
+ * A message the session has not seen before goes to Python (decode, open each region, rebuild),
+ * with Python objects and calls per region. But producers that allocate new arrays every step
+ * mostly carve them out of blocks shared before (CuPy's pool, PyTorch's caching allocator, the
+ * bridge's slab allocator), so the new message names legacy IPC handles or kept pool slabs this
+ * process has open already.
  * aib_import_new imports such a message in C: decode and validate (the same checks as Python's
  * path), look every handle up here, build the lease's owner.
  * Anything else (a handle, event or device not here, other region kinds, descriptors) returns NULL

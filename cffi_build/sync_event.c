@@ -1,11 +1,11 @@
 /* The imported data's sync_event is handed out only while the producer's work is still pending.
  *
  * The C Device interface lets sync_event be NULL when no synchronisation is needed. A consumer
- * that finds an event waits on it (cudaStreamWaitEvent through its library: 3-6 µs from Python on
- * the H200, a third of a steady get's round trip), yet in the steady state — data published once,
+ * that finds an event waits on it (cudaStreamWaitEvent through its library: a call from Python into
+ * the CUDA runtime on every get), yet in the steady state — data published once,
  * got again and again — the producer's event completed long ago. So every struct handed to a
- * consumer asks the driver first (cuEventQuery on a completed event: well under a microsecond)
- * and carries the event only if the query does not say "complete". Any answer other than
+ * consumer asks the driver first (cuEventQuery on a completed event: one driver call from C, which
+ * returns at once) and carries the event only if the query does not say "complete". Any answer other than
  * CUDA_SUCCESS keeps the event, so an error (no context, a forked child, a driver that refuses)
  * costs the consumer a wait, never correctness.
  *

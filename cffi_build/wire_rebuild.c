@@ -15,8 +15,8 @@ static const uint64_t empty_buffer[8] __attribute__((aligned(64)));
  * dictionary struct and buffer pointers, then (schemas) the strings. Each node's private_data is
  * the header, whose count holds the nodes not yet released: a consumer may move a child out and
  * release the parent (the C data interface allows it), and the block lives until the last node is
- * released. One calloc and one owner reference per tree instead of per node: a 16-column batch
- * rebuilt in ~1 µs instead of ~3.5 µs on the GPU machine. */
+ * released. One calloc and one owner reference per tree instead of per node, however many columns
+ * the batch has. */
 typedef struct tree_block {
   atomic_llong live_nodes;
   aib_owner *owner; /* one reference for the whole array tree; NULL for schemas */
