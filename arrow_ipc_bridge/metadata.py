@@ -317,7 +317,29 @@ class Decoded(DeferredClose):
             "_message": self._message,
             "_n_fds": self._n_fds,
             "_allow_process_regions": self._allow_process_regions,
+            "_reader_maps": self.reader_maps,
         }
+
+    @property
+    def reader_maps(self) -> dict[int, Any]:
+        """What reading this message in place from another GPU worked out, per reader ordinal
+        (``cuda/cross_gpu.reader_mappings`` fills it): one dict shared by every decode sharing this
+        one, so a re-get of a remembered message reuses it. :meth:`drop_reader_maps` empties it."""
+        maps: dict[int, Any] | None = self.__dict__.get("_reader_maps")
+        if maps is None:
+            maps = self.__dict__.setdefault("_reader_maps", {})
+        return maps
+
+    def drop_reader_maps(self) -> None:
+        """Forget :attr:`reader_maps` (the message is forgotten): each entry's hold on the reader's
+        mappings (its first item, an owner, or None) ends now; objects handed out keep their own."""
+        maps = self.__dict__.get("_reader_maps")
+        if maps:
+            entries = list(maps.values())
+            maps.clear()
+            for entry in entries:
+                if entry[0] is not None:
+                    ffi.release(entry[0])
 
     @classmethod
     def adopt_owned(cls, owner: Any, message: bytes) -> Decoded:

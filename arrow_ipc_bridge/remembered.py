@@ -294,6 +294,7 @@ def _close_templates(forgotten: Sequence[RememberedMessage | None]) -> None:
     """Close the templates of remembered messages just forgotten (None: nothing was there)."""
     for remembered in forgotten:
         if remembered is not None:
+            remembered.template.drop_reader_maps()  # its hold on other GPUs' mappings of its regions
             remembered.template.close()
 
 

@@ -319,3 +319,63 @@ def test_session_close_releases_what_the_reader_placement_handed_out(publisher: 
         session.close()
         assert all(imported.released for imported in placed)
         assert wait_for(lambda: publisher.active_leases == 0, 5.0)
+
+
+class _ReaderOpener:
+    """Stands in for the opener's legacy opens in a reader's context (the driver's cuIpcOpenMemHandle):
+    counts them; each call's owner reports its end in ``closed``."""
+
+    def __init__(self) -> None:
+        self.opens: list[int] = []
+        self.closed: list[int] = []
+
+    def open_legacy_for_reader(self, handles: list[Any], reader: int) -> tuple[list[int], Any]:
+        from arrow_ipc_bridge import _reaper
+        from arrow_ipc_bridge._ffi import lib
+
+        call = len(self.opens)
+        self.opens.append(reader)
+        owner = lib.aib_owner_new(_reaper.register(lambda: self.closed.append(call)))
+        return [0xB0000000 + 0x1000 * index for index in range(len(handles))], owner
+
+
+def test_a_cross_gpu_re_get_reuses_what_the_first_get_granted_and_opened(
+    publisher: aib.Publisher, two_fake_gpus: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A re-get of a remembered message on another GPU makes no driver call (no device lookup, no
+    peer access, no handle open) and names the reader's pointers; forgetting the message drops
+    what it kept and the reader's mappings close once the objects handed out are released."""
+    from arrow_ipc_bridge import _reaper
+    from arrow_ipc_bridge.metadata import REGION_HOST_FD
+
+    devices: list[int] = []
+    monkeypatch.setattr(cross_gpu, "_device", devices.append)
+    # The host file regions of a host publication play the part of another process's legacy regions.
+    monkeypatch.setattr(cross_gpu, "REGION_CUDA_LEGACY", REGION_HOST_FD)
+    fake = _ReaderOpener()
+    monkeypatch.setattr(cross_gpu, "opener", lambda: fake)
+    publisher.publish("t", pa.table({"x": [1, 2, 3]}))
+    with aib.connect(publisher.path, timeout=5.0) as session:
+        readables = []
+        for _ in range(4):
+            imported = session.get("t")
+            imported._device_type = 2  # as if the producer's GPU 0 held it
+            imported._device_id = 0
+            readables.append(imported.readable_on(1))
+            imported.release()
+            if len(readables) == 2:  # the second get is the first of the remembered message
+                calls = (len(devices), len(two_fake_gpus["calls"]), len(fake.opens))
+        assert session.remembered_gets >= 2
+        # The third and fourth gets: nothing asked of the driver or the opener.
+        assert (len(devices), len(two_fake_gpus["calls"]), len(fake.opens)) == calls
+        for readable in readables:
+            assert readable._mapped_on == (1, frozenset(range(readable._n_bases)))
+            assert int(readable._bases[0]) == 0xB0000000
+        for readable in readables:
+            readable.release()
+        _reaper.drain()
+        kept = len(fake.opens) - len(fake.closed)
+        assert kept >= 1  # the remembered message's entry holds the reader's mappings
+        session.forget()
+        _reaper.drain()
+        assert wait_for(lambda: len(fake.closed) == len(fake.opens), 5.0)

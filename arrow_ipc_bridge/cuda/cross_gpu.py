@@ -114,11 +114,17 @@ def grant_in_place(imported: Any, reader: int) -> None:
     BridgeError
         Host data, or a released object (``ReleasedError``).
     """
+    _grant(imported, reader)
+
+
+def _grant(imported: Any, reader: int) -> bool:
+    """:func:`grant_in_place`; True when the grant covers every later get of the same message on
+    ``reader`` (no VMM mapping, which is made, and so granted, per get)."""
     _check_cuda(imported, "reading in place")
     reader = _check_reader(reader)
     owner = imported.device_id
     if owner == reader:
-        return
+        return True
     enable_peer_access(reader, owner)
     decoded = imported._borrow()
     try:
@@ -126,7 +132,7 @@ def grant_in_place(imported: Any, reader: int) -> None:
         # its regions): its legacy regions are covered by the pair, its pools by their grants.
         key = (decoded.message, reader)
         if key in _granted:
-            return
+            return True
         has_mapping = False
         for index, region in enumerate(decoded.regions()):
             if region.kind == REGION_CUDA_POOL:
@@ -141,19 +147,38 @@ def grant_in_place(imported: Any, reader: int) -> None:
                 if len(_granted) >= _GRANTED_MAX:
                     _granted.clear()
                 _granted[key] = None
+        return not has_mapping
     finally:
         decoded.unborrow()
 
 
-def reader_mappings(imported: Any, reader: int) -> tuple[Decoded, list[int], frozenset[int]] | None:
+def reader_mappings(imported: Any, reader: int) -> tuple[Decoded, Any, frozenset[int]] | None:
     """What makes ``imported`` readable in place from GPU ``reader`` (``ImportedArray.readable_on``
     builds the object): :func:`grant_in_place` first; then, where the message has legacy
     (``cudaMalloc``) regions of another process on another GPU, those opened again in the reader's
     context: ``(a decode of the message with an owner of its own, the regions' bases with those
     pointers, the indexes of the regions opened there)``. The owner holds the reader's mappings
     and ``imported``'s owner (its lease and its event slot). None when ``imported``'s own pointers
-    serve (data on ``reader``, or no such region). Raises as :func:`grant_in_place`."""
-    grant_in_place(imported, reader)
+    serve (data on ``reader``, or no such region). Raises as :func:`grant_in_place`.
+
+    A re-get (the same decoded message again, with the same bases, on the same reader) reuses what
+    the first one worked out, kept in the decode's ``reader_maps`` (shared by every import of a
+    remembered message; dropped, and its hold on the reader's mappings with it, when the message
+    is forgotten): no grant, no walk of the regions, no table lookup per handle, no driver call."""
+    if imported.device_type == _DEVICE_CUDA and type(reader) is int and imported.device_id != reader:
+        decoded = imported._borrow()
+        try:
+            entry = decoded.reader_maps.get(reader)
+            # The bases are compared because VMM regions are mapped per get (never kept here) and a
+            # message that is not remembered may be imported again over other pointers.
+            if entry is not None and entry[1] == ffi.buffer(imported._bases, 8 * imported._n_bases)[:]:
+                group, _, bases, remap = entry
+                if group is None:
+                    return None
+                return _sharing(decoded, group), bases, remap
+        finally:
+            decoded.unborrow()
+    lasting = _grant(imported, reader)
     if imported.device_id == reader:
         return None
     decoded = imported._borrow()
@@ -165,25 +190,37 @@ def reader_mappings(imported: Any, reader: int) -> tuple[Decoded, list[int], fro
                 for index, region in enumerate(regions)
                 if region.kind == REGION_CUDA_LEGACY and region.handle not in _state.local_exports
             ]
+        source = ffi.buffer(imported._bases, 8 * imported._n_bases)[:]
         if not remap:
+            if lasting:
+                decoded.reader_maps.setdefault(reader, (None, source, None, frozenset()))
             return None
         bases = [int(imported._bases[index]) for index in range(imported._n_bases)]
         pointers, group = opener().open_legacy_for_reader([regions[index].handle for index in remap], reader)
-        try:
-            for index, pointer in zip(remap, pointers, strict=True):
-                bases[index] = pointer
-            shared = Decoded.sharing(decoded, own_view=True)  # its structs name the reader's pointers
-            try:
-                shared.depend_on(group)
-                shared.depend_on(decoded.owner)
-            except BaseException:
-                shared.close()
-                raise
-        finally:
-            lib.aib_owner_unref(group)
+        group = ffi.gc(group, lib.aib_owner_unref)  # the kept entry's hold, or nobody's
+        for index, pointer in zip(remap, pointers, strict=True):
+            bases[index] = pointer
+        base_array = ffi.new("uint64_t[]", bases)
+        remapped = frozenset(remap)
+        shared = _sharing(decoded, group)
+        if lasting:
+            decoded.reader_maps.setdefault(reader, (group, source, base_array, remapped))
     finally:
         decoded.unborrow()
-    return shared, bases, frozenset(remap)
+    return shared, base_array, remapped
+
+
+def _sharing(decoded: Decoded, group: Any) -> Decoded:
+    """A decode of ``decoded``'s message whose owner holds the reader's mappings (``group``) and
+    ``decoded``'s owner; its structs name the reader's pointers (``own_view``)."""
+    shared = Decoded.sharing(decoded, own_view=True)
+    try:
+        shared.depend_on(group)
+        shared.depend_on(decoded.owner)
+    except BaseException:
+        shared.close()
+        raise
+    return shared
 
 
 def _access_descriptor(reader: int) -> Any:
