@@ -10,14 +10,14 @@ with idle connections made every new consumer fail with ConnectionLimitError.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import os
-import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import pyarrow as pa
 import pytest
+from helpers import socket_helpers
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import protocol, transport
@@ -33,13 +33,8 @@ NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching a child to another uid needs root")
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+# socket_helpers' poll, with these tests' longer bound (publisher threads on busy cores)
+wait_until = functools.partial(socket_helpers.wait_until, timeout=10.0)
 
 
 def small_batch() -> pa.RecordBatch:

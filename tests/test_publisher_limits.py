@@ -8,6 +8,7 @@ to uid 65534), and the lease table of one connection holding many leases.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import os
 import random
@@ -15,12 +16,12 @@ import resource
 import shutil
 import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import pyarrow as pa
 import pytest
+from helpers import socket_helpers
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import protocol, transport
@@ -40,13 +41,8 @@ SPAWN = multiprocessing.get_context("spawn")
 NOBODY = 65534
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+# socket_helpers' poll, with these tests' longer bound (publisher threads on busy cores)
+wait_until = functools.partial(socket_helpers.wait_until, timeout=10.0)
 
 
 def small_batch() -> pa.RecordBatch:
