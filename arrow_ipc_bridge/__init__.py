@@ -18,8 +18,13 @@ Every process-wide counter (bytes copied, regions mapped, imports by path, CUDA 
 """
 
 from arrow_ipc_bridge._version import __version__
-from arrow_ipc_bridge.columns import ColumnView, column_arrays, column_view
-from arrow_ipc_bridge.device import from_cuda_array, from_cuda_arrays, to_device
+from arrow_ipc_bridge.addresses import connect
+from arrow_ipc_bridge.arrays.columns import ColumnView, column_arrays, column_view
+from arrow_ipc_bridge.arrays.device import from_cuda_array, from_cuda_arrays, to_device
+from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream, to_host
+from arrow_ipc_bridge.consumer.live_stream import LiveStream
+from arrow_ipc_bridge.consumer.session import Session
+from arrow_ipc_bridge.consumer.socket_connect import subscribe
 from arrow_ipc_bridge.errors import (
     ArgumentTypeError,
     BridgeError,
@@ -57,9 +62,7 @@ from arrow_ipc_bridge.errors import (
     WaitTimeoutError,
     WireFormatError,
 )
-from arrow_ipc_bridge.exporter import Exported, ExportStats, export
 from arrow_ipc_bridge.host import SharedHostBuffer, allocate_shared
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, to_host
 from arrow_ipc_bridge.process_stats import (
     BridgeStats,
     CudaStats,
@@ -69,9 +72,10 @@ from arrow_ipc_bridge.process_stats import (
     WaitStats,
     stats,
 )
-from arrow_ipc_bridge.publisher import Publisher
-from arrow_ipc_bridge.session import Session, connect, subscribe
-from arrow_ipc_bridge.streams import LiveStream, SlotLayout, StreamSlot, StreamWriter
+from arrow_ipc_bridge.producer.exporter import Exported, ExportStats, export
+from arrow_ipc_bridge.producer.publisher import Publisher
+from arrow_ipc_bridge.producer.stream_slots import SlotLayout, StreamSlot
+from arrow_ipc_bridge.producer.stream_writer import StreamWriter
 
 __all__ = [
     "__version__",

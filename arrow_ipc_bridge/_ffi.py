@@ -6,8 +6,8 @@ misbehaving later. ``raise_for`` turns the core's error codes into the package's
 
 This is also the one way Python objects cross into the core. cffi passes C values only, so what takes
 or returns Python objects (every PyCapsule: made, read, destroyed) is C in ``cffi_build/py_capsules.c``
-that the core installs here at import as builtin functions (``aib_py_install``); ``capsules.py`` and
-``device.py`` and ``columns.py`` call them.
+that the core installs here at import as builtin functions (``aib_py_install``); ``wire/capsules.py`` and
+``arrays/device.py`` and ``arrays/columns.py`` call them.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ batch_columns: Callable[..., tuple[object, int, tuple[tuple[str, int, int, int, 
 DLPackColumn: type  # what batch_columns hands out for DLPack consumers (columns.ColumnView wraps it)
 # py_columns.c (from_cuda_arrays): (values, n, cupy_type) -> (columns read, aib_cuda_column[n] as bytes)
 read_cuda_columns: Callable[[list[Any], int, type | None], tuple[int, bytes]]
-# py_local_get.c: a session's local re-gets in one builtin call (session.py makes one per session).
+# py_local_get.c: a session's local re-gets in one builtin call (consumer/session.py makes one per session).
 LocalGetter: type
-# py_in_place.c: a publisher's in-place renewals in one builtin call (publisher.py makes one).
+# py_in_place.c: a publisher's in-place renewals in one builtin call (producer/publisher.py makes one).
 InPlaceRenewer: type
 if (
     lib.aib_py_install(__name__.encode()) != 0

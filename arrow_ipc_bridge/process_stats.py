@@ -68,7 +68,7 @@ class SessionStats:
     python_imports: int = 0  # imports decoded and mapped (or opened) in Python: first sight of a message
     python_remembered_imports: int = 0  # imports in Python that reused a remembered decode and mapping
     # column_arrays(..., "cupy") calls answered with the CuPy arrays made for the same remembered
-    # message before (standing leases; array_cache.py): no array made
+    # message before (standing leases; consumer/array_cache.py): no array made
     reused_cupy_arrays: int = 0
 
 

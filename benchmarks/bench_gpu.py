@@ -954,12 +954,12 @@ _API = [
         "arrow_ipc_bridge",
         ["Publisher", "connect", "Session", "ImportedArray", "TransportError", "__version__"],
     ),
-    ("arrow_ipc_bridge.device", ["to_device", "from_cuda_arrays"]),
-    ("arrow_ipc_bridge.imported", ["to_host"]),
-    ("arrow_ipc_bridge.capsules", ["capsule_struct", "DEVICE_CUDA"]),
+    ("arrow_ipc_bridge.arrays.device", ["to_device", "from_cuda_arrays"]),
+    ("arrow_ipc_bridge.consumer.imported", ["to_host"]),
+    ("arrow_ipc_bridge.wire.capsules", ["capsule_struct", "DEVICE_CUDA"]),
     ("arrow_ipc_bridge._ffi", ["ffi", "lib"]),
-    ("arrow_ipc_bridge._reaper", ["drain", "pending_callbacks"]),
-    ("arrow_ipc_bridge.metadata", ["REGION_CUDA_LEGACY", "REGION_CUDA_POOL", "REGION_CUDA_VMM"]),
+    ("arrow_ipc_bridge.runtime.reaper", ["drain", "pending_callbacks"]),
+    ("arrow_ipc_bridge.wire.metadata", ["REGION_CUDA_LEGACY", "REGION_CUDA_POOL", "REGION_CUDA_VMM"]),
     (
         "arrow_ipc_bridge.cuda",
         [

@@ -18,8 +18,8 @@ import time
 import pyarrow as pa
 
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.capsules import capture
-from arrow_ipc_bridge.metadata import Decoded, Described, DeviceInfo, process_region
+from arrow_ipc_bridge.wire.capsules import capture
+from arrow_ipc_bridge.wire.metadata import Decoded, Described, DeviceInfo, process_region
 
 
 def _batch(columns: int) -> pa.RecordBatch:

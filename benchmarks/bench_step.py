@@ -167,7 +167,7 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, Any], o
     import arrow_ipc_bridge as aib
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge._ffi import ffi
-    from arrow_ipc_bridge.capsules import capsule_struct
+    from arrow_ipc_bridge.wire.capsules import capsule_struct
 
     spin, as_cupy, standing = options["spin"], options["cupy"], options["standing_leases"]
     get_next, total = options["get_next"], options["total_steps"]

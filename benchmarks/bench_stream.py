@@ -139,8 +139,8 @@ def bridge_consumer(case: dict[str, Any], path: str, results: Any) -> None:
         if cuda:
             import cupy
 
-            from arrow_ipc_bridge.capsules import capsule_struct
             from arrow_ipc_bridge.cuda import event_value
+            from arrow_ipc_bridge.wire.capsules import capsule_struct
 
             stream = cupy.cuda.Stream(non_blocking=True)
         make_arrays = case["kind"] == "cuda_cupy"

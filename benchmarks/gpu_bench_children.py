@@ -523,7 +523,7 @@ class _BridgeProducer:
         return {"publish_us": publish_s * 1e6, **vars(stats)}
 
     def _publish_columns(self, name: str, arrays: list[Any]) -> dict[str, Any]:
-        from arrow_ipc_bridge.device import from_cuda_arrays
+        from arrow_ipc_bridge.arrays.device import from_cuda_arrays
 
         t0 = _perf()
         obj = from_cuda_arrays(dict(zip(COLUMN_NAMES, arrays, strict=True)))
@@ -556,7 +556,7 @@ class _BridgeProducer:
             self.steady = [np.full(self.n, float(c + 1), dtype=np.float32) for c in range(NCOLS)]
             out["expected_last"] = float(NCOLS * self.n)
             return out
-        from arrow_ipc_bridge.device import to_device
+        from arrow_ipc_bridge.arrays.device import to_device
 
         cp = self.cp
         t0 = _perf()
@@ -596,7 +596,7 @@ class _BridgeProducer:
         """New data for iteration ``i`` of a "new allocations every time" method, published as
         ``{kind}-{i}``; what was published two iterations ago is unpublished (the consumer released it
         long before, so pool memory is never freed under an importer)."""
-        from arrow_ipc_bridge.device import from_cuda_arrays, to_device
+        from arrow_ipc_bridge.arrays.device import from_cuda_arrays, to_device
 
         cp = self.cp
         kind = req["kind"]
@@ -860,15 +860,15 @@ class _BridgeConsumer:
         the opener's LRU) by closing the session and connecting a new one; untimed."""
         if self.host_only:
             return
-        from arrow_ipc_bridge import _reaper
         from arrow_ipc_bridge.cuda import opener as cuda_opener
+        from arrow_ipc_bridge.runtime import reaper
 
         if self.session is not None:
             self.session.close()
             self.session = None
         cuda_opener.opener().close()  # legacy handles close once nothing uses them
         gc.collect()
-        _reaper.drain()
+        reaper.drain()
         with contextlib.suppress(Exception):
             self.cp.get_default_memory_pool().free_all_blocks()
         self._connect_session()
@@ -932,9 +932,10 @@ class _BridgeConsumer:
         """One hand-off: get -> device capsule -> wait sync_event on our stream: timed so far (the
         consumer can launch work); then the launch of a kernel on the last column (reported as
         "launched"), and (untimed) synchronise, check, release."""
-        from arrow_ipc_bridge import _reaper, cuda
+        from arrow_ipc_bridge import cuda
         from arrow_ipc_bridge._ffi import ffi
-        from arrow_ipc_bridge.capsules import capsule_struct
+        from arrow_ipc_bridge.runtime import reaper
+        from arrow_ipc_bridge.wire.capsules import capsule_struct
 
         assert self.session is not None
         remembered, new_in_c = self.session.remembered_gets, self.session.new_message_gets
@@ -963,7 +964,7 @@ class _BridgeConsumer:
         t2 = _perf()
         del capsules  # the capsule destructors release the structs
         imported.release()
-        _reaper.drain()  # lease release + handle/pointer frees now, not during the next timed get
+        reaper.drain()  # lease release + handle/pointer frees now, not during the next timed get
         t3 = _perf()
         check_close(name, got, expected)
         return t_ready - t0, {
@@ -997,7 +998,7 @@ class _BridgeConsumer:
         message's pool regions, opened in one batch, as the batch's time per region)."""
         from arrow_ipc_bridge import cuda
         from arrow_ipc_bridge.cuda import opener as cuda_opener
-        from arrow_ipc_bridge.metadata import REGION_CUDA_LEGACY, REGION_CUDA_POOL, REGION_CUDA_VMM
+        from arrow_ipc_bridge.wire.metadata import REGION_CUDA_LEGACY, REGION_CUDA_POOL, REGION_CUDA_VMM
 
         kinds = {REGION_CUDA_LEGACY: "legacy", REGION_CUDA_POOL: "pool", REGION_CUDA_VMM: "vmm"}
         opener = cuda_opener.opener()

@@ -64,7 +64,7 @@ def producer(path: str, options: tuple[str, str, str], ready: Any, echo_sock: so
     if table == "mixed":
         from gpu_bench_children import mixed_batch
 
-        from arrow_ipc_bridge.device import to_device
+        from arrow_ipc_bridge.arrays.device import to_device
 
         batch, _ = mixed_batch(1 << 20)
         obj: Any = to_device(batch) if device == "cuda" else batch
@@ -145,7 +145,7 @@ def main() -> None:
 
     import arrow_ipc_bridge as aib
     from arrow_ipc_bridge._ffi import ffi
-    from arrow_ipc_bridge.capsules import capsule_struct
+    from arrow_ipc_bridge.wire.capsules import capsule_struct
 
     wait: Any = None
     if args.device == "cuda":

@@ -42,7 +42,7 @@ typedef struct aib_error {
  * Every struct tree the core builds holds one reference per node on an owner. Owners may hold
  * references on other owners (an import lease holds its region mappings). aib_owner_unref is safe
  * from any thread without the GIL. When an owner with a non-zero token dies, the token is queued and
- * one byte is written to the reaper pipe; Python drains the queue (see _reaper.py for why). */
+ * one byte is written to the reaper pipe; Python drains the queue (see runtime/reaper.py for why). */
 typedef struct aib_owner aib_owner;
 typedef struct aib_decoded aib_decoded;
 

@@ -3,7 +3,7 @@
  * Every frame either side sends or receives goes through here, the handshake included; the frame
  * format, the rule that ties descriptors to frames and the errors are specified in docs/protocol.md
  * ("Frames"). Calls run without the GIL (the publisher's serve loop and the session's requests call
- * in from C, Python through arrow_ipc_bridge/channel.py).
+ * in from C, Python through arrow_ipc_bridge/transport/channel.py).
  *
  * A channel borrows the socket's fd: the Python Connection owns it, and callers hold the
  * connection's receive (send) lock around every receive (send) here so that close() cannot close the

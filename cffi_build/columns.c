@@ -2,12 +2,12 @@
  * numeric type (when it has one a plain array can show), length, null count and the address of its
  * first value. One call per batch, read straight from the validated decode and the regions' bases,
  * so a consumer wanting 16 columns as CuPy / PyTorch / NumPy arrays pays no per-column walk of
- * rebuilt structs (py_capsules.c builds the Python side: arrow_ipc_bridge/columns.py). */
+ * rebuilt structs (py_capsules.c builds the Python side: arrow_ipc_bridge/arrays/columns.py). */
 #include <string.h>
 
 #include "wire_model.h"
 
-/* The numeric formats, in the order of AIB_NUMERIC_* (arrow_ipc_bridge/columns.py keeps the same
+/* The numeric formats, in the order of AIB_NUMERIC_* (arrow_ipc_bridge/arrays/columns.py keeps the same
  * order for its dtypes): DLPack type code (kDLInt 0, kDLUInt 1, kDLFloat 2) and bits. */
 static const struct {
   char format;

@@ -147,7 +147,7 @@ static PyObject *capsule_pair(aib_owner *owner, int device) {
 
 /* The functions Python calls: builtin function objects made here (make_function), so a call costs
  * what calling len() costs, without ctypes' conversion of every argument. */
-/* args: (message, owner address), where message is the arrow_ipc_bridge.metadata.Decoded whose
+/* args: (message, owner address), where message is the arrow_ipc_bridge.wire.metadata.Decoded whose
  * owner that is. Its `_closed` attribute is read here, in the same GIL-holding call that uses the
  * owner: Decoded.close() sets it before it drops the owner, so a message found open cannot lose
  * its owner before this call returns (no Python code runs in between). A Python-side check before
@@ -256,7 +256,7 @@ static PyObject *dlpack_capsule(PyObject *self, PyObject *args) {
   return capsule;
 }
 
-/* ---------- columns as plain arrays (arrow_ipc_bridge/columns.py) --------------------------------
+/* ---------- columns as plain arrays (arrow_ipc_bridge/arrays/columns.py) --------------------------------
  * A DLPack capsule over one column, in either ABI: versioned ("dltensor_versioned", DLPack 1.x, with
  * the read-only flag when asked) or legacy ("dltensor"). The tensor holds a reference on owner; when
  * the capsule cannot be made the tensor is deleted again here. */

@@ -15,7 +15,7 @@
 
 #include "internal.h"
 
-/* The numeric types in the order of device.py's _NUMERIC_TYPES (the format codes of aib_columns_build). */
+/* The numeric types in the order of arrays/device.py's _NUMERIC_TYPES (the format codes of aib_columns_build). */
 static const char *const typestrs[] = {"i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8"};
 static const int64_t itemsizes[] = {1, 2, 4, 8, 1, 2, 4, 8, 2, 4, 8};
 #define N_TYPES (sizeof(typestrs) / sizeof(typestrs[0]))

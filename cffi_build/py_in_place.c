@@ -1,7 +1,7 @@
 /* A publisher's in-place renewal as one builtin: the steady state of a step loop's producer.
  *
  * A producer that updates its from_cuda_arrays columns in place and publishes them again each step
- * gets its publication renewed (publisher.py, Publisher._renew): the entry keeps its message, the
+ * gets its publication renewed (producer/publisher.py, Publisher._renew): the entry keeps its message, the
  * shared event is re-recorded on the legacy default stream, the version is bumped and held waits
  * are answered. In Python that cost a dozen frames around two C calls (the record, the renewal):
  * the publisher's checks, record_in_place, the shared event's and the event's methods, the version
@@ -212,7 +212,7 @@ static PyType_Slot renewer_slots[] = {
     {Py_tp_dealloc, renewer_dealloc},
     {Py_tp_methods, renewer_methods},
     {Py_tp_members, renewer_members},
-    {Py_tp_doc, "A publisher's in-place renewals in one builtin call (publisher.py makes one per publisher)."},
+    {Py_tp_doc, "A publisher's in-place renewals in one builtin call (producer/publisher.py makes one per publisher)."},
     {0, NULL},
 };
 

@@ -7,7 +7,7 @@
  * set of live imports and the counters. Cheap in a tight loop, but a consumer that slept between
  * steps (a step loop waiting for the producer's next version) runs them on cold caches, where
  * their cost follows how much code and data they touch. Here the same work is one builtin call
- * over state prepared once per session (session.py, Session._local_getter).
+ * over state prepared once per session (consumer/session.py, Session._local_getter).
  *
  * It does exactly what Session._get_unplaced does for a local answer, and nothing else: anything
  * else (a closed session or channel, another process, a name not remembered with a standing lease,
@@ -325,7 +325,7 @@ static PyType_Slot local_getter_slots[] = {
     {Py_tp_dealloc, local_getter_dealloc},
     {Py_tp_methods, local_getter_methods},
     {Py_tp_members, local_getter_members},
-    {Py_tp_doc, "A session's local re-gets in one builtin call (session.py makes one per session)."},
+    {Py_tp_doc, "A session's local re-gets in one builtin call (consumer/session.py makes one per session)."},
     {0, NULL},
 };
 

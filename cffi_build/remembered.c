@@ -12,7 +12,7 @@
  *
  * This set is the one record of what is remembered: lookup by message bytes, one message per name,
  * the least-recently-used bound and the kept leases' last use all live here, so that the C get path
- * and Python read the same facts. Python (remembered.py) decides what to remember and keeps only
+ * and Python read the same facts. Python (consumer/remembered.py) decides what to remember and keeps only
  * the Python objects of each message, by the id put returns. A message this set lets go (replaced,
  * evicted, forgotten, expired) waits in a list until Python takes its id
  * (aib_remembered_take_forgotten) and closes its template. */

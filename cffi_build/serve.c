@@ -8,7 +8,7 @@
  * not handle (HELLO, LIST, a GET for an unknown name, anything malformed) go back to Python, which
  * owns the protocol's rare paths and its error reporting. Each entry carries a version, the table's
  * publish counter when it was put, so a name's versions only grow (also across remove and put);
- * a held wait for a newer version (frame WAIT, publisher.py and watch.py) is answered from another
+ * a held wait for a newer version (frame WAIT, producer/publisher.py and producer/watch.py) is answered from another
  * thread with aib_server_conn_lease_newer, under the connection's mutex. With a version board
  * (board.c), each published name holds a slot on it showing its entry's serial (the version it was
  * put at) and current version, written under the table's mutex; a session that mapped the board is
@@ -32,9 +32,9 @@
 #define FRAME_VERSIONED_ITEM 21
 #define FRAME_BOARD_ITEM 26
 #define MAX_PING 64
-#define MAX_NAME 4096 /* protocol.py's MAX_NAME */
+#define MAX_NAME 4096 /* transport/protocol.py's MAX_NAME */
 
-/* The most payload a session sends in each request kind (protocol.py, docs/protocol.md "Frame
+/* The most payload a session sends in each request kind (transport/protocol.py, docs/protocol.md "Frame
  * kinds"). A server connection's channel refuses a frame announcing more from its header, before any
  * of its payload is read: every request then fits the channel's 64 KiB buffer, which bounds what one
  * connection can make the publisher hold, and a client announcing 64 MiB is told at once instead of
@@ -274,7 +274,7 @@ uint64_t aib_pubtable_version(aib_pubtable *t, const uint8_t *name, size_t name_
 }
 
 /* A new version of the entry published as name, with the same message, fds and keeper: what a
- * producer that updated the data in place publishes (publisher.py, the in-place fast path). Leases
+ * producer that updated the data in place publishes (producer/publisher.py, the in-place fast path). Leases
  * on the entry stay as they are; answers from now on carry the new version. 0 when absent. */
 uint64_t aib_pubtable_renew(aib_pubtable *t, const uint8_t *name, size_t name_len) {
   pthread_mutex_lock(&t->mu);

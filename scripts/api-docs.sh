@@ -24,14 +24,13 @@ import pdoc.render
 MODULES = [
     "arrow_ipc_bridge",
     "arrow_ipc_bridge.errors",
-    "arrow_ipc_bridge.streams",
     "arrow_ipc_bridge.cuda",
     "arrow_ipc_bridge.host",
-    "arrow_ipc_bridge.capsules",
-    "arrow_ipc_bridge.metadata",
-    "arrow_ipc_bridge.layout",
+    "arrow_ipc_bridge.wire.capsules",
+    "arrow_ipc_bridge.wire.metadata",
+    "arrow_ipc_bridge.wire.layout",
     "arrow_ipc_bridge.transport",
-    "arrow_ipc_bridge.channel",
+    "arrow_ipc_bridge.transport.channel",
 ]
 
 # pdoc evaluates a string type alias in the namespace of the module that uses it, where the alias's
@@ -44,8 +43,7 @@ KNOWN = {
     f"Error parsing type annotation ArrowInput for arrow_ipc_bridge.{name}. {_ARROW_INPUT}"
     for name in ("Publisher.publish", "export", "to_device")
 } | {
-    f"Error parsing type annotation ArrowInput | CapturedData for {where}StreamWriter.write: {_UNION}"
-    for where in ("arrow_ipc_bridge.", "arrow_ipc_bridge.streams.")
+    f"Error parsing type annotation ArrowInput | CapturedData for arrow_ipc_bridge.StreamWriter.write: {_UNION}"
 } | {
     "Error parsing type annotation list[str] for arrow_ipc_bridge.Session.list: "
     "'function' object is not subscriptable",

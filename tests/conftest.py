@@ -31,8 +31,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge.channel import Channel
 from arrow_ipc_bridge.transport import Connection
+from arrow_ipc_bridge.transport.channel import Channel
 
 if TYPE_CHECKING:
     from helpers.session_rig import ProducerRig
@@ -125,10 +125,10 @@ def warm() -> dict[str, int]:
     record the baseline."""
     from helpers.session_rig import FakeKeptLeaseHolder, sample_table, snapshot, write_shm_ipc_file
 
-    from arrow_ipc_bridge import _linger
+    from arrow_ipc_bridge.consumer import linger
 
     multiprocessing.resource_tracker.ensure_running()
-    _linger.watch(FakeKeptLeaseHolder([]))  # starts the thread (it is collected right away)
+    linger.watch(FakeKeptLeaseHolder([]))  # starts the thread (it is collected right away)
     directory = tempfile.mkdtemp(dir="/tmp", prefix="aib-")
     shm = write_shm_ipc_file(sample_table(100))
     try:

@@ -24,8 +24,8 @@ import pyarrow as pa
 import pytest
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol
 from arrow_ipc_bridge.errors import ArgumentTypeError, InvalidArgumentError
+from arrow_ipc_bridge.transport import protocol
 
 TYPE = ArgumentTypeError
 VALUE = InvalidArgumentError

@@ -23,7 +23,7 @@ from helpers import waiting_children
 from helpers.session_rig import run_later, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol
+from arrow_ipc_bridge.transport import protocol
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 

@@ -18,7 +18,8 @@ from hypothesis import given
 
 import arrow_ipc_bridge
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.capsules import (
+from arrow_ipc_bridge.errors import BridgeError, CapsuleError, ReleasedError
+from arrow_ipc_bridge.wire.capsules import (
     ArrowArrayExporter,
     CapturedArray,
     CapturedStream,
@@ -27,7 +28,6 @@ from arrow_ipc_bridge.capsules import (
     export_captured,
     new_capsule,
 )
-from arrow_ipc_bridge.errors import BridgeError, CapsuleError, ReleasedError
 
 
 def _live() -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Tests of the frame codec, arrow_ipc_bridge.channel.Channel (the C core's channel.c), over socketpairs:
+"""Tests of the frame codec, transport.channel.Channel (the C core's channel.c), over socketpairs:
 round trips, descriptor passing, timeouts and closing, many frames queued. Hostile peers are
 tests/test_channel_hostile.py's.
 
@@ -34,7 +34,6 @@ from helpers.socket_helpers import (
 )
 
 from arrow_ipc_bridge._ffi import ffi, lib, new_error
-from arrow_ipc_bridge.channel import MAX_FDS, MAX_PAYLOAD, Channel, Frame
 from arrow_ipc_bridge.errors import (
     BridgeTimeoutError,
     PeerClosedError,
@@ -42,6 +41,7 @@ from arrow_ipc_bridge.errors import (
     WireFormatError,
 )
 from arrow_ipc_bridge.transport import Connection
+from arrow_ipc_bridge.transport.channel import MAX_FDS, MAX_PAYLOAD, Channel, Frame
 
 
 def fill_send_buffer(channel: Channel) -> int:

@@ -1,4 +1,4 @@
-"""Tests of the frame codec (arrow_ipc_bridge.channel.Channel, the C core's channel.c) against a hostile
+"""Tests of the frame codec (transport.channel.Channel, the C core's channel.c) against a hostile
 peer: a raw socket writing bad headers, truncated frames, descriptors that do not add up to the
 header's count or that the kernel had to truncate. Every error must close what came with it.
 
@@ -25,8 +25,8 @@ from helpers.socket_helpers import (
     send_raw,
 )
 
-from arrow_ipc_bridge.channel import MAX_FDS, Channel, Frame
 from arrow_ipc_bridge.errors import PeerClosedError, ProtocolError
+from arrow_ipc_bridge.transport.channel import MAX_FDS, Channel, Frame
 
 # -- hostile peers ---------------------------------------------------------------------------------------
 

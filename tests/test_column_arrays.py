@@ -18,8 +18,9 @@ import pytest
 from helpers.session_rig import wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _ffi, _reaper
+from arrow_ipc_bridge import _ffi
 from arrow_ipc_bridge._ffi import lib
+from arrow_ipc_bridge.runtime import reaper
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -87,17 +88,17 @@ def test_arrays_hold_the_lease_until_the_last_one_dies(publisher: aib.Publisher)
         del imported
         publisher.unpublish("b")
         gc.collect()
-        _reaper.settle()
+        reaper.settle()
         assert publisher.active_leases == 1
         first = arrays.pop("x")
         arrays.clear()
         gc.collect()
-        _reaper.settle()
+        reaper.settle()
         assert publisher.active_leases == 1  # one array still holds the batch
         assert int(first.sum()) == sum(range(1000))
         del first
         gc.collect()
-        assert wait_for(lambda: (_reaper.drain(), publisher.active_leases == 0)[1], 5.0)
+        assert wait_for(lambda: (reaper.drain(), publisher.active_leases == 0)[1], 5.0)
 
 
 def test_tables_give_each_batch(publisher: aib.Publisher) -> None:
@@ -156,7 +157,7 @@ def test_refusals_say_why(publisher: aib.Publisher) -> None:
 def test_address_form_refuses_nulls_too(publisher: aib.Publisher) -> None:
     """The CuPy path reads addresses, which every column has: a numeric column with nulls is still
     refused before any array is made (checked here on host data, where CuPy cannot run)."""
-    from arrow_ipc_bridge import columns
+    from arrow_ipc_bridge.arrays import columns
 
     publisher.publish("nulls", pa.record_batch({"x": pa.array([1.0, None]), "y": pa.array([1.0, 2.0])}))
     with aib.connect(publisher.path) as session, session.get("nulls") as imported:
@@ -187,9 +188,9 @@ class _FakeCupy(types.ModuleType):
 
 
 def _as_cuda_data(imported: aib.ImportedArray) -> aib.ImportedArray:
-    from arrow_ipc_bridge.capsules import DEVICE_CUDA
-    from arrow_ipc_bridge.imported import imported_from
-    from arrow_ipc_bridge.metadata import Decoded
+    from arrow_ipc_bridge.consumer.imported import imported_from
+    from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA
+    from arrow_ipc_bridge.wire.metadata import Decoded
 
     cuda_labelled = imported_from(
         Decoded.sharing(imported._decoded), imported._bases, device_type=DEVICE_CUDA, device_id=3

@@ -14,13 +14,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _ffi, _reaper
+from arrow_ipc_bridge import _ffi
 from arrow_ipc_bridge._ffi import lib
+from arrow_ipc_bridge.runtime import reaper
 
 
 def _live() -> tuple[int, int, int]:
     gc.collect()
-    _reaper.settle()
+    reaper.settle()
     return int(lib.aib_live_owners()), int(lib.aib_live_nodes()), int(lib.aib_live_mappings())
 
 

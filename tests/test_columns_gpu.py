@@ -21,7 +21,8 @@ import pytest
 from helpers.session_rig import wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _ffi, _reaper
+from arrow_ipc_bridge import _ffi
+from arrow_ipc_bridge.runtime import reaper
 
 pytestmark = pytest.mark.gpu
 
@@ -121,12 +122,12 @@ def test_cupy_arrays_hold_the_lease(publisher: aib.Publisher, cupy: Any) -> None
         imported.release()
         del imported
         gc.collect()
-        _reaper.settle()
+        reaper.settle()
         assert publisher.active_leases == 1
         assert float(arrays["b"].sum()) == 2 * float(values.sum())
         del arrays
         gc.collect()
-        assert wait_for(lambda: (_reaper.drain(), publisher.active_leases == 0)[1], 5.0)
+        assert wait_for(lambda: (reaper.drain(), publisher.active_leases == 0)[1], 5.0)
 
 
 def test_torch_tensors_in_one_call(publisher: aib.Publisher, cupy: Any, torch: Any) -> None:
@@ -281,7 +282,7 @@ def test_a_standing_lease_consumer_gets_its_cupy_arrays_again_with_each_step_val
 ) -> None:
     """A step loop across processes: the producer updates 16 columns in place and publishes each
     step; the consumer (standing leases) reads every step's values through column_arrays. Arrays it
-    let go of are handed out again (array_cache.py), arrays it still holds are not, and every step
+    let go of are handed out again (consumer/array_cache.py), arrays it still holds are not, and every step
     reads that step's values either way."""
     from helpers import gpu_children
 

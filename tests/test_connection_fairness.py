@@ -20,13 +20,14 @@ import pytest
 from helpers import socket_helpers
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol, transport
+from arrow_ipc_bridge import transport
 from arrow_ipc_bridge.errors import (
     ArgumentTypeError,
     ConnectionLimitError,
     InvalidArgumentError,
     PeerClosedError,
 )
+from arrow_ipc_bridge.transport import protocol
 
 SPAWN = multiprocessing.get_context("spawn")
 NOBODY = 65534

@@ -25,10 +25,10 @@ from hypothesis import given
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.content_check import CHECK_LEVELS, check_content
+from arrow_ipc_bridge.consumer.content_check import CHECK_LEVELS, check_content
 from arrow_ipc_bridge.errors import BridgeError, RegionError, WireFormatError
-from arrow_ipc_bridge.exporter import Exported
-from arrow_ipc_bridge.metadata import Decoded
+from arrow_ipc_bridge.producer.exporter import Exported
+from arrow_ipc_bridge.wire.metadata import Decoded
 
 TESTS = Path(__file__).parent
 
@@ -544,7 +544,7 @@ def test_cuda_bounds_check_reads_the_device(cuda_device: int) -> None:
     """A device copy of hostile offsets is rejected at "bounds" through device-to-host reads."""
     from helpers.cuda_helpers import write_device
 
-    from arrow_ipc_bridge.content_check import cuda_reader
+    from arrow_ipc_bridge.consumer.content_check import cuda_reader
     from arrow_ipc_bridge.cuda.pointers import mem_alloc, mem_free
 
     heap = wc.Heap()

@@ -11,10 +11,10 @@ import pyarrow as pa
 import pytest
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import device
 from arrow_ipc_bridge._ffi import ffi, lib, new_error
-from arrow_ipc_bridge.capsules import DEVICE_CPU, CapturedArray, CapturedData, capture
-from arrow_ipc_bridge.metadata import Described, DeviceInfo, process_region
+from arrow_ipc_bridge.arrays import device
+from arrow_ipc_bridge.wire.capsules import DEVICE_CPU, CapturedArray, CapturedData, capture
+from arrow_ipc_bridge.wire.metadata import Described, DeviceInfo, process_region
 
 
 class _FakeCudaArray:
@@ -264,7 +264,7 @@ def test_held_facts_spare_the_device_query_only_while_their_arrays_are_held() ->
     without a driver query (here there is no driver at all); the holder keeps those arrays alive,
     and its release takes the facts out before it lets go of them, so the same addresses are
     checked again afterwards (and refused here: the arrays were never device memory)."""
-    from arrow_ipc_bridge import _reaper
+    from arrow_ipc_bridge.runtime import reaper
 
     base = 0x7000_0000_0000
     arrays = [_FakeCudaArray(data=(base + k * 0x100000, False)) for k in range(3)]
@@ -279,11 +279,11 @@ def test_held_facts_spare_the_device_query_only_while_their_arrays_are_held() ->
     with pytest.raises(aib.BridgeError):  # other facts (one offset): asked, and refused
         aib.from_cuda_arrays({f"c{k}": a for k, a in enumerate(moved)})
     del arrays, objects, checked, again
-    _reaper.settle()
+    reaper.settle()
     assert alive() is not None  # the holder keeps the arrays
     release()
     release()  # once only
-    _reaper.settle()
+    reaper.settle()
     assert alive() is None
     assert device.held_column_facts() == held - 1
     same_addresses = [_FakeCudaArray(data=(base + k * 0x100000, False)) for k in range(3)]

@@ -21,8 +21,7 @@ from test_new_message_import import _cuda_shaped_message, _open_in_region_table,
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge._ffi import ffi
-from arrow_ipc_bridge.capsules import DEVICE_CUDA, CapturedData, capsule_struct, capture
-from arrow_ipc_bridge.imported import (
+from arrow_ipc_bridge.consumer.imported import (
     ImportedBatch,
     ImportedDeviceArray,
     ImportedDeviceStream,
@@ -30,7 +29,8 @@ from arrow_ipc_bridge.imported import (
     ImportedHostStream,
     imported_from,
 )
-from arrow_ipc_bridge.metadata import Decoded
+from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA, CapturedData, capsule_struct, capture
+from arrow_ipc_bridge.wire.metadata import Decoded
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -219,7 +219,7 @@ def test_a_device_table_is_pumped_through_its_device_stream(publisher: aib.Publi
     """publish_stream of a GPU table (``aib.to_device(table)``) reads it through its device stream,
     batch by batch, device and pointers kept: it offers no host stream for the pump's pyarrow
     reader to take (which could only refuse device data, failing the stream)."""
-    from arrow_ipc_bridge.streams.writer import batches_of
+    from arrow_ipc_bridge.producer.stream_writer import batches_of
 
     table = _float_table(3)
     publisher.publish("t", table)

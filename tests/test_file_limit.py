@@ -89,7 +89,7 @@ def test_the_error_names_the_limit_and_pickles(code: int) -> None:
     import pickle
     import resource
 
-    from arrow_ipc_bridge._file_limit import file_limit_error, is_out_of_descriptors
+    from arrow_ipc_bridge.runtime.file_limit import file_limit_error, is_out_of_descriptors
 
     raw = OSError(code, os.strerror(code))
     assert is_out_of_descriptors(raw)

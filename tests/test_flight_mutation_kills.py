@@ -14,7 +14,7 @@ from helpers.arrow_equality import assert_arrays_equal
 from helpers.session_rig import wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _reaper
+from arrow_ipc_bridge.runtime import reaper
 
 flight = pytest.importorskip("pyarrow.flight")
 from arrow_ipc_bridge.flight import bearer_header, serve  # noqa: E402
@@ -97,7 +97,7 @@ def session(publisher: aib.Publisher) -> Iterator[aib.Session]:
 
 def _returned(pool: StagingPool) -> bool:
     gc.collect()
-    _reaper.settle()
+    reaper.settle()
     return pool.lent == 0
 
 

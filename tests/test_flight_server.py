@@ -121,7 +121,7 @@ def test_refusals_carry_their_grpc_status_and_no_server_internals(
     with pytest.raises(pa.ArrowKeyError) as caught:
         client.do_get(flight.Ticket(b"missing")).read_all()
     text = str(caught.value)
-    for internal in ("session.py", "data_stream", "_get("):
+    for internal in ("consumer/session.py", "data_stream", "_get("):
         assert internal not in text
     frames = {line.strip() for line in text.splitlines() if line.strip().startswith("File ")}
     assert len(frames) <= 2, text  # pyarrow's _do_get and the handler's raise

@@ -20,7 +20,7 @@ from helpers.arrow_equality import assert_arrays_equal
 from helpers.session_rig import sample_table, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _reaper
+from arrow_ipc_bridge.runtime import reaper
 
 flight = pytest.importorskip("pyarrow.flight")
 from arrow_ipc_bridge.flight import serve  # noqa: E402
@@ -81,7 +81,7 @@ class HostCopier:
 
 def _returned(pool: StagingPool) -> bool:
     gc.collect()
-    _reaper.settle()
+    reaper.settle()
     return pool.lent == 0
 
 

@@ -18,7 +18,7 @@ import pytest
 from helpers.session_rig import report_from_forked_child, sample_table, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _reaper
+from arrow_ipc_bridge.runtime import reaper
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -38,7 +38,7 @@ def _forked_child(parent_objects: dict[str, Any], path: str) -> list[Any]:
     held.release()
     parent_objects.clear()
     gc.collect()
-    _reaper.settle()
+    reaper.settle()
     session.close()
     pub.close()
     with aib.connect(path, timeout=5.0) as own, own.get("t") as imported:  # its own session works

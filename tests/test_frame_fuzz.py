@@ -30,7 +30,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import errors, protocol
+from arrow_ipc_bridge import errors
+from arrow_ipc_bridge.transport import protocol
 
 HEADER = struct.Struct("<4sHHIHH")
 ANSWER_KINDS = {protocol.WELCOME, protocol.NAMES, protocol.ITEM, protocol.ERROR, protocol.PONG, protocol.POOL}

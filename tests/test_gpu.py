@@ -260,7 +260,7 @@ def test_pool_fd_goes_once_per_consumer_process(gpu_publisher: aib.Publisher) ->
     asks for a pool's fd once (POOL_FD) and imports all later data of that pool with no descriptor.
     A message exported by hand still attaches the pool fd (or leaves it out when asked to)."""
     from arrow_ipc_bridge import cuda
-    from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, Decoded
+    from arrow_ipc_bridge.wire.metadata import REGION_CUDA_POOL, Decoded
 
     table = pa.table({"s": pa.array(["ab", None, "c"] * 40), "v": pa.array(range(120), pa.float32())})
     on_device = aib.to_device(table)
@@ -304,7 +304,7 @@ def test_new_arrays_in_kept_slabs_cost_the_consumer_no_import(
     with the same event: the remembered path); no pointer import and no lease kept (pool_linger is
     0); every table reads right. Freed space is carved again: one slab holds them all."""
     from arrow_ipc_bridge import cuda
-    from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, REGION_FLAG_KEPT, Decoded
+    from arrow_ipc_bridge.wire.metadata import REGION_CUDA_POOL, REGION_FLAG_KEPT, Decoded
 
     allocator = cuda.cupy_allocator(0, slab_size=8 << 20)
     consumer = _LingerConsumer(str(gpu_publisher.path), pool_linger=0.0)
@@ -536,9 +536,10 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
     """10,000 get/release cycles from another process's publisher (legacy handles and IPC-pool
     pointers): open handles, fds, owners and GPU memory stay flat; the legacy handle is opened once."""
 
-    from arrow_ipc_bridge import _reaper, cuda
+    from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge._ffi import lib
     from arrow_ipc_bridge.cuda import opener as cuda_opener
+    from arrow_ipc_bridge.runtime import reaper
 
     path, parent, producer = _start_cupy_producer(1 << 16)
     try:
@@ -552,7 +553,7 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
             for name in ("cupy", "pool", "pool"):  # the second pool get keeps it (and a lease)
                 cycle(name)
             gc.collect()
-            _reaper.settle()
+            reaper.settle()
             free_before = cuda_helpers.mem_get_info(0)[0]
             fds_before = len(os.listdir("/proc/self/fd"))
             owners_before = lib.aib_live_owners()
@@ -562,7 +563,7 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
                 cycle("cupy" if i % 2 else "pool")
             gc.collect()
             time.sleep(0.2)
-            _reaper.settle()
+            reaper.settle()
             assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
             assert lib.aib_live_owners() <= owners_before + 2
             assert cuda_helpers.mem_get_info(0)[0] >= free_before - (64 << 20)
@@ -577,7 +578,7 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
         with aib.connect(path, timeout=30.0, pool_linger=0.0) as session:
             cycle("pool")
             gc.collect()
-            _reaper.settle()
+            reaper.settle()
             free_before = cuda_helpers.mem_get_info(0)[0]
             fds_before = len(os.listdir("/proc/self/fd"))
             owners_before = lib.aib_live_owners()
@@ -585,7 +586,7 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
                 cycle("pool")
             gc.collect()
             time.sleep(0.2)
-            _reaper.settle()
+            reaper.settle()
             assert session.remembered_gets == 0
             assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
             assert lib.aib_live_owners() <= owners_before + 2
@@ -707,8 +708,9 @@ def test_evicted_legacy_handle_stays_open_for_its_arrays(cuda_device: int, cupy:
     """With a one-entry handle cache, a handle evicted while its arrays live is reused (not opened
     twice) by the next get, stays valid, and is closed once when the last array goes."""
 
-    from arrow_ipc_bridge import _reaper, cuda
+    from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge.cuda import opener as cuda_opener
+    from arrow_ipc_bridge.runtime import reaper
 
     path, parent, producer = _start_cupy_producer(1000)
     saved = cuda_opener._opener
@@ -729,7 +731,7 @@ def test_evicted_legacy_handle_stays_open_for_its_arrays(cuda_device: int, cupy:
         opener.close()
         gc.collect()
         time.sleep(0.1)
-        _reaper.settle()
+        reaper.settle()
         assert opener._legacy_live == {}  # every handle closed exactly once
     finally:
         cuda_opener._opener = saved

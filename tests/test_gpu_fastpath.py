@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _reaper
-from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, Decoded
+from arrow_ipc_bridge.runtime import reaper
+from arrow_ipc_bridge.wire.metadata import REGION_CUDA_POOL, Decoded
 
 pytestmark = pytest.mark.gpu
 _CTX = mp.get_context("spawn")
@@ -238,10 +238,10 @@ def test_many_publishes_leak_no_event_handle_or_struct(publisher: aib.Publisher,
 
     columns = {f"c{i}": cupy.zeros(256, dtype=cupy.float32) for i in range(16)}
     events = placer.event_pool(0)
-    _reaper.settle()
+    reaper.settle()
     # What earlier tests' publications still hold:
     leased, recorded = events.leased, len(placer._recorded_events)
-    callbacks, nodes = _reaper.pending_callbacks(), lib.aib_live_nodes()
+    callbacks, nodes = reaper.pending_callbacks(), lib.aib_live_nodes()
 
     stream = cupy.cuda.Stream(non_blocking=True)  # announced: each batch carries a pooled event
 
@@ -266,11 +266,11 @@ def test_many_publishes_leak_no_event_handle_or_struct(publisher: aib.Publisher,
         assert last.to_host().column("c15").to_pylist() == [2050.0] * 256
         last.release()
     publisher.unpublish("t")
-    _reaper.settle()
+    reaper.settle()
     assert events.leased <= leased
     assert len(placer._recorded_events) <= recorded
     assert publisher.active_leases == 0
-    assert _reaper.pending_callbacks() <= callbacks + 5
+    assert reaper.pending_callbacks() <= callbacks + 5
     assert lib.aib_live_nodes() <= nodes + 50
 
 
@@ -315,10 +315,10 @@ def test_republished_arrays_keep_their_message_in_lockstep(publisher: aib.Publis
     # The closed session's last releases reach the publisher asynchronously: the export (and its
     # event) closes when the last lease on it has ended.
     deadline = time.monotonic() + 10.0
-    _reaper.settle()
+    reaper.settle()
     while events.leased >= leased and time.monotonic() < deadline:
         time.sleep(0.01)
-        _reaper.settle()
+        reaper.settle()
     assert events.leased < leased  # the shared event went back to the pool with the last version
 
 
@@ -442,7 +442,7 @@ def test_held_columns_skip_the_device_query_until_their_publication_closes(
     """from_cuda_arrays asks the driver for the columns' device unless a live publication holds
     columns of exactly those facts: the step loop's columns after the first publish. Once the
     publication closed, the same columns are asked about again; new arrays always are."""
-    from arrow_ipc_bridge import device
+    from arrow_ipc_bridge.arrays import device
 
     asked: list[int] = []
     real = device._device_of
@@ -464,7 +464,7 @@ def test_held_columns_skip_the_device_query_until_their_publication_closes(
     assert aib.from_cuda_arrays({"x": cupy.zeros(2048, dtype=cupy.float32)}).column_signature[0] == 0
     assert asked == [8, 1]  # new memory: asked
     publisher.unpublish("h")
-    _reaper.settle()
+    reaper.settle()
     aib.from_cuda_arrays(columns)
     assert asked == [8, 1, 8]  # no live publication holds them now
 

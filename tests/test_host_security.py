@@ -22,9 +22,10 @@ import pyarrow as pa
 import pytest
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol, transport
+from arrow_ipc_bridge import transport
 from arrow_ipc_bridge.errors import RegionError
 from arrow_ipc_bridge.host import SharedHostBuffer, allocate_shared, export_host_buffers, shared_alloc
+from arrow_ipc_bridge.transport import protocol
 
 PAGE = mmap.PAGESIZE
 UNPRIVILEGED_UID = 65534  # "nobody" on most distributions; only its lack of privilege matters

@@ -22,7 +22,8 @@ from helpers.arrow_equality import assert_arrays_equal
 from helpers.session_rig import HEADER, JOIN_S, fd_count, raw_hello, sample_table, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol, transport
+from arrow_ipc_bridge import transport
+from arrow_ipc_bridge.transport import protocol
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 

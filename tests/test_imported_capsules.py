@@ -17,10 +17,10 @@ import pytest
 from helpers.session_rig import JOIN_S, null_batch, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.capsules import capsule_struct, owner_address
-from arrow_ipc_bridge.metadata import Decoded
+from arrow_ipc_bridge.runtime import reaper
+from arrow_ipc_bridge.wire.capsules import capsule_struct, owner_address
+from arrow_ipc_bridge.wire.metadata import Decoded
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -30,8 +30,8 @@ def test_protocol_capsules_are_built_by_the_c_core(publisher: aib.Publisher, mon
     the first get, on remembered gets and for host data with regions; they hold what the Python path
     builds, and when the C call cannot (no view) the Python path answers. A released object refuses
     both calls."""
-    from arrow_ipc_bridge import imported as imported_module
-    from arrow_ipc_bridge.capsules import device_array_capsules
+    from arrow_ipc_bridge.consumer import imported as imported_module
+    from arrow_ipc_bridge.wire.capsules import device_array_capsules
 
     with_regions = pa.record_batch({"x": pa.array([1, None, 3]), "s": pa.array(["a", None, "ccc"])})
     publisher.publish("nulls", null_batch(4, 100))
@@ -78,7 +78,7 @@ def test_release_while_another_thread_builds_structs_waits_for_it(publisher: aib
         imported.release()
         with pytest.raises(aib.ReleasedError):
             pa.record_batch(imported)
-        _reaper.settle()
+        reaper.settle()
         session.ping()  # a RELEASE, had one gone out, would have reached the publisher by now
         assert publisher.active_leases == 1  # still borrowed
         decoded.unborrow()  # the deferred release happens here
@@ -138,7 +138,7 @@ def test_a_child_moved_out_outlives_its_released_parent(publisher: aib.Publisher
                 array.children[i].release = ffi.NULL
                 schema.release(schema)
                 array.release(array)
-                _reaper.settle()  # a RELEASE, had the lease ended, is sent now
+                reaper.settle()  # a RELEASE, had the lease ended, is sent now
                 session.ping()  # and the publisher took it before answering (frames are in order)
                 assert publisher.active_leases == 1  # the moved child still holds the lease
                 moved = pa.Array._import_from_c(
@@ -166,7 +166,7 @@ def imported_again(session: aib.Session) -> tuple[object, object]:
 def test_an_owner_without_a_view_builds_no_capsules() -> None:
     """The C capsule functions answer None (the caller's cue for the Python path) for an owner that was
     never told where its regions are, and for one without a decoded message; a 0 address is refused."""
-    from arrow_ipc_bridge.capsules import array_capsules, device_array_capsules
+    from arrow_ipc_bridge.wire.capsules import array_capsules, device_array_capsules
 
     decoded = Decoded(aib.export(null_batch(2, 5)).message)
     try:

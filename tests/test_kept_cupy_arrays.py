@@ -1,4 +1,4 @@
-"""Kept CuPy arrays (``array_cache.py``): a standing-lease session's ``column_arrays(..., "cupy")``
+"""Kept CuPy arrays (``consumer/array_cache.py``): a standing-lease session's ``column_arrays(..., "cupy")``
 hands out the arrays it made for the same remembered message again when nothing else holds them,
 moves their owner to the new get's lease, and lets go of what it keeps ``pool_linger`` seconds after
 the last hand-out, on ``forget`` and on ``close``. docs/lifetime.md ("Kept CuPy arrays") says what is
@@ -25,9 +25,9 @@ import pytest
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import _ffi
-from arrow_ipc_bridge.capsules import DEVICE_CUDA
-from arrow_ipc_bridge.imported import imported_from
-from arrow_ipc_bridge.metadata import Decoded
+from arrow_ipc_bridge.consumer.imported import imported_from
+from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA
+from arrow_ipc_bridge.wire.metadata import Decoded
 from tests.helpers.session_rig import wait_for
 
 # Long enough that the tests which do not wait for the linger finish each step well within it on a

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pytest
 
 from arrow_ipc_bridge.errors import UnsupportedFormatError
-from arrow_ipc_bridge.layout import min_buffer_sizes, parse_format
+from arrow_ipc_bridge.wire.layout import min_buffer_sizes, parse_format
 
 FORMATS = {
     "n": ("null", 0, 0),

@@ -24,7 +24,8 @@ from helpers.session_rig import FakePublisher, assert_back_to, null_batch, sampl
 from helpers.wire_craft import encode_item
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _reaper, protocol
+from arrow_ipc_bridge.runtime import reaper
+from arrow_ipc_bridge.transport import protocol
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -170,7 +171,7 @@ def test_lease_ids_the_token_cannot_carry_take_the_python_path(sock_dir: str) ->
     publisher answering with lease ids 0 or from 2**40 on is served by the Python path, and each
     RELEASE names the id the publisher gave."""
     message = aib.export(null_batch(2, 5)).message
-    big = (1 << _reaper.FAMILY_VALUE_BITS) + 7
+    big = (1 << reaper.FAMILY_VALUE_BITS) + 7
     leases = [1, 2, big, 0, (1 << 64) - 1, 3]
     replies: list[Any] = [(protocol.ITEM, encode_item(lease, message), []) for lease in leases]
     fake = FakePublisher(os.path.join(sock_dir, "f.sock"), replies=replies)
@@ -188,7 +189,7 @@ def test_c_imported_leases_outlive_their_session_object(publisher: aib.Publisher
     family is retired (nothing of it stays registered). ``pool_linger=0``: every get asks and takes a
     lease of its own (the standing lease's case is the next test)."""
     publisher.publish("t", null_batch(3, 10))
-    families_before = len(_reaper._families)
+    families_before = len(reaper._families)
     session = aib.connect(publisher.path, timeout=5.0, pool_linger=0)
     session.get("t").release()  # the first get remembers the message
     kept = []  # capsule pairs: their structs hold the leases (pyarrow lets go of buffer-less data)
@@ -196,7 +197,7 @@ def test_c_imported_leases_outlive_their_session_object(publisher: aib.Publisher
         with session.get("t") as imported:
             kept.append(imported.__arrow_c_device_array__())
     assert session.remembered_gets == 3
-    assert len(_reaper._families) == families_before + 1
+    assert len(reaper._families) == families_before + 1
     del session, imported
     gc.collect()
     assert wait_for(lambda: publisher.active_leases == 3, 2.0)
@@ -207,7 +208,7 @@ def test_c_imported_leases_outlive_their_session_object(publisher: aib.Publisher
     kept.clear()
     gc.collect()
     assert wait_for(lambda: publisher.active_leases == 0, 2.0)
-    assert wait_for(lambda: len(_reaper._families) == families_before, 2.0)
+    assert wait_for(lambda: len(reaper._families) == families_before, 2.0)
     gc.collect()
     assert wait_for(lambda: publisher.active_sessions == 0, 2.0)
 
@@ -218,7 +219,7 @@ def test_a_standing_lease_outlives_its_session_object_until_its_last_import(publ
     until the last struct is released, whatever the linger, then gives it back and retires its
     reaper family."""
     publisher.publish("t", null_batch(3, 10))
-    families_before = len(_reaper._families)
+    families_before = len(reaper._families)
     session = aib.connect(publisher.path, timeout=5.0, pool_linger=60.0)
     session.get("t").release()  # the first get remembers the message
     kept = []  # capsule pairs: their structs hold the imports (pyarrow lets go of buffer-less data)
@@ -239,6 +240,6 @@ def test_a_standing_lease_outlives_its_session_object_until_its_last_import(publ
     kept.clear()
     gc.collect()
     assert wait_for(lambda: publisher.active_leases == 0, 2.0)
-    assert wait_for(lambda: len(_reaper._families) == families_before, 2.0)
+    assert wait_for(lambda: len(reaper._families) == families_before, 2.0)
     gc.collect()
     assert wait_for(lambda: publisher.active_sessions == 0, 2.0)

@@ -21,9 +21,9 @@ import pytest
 from helpers.session_rig import report_from_forked_child, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import ffi
 from arrow_ipc_bridge.errors import ArgumentTypeError, ClosedError, InvalidArgumentError, NotPublishedError
+from arrow_ipc_bridge.runtime import reaper
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -131,7 +131,7 @@ def test_a_collected_c_made_import_leaves_the_sessions_set(local_session: aib.Se
     assert len(local_session._imported) == before + 50
     del imports
     gc.collect()
-    _reaper.settle()
+    reaper.settle()
     assert len(local_session._imported) == before
 
 

@@ -18,10 +18,10 @@ from helpers.golden_cases import GOLDEN_CASES, GOLDEN_DIR, placed_message
 from hypothesis import given
 
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
-from arrow_ipc_bridge.capsules import capture
+from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream, imported_from
 from arrow_ipc_bridge.errors import BridgeError, WireFormatError
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
-from arrow_ipc_bridge.metadata import Decoded, Described, DeviceInfo, process_region
+from arrow_ipc_bridge.wire.capsules import capture
+from arrow_ipc_bridge.wire.metadata import Decoded, Described, DeviceInfo, process_region
 
 TESTS = Path(__file__).parent
 
@@ -379,7 +379,7 @@ def _release_handmade(array: object) -> None:
 def test_null_array_with_a_legacy_validity_buffer() -> None:
     """Older producers (pyarrow <= 25) export a null array with one NULL buffer; it is described as
     the specification has it (no buffers) and comes back as a valid null array."""
-    from arrow_ipc_bridge.capsules import new_capsule
+    from arrow_ipc_bridge.wire.capsules import new_capsule
 
     schema_capsule = pa.null().__arrow_c_schema__()
     array_capsule, array = new_capsule("array")

@@ -292,7 +292,7 @@ def test_a_record_batch_on_the_other_gpu_reads_in_place_through_its_capsule() ->
     import numpy as np
 
     from arrow_ipc_bridge._ffi import ffi
-    from arrow_ipc_bridge.capsules import capsule_struct
+    from arrow_ipc_bridge.wire.capsules import capsule_struct
 
     with _serving_both_gpus() as (path, source, reader):
         want = (np.arange(_ROWS, dtype=np.int64) * 3).tobytes()
@@ -412,16 +412,17 @@ def test_a_thousand_cross_gpu_imports_hold_nothing() -> None:
     GPU memory stay flat after warm-up."""
     import cupy
 
-    from arrow_ipc_bridge import _reaper, cuda
+    from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge.cuda import cross_gpu
     from arrow_ipc_bridge.cuda.opener import opener
+    from arrow_ipc_bridge.runtime import reaper
 
     with _serving_both_gpus() as (path, _source, reader):
         want = numeric_table(0).column("c_int64").chunk(0).buffers()[1].to_pybytes()
 
         def snapshot() -> dict[str, int]:
             gc.collect()
-            _reaper.settle()
+            reaper.settle()
             for device in (0, 1):
                 cupy.cuda.Device(device).synchronize()
             stats = aib.stats().cuda
@@ -430,7 +431,7 @@ def test_a_thousand_cross_gpu_imports_hold_nothing() -> None:
                 "ipc_events": cuda.ipc_event_cache_size(),
                 "legacy_opens": stats.legacy_opens,
                 "pool_imports": stats.pool_imports,
-                "pending_callbacks": _reaper.pending_callbacks(),
+                "pending_callbacks": reaper.pending_callbacks(),
                 "pending_copies": len(cross_gpu._pending),
                 "reader_opens": len(opener()._reader_legacy_live),
                 "free_0": cupy.cuda.Device(0).mem_info[0],

@@ -15,7 +15,7 @@ from arrow_ipc_bridge import cuda
 from arrow_ipc_bridge.cli import doctor, listing
 from arrow_ipc_bridge.cuda import _declarations, cross_gpu, nvml, peer
 from arrow_ipc_bridge.errors import BridgeError, CudaError, RegionError
-from arrow_ipc_bridge.metadata import SLOT_FIRST_REGION
+from arrow_ipc_bridge.wire.metadata import SLOT_FIRST_REGION
 from tests.helpers.session_rig import wait_for
 
 # cuda.h (CUDA 13.0) values of what peer access uses
@@ -330,12 +330,12 @@ class _ReaderOpener:
         self.closed: list[int] = []
 
     def open_legacy_for_reader(self, handles: list[Any], reader: int) -> tuple[list[int], Any]:
-        from arrow_ipc_bridge import _reaper
         from arrow_ipc_bridge._ffi import lib
+        from arrow_ipc_bridge.runtime import reaper
 
         call = len(self.opens)
         self.opens.append(reader)
-        owner = lib.aib_owner_new(_reaper.register(lambda: self.closed.append(call)))
+        owner = lib.aib_owner_new(reaper.register(lambda: self.closed.append(call)))
         return [0xB0000000 + 0x1000 * index for index in range(len(handles))], owner
 
 
@@ -345,8 +345,8 @@ def test_a_cross_gpu_re_get_reuses_what_the_first_get_granted_and_opened(
     """A re-get of a remembered message on another GPU makes no driver call (no device lookup, no
     peer access, no handle open) and names the reader's pointers; forgetting the message drops
     what it kept and the reader's mappings close once the objects handed out are released."""
-    from arrow_ipc_bridge import _reaper
-    from arrow_ipc_bridge.metadata import REGION_HOST_FD
+    from arrow_ipc_bridge.runtime import reaper
+    from arrow_ipc_bridge.wire.metadata import REGION_HOST_FD
 
     devices: list[int] = []
     monkeypatch.setattr(cross_gpu, "_device", devices.append)
@@ -373,9 +373,9 @@ def test_a_cross_gpu_re_get_reuses_what_the_first_get_granted_and_opened(
             assert int(readable._bases[0]) == 0xB0000000
         for readable in readables:
             readable.release()
-        _reaper.drain()
+        reaper.drain()
         kept = len(fake.opens) - len(fake.closed)
         assert kept >= 1  # the remembered message's entry holds the reader's mappings
         session.forget()
-        _reaper.drain()
+        reaper.drain()
         assert wait_for(lambda: len(fake.closed) == len(fake.opens), 5.0)

@@ -18,11 +18,13 @@ from helpers import wire_craft as wc
 from helpers.session_rig import raw_hello, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import array_cache, protocol, transport
+from arrow_ipc_bridge import transport
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.board import PublisherBoard
+from arrow_ipc_bridge.consumer import array_cache
 from arrow_ipc_bridge.errors import PeerClosedError, ProtocolError, WireFormatError
-from arrow_ipc_bridge.metadata import Decoded
+from arrow_ipc_bridge.transport import protocol
+from arrow_ipc_bridge.transport.board import PublisherBoard
+from arrow_ipc_bridge.wire.metadata import Decoded
 
 _HEADER = struct.Struct("<4sHHIHH")  # docs/protocol.md: magic, version, kind, length, n_fds, reserved
 _MAGIC = b"AIBT"  # the frame header (docs/protocol.md, Frames)
@@ -75,7 +77,7 @@ def test_the_c_channel_refuses_a_bad_frame_header(fields: dict[str, object], fie
         peer.close()
 
 
-# ---------- wire.c: the decoder's checks of an untrusted message ----------------------------------------
+# ---------- wire.c: the decoder's checks of an untrusted message --------------------------------------------
 def _decodes(schema: wc.Node, nodes: list[wc.ArrayNode], regions: list[wc.Region] | None = None) -> bool:
     """True when the message decodes; the decoder's WireFormatError propagates."""
     decoded = Decoded(wc.message(schema, [nodes], regions), 1)
@@ -110,7 +112,7 @@ def test_run_ends_and_values_of_different_lengths_are_refused(n_ends: int, n_val
         _decodes(schema, nodes(n_ends, n_values))
 
 
-# ---------- serve.c: one connection's lease table ------------------------------------------------------
+# ---------- serve.c: one connection's lease table -----------------------------------------------------------
 _TABLE_SLOTS = 64  # a connection's first lease table (serve.c); it holds 32 leases before it grows
 
 
@@ -162,7 +164,7 @@ def test_a_lease_whose_probe_chain_wraps_the_table_end_is_released(tmp_path: Pat
             assert pub.active_leases == 0, "the lease at its home slot after the wrap was lost"
 
 
-# ---------- publisher.py: the handshake ------------------------------------------------------------------
+# ---------- producer/publisher.py: the handshake ------------------------------------------------------------
 def test_a_first_hello_of_another_protocol_version_is_refused(tmp_path: Path) -> None:
     """Kills ``publisher-hello-version-unchecked``: a session's *first* HELLO naming another protocol
     version gets ERROR (ProtocolError) and a closed connection, never a WELCOME. (The session tests
@@ -177,7 +179,7 @@ def test_a_first_hello_of_another_protocol_version_is_refused(tmp_path: Path) ->
             raw.recv(timeout=10.0)
 
 
-# ---------- board.c: the version board's sequence lock ---------------------------------------------------
+# ---------- board.c: the version board's sequence lock ------------------------------------------------------
 _SEQ, _SERIAL, _VERSION = 0, 1, 2  # a slot's 64-bit words (board.c's board_slot)
 
 
@@ -313,7 +315,7 @@ def test_a_board_read_stalled_between_its_loads_by_a_write_is_not_taken() -> Non
     assert changes > 20, f"the reads saw {changes} writes: no overlap to test"
 
 
-# ---------- content_check.c: run ends of a sliced run-end-encoded array -----------------------------------
+# ---------- content_check.c: run ends of a sliced run-end-encoded array -------------------------------------
 def _checked_import(level: str, schema: wc.Node, nodes: list[wc.ArrayNode], heap: wc.Heap) -> pa.Array:
     fd, region = wc.memfd_region(bytes(heap.data), size=max(len(heap.data), 64))
     try:
@@ -347,7 +349,7 @@ def test_the_run_ends_of_a_sliced_array_must_cover_its_offset_and_length(level: 
         _checked_import(level, schema, nodes(heap, [2, 3]), heap)
 
 
-# ---------- watch.py: held waits ------------------------------------------------------------------------
+# ---------- producer/watch.py: held waits -------------------------------------------------------------------
 def _versioned_answer(raw: transport.Connection) -> int:
     """The version of the VERSIONED_ITEM ``raw`` reads next; its lease is given back."""
     with raw.recv(timeout=10.0) as frame:
@@ -388,7 +390,7 @@ def test_a_wait_after_the_version_the_next_publish_gets_is_kept_for_the_one_afte
         second.close()
 
 
-# ---------- streams/writer.py: one schema per stream, metadata included -------------------------------
+# ---------- producer/stream_writer.py: one schema per stream, metadata included -----------------------------
 def test_a_stream_batch_whose_metadata_differs_is_refused(publisher: aib.Publisher) -> None:
     """Kills ``streams-schema-metadata-unchecked``: a stream has one schema, its metadata included
     (docs/streams.md): a batch whose column says another unit, or whose schema metadata differs, is
@@ -419,7 +421,7 @@ def test_a_stream_batch_whose_metadata_differs_is_refused(publisher: aib.Publish
         assert got == [1.0, 4.0]  # nothing of the refused ones was sent
 
 
-# ---------- array_cache.py: kept CuPy arrays' linger ---------------------------------------------------
+# ---------- consumer/array_cache.py: kept CuPy arrays' linger -----------------------------------------------
 class _Clock:
     """A monotonic clock the test moves (from the real one's reading, so the linger thread, which
     passes the real time, finds nothing due while the test runs)."""
@@ -504,7 +506,7 @@ def test_kept_arrays_are_not_handed_out_for_another_message_of_the_same_columns(
     cache.close()
 
 
-# ---------- remembered.c: the standing lease's linger -----------------------------------------------------
+# ---------- remembered.c: the standing lease's linger -------------------------------------------------------
 def test_a_local_get_restarts_the_standing_leases_linger(publisher: aib.Publisher) -> None:
     """Kills ``remembered-local-get-not-a-use``: a standing lease is given back ``pool_linger``
     seconds after its last get, local gets included; one that lapsed in steady use would turn every
@@ -597,7 +599,7 @@ def test_the_same_bytes_published_again_move_the_standing_lease(publisher: aib.P
         del data, batch
 
 
-# ---------- py_local_get.c: the C getter's locks ------------------------------------------------------
+# ---------- py_local_get.c: the C getter's locks ------------------------------------------------------------
 def test_the_c_getter_gives_its_locks_back_on_every_path(publisher: aib.Publisher) -> None:
     """Kills ``local-getter-keeps-request-lock``, ``local-getter-miss-keeps-request-lock`` and
     ``local-getter-keeps-receive-lock``: after a local get (answered), a get the board

@@ -20,9 +20,9 @@ from helpers.session_rig import wait_for
 from hypothesis import HealthCheck, given, settings
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.capsules import capsule_struct
+from arrow_ipc_bridge.runtime import reaper
+from arrow_ipc_bridge.wire.capsules import capsule_struct
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -39,8 +39,14 @@ def _cuda_shaped_message(
     """A CUDA message over ``batch``'s layout whose buffers live in regions with ``handles`` (one
     per buffer, in slot order, each at offset 0; legacy regions unless ``kind`` says otherwise):
     what a producer of new arrays sends."""
-    from arrow_ipc_bridge.capsules import DEVICE_CUDA, capture
-    from arrow_ipc_bridge.metadata import REGION_CUDA_LEGACY, SLOT_FIRST_REGION, Described, DeviceInfo, Region
+    from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA, capture
+    from arrow_ipc_bridge.wire.metadata import (
+        REGION_CUDA_LEGACY,
+        SLOT_FIRST_REGION,
+        Described,
+        DeviceInfo,
+        Region,
+    )
 
     captured = capture(batch)
     try:
@@ -138,7 +144,7 @@ def _put_handles_recording_release(
     assert lib.aib_regions_put(lib.AIB_REGION_KEY_EVENT, event_key, len(event_key), event, ffi.NULL, 0) == 0
     keys = [(lib.AIB_REGION_KEY_DEVICE, uuid), (lib.AIB_REGION_KEY_EVENT, event_key)]
     for i, handle in enumerate(handles):
-        owner = lib.aib_owner_new(_reaper.register(lambda i=i: released.append(i)))
+        owner = lib.aib_owner_new(reaper.register(lambda i=i: released.append(i)))
         base = stride * (i + 1)
         assert lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handle, len(handle), base, owner, 0) == 0
         keys.append((lib.AIB_REGION_KEY_LEGACY, handle))
@@ -153,8 +159,8 @@ def test_new_messages_of_any_type_over_open_handles_import_in_c(
 ) -> None:
     """Any Arrow type goes through the C new-message path: the session's structs carry the
     producer's schema and every data buffer points at its region's base plus its offset."""
-    from arrow_ipc_bridge.capsules import DEVICE_CUDA
-    from arrow_ipc_bridge.metadata import REGION_CUDA_LEGACY, Decoded
+    from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA
+    from arrow_ipc_bridge.wire.metadata import REGION_CUDA_LEGACY, Decoded
 
     uuid, sync = b"U" * 16, b"S" * 64
     handles = [i.to_bytes(4, "little") * 16 for i in range(1, 4096)]
@@ -202,7 +208,7 @@ def test_new_messages_of_any_type_over_open_handles_import_in_c(
 def test_new_stream_over_open_handles_is_imported_by_the_c_core(publisher: aib.Publisher) -> None:
     """A two-batch stream over open handles takes the same C path: the session hands out a stream
     whose device batches point into the regions' bases on the GPU's ordinal."""
-    from arrow_ipc_bridge.capsules import DEVICE_CUDA, capture
+    from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA, capture
 
     table = pa.Table.from_batches(
         [pa.record_batch({"x": pa.array([float(b)] * 4, pa.float64())}) for b in range(2)]
@@ -240,7 +246,7 @@ def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.
     hold the handles' owners until released; the lease ends with it. With one handle missing the
     get takes the Python path (here that path needs the CUDA driver: CudaError) and gives its lease
     back. No GPU needed: nothing is dereferenced."""
-    from arrow_ipc_bridge.capsules import DEVICE_CUDA
+    from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA
 
     batch = pa.record_batch({f"c{i}": pa.array([float(i)] * 8, pa.float32()) for i in range(3)})
     handles = [bytes([i + 1]) * 64 for i in range(3)]
@@ -272,12 +278,12 @@ def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.
             for _, key in keys[2:]:  # the table lets go; the import still holds the handles
                 lib.aib_regions_remove(lib.AIB_REGION_KEY_LEGACY, key, 64)
             keys = keys[:2]
-            _reaper.settle()
+            reaper.settle()
             assert released == []
             assert publisher.active_leases == 1
             imported.release()
             assert wait_for(lambda: publisher.active_leases == 0, 5.0)
-            _reaper.settle()  # the reaper thread may be running a callback already
+            reaper.settle()  # the reaper thread may be running a callback already
             assert sorted(released) == [0, 1, 2]
 
             # one handle missing: the Python path, which needs the driver here
@@ -325,10 +331,10 @@ def test_a_new_message_got_twice_in_a_row_is_remembered(publisher: aib.Publisher
             for kind, key in keys[2:]:
                 lib.aib_regions_remove(kind, key, len(key))
             keys = keys[:2]
-            _reaper.settle()
+            reaper.settle()
             assert released == []  # the remembered template holds the handles' owners
             assert session.forget("poll") == 1
-            _reaper.settle()  # the reaper thread may be running a callback already
+            reaper.settle()  # the reaper thread may be running a callback already
             assert sorted(released) == [0, 1]
     finally:
         for kind, key in keys:
@@ -341,7 +347,7 @@ def test_new_message_over_kept_slabs_is_imported_by_the_c_core(publisher: aib.Pu
     """Pool regions flagged kept whose slabs are in the region table (what the opener puts there)
     take the C new-message path like open legacy handles; the same regions without the flag (pool
     pointers that need a lease) never do: the get goes to Python, which needs the driver here."""
-    from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, REGION_FLAG_KEPT
+    from arrow_ipc_bridge.wire.metadata import REGION_CUDA_POOL, REGION_FLAG_KEPT
 
     batch = pa.record_batch({f"c{i}": pa.array([float(i)] * 8, pa.float32()) for i in range(2)})
     handles = [b"K" * 24 + bytes([i + 1]) * 64 for i in range(2)]
@@ -407,7 +413,7 @@ def test_imported_structs_carry_the_sync_event_only_while_it_is_pending(publishe
     does a process without a query function. Array capsules (the C path and the Python builder) and
     every batch of a device stream; cuda_stats() counts both outcomes."""
     from arrow_ipc_bridge import cuda
-    from arrow_ipc_bridge.capsules import DEVICE_CUDA, capture, new_capsule
+    from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA, capture, new_capsule
 
     batch = pa.record_batch({"x": pa.array([1.0, 2.0], pa.float32())})
     table = pa.Table.from_batches([batch, batch])
@@ -500,13 +506,13 @@ def test_a_c_side_import_counts_as_a_use_of_its_handles(publisher: aib.Publisher
         lib.aib_owner_unref(owner)
         keys.append((lib.AIB_REGION_KEY_LEGACY, handles[2]))
         assert _legacy_keys_held() == [handles[0], handles[2]]
-        _reaper.settle()  # the reaper thread may be running a callback already
+        reaper.settle()  # the reaper thread may be running a callback already
         assert released == [1]
     finally:
         for kind, key in keys:
             lib.aib_regions_remove(kind, key, len(key))
         publisher.unpublish("one")
-        _reaper.settle()
+        reaper.settle()
 
 
 def test_opened_ipc_events_are_asked_of_the_region_table() -> None:

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pytest
 
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.capsules import capture, export_captured, new_capsule
+from arrow_ipc_bridge.wire.capsules import capture, export_captured, new_capsule
 
 
 def _counters() -> tuple[int, int, int]:

@@ -15,7 +15,7 @@ import pytest
 from helpers.session_rig import FakePublisher, sample_table
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol
+from arrow_ipc_bridge.transport import protocol
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 

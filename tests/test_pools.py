@@ -20,8 +20,10 @@ import pytest
 from helpers.session_rig import FakeKeptLeaseHolder, FakePublisher, Reply, fd_count, sample_table, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _reaper, protocol, transport
+from arrow_ipc_bridge import transport
 from arrow_ipc_bridge._ffi import lib
+from arrow_ipc_bridge.runtime import reaper
+from arrow_ipc_bridge.transport import protocol
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -103,7 +105,7 @@ def test_pool_region_without_its_fd_needs_a_known_pool_or_a_source() -> None:
     failing source leaves nothing cached. An index past the fds that came is refused too. None of
     this reaches the driver, so it runs without a GPU."""
     from arrow_ipc_bridge.cuda import opener as cuda_opener
-    from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, Region
+    from arrow_ipc_bridge.wire.metadata import REGION_CUDA_POOL, Region
 
     opener = cuda_opener.CudaOpener()
     handle = bytes(range(88))
@@ -161,7 +163,7 @@ def test_imported_pools_beyond_the_bound_are_dropped_once_idle(monkeypatch: pyte
     stays. A pool evicted under a message being imported is looked up again, and after three
     such evictions the import fails with RegionError."""
     from arrow_ipc_bridge.cuda import opener as cuda_opener
-    from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, Region
+    from arrow_ipc_bridge.wire.metadata import REGION_CUDA_POOL, Region
 
     made: list[_FakeImportedPool] = []
 
@@ -181,7 +183,7 @@ def test_imported_pools_beyond_the_bound_are_dropped_once_idle(monkeypatch: pyte
 
     def let_go(owner: Any) -> None:
         lib.aib_owner_unref(owner)
-        _reaper.settle()
+        reaper.settle()
 
     held = use(1, 1)  # pool 1 stays in use
     let_go(use(2, 1))  # pool 2 idle
@@ -208,7 +210,7 @@ def test_kept_slab_imports_outlive_their_leases_in_a_bounded_lru(monkeypatch: py
     and its import is freed once no message uses it; close() lets the rest go."""
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge.cuda import opener as cuda_opener
-    from arrow_ipc_bridge.metadata import REGION_CUDA_POOL, REGION_FLAG_KEPT, Region
+    from arrow_ipc_bridge.wire.metadata import REGION_CUDA_POOL, REGION_FLAG_KEPT, Region
 
     pool = _FakeImportedPool()
     monkeypatch.setattr(cuda_opener, "import_pool", lambda fd, device: pool)
@@ -225,7 +227,7 @@ def test_kept_slab_imports_outlive_their_leases_in_a_bounded_lru(monkeypatch: py
 
     def let_go(owner: Any) -> None:
         lib.aib_owner_unref(owner)
-        _reaper.settle()
+        reaper.settle()
 
     tables_before = lib.aib_regions_count()
     stats = cuda.cuda_stats()
@@ -252,7 +254,7 @@ def test_kept_slab_imports_outlive_their_leases_in_a_bounded_lru(monkeypatch: py
     assert len(pool.imported) == 2
     assert lib.aib_regions_count() == tables_before + 2
     opener.close()
-    _reaper.settle()
+    reaper.settle()
     assert pool.imported == set()
     assert opener._pool_pointers == {}
     assert lib.aib_regions_count() == tables_before
@@ -264,7 +266,7 @@ def test_legacy_regions_of_a_message_open_together(monkeypatch: pytest.MonkeyPat
     when the last message using it lets go. A handle that is not 64 bytes opens nothing."""
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge.cuda import opener as cuda_opener
-    from arrow_ipc_bridge.metadata import REGION_CUDA_LEGACY, Region
+    from arrow_ipc_bridge.wire.metadata import REGION_CUDA_LEGACY, Region
 
     opened: list[bytes] = []
     closed: list[int] = []
@@ -283,7 +285,7 @@ def test_legacy_regions_of_a_message_open_together(monkeypatch: pytest.MonkeyPat
 
     def let_go(owner: Any) -> None:
         lib.aib_owner_unref(owner)
-        _reaper.settle()
+        reaper.settle()
 
     before = cuda.cuda_stats()
     bases, first = message(a, b, a)
@@ -302,7 +304,7 @@ def test_legacy_regions_of_a_message_open_together(monkeypatch: pytest.MonkeyPat
         message(a, b"short")
     assert opened == [a, b, c]
     opener.close()  # the LRU lets go: every handle is closed once
-    _reaper.settle()
+    reaper.settle()
     assert sorted(closed) == [0x1000, 0x2000, 0x3000]
 
 
@@ -311,7 +313,7 @@ def test_pool_messages_are_kept_from_their_second_get_under_one_name() -> None:
     only for IPC-pool data (pool regions, legacy ones beside them allowed) got under the same name
     with the same bytes as that name's previous get; never without a lease (import_message), a
     name, or with pool_linger 0; a stream of new messages is never kept."""
-    from arrow_ipc_bridge.metadata import (
+    from arrow_ipc_bridge.wire.metadata import (
         REGION_CUDA_LEGACY,
         REGION_CUDA_POOL,
         REGION_CUDA_VMM,
@@ -354,16 +356,16 @@ def test_pool_messages_are_kept_from_their_second_get_under_one_name() -> None:
 def test_linger_thread_keeps_each_sessions_next_deadline() -> None:
     """The linger thread asks a watched session again at the deadline it returned (not before, and
     not never), sleeps when nothing lingers, and a new watch() wakes it."""
-    from arrow_ipc_bridge import _linger
+    from arrow_ipc_bridge.consumer import linger
 
     session = FakeKeptLeaseHolder([0.2, None])
-    _linger.watch(session)
+    linger.watch(session)
     assert wait_for(lambda: len(session.calls) >= 2, 5.0)
     assert session.calls[1] - session.calls[0] >= 0.19  # asked again at its deadline
     time.sleep(0.3)
     assert len(session.calls) == 2  # nothing lingers: not asked again
     session.deadlines = [0.05, None]
-    _linger.watch(session)
+    linger.watch(session)
     assert wait_for(lambda: len(session.calls) == 4, 5.0)
 
     class Failing:
@@ -372,7 +374,7 @@ def test_linger_thread_keeps_each_sessions_next_deadline() -> None:
 
     failing = Failing()
     other = FakeKeptLeaseHolder([None])
-    _linger.watch(failing)
-    _linger.watch(other)
+    linger.watch(failing)
+    linger.watch(other)
     assert other.asked.wait(5.0)  # one session failing does not stop the others
     del failing

@@ -6,7 +6,7 @@ buffers; a ``publish_stream`` pump thread writes and releases batches until it n
 closed. pyarrow's NumPy-backed and foreign buffers take the GIL in their C++ destructor; when the
 process was already finalizing, that took the daemon thread down with ``pthread_exit``, whose
 unwinding through the destructor called ``std::terminate``. Both threads are stopped at exit now
-(``_reaper.py``, ``streams/writer.py``). The producer here publishes a table and a stream whose
+(``runtime/reaper.py``, ``producer/stream_writer.py``). The producer here publishes a table and a stream whose
 buffers' owner takes a moment to let go, so a release is still running when the main thread reaches
 the exit: before the fixes about half the runs aborted (a plain NumPy-backed table did 1-2 times
 in 20 on a busy machine).

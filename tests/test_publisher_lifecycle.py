@@ -25,7 +25,8 @@ from helpers.arrow_equality import assert_arrays_equal
 from helpers.session_rig import HEADER, sample_table, settle, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol, transport
+from arrow_ipc_bridge import transport
+from arrow_ipc_bridge.transport import protocol
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 

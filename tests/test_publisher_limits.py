@@ -24,7 +24,7 @@ import pytest
 from helpers import socket_helpers
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol, transport
+from arrow_ipc_bridge import transport
 from arrow_ipc_bridge.errors import (
     ConnectionLimitError,
     DescriptorsInFlightError,
@@ -36,6 +36,7 @@ from arrow_ipc_bridge.errors import (
     UnreadAnswersError,
 )
 from arrow_ipc_bridge.host import SharedHostBuffer, allocate_shared
+from arrow_ipc_bridge.transport import protocol
 
 SPAWN = multiprocessing.get_context("spawn")
 NOBODY = 65534

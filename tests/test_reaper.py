@@ -1,4 +1,4 @@
-"""The reaper thread: owners that die in C reach Python through it (``_reaper.py``)."""
+"""The reaper thread: owners that die in C reach Python through it (``reaper.py``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import pytest
 
-from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import ffi, lib
+from arrow_ipc_bridge.runtime import reaper
 
 # A process that already holds more than FD_SETSIZE (1024) descriptors when the reaper starts gets a
 # reaper pipe numbered above 1024. The child checks that releases still reach the publisher then.
@@ -30,7 +30,7 @@ _MANY_FDS_CHILD = textwrap.dedent(
     held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
     import pyarrow as pa
     import arrow_ipc_bridge as aib
-    from arrow_ipc_bridge import _reaper
+    from arrow_ipc_bridge.runtime import reaper
     path = os.path.join(tempfile.mkdtemp(), "p.sock")
     with aib.Publisher(path) as pub:
         pub.publish("t", pa.table({"x": pa.array(range(1000))}))
@@ -41,7 +41,7 @@ _MANY_FDS_CHILD = textwrap.dedent(
             while pub.active_leases and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert pub.active_leases == 0, pub.active_leases
-    assert _reaper._thread is not None and _reaper._thread.is_alive()
+    assert reaper._thread is not None and reaper._thread.is_alive()
     print("OK")
     """
 )
@@ -72,7 +72,7 @@ def _wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
     """Drain here too (the reaper thread may be the one that runs the callbacks); True once it holds."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        _reaper.drain()
+        reaper.drain()
         if condition():
             return True
         time.sleep(0.01)
@@ -89,14 +89,14 @@ def test_every_dead_owner_runs_its_callback_once() -> None:
         with lock:
             ran.append(i)
 
-    before = _reaper.pending_callbacks()
-    tokens = [_reaper.register(functools.partial(record, i)) for i in range(3 * _reaper._BATCH + 7)]
-    assert _reaper.pending_callbacks() == before + len(tokens)
+    before = reaper.pending_callbacks()
+    tokens = [reaper.register(functools.partial(record, i)) for i in range(3 * reaper._BATCH + 7)]
+    assert reaper.pending_callbacks() == before + len(tokens)
     _kill_owners(tokens)
     assert _wait_for(lambda: len(ran) >= len(tokens)), f"{len(tokens) - len(ran)} callbacks never ran"
     assert sorted(ran) == list(range(len(tokens)))
-    assert _reaper.pending_callbacks() == before
-    assert not any(_reaper.unregister(token) for token in tokens)
+    assert reaper.pending_callbacks() == before
+    assert not any(reaper.unregister(token) for token in tokens)
 
 
 def test_a_failing_callback_does_not_stop_the_others(caplog: pytest.LogCaptureFixture) -> None:
@@ -106,8 +106,8 @@ def test_a_failing_callback_does_not_stop_the_others(caplog: pytest.LogCaptureFi
     def fail() -> None:
         raise RuntimeError("this notice fails")
 
-    tokens = [_reaper.register(fail)]
-    tokens += [_reaper.register(functools.partial(ran.append, i)) for i in range(5)]
+    tokens = [reaper.register(fail)]
+    tokens += [reaper.register(functools.partial(ran.append, i)) for i in range(5)]
     with caplog.at_level(logging.ERROR, logger="arrow_ipc_bridge"):
         _kill_owners(tokens)
         assert _wait_for(lambda: len(ran) == 5), ran
@@ -119,15 +119,15 @@ def test_a_failing_callback_does_not_stop_the_others(caplog: pytest.LogCaptureFi
 def test_a_family_callback_gets_the_value_of_the_token() -> None:
     """An owner dying with token base | value runs the family's callback with value alone."""
     got: list[int] = []
-    base = _reaper.register_family(got.append)
+    base = reaper.register_family(got.append)
     try:
-        _kill_owners([base | 5, base | 1, base | (1 << _reaper.FAMILY_VALUE_BITS) - 1])
+        _kill_owners([base | 5, base | 1, base | (1 << reaper.FAMILY_VALUE_BITS) - 1])
         assert _wait_for(lambda: len(got) == 3), got
-        assert sorted(got) == [1, 5, (1 << _reaper.FAMILY_VALUE_BITS) - 1]
+        assert sorted(got) == [1, 5, (1 << reaper.FAMILY_VALUE_BITS) - 1]
     finally:
-        _reaper.unregister_family(base)
+        reaper.unregister_family(base)
     _kill_owners([base | 7])  # unregistered: runs nothing
-    _reaper.drain()
+    reaper.drain()
     assert 7 not in got
 
 
@@ -142,11 +142,11 @@ def test_settle_waits_for_the_notice_the_reaper_thread_is_delivering() -> None:
         time.sleep(0.3)
         finished.set()
 
-    _kill_owners([_reaper.register(slow)])  # not quiet: the reaper thread is woken and takes it
+    _kill_owners([reaper.register(slow)])  # not quiet: the reaper thread is woken and takes it
     assert started.wait(5), "the reaper thread never ran the notice"
-    _reaper.drain()
+    reaper.drain()
     assert not finished.is_set()  # drain() found nothing to run: the reaper thread has it
-    _reaper.settle()
+    reaper.settle()
     assert finished.is_set()
 
 
@@ -156,10 +156,10 @@ def test_settle_on_the_reaper_thread_does_not_wait_for_itself() -> None:
 
     def settle_inside() -> None:
         began = time.monotonic()
-        _reaper.settle(timeout=2.0)
+        reaper.settle(timeout=2.0)
         took.append(time.monotonic() - began)
 
-    _kill_owners([_reaper.register(settle_inside)])
+    _kill_owners([reaper.register(settle_inside)])
     assert _wait_for(lambda: bool(took)), "the notice never ran"
     assert took[0] < 1.0, took
 
@@ -168,17 +168,17 @@ def test_a_forked_child_runs_none_of_the_parents_callbacks() -> None:
     """An owner inherited through fork that dies in the child runs nothing there (its callback acts
     on the parent's resources); the child's own registrations work."""
     ran: list[str] = []
-    token = _reaper.register(lambda: ran.append("parent's"))
+    token = reaper.register(lambda: ran.append("parent's"))
     owner = lib.aib_owner_new(token)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
         code = 3
         try:
             lib.aib_owner_unref(owner)
-            _reaper.drain()
-            own = _reaper.register(lambda: ran.append("child's"))
+            reaper.drain()
+            own = reaper.register(lambda: ran.append("child's"))
             _kill_owners([own])
-            _reaper.drain()
+            reaper.drain()
             code = 0 if ran == ["child's"] else 1
         finally:
             os._exit(code)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import lib
+from arrow_ipc_bridge.runtime import reaper
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -20,17 +20,17 @@ def test_reaper_family_tokens_reach_their_callback_with_the_value() -> None:
     """An owner dying with token base | value runs the family's callback with value; after the family
     is retired, its owners run nothing."""
     seen: list[int] = []
-    base = _reaper.register_family(seen.append)
+    base = reaper.register_family(seen.append)
     try:
-        for value in (1, 12345, (1 << _reaper.FAMILY_VALUE_BITS) - 1):
+        for value in (1, 12345, (1 << reaper.FAMILY_VALUE_BITS) - 1):
             lib.aib_owner_unref(lib.aib_owner_new(base | value))
-        _reaper.drain()
-        assert seen == [1, 12345, (1 << _reaper.FAMILY_VALUE_BITS) - 1]
+        reaper.drain()
+        assert seen == [1, 12345, (1 << reaper.FAMILY_VALUE_BITS) - 1]
     finally:
-        _reaper.unregister_family(base)
+        reaper.unregister_family(base)
     lib.aib_owner_unref(lib.aib_owner_new(base | 5))
-    _reaper.drain()
-    assert seen == [1, 12345, (1 << _reaper.FAMILY_VALUE_BITS) - 1]
+    reaper.drain()
+    assert seen == [1, 12345, (1 << reaper.FAMILY_VALUE_BITS) - 1]
 
 
 def test_a_reaper_callback_may_drain_again() -> None:
@@ -43,14 +43,14 @@ def test_a_reaper_callback_may_drain_again() -> None:
         lib.aib_reaper_quiet(1)  # this thread drains them, not the reaper thread
         try:
             for i in range(3):  # enough to overwrite the rest of a shared batch buffer
-                lib.aib_owner_unref(lib.aib_owner_new(_reaper.register(lambda i=i: ran.append(f"inner{i}"))))
+                lib.aib_owner_unref(lib.aib_owner_new(reaper.register(lambda i=i: ran.append(f"inner{i}"))))
         finally:
             lib.aib_reaper_quiet(0)
-        _reaper.drain()
+        reaper.drain()
 
-    _reaper.drain()  # nothing queued from before
-    tokens = [_reaper.register(first)] + [
-        _reaper.register(lambda i=i: ran.append(f"later{i}")) for i in range(3)
+    reaper.drain()  # nothing queued from before
+    tokens = [reaper.register(first)] + [
+        reaper.register(lambda i=i: ran.append(f"later{i}")) for i in range(3)
     ]
     owners = [lib.aib_owner_new(token) for token in tokens]
     lib.aib_reaper_quiet(1)  # queued here, run by the drain below (not by the reaper thread)
@@ -59,5 +59,5 @@ def test_a_reaper_callback_may_drain_again() -> None:
             lib.aib_owner_unref(owner)
     finally:
         lib.aib_reaper_quiet(0)
-    _reaper.drain()
+    reaper.drain()
     assert sorted(ran) == ["first", "inner0", "inner1", "inner2", "later0", "later1", "later2"]

@@ -19,8 +19,8 @@ from helpers.session_rig import JOIN_S, FakePublisher, fd_count, null_batch, wai
 from helpers.wire_craft import encode_item
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol
 from arrow_ipc_bridge._ffi import lib
+from arrow_ipc_bridge.transport import protocol
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -217,7 +217,7 @@ def test_the_set_gives_back_kept_leases_unused_for_the_linger_time() -> None:
     of once no get used it for the linger time, one without stays; a name keeps one message (its
     next one replaces it); everything let go of is handed back by id, once."""
     from arrow_ipc_bridge._ffi import ffi
-    from arrow_ipc_bridge.metadata import Decoded
+    from arrow_ipc_bridge.wire.metadata import Decoded
 
     table = ffi.gc(lib.aib_remembered_new(8), lib.aib_remembered_free)
     templates = [Decoded(aib.export(null_batch(1, rows)).message, 0) for rows in (1, 2, 3)]
@@ -261,7 +261,7 @@ def test_the_set_grows_past_its_first_buckets_and_keeps_its_order() -> None:
     """The C set holds more messages than it first made room for (its table grows), finds every
     one, and a lower limit lets go of the least recently used first, oldest first."""
     from arrow_ipc_bridge._ffi import ffi
-    from arrow_ipc_bridge.metadata import Decoded
+    from arrow_ipc_bridge.wire.metadata import Decoded
 
     table = ffi.gc(lib.aib_remembered_new(8), lib.aib_remembered_free)  # room made for 8
     lib.aib_remembered_set_limit(table, 1000)

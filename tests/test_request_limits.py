@@ -16,11 +16,12 @@ import pyarrow as pa
 import pytest
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol, transport
+from arrow_ipc_bridge import transport
 from arrow_ipc_bridge._ffi import lib
-from arrow_ipc_bridge.channel import MAX_PAYLOAD
 from arrow_ipc_bridge.errors import NotPublishedError, PeerClosedError, ProtocolError, WaitTimeoutError
-from arrow_ipc_bridge.streams import frames
+from arrow_ipc_bridge.transport import protocol
+from arrow_ipc_bridge.transport.channel import MAX_PAYLOAD
+from arrow_ipc_bridge.wire import stream_frames
 
 # The most payload each request kind carries (docs/protocol.md, "Frame kinds").
 EXPECTED_LIMITS = {
@@ -31,7 +32,7 @@ EXPECTED_LIMITS = {
     protocol.PING: protocol.MAX_PING,
     protocol.POOL_FD: protocol.POOL_IDENTITY_SIZE,
     protocol.SUBSCRIBE: 4 + protocol.MAX_NAME,
-    protocol.RELEASE_MANY: 8 * frames.MAX_IN_FLIGHT,
+    protocol.RELEASE_MANY: 8 * stream_frames.MAX_IN_FLIGHT,
     protocol.WAIT: 12 + protocol.MAX_NAME,
     protocol.BOARD_FD: 0,
 }
@@ -85,7 +86,7 @@ def pub(sock_dir: str) -> aib.Publisher:
 
 
 def test_the_request_limits_are_the_protocols() -> None:
-    """The C table the channel enforces says what protocol.py and the stream frames allow, and every
+    """The C table the channel enforces says what transport/protocol.py and the stream frames allow, and every
     request fits the channel's buffer (so a server connection never allocates a payload buffer)."""
     welcomed = {kind: lib.aib_request_limit(kind, 1) for kind in range(1 << 16)}
     assert {kind: limit for kind, limit in welcomed.items() if limit} == {
@@ -173,10 +174,10 @@ def test_a_subscription_bounds_its_release_frames(pub: aib.Publisher) -> None:
     try:
         with transport.connect(pub.path) as raw:
             hello(raw)
-            raw.send(protocol.SUBSCRIBE, frames.encode_subscribe("s", 4))
+            raw.send(protocol.SUBSCRIBE, stream_frames.encode_subscribe("s", 4))
             with raw.recv(timeout=5.0) as subscribed:
                 assert subscribed.kind == protocol.SUBSCRIBED
-            raw.send(protocol.RELEASE_MANY, frames.encode_release_many(list(range(1, 4097))))
+            raw.send(protocol.RELEASE_MANY, stream_frames.encode_release_many(list(range(1, 4097))))
             os.write(raw.fileno(), header(protocol.RELEASE_MANY, 8 * 4097))
             expect_refused(raw, f"kind {protocol.RELEASE_MANY} announces a payload of {8 * 4097} bytes")
     finally:

@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 from helpers.socket_helpers import assert_hung_up, memfd_with, no_fd_leak, read_fd, run_thread, wait_until
 
-from arrow_ipc_bridge.channel import Frame
 from arrow_ipc_bridge.errors import (
     BridgeError,
     PeerClosedError,
@@ -36,6 +35,7 @@ from arrow_ipc_bridge.errors import (
     WireFormatError,
 )
 from arrow_ipc_bridge.transport import PARK, Connection, Server, connect, socket_path
+from arrow_ipc_bridge.transport.channel import Frame
 
 
 def echo_handler(conn: Connection) -> None:

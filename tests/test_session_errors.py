@@ -20,8 +20,8 @@ from helpers.session_rig import FakePublisher, fd_count, sample_table, settle, w
 from helpers.wire_craft import encode_item
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol
-from arrow_ipc_bridge.metadata import Decoded
+from arrow_ipc_bridge.transport import protocol
+from arrow_ipc_bridge.wire.metadata import Decoded
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 

@@ -20,8 +20,9 @@ import pytest
 from helpers.wire_craft import encode_item
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol, transport
+from arrow_ipc_bridge import transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION
+from arrow_ipc_bridge.transport import protocol
 
 Reply = tuple[int, bytes] | tuple[int, bytes, list[int]]
 
@@ -325,7 +326,7 @@ def test_item_of_an_unknown_device_type_gives_its_lease_back(
 def _with_device_type(message: bytes, device_type: int) -> bytes:
     """``message`` with its device type changed (the byte that encodes the CPU device, found by
     decoding each candidate: the wire format's varint for 1 is the byte 0x01)."""
-    from arrow_ipc_bridge.metadata import Decoded
+    from arrow_ipc_bridge.wire.metadata import Decoded
 
     for i in range(len(message)):
         if message[i] != 1:

@@ -19,7 +19,8 @@ import pytest
 from helpers.session_rig import FakePublisher
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol, transport
+from arrow_ipc_bridge import transport
+from arrow_ipc_bridge.transport import protocol
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 

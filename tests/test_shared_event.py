@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from arrow_ipc_bridge import exporter
 from arrow_ipc_bridge.cuda.shared_event import SharedEvent
+from arrow_ipc_bridge.producer import exporter
 
 
 class _Event:

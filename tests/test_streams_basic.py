@@ -325,7 +325,7 @@ def test_c_device_stream_get_next_end_and_last_error(publisher: aib.Publisher) -
     """The ArrowDeviceArrayStream's functions called as a C consumer would: a batch per get_next
     (host device type, no event), then the producer's error as EIO and get_last_error."""
     from arrow_ipc_bridge._ffi import ffi
-    from arrow_ipc_bridge.capsules import DEVICE_CPU, capsule_struct
+    from arrow_ipc_bridge.wire.capsules import DEVICE_CPU, capsule_struct
 
     writer = publisher.open_stream("d")
     with aib.subscribe(publisher.path, "d", timeout=30) as live:

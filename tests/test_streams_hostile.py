@@ -16,9 +16,10 @@ import pytest
 from helpers.session_rig import fd_count, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol, transport
+from arrow_ipc_bridge import transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION
-from arrow_ipc_bridge.streams import frames
+from arrow_ipc_bridge.transport import protocol
+from arrow_ipc_bridge.wire import stream_frames
 
 Reply = tuple[int, bytes] | tuple[int, bytes, list[int]]
 
@@ -99,7 +100,9 @@ def test_malformed_subscribe_is_a_protocol_error(
     ("frame", "match"),
     [
         pytest.param((protocol.GET, b"s"), "only RELEASE", id="get-on-a-subscription"),
-        pytest.param((protocol.SUBSCRIBE, frames.encode_subscribe("s", 1)), "only RELEASE", id="resubscribe"),
+        pytest.param(
+            (protocol.SUBSCRIBE, stream_frames.encode_subscribe("s", 1)), "only RELEASE", id="resubscribe"
+        ),
         pytest.param((protocol.RELEASE, b"\x01\x00"), "RELEASE payload of 2 bytes", id="short-release"),
         pytest.param((protocol.RELEASE, struct.pack("<Q", 1), "fd"), "only RELEASE", id="release-with-fd"),
         pytest.param((protocol.RELEASE_MANY, b""), "RELEASE_MANY payload of 0 bytes", id="release-none"),
@@ -117,7 +120,7 @@ def test_bad_frames_on_a_subscription_close_it_and_free_its_leases(
     writer = publisher.open_stream("s")
     before = fd_count()
     conn = raw_client(publisher.path)
-    conn.send(protocol.SUBSCRIBE, frames.encode_subscribe("s", 4))
+    conn.send(protocol.SUBSCRIBE, stream_frames.encode_subscribe("s", 4))
     assert conn.recv(timeout=10).kind == protocol.SUBSCRIBED
     writer.write(batch(1))
     with conn.recv(timeout=10) as pushed:
@@ -142,7 +145,7 @@ def test_bad_frames_on_a_subscription_close_it_and_free_its_leases(
 def test_subscribe_before_hello_is_refused(publisher: aib.Publisher) -> None:
     publisher.open_stream("s").close()
     conn = transport.connect(publisher.path, timeout=10)
-    conn.send(protocol.SUBSCRIBE, frames.encode_subscribe("s", 1))
+    conn.send(protocol.SUBSCRIBE, stream_frames.encode_subscribe("s", 1))
     expect_protocol_error_and_close(conn, "before HELLO")
     conn.close()
 
@@ -200,7 +203,7 @@ class ScriptedStreamPublisher:
             elif frame.kind == protocol.RELEASE:
                 self.releases.put(protocol.decode_lease(frame.payload))
             elif frame.kind == protocol.RELEASE_MANY:
-                for lease_id in frames.decode_release_many(frame.payload):
+                for lease_id in stream_frames.decode_release_many(frame.payload):
                     self.releases.put(lease_id)
 
     def close(self) -> None:
@@ -218,7 +221,7 @@ def scripted(sock_dir: str) -> Iterator[Callable[..., ScriptedStreamPublisher]]:
     def make(subscribed: Reply | None = None, pushed: list[Reply] | None = None) -> ScriptedStreamPublisher:
         answer = subscribed or (
             protocol.SUBSCRIBED,
-            frames.encode_subscribed(frames.Subscribed(4, "block", 0)),
+            stream_frames.encode_subscribed(stream_frames.Subscribed(4, "block", 0)),
         )
         pub = ScriptedStreamPublisher(os.path.join(sock_dir, f"p{len(made)}.sock"), answer, pushed or [])
         made.append(pub)
@@ -230,10 +233,10 @@ def scripted(sock_dir: str) -> Iterator[Callable[..., ScriptedStreamPublisher]]:
     assert wait_for(lambda: fd_count() == base, 5), f"descriptors left open: {fd_count()} vs {base}"
 
 
-def good_batch(sequence: int, lease: int, slot: int = frames.NO_SLOT) -> Reply:
+def good_batch(sequence: int, lease: int, slot: int = stream_frames.NO_SLOT) -> Reply:
     exported = aib.export(batch(sequence))
     fds = [os.dup(fd) for fd in exported.fds]
-    payload = frames.encode_batch_header(sequence, lease, slot) + exported.message
+    payload = stream_frames.encode_batch_header(sequence, lease, slot) + exported.message
     exported.close()
     return (protocol.BATCH, payload, fds)
 
@@ -255,7 +258,7 @@ def test_a_scripted_stream_is_imported_and_released(
 def test_a_slot_repeated_without_message_or_descriptors(
     scripted: Callable[..., ScriptedStreamPublisher],
 ) -> None:
-    again = (protocol.BATCH, frames.encode_batch_header(1, 8, 2, frames.FLAG_SLOT_AGAIN))
+    again = (protocol.BATCH, stream_frames.encode_batch_header(1, 8, 2, stream_frames.FLAG_SLOT_AGAIN))
     pub = scripted(pushed=[good_batch(0, 7, slot=2), again, (protocol.STREAM_END, _end(None))])
     with aib.subscribe(pub.path, "s", timeout=10) as live:
         got = []
@@ -271,7 +274,10 @@ def test_close_sends_the_releases_held_back(scripted: Callable[..., ScriptedStre
     """Under "block", released batches' leases wait to go a few at a time; closing the stream sends
     them before the connection ends (the publisher sees RELEASE, not only the disconnect)."""
     pub = scripted(
-        subscribed=(protocol.SUBSCRIBED, frames.encode_subscribed(frames.Subscribed(8, "block", 0))),
+        subscribed=(
+            protocol.SUBSCRIBED,
+            stream_frames.encode_subscribed(stream_frames.Subscribed(8, "block", 0)),
+        ),
         pushed=[good_batch(0, 3), good_batch(1, 4)],
     )
     with aib.subscribe(pub.path, "s", max_in_flight=8, timeout=10) as live:
@@ -293,17 +299,17 @@ def _end(error_type: str | None, message: str = "end", dropped: int = 0) -> byte
     [
         pytest.param((protocol.SUBSCRIBED, b"[]"), "not an object", id="not-object"),
         pytest.param(
-            (protocol.SUBSCRIBED, frames.encode_subscribed(frames.Subscribed(9, "block", 0))),
+            (protocol.SUBSCRIBED, stream_frames.encode_subscribed(stream_frames.Subscribed(9, "block", 0))),
             "grants max_in_flight 9",
             id="more-credit-than-asked",
         ),
         pytest.param(
-            (protocol.SUBSCRIBED, frames.encode_subscribed(frames.Subscribed(1, "later", 0))),
+            (protocol.SUBSCRIBED, stream_frames.encode_subscribed(stream_frames.Subscribed(1, "later", 0))),
             "unknown policy",
             id="policy",
         ),
         pytest.param(
-            (protocol.SUBSCRIBED, frames.encode_subscribed(frames.Subscribed(1, "block", -1))),
+            (protocol.SUBSCRIBED, stream_frames.encode_subscribed(stream_frames.Subscribed(1, "block", -1))),
             "next_sequence",
             id="sequence",
         ),
@@ -329,30 +335,44 @@ def _memfd() -> int:
     [
         pytest.param((protocol.BATCH, b"\x00" * 24), "BATCH payload of 24 bytes", id="no-message"),
         pytest.param(
-            (protocol.BATCH, struct.pack("<QQII", 0, 1, frames.NO_SLOT, 4) + b"x"), "flags 0x4", id="flags"
+            (protocol.BATCH, struct.pack("<QQII", 0, 1, stream_frames.NO_SLOT, 4) + b"x"),
+            "flags 0x4",
+            id="flags",
         ),
         pytest.param(
-            (protocol.BATCH, frames.encode_batch_header(0, 1, frames.NO_SLOT, frames.FLAG_SLOT_AGAIN)),
+            (
+                protocol.BATCH,
+                stream_frames.encode_batch_header(0, 1, stream_frames.NO_SLOT, stream_frames.FLAG_SLOT_AGAIN),
+            ),
             "repeating its slot names a slot",
             id="again-without-slot",
         ),
         pytest.param(
-            (protocol.BATCH, frames.encode_batch_header(0, 1, 3, frames.FLAG_SLOT_AGAIN) + b"x"),
+            (
+                protocol.BATCH,
+                stream_frames.encode_batch_header(0, 1, 3, stream_frames.FLAG_SLOT_AGAIN) + b"x",
+            ),
             "carries nothing after its header",
             id="again-with-message",
         ),
         pytest.param(
-            (protocol.BATCH, frames.encode_batch_header(0, 1, 3, frames.FLAG_SLOT_AGAIN)),
+            (protocol.BATCH, stream_frames.encode_batch_header(0, 1, 3, stream_frames.FLAG_SLOT_AGAIN)),
             "repeats slot 3, which this subscription never received",
             id="again-unknown-slot",
         ),
         pytest.param(
-            (protocol.BATCH, frames.encode_batch_header(0, 1, 3, frames.FLAG_SLOT_AGAIN), [_memfd]),
+            (
+                protocol.BATCH,
+                stream_frames.encode_batch_header(0, 1, 3, stream_frames.FLAG_SLOT_AGAIN),
+                [_memfd],
+            ),
             "repeating its slot carries descriptors",
             id="again-with-fd",
         ),
         pytest.param((protocol.BATCH, struct.pack("<QQII", 0, 1, 70000, 0) + b"x"), "slot 70000", id="slot"),
-        pytest.param((protocol.BATCH, frames.encode_batch_header(0, 0) + b"x"), "lease id 0", id="lease-0"),
+        pytest.param(
+            (protocol.BATCH, stream_frames.encode_batch_header(0, 0) + b"x"), "lease id 0", id="lease-0"
+        ),
         pytest.param((protocol.STREAM_END, b"{"), "not valid JSON", id="end-json"),
         pytest.param((protocol.STREAM_END, _end(None, dropped=-1)), "dropped", id="end-dropped"),
         pytest.param((protocol.STREAM_END, _end(7)), "type 7", id="end-type"),  # type: ignore[arg-type]
@@ -381,7 +401,7 @@ def test_malformed_stream_frames_are_protocol_errors(
 def test_a_batch_whose_message_is_garbage_gives_its_lease_back(
     scripted: Callable[..., ScriptedStreamPublisher],
 ) -> None:
-    bad = (protocol.BATCH, frames.encode_batch_header(0, 1) + b"not a message", [_memfd()])
+    bad = (protocol.BATCH, stream_frames.encode_batch_header(0, 1) + b"not a message", [_memfd()])
     pub = scripted(pushed=[bad, good_batch(1, 2), (protocol.STREAM_END, _end(None))])
     with aib.subscribe(pub.path, "s", timeout=10) as live:
         with pytest.raises(aib.WireFormatError, match="shorter than the header"):

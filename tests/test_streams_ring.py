@@ -14,10 +14,11 @@ from helpers.session_rig import wait_for
 from test_streams_hostile import ScriptedStreamPublisher, _end, scripted, sock_dir  # noqa: F401
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _reaper, protocol
-from arrow_ipc_bridge.capsules import capture
-from arrow_ipc_bridge.streams import frames
-from arrow_ipc_bridge.streams.ring import SMALL_BATCH_BYTES, HostRing
+from arrow_ipc_bridge.producer.stream_ring import SMALL_BATCH_BYTES, HostRing
+from arrow_ipc_bridge.runtime import reaper
+from arrow_ipc_bridge.transport import protocol
+from arrow_ipc_bridge.wire import stream_frames
+from arrow_ipc_bridge.wire.capsules import capture
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -123,7 +124,7 @@ def ring_batch(sequence: int, lease: int, ring: HostRing, rb: pa.RecordBatch) ->
     placed = ring.place(capture(rb))
     assert placed is not None
     message, segment = placed
-    header = frames.encode_batch_header(sequence, lease, segment.index, frames.FLAG_RING)
+    header = stream_frames.encode_batch_header(sequence, lease, segment.index, stream_frames.FLAG_RING)
     return (protocol.BATCH, header + message, [os.dup(segment.buffer.fd)])
 
 
@@ -140,7 +141,10 @@ def test_a_segment_reused_before_it_was_released_is_a_protocol_error(
     ring = HostRing("t")
     first = ring_batch(0, 1, ring, pa.record_batch({"i": pa.array([0], pa.int64())}))
     # The same segment named again while the consumer still holds the first batch in it.
-    again = (protocol.BATCH, frames.encode_batch_header(1, 2, 0, frames.FLAG_RING | frames.FLAG_SLOT_AGAIN))
+    again = (
+        protocol.BATCH,
+        stream_frames.encode_batch_header(1, 2, 0, stream_frames.FLAG_RING | stream_frames.FLAG_SLOT_AGAIN),
+    )
     pub = scripted(pushed=[first, again])
     try:
         with aib.subscribe(pub.path, "s", timeout=10) as live:
@@ -162,7 +166,10 @@ def test_a_segment_reused_after_release_carries_the_new_contents_checked(
     producer rewrote past the data raise the content check's WireFormatError."""
     ring = HostRing("t")
     first = ring_batch(0, 1, ring, pa.record_batch({"s": pa.array(["ab", "cd"])}))
-    again = (protocol.BATCH, frames.encode_batch_header(1, 2, 0, frames.FLAG_RING | frames.FLAG_SLOT_AGAIN))
+    again = (
+        protocol.BATCH,
+        stream_frames.encode_batch_header(1, 2, 0, stream_frames.FLAG_RING | stream_frames.FLAG_SLOT_AGAIN),
+    )
     pub = scripted(pushed=[first, again, (protocol.STREAM_END, _end(None))])
     segment = ring._segments[0]
     try:
@@ -171,7 +178,7 @@ def test_a_segment_reused_after_release_carries_the_new_contents_checked(
             assert imported is not None
             with imported:
                 assert pa.record_batch(imported).column(0).to_pylist() == ["ab", "cd"]
-            _reaper.settle()
+            reaper.settle()
             # The producer rewrites the offsets (int32 at the segment's start) past the 4 data bytes.
             view = segment.buffer.view()
             view[segment.start + 8 : segment.start + 12] = (1000).to_bytes(4, "little")

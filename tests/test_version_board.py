@@ -1,4 +1,4 @@
-"""The version board (``board.py``, ``cffi_build/board.c``) and standing leases: a session re-gets a
+"""The version board (``transport/board.py``, ``cffi_build/board.c``) and standing leases: a session re-gets a
 name it remembers without a round trip while the publisher's board shows the same entry, and asks
 the publisher otherwise (a new publish, an unpublish, a closed or dead publisher, anything waiting
 on the connection). docs/protocol.md ("The version board") and docs/lifetime.md ("Standing
@@ -20,10 +20,10 @@ import pyarrow as pa
 import pytest
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import board as board_module
-from arrow_ipc_bridge import protocol
-from arrow_ipc_bridge import publisher as publisher_module
 from arrow_ipc_bridge.errors import NotPublishedError, PeerClosedError, ProtocolError
+from arrow_ipc_bridge.producer import publisher as publisher_module
+from arrow_ipc_bridge.transport import board as board_module
+from arrow_ipc_bridge.transport import protocol
 from tests.helpers.fault_children import producer_main, table_for
 from tests.helpers.session_rig import settle, wait_for
 

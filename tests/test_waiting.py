@@ -26,9 +26,11 @@ from helpers import waiting_children
 from helpers.session_rig import FakePublisher, raw_hello, run_later, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol, transport, watch
-from arrow_ipc_bridge import publisher as publisher_module
+from arrow_ipc_bridge import transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION
+from arrow_ipc_bridge.producer import publisher as publisher_module
+from arrow_ipc_bridge.producer import watch
+from arrow_ipc_bridge.transport import protocol
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 

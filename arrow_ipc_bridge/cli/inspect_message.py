@@ -15,7 +15,7 @@ __all__ = ["REGION_FLAG_NAMES", "REGION_KIND_NAMES", "describe_message", "inspec
 
 
 def _region_names() -> tuple[dict[int, str], dict[int, str]]:
-    from arrow_ipc_bridge import metadata as m
+    from arrow_ipc_bridge.wire import metadata as m
 
     kinds = {
         m.REGION_PROCESS: "process",
@@ -48,14 +48,14 @@ def describe_message(data: bytes, n_fds: int) -> dict[str, Any]:
     """What a message holds, as plain values (the ``--json`` output); raises ``WireFormatError``
     (or another ``BridgeError``) for a message the decoder refuses."""
     from arrow_ipc_bridge._ffi import ffi
-    from arrow_ipc_bridge.imported import (
+    from arrow_ipc_bridge.consumer.imported import (
         _describe_root,
         batch_lengths,
         device_label,
         message_schema,
         referenced_bytes,
     )
-    from arrow_ipc_bridge.metadata import Decoded
+    from arrow_ipc_bridge.wire.metadata import Decoded
 
     decoded = Decoded(data, n_fds)
     try:
@@ -102,7 +102,7 @@ def describe_message(data: bytes, n_fds: int) -> dict[str, Any]:
 def _root_format(decoded: Any) -> str:
     """The root's Arrow format string (``"+s"`` for record batches and tables)."""
     from arrow_ipc_bridge._ffi import ffi
-    from arrow_ipc_bridge.capsules import new_capsule
+    from arrow_ipc_bridge.wire.capsules import new_capsule
 
     capsule, out = new_capsule("schema")
     decoded.rebuild_schema(out)

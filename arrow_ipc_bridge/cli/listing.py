@@ -65,7 +65,7 @@ def _device_cell(row: dict[str, Any]) -> str:
 
 
 def _is_stream(imported: Any) -> bool:
-    from arrow_ipc_bridge.imported import ImportedStream
+    from arrow_ipc_bridge.consumer.imported import ImportedStream
 
     return isinstance(imported, ImportedStream)
 

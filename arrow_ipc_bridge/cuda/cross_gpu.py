@@ -29,7 +29,6 @@ import logging
 import threading
 from typing import Any
 
-from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.cuda import _state
 from arrow_ipc_bridge.cuda._declarations import (
@@ -49,7 +48,8 @@ from arrow_ipc_bridge.cuda.peer import (
 )
 from arrow_ipc_bridge.cuda.placer import bridge_pool
 from arrow_ipc_bridge.errors import BridgeError, CudaError
-from arrow_ipc_bridge.metadata import (
+from arrow_ipc_bridge.runtime import reaper
+from arrow_ipc_bridge.wire.metadata import (
     REGION_CUDA_LEGACY,
     REGION_CUDA_POOL,
     REGION_CUDA_VMM,
@@ -347,7 +347,7 @@ def _finished(event: Event) -> bool:
 
 def copy_to_device(imported: Any, device: int, stream: object = None) -> tuple[Any, list[int], Any]:
     """Copy GPU data to GPU ``device`` (see the module's text): ``(a new decode of the message that
-    owns the copy, the regions' bases in it, its sync_event slot)``, from which ``imported.py``
+    owns the copy, the regions' bases in it, its sync_event slot)``, from which ``consumer/imported.py``
     makes the object (``ImportedArray.to_device``). ``stream``: a stream of ``device`` (CuPy /
     PyTorch stream object or ``CUstream`` int); None or 0 is its legacy default stream.
 
@@ -408,7 +408,7 @@ def copy_to_device(imported: Any, device: int, stream: object = None) -> tuple[A
                 raise MemoryError("holding the source of a copy")
             with _copies_lock:
                 _pending.append((event, holder))
-            owner = lib.aib_owner_new(_reaper.register(lambda: _free_copy(pool, base, event, events, device)))
+            owner = lib.aib_owner_new(reaper.register(lambda: _free_copy(pool, base, event, events, device)))
             if owner == ffi.NULL:
                 raise MemoryError("allocating an owner")
         except BaseException:

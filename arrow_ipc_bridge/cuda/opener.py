@@ -8,7 +8,7 @@ re-opening maps the allocation again; pool imports are cached per producer pool 
 once, then each pointer, which the driver maps: more work for large allocations), but imported
 *pointers* are freed when the last owner using them dies, because CUDA requires the importer to free a
 pool allocation before the exporter does (a session that keeps a pool message holds a lease for as long
-as it holds the imports: session.py); VMM imports are unmapped with their last array.
+as it holds the imports: consumer/session.py); VMM imports are unmapped with their last array.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.cuda import _state
 from arrow_ipc_bridge.cuda.events import open_ipc_event
@@ -32,7 +31,8 @@ from arrow_ipc_bridge.cuda.pools import (
 )
 from arrow_ipc_bridge.cuda.vmm import vmm_import
 from arrow_ipc_bridge.errors import RegionError
-from arrow_ipc_bridge.metadata import (
+from arrow_ipc_bridge.runtime import reaper
+from arrow_ipc_bridge.wire.metadata import (
     REGION_CUDA_LEGACY,
     REGION_CUDA_POOL,
     REGION_CUDA_VMM,
@@ -258,7 +258,7 @@ class CudaOpener:
         reference for the caller, the table takes its own. The last owner's end closes it."""
         ptr = _acquire(live, key, lambda: ipc_open_mem_handle(handle, device))
         owner = lib.aib_owner_new(
-            _reaper.register(
+            reaper.register(
                 lambda: self._release(live, key, lambda ptr: ipc_close_mem_handle(ptr, device=device))
             )
         )
@@ -338,11 +338,11 @@ class CudaOpener:
                         break
             else:
                 raise RegionError("the message's IPC pools were evicted three times while being imported")
-            token = _reaper.register(lambda: self._release_pool_pointers(counted, pools)) if counted else 0
+            token = reaper.register(lambda: self._release_pool_pointers(counted, pools)) if counted else 0
             group = lib.aib_owner_new(token)
             if group == ffi.NULL:
                 if token:
-                    _reaper.unregister(token)
+                    reaper.unregister(token)
                     self._release_pool_pointers(counted, pools)
                 raise MemoryError("allocating an owner")
             for owner in held:
@@ -403,7 +403,7 @@ class CudaOpener:
         frees the import."""
         self._pool_pointers[key][1] += 1
         owner = lib.aib_owner_new(
-            _reaper.register(lambda: self._release_pool_pointers([key], {key[:24]: pool}))
+            reaper.register(lambda: self._release_pool_pointers([key], {key[:24]: pool}))
         )
         if owner == ffi.NULL:
             self._pool_pointers[key][1] -= 1
@@ -516,7 +516,7 @@ class CudaOpener:
         if region.fd_index < 0:
             raise RegionError("a VMM region needs its fd", field="fd_index")
         mapping = vmm_import(fds[region.fd_index], region.size, device)
-        token = _reaper.register(mapping.close)
+        token = reaper.register(mapping.close)
         return _Opened(mapping.ptr, lib.aib_owner_new(token))
 
     def close(self) -> None:

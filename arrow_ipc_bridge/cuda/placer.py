@@ -48,7 +48,7 @@ from arrow_ipc_bridge.cuda.pools import (
 from arrow_ipc_bridge.cuda.slab import kept_slab
 from arrow_ipc_bridge.cuda.vmm import vmm_export_fd
 from arrow_ipc_bridge.errors import CopyRequiredError, CudaError, RegionError
-from arrow_ipc_bridge.metadata import (
+from arrow_ipc_bridge.wire.metadata import (
     REGION_CUDA_LEGACY,
     REGION_CUDA_POOL,
     REGION_CUDA_VMM,

@@ -2,7 +2,7 @@
 
 A producer that updates the same arrays in place and publishes them again each step places every
 version in the same regions: only the event's handle would make the messages differ. A publisher
-keeps the message bytes then (``exporter.py``, ``previous=``): the new version names the event the
+keeps the message bytes then (``producer/exporter.py``, ``previous=``): the new version names the event the
 current one named, re-recorded after the producer's new work, so a consumer's get finds the message
 it remembers instead of importing a new one.
 

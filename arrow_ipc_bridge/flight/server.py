@@ -37,7 +37,9 @@ from urllib.parse import urlsplit
 import pyarrow as pa
 from pyarrow import flight
 
-from arrow_ipc_bridge.capsules import DEVICE_CUDA
+from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream
+from arrow_ipc_bridge.consumer.session import Session
+from arrow_ipc_bridge.consumer.socket_connect import connect_socket
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -58,10 +60,9 @@ from arrow_ipc_bridge.flight.staging import (
     stage_live_batch,
 )
 from arrow_ipc_bridge.flight.tables import flight_schema, host_table, nested_dictionary
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream
-from arrow_ipc_bridge.protocol import encode_name
-from arrow_ipc_bridge.publisher import Publisher
-from arrow_ipc_bridge.session import Session, connect
+from arrow_ipc_bridge.producer.publisher import Publisher
+from arrow_ipc_bridge.transport.protocol import encode_name
+from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA
 
 __all__ = ["FlightFront", "serve"]
 
@@ -351,7 +352,7 @@ class FlightFront:
         self._pools: dict[int, StagingPool] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._session: Session | None = connect(self._socket_path, timeout=timeout)
+        self._session: Session | None = connect_socket(self._socket_path, timeout=timeout)
         publisher_id = str(self._session.publisher_info.get("publisher_id", ""))
         self.local_location: LocalLocation | None = LocalLocation.this_host(self._socket_path, publisher_id)
         try:
@@ -374,7 +375,7 @@ class FlightFront:
             if self._session is not None and not self._session.closed:
                 return self._session
             try:
-                self._session = connect(self._socket_path, timeout=self._timeout)
+                self._session = connect_socket(self._socket_path, timeout=self._timeout)
             except (BridgeError, OSError) as exc:
                 raise flight.FlightUnavailableError(f"the publisher is not reachable: {exc}") from None
             # A restarted publisher has another id: the local location names the one served now.
@@ -639,7 +640,7 @@ class FlightFront:
                     "the client went away before the end of its upload: nothing was published"
                 )
             if ordinal is not None:
-                from arrow_ipc_bridge.device import to_device
+                from arrow_ipc_bridge.arrays.device import to_device
 
                 self._publisher.publish(name, to_device(table, ordinal))
             else:

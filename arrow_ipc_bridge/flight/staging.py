@@ -42,12 +42,12 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import pyarrow as pa
 
-from arrow_ipc_bridge import _reaper
 from arrow_ipc_bridge._ffi import ffi
-from arrow_ipc_bridge.capsules import new_capsule
+from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream, message_schema
 from arrow_ipc_bridge.errors import BridgeError
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, message_schema
-from arrow_ipc_bridge.metadata import SLOT_FIRST_REGION, Decoded
+from arrow_ipc_bridge.runtime import reaper
+from arrow_ipc_bridge.wire.capsules import new_capsule
+from arrow_ipc_bridge.wire.metadata import SLOT_FIRST_REGION, Decoded
 
 __all__ = [
     "CHUNK_BYTES",
@@ -693,11 +693,11 @@ class StagedPublication:
             if self._detached is None:
                 self._detached = self._decoded.copy()  # one decode per import, no region opened
             message = self._detached
-        token = _reaper.register(loan.give_back)
+        token = reaper.register(loan.give_back)
         try:
             holder = Decoded.sharing(message, token)
         except BaseException:
-            if _reaper.unregister(token):
+            if reaper.unregister(token):
                 loan.give_back()
             raise
         try:

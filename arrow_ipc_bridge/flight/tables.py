@@ -24,7 +24,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, to_host
+from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream, to_host
 
 __all__ = ["STRUCT_ROOT", "as_table", "flight_schema", "host_table", "nested_dictionary", "sendable"]
 

@@ -21,7 +21,7 @@ from typing import Any
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.errors import RegionError
 from arrow_ipc_bridge.host.counters import _count
-from arrow_ipc_bridge.metadata import REGION_FLAG_SEALED, Region
+from arrow_ipc_bridge.wire.metadata import REGION_FLAG_SEALED, Region
 
 __all__ = ["MappedRegion", "map_host_region", "HostMappingCache"]
 

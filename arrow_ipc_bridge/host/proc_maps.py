@@ -19,11 +19,11 @@ import threading
 from typing import Final, NamedTuple
 
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge._file_limit import is_out_of_descriptors
 from arrow_ipc_bridge.errors import RegionError
 from arrow_ipc_bridge.host._system import _PAGE, _close_fds
 from arrow_ipc_bridge.host.counters import _count
 from arrow_ipc_bridge.host.shared_alloc import _registry_lookup
+from arrow_ipc_bridge.runtime.file_limit import is_out_of_descriptors
 
 __all__ = ["SharedMapping"]
 

@@ -10,10 +10,10 @@ import os
 import stat
 from typing import Final
 
-from arrow_ipc_bridge._file_limit import is_out_of_descriptors
 from arrow_ipc_bridge.host import shared_alloc
 from arrow_ipc_bridge.host.counters import _count
 from arrow_ipc_bridge.host.proc_maps import SharedMapping, _lookup, _not_shareable
+from arrow_ipc_bridge.runtime.file_limit import is_out_of_descriptors
 
 # O_NONBLOCK: if a path in the maps was replaced by a FIFO, opening it must not hang (files ignore it).
 _RDONLY: Final = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY

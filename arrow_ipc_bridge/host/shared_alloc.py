@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
-from arrow_ipc_bridge import _arguments
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge._file_limit import file_limit_error, is_out_of_descriptors
 from arrow_ipc_bridge.errors import RegionError, ReleasedError
 from arrow_ipc_bridge.host._system import _PAGE, _align_up
 from arrow_ipc_bridge.host.counters import _count
+from arrow_ipc_bridge.runtime import arguments
+from arrow_ipc_bridge.runtime.file_limit import file_limit_error, is_out_of_descriptors
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -193,11 +193,11 @@ def allocate_shared(nbytes: int, *, name: str = "aib") -> SharedHostBuffer:
     is left, and :class:`RegionError` for a kernel without ``F_SEAL_FUTURE_WRITE`` (before Linux
     5.1): memory that consumers could write is never handed out.
     """
-    nbytes = _arguments.count(nbytes, "nbytes", least=1)
+    nbytes = arguments.count(nbytes, "nbytes", least=1)
     if type(name) is not str:
-        _arguments.fail_type("name", "a str (the memfd's label)", name)
+        arguments.fail_type("name", "a str (the memfd's label)", name)
     if not _memfd_name_ok(name):
-        _arguments.fail_value("name", f"1 to {_MEMFD_NAME_MAX} bytes without NUL (the memfd's label)", name)
+        arguments.fail_value("name", f"1 to {_MEMFD_NAME_MAX} bytes without NUL (the memfd's label)", name)
     try:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:

@@ -2,7 +2,7 @@
 
 This is the bottom layer of the bridge. It makes and accepts connections; the frames that then go
 over them (a caller-defined ``kind``, a payload and optionally some file descriptors) are sent and
-received by each connection's C channel (:mod:`arrow_ipc_bridge.channel`), and their format is
+received by each connection's C channel (:mod:`arrow_ipc_bridge.transport.channel`), and their format is
 specified in docs/protocol.md. What the kinds and payloads mean is the business of the
 session/publisher protocol on top.
 
@@ -20,7 +20,7 @@ Errors
   :class:`~arrow_ipc_bridge.errors.TransportError`; a server that does not take the connection in
   time: :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError`;
 * an invalid limit: :class:`~arrow_ipc_bridge.errors.WireFormatError` (a ``ValueError``);
-* the frame errors are the channel's (:mod:`arrow_ipc_bridge.channel`).
+* the frame errors are the channel's (:mod:`arrow_ipc_bridge.transport.channel`).
 
 A client whose uid a :class:`Server` does not allow is disconnected right after ``accept``, after the
 server's ``farewell`` (the publisher's: an ERROR frame naming

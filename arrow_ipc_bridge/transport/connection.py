@@ -2,7 +2,7 @@
 with the peer's credentials; and connect() (with a timeout while the server's backlog is full).
 
 A :class:`Connection` reads the peer's ``SO_PEERCRED`` and hands the socket to its
-:attr:`Connection.channel` (:mod:`arrow_ipc_bridge.channel`, the C core's frame codec), which does
+:attr:`Connection.channel` (:mod:`arrow_ipc_bridge.transport.channel`, the C core's frame codec), which does
 all the framing and owns the socket from then on: :meth:`Connection.send`, :meth:`Connection.recv`
 and :meth:`Connection.close` are that channel's. The frame format is specified in docs/protocol.md.
 """
@@ -17,7 +17,6 @@ import time
 from collections.abc import Sequence
 from types import TracebackType
 
-from arrow_ipc_bridge.channel import MAX_PAYLOAD, U32_MAX, Channel, Frame
 from arrow_ipc_bridge.errors import (
     PUBLISHER_GONE_HINT,
     BridgeTimeoutError,
@@ -25,6 +24,7 @@ from arrow_ipc_bridge.errors import (
     WaitTimeoutError,
     WireFormatError,
 )
+from arrow_ipc_bridge.transport.channel import MAX_PAYLOAD, U32_MAX, Channel, Frame
 
 __all__ = ["Connection", "connect", "check_max_payload"]
 
@@ -62,7 +62,7 @@ class Connection:
         The peer's credentials from ``SO_PEERCRED``, as the kernel recorded them when the connection was
         made (read once, here).
     channel:
-        The connection's frame codec (:class:`~arrow_ipc_bridge.channel.Channel`).
+        The connection's frame codec (:class:`~arrow_ipc_bridge.transport.channel.Channel`).
 
     Raises
     ------
@@ -124,11 +124,11 @@ class Connection:
         *,
         timeout: float | None = None,
     ) -> None:
-        """Send one frame (:meth:`Channel.send <arrow_ipc_bridge.channel.Channel.send>`)."""
+        """Send one frame (:meth:`Channel.send <arrow_ipc_bridge.transport.channel.Channel.send>`)."""
         self.channel.send(kind, payload, fds, timeout=timeout)
 
     def recv(self, *, timeout: float | None = None) -> Frame:
-        """Receive the next frame (:meth:`Channel.recv <arrow_ipc_bridge.channel.Channel.recv>`)."""
+        """Receive the next frame (:meth:`Channel.recv <arrow_ipc_bridge.transport.channel.Channel.recv>`)."""
         return self.channel.recv(timeout=timeout)
 
     # -- lifetime (the channel's, which owns the socket) ---------------------------------------------------
@@ -139,7 +139,7 @@ class Connection:
         self.channel.check_open()
 
     def close(self) -> None:
-        """Close the connection (:meth:`Channel.close <arrow_ipc_bridge.channel.Channel.close>`);
+        """Close the connection (:meth:`Channel.close <arrow_ipc_bridge.transport.channel.Channel.close>`);
         idempotent, and safe to call from any thread."""
         self.channel.close()
 

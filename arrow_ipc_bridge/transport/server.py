@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Final
 
-from arrow_ipc_bridge import _process
-from arrow_ipc_bridge.channel import MAX_PAYLOAD
 from arrow_ipc_bridge.errors import (
     BridgeError,
     ConnectionLimitError,
@@ -33,6 +31,8 @@ from arrow_ipc_bridge.errors import (
     PeerClosedError,
     PeerRejectedError,
 )
+from arrow_ipc_bridge.runtime import process
+from arrow_ipc_bridge.transport.channel import MAX_PAYLOAD
 from arrow_ipc_bridge.transport.connection import Connection, check_max_payload
 from arrow_ipc_bridge.transport.socket_path import (
     SOCKET_MODE_OWNER,
@@ -51,7 +51,7 @@ _ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, 
 def _refused_frame(
     conn: weakref.ref[Connection], farewell: Callable[[Connection, BridgeError], object], error: BridgeError
 ) -> None:
-    """A channel's farewell (:attr:`Channel.farewell <arrow_ipc_bridge.channel.Channel.farewell>`):
+    """A channel's farewell (:attr:`Channel.farewell <arrow_ipc_bridge.transport.channel.Channel.farewell>`):
     the server's, for the connection whose frame was refused."""
     alive = conn()
     if alive is not None:
@@ -209,7 +209,7 @@ class Server:
 
         self._lock = threading.Lock()
         self._closing = False
-        self._pid = _process.pid
+        self._pid = process.pid
         self._stop = threading.Event()
         self._conns: dict[Connection, _Slot] = {}
         # Admitted connections by peer process and by peer uid (under _lock), for the caps and for
@@ -341,7 +341,7 @@ class Server:
             connection's calls) is logged and left behind; its thread is a daemon.
         """
         deadline = time.monotonic() + max(timeout, 0.0)
-        if self._pid != _process.pid:
+        if self._pid != process.pid:
             # A fork child's copy: the socket file, the threads and the connections are the
             # parent's (and its locks may have been held at the fork). Only our descriptors go.
             self._closing = True

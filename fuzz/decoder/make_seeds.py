@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge.metadata import Decoded
+from arrow_ipc_bridge.wire.metadata import Decoded
 
 
 def samples() -> dict[str, pa.RecordBatch]:

@@ -16,7 +16,8 @@ import time
 from typing import Any
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _reaper, device
+from arrow_ipc_bridge.arrays import device
+from arrow_ipc_bridge.runtime import reaper
 
 MIB = 1 << 20
 DEVICE_BASE = 0x700000000000  # fake_libcuda.c's fake_device_base: device memory from here up
@@ -101,13 +102,13 @@ def renewal() -> dict[str, Any]:
         seen["other_names"] = delta()
         renamed = pub._current["t"]
         seen["renamed_is_new"] = renamed is not first
-        _reaper.settle()
+        reaper.settle()
         seen["first_closed"] = first.closed  # replaced, no lease: closed, its facts out of the table
         other = _columns(16)
         delta = _Delta()
         pub.publish("t", aib.from_cuda_arrays(other))
         seen["other_columns"] = delta()
-        _reaper.settle()
+        reaper.settle()
         seen["renamed_closed"] = renamed.closed
         seen["held_other"] = device.held_column_facts()
         delta = _Delta()
@@ -117,7 +118,7 @@ def renewal() -> dict[str, Any]:
         pub.publish("t", replaced)
         seen["publish_replaced"] = delta()
         pub.unpublish("t")
-        _reaper.settle()
+        reaper.settle()
         seen["held_unpublished"] = device.held_column_facts()
         delta = _Delta()
         pub.publish("t", aib.from_cuda_arrays(cols))
@@ -126,12 +127,12 @@ def renewal() -> dict[str, Any]:
         # A second name holding the same columns: the facts stay while either export is open.
         pub.publish("u", aib.from_cuda_arrays(cols))
         pub.unpublish("t")
-        _reaper.settle()
+        reaper.settle()
         seen["held_second_name"] = device.held_column_facts()
         delta = _Delta()
         aib.from_cuda_arrays(cols)
         seen["wrap_second_name"] = delta()
-    _reaper.settle()
+    reaper.settle()
     seen["held_closed"] = device.held_column_facts()
     return seen
 
@@ -158,7 +159,7 @@ def reused_address() -> dict[str, Any]:
     with _publisher() as pub:
         pub.publish("t", aib.from_cuda_arrays(cols))
         pub.unpublish("t")
-        _reaper.settle()
+        reaper.settle()
         ctypes.c_uint64.in_dll(_fake, "fake_device_base").value = DEVICE_BASE + 128 * MIB
         try:
             aib.from_cuda_arrays(cols)
@@ -178,7 +179,7 @@ def closed() -> dict[str, Any]:
     pub.publish("t", aib.from_cuda_arrays(cols))
     batch = aib.from_cuda_arrays(cols)
     pub.close()
-    _reaper.settle()
+    reaper.settle()
     delta = _Delta()
     seen["error"] = _bridge_error(lambda: pub.publish("t", batch))
     seen["publish_closed"] = delta()
@@ -266,7 +267,7 @@ def c_renewal() -> dict[str, Any]:
     seen["other_columns"] = delta()
     seen["c_renewals_other"] = renewer.renewals
     pub.close()
-    _reaper.settle()
+    reaper.settle()
     delta = _Delta()
     seen["closed"] = _bridge_error(lambda: pub.publish("t", batch))
     seen["publish_closed"] = delta()
@@ -277,7 +278,8 @@ def c_renewal() -> dict[str, Any]:
 def c_renewal_answers_a_single_wait() -> dict[str, Any]:
     """A C renewal (py_in_place.c) answers the one WAIT held on its name at once, as a Python
     renewal does: a raw client's WAIT for a version newer than the current one, then a renewal."""
-    from arrow_ipc_bridge import protocol, transport
+    from arrow_ipc_bridge import transport
+    from arrow_ipc_bridge.transport import protocol
     from helpers.session_rig import raw_hello
 
     seen: dict[str, Any] = {}

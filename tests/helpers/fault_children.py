@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import protocol
+from arrow_ipc_bridge.transport import protocol
 from helpers.child_exit import leave
 
 _HEADER = struct.Struct("<4sHHIHH")  # magic, version, kind, payload length, fd count, reserved

@@ -33,9 +33,9 @@ import pyarrow as pa
 
 from arrow_ipc_bridge import Session
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.content_check import check_content
+from arrow_ipc_bridge.consumer.content_check import check_content
 from arrow_ipc_bridge.errors import BridgeError, WireFormatError
-from arrow_ipc_bridge.metadata import Decoded
+from arrow_ipc_bridge.wire.metadata import Decoded
 
 GOLDEN = Path(__file__).parent.parent / "golden"
 CORPUS = Path(__file__).parent.parent.parent / "fuzz" / "decoder" / "corpus"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from arrow_ipc_bridge.capsules import capture
-from arrow_ipc_bridge.metadata import (
+from arrow_ipc_bridge.wire.capsules import capture
+from arrow_ipc_bridge.wire.metadata import (
     REGION_HOST_FD,
     SLOT_FIRST_REGION,
     SLOT_UNPLACED,

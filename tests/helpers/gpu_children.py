@@ -79,7 +79,7 @@ def cudf_style_reader(socket_path: str, name: str, conn: Connection) -> None:
     import arrow_ipc_bridge as aib
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge._ffi import ffi
-    from arrow_ipc_bridge.capsules import capsule_struct
+    from arrow_ipc_bridge.wire.capsules import capsule_struct
 
     try:
         with aib.connect(socket_path, timeout=30.0) as session:

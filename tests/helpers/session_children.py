@@ -208,11 +208,11 @@ def _live_counts() -> tuple[int, int, int]:
     the pending release notices."""
     import gc
 
-    from arrow_ipc_bridge import _reaper
     from arrow_ipc_bridge._ffi import lib
+    from arrow_ipc_bridge.runtime import reaper
 
     gc.collect()
-    _reaper.settle()
+    reaper.settle()
     return int(lib.aib_live_owners()), int(lib.aib_live_nodes()), int(lib.aib_live_mappings())
 
 

@@ -28,8 +28,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge import _reaper, protocol, transport
+from arrow_ipc_bridge import transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, lib
+from arrow_ipc_bridge.runtime import reaper
+from arrow_ipc_bridge.transport import protocol
 from helpers import session_children as children
 from helpers.arrow_values import arrow_arrays, record_batches, tables
 
@@ -99,7 +101,7 @@ def report_from_forked_child(body: Callable[[], Any]) -> Any:
 def settle() -> None:
     """Collect garbage and run the release callbacks of owners that died so far."""
     gc.collect()
-    _reaper.settle()
+    reaper.settle()
 
 
 def snapshot() -> dict[str, int]:
@@ -109,7 +111,7 @@ def snapshot() -> dict[str, int]:
         "owners": int(lib.aib_live_owners()),
         "nodes": int(lib.aib_live_nodes()),
         "mappings": int(lib.aib_live_mappings()),
-        "reaper_callbacks": _reaper.pending_callbacks(),
+        "reaper_callbacks": reaper.pending_callbacks(),
         "threads": threading.active_count(),
     }
 

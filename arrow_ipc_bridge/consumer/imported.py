@@ -1,6 +1,6 @@
 """What a consumer holds: imported data served through the Arrow PyCapsule protocol.
 
-An imported object wraps a validated :class:`~arrow_ipc_bridge.metadata.Decoded` message plus the
+An imported object wraps a validated :class:`~arrow_ipc_bridge.wire.metadata.Decoded` message plus the
 base address of each of its regions in this process. Every protocol call rebuilds fresh structs
 that point into the same mapped regions, each holding a reference on the message's owner; the lease
 ends when the object is released *and* the last struct handed out is released by its consumer.
@@ -12,7 +12,7 @@ methods, device data (:class:`ImportedDeviceArray`, :class:`ImportedDeviceStream
 them at all, so that a consumer probing with ``hasattr`` (pylibcudf's ``from_arrow`` tries
 ``__arrow_c_device_array__``, then ``__arrow_c_stream__``) is never offered a method that could
 only refuse. Every kind keeps one path per operation: the classes differ in which mixins of
-``capsules.py`` they take, not in how a struct is built.
+``wire/capsules.py`` they take, not in how a struct is built.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any, Self, cast
 
 import pyarrow as pa
 
-from arrow_ipc_bridge import _arguments, _reaper
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.capsules import (
+from arrow_ipc_bridge.errors import BridgeError, ReleasedError
+from arrow_ipc_bridge.runtime import arguments, reaper
+from arrow_ipc_bridge.wire.capsules import (
     DEVICE_CPU,
     DEVICE_CUDA,
     HOST_READABLE_DEVICES,
@@ -41,11 +42,10 @@ from arrow_ipc_bridge.capsules import (
     new_capsule,
     owner_address,
 )
-from arrow_ipc_bridge.errors import BridgeError, ReleasedError
-from arrow_ipc_bridge.metadata import SLOT_FIRST_REGION, Decoded
+from arrow_ipc_bridge.wire.metadata import SLOT_FIRST_REGION, Decoded
 
 if TYPE_CHECKING:
-    from arrow_ipc_bridge.array_cache import KeptCupyArrays
+    from arrow_ipc_bridge.consumer.array_cache import KeptCupyArrays
 
 __all__ = [
     "ImportedArray",
@@ -93,7 +93,7 @@ class _ImportedBase(DeviceStreamExporter):
     _num_rows: int | None = None
     # Set on a standing-lease session's re-gets of a remembered message: (the session's
     # KeptCupyArrays, the remembered message), so column_arrays may hand out the CuPy arrays it made
-    # for that message before (array_cache.py); None otherwise.
+    # for that message before (consumer/array_cache.py); None otherwise.
     _kept_arrays: tuple[KeptCupyArrays, object] | None = None
     # Set on objects from readable_on whose legacy regions were opened in another GPU's context:
     # (that GPU's ordinal, the indexes of those regions), for copies, which read each region
@@ -170,7 +170,7 @@ class _ImportedBase(DeviceStreamExporter):
                     self._on_release()
             finally:
                 lib.aib_reaper_quiet(0)
-                _reaper.drain()
+                reaper.drain()
 
     def __enter__(self) -> _ImportedBase:
         return self
@@ -495,8 +495,8 @@ class ImportedStream(_ImportedBase, TableExporter):
         """
         count = self.batch_count
         if count == 0:
-            _arguments.fail_value("index", "a batch index, and this table has no batches", index)
-        return ImportedBatch(self, _arguments.count(index, "index", least=0, most=count - 1))
+            arguments.fail_value("index", "a batch index, and this table has no batches", index)
+        return ImportedBatch(self, arguments.count(index, "index", least=0, most=count - 1))
 
     def __enter__(self) -> ImportedStream:
         return self
@@ -665,7 +665,7 @@ def to_host(imported: ImportedArray | ImportedStream) -> pa.Array | pa.RecordBat
     """Copy imported data into host memory as pyarrow: a ``Table`` for streams, a ``RecordBatch`` for
     struct-typed roots (record batches), an ``Array`` otherwise. Host data is not copied."""
     if not isinstance(imported, _ImportedBase):
-        _arguments.fail_type(
+        arguments.fail_type(
             "imported", "data imported by the bridge (ImportedArray or ImportedStream)", imported
         )
     if imported.device_type == DEVICE_CPU:

@@ -16,10 +16,10 @@ import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 from arrow_ipc_bridge._ffi import ffi, lib, new_error
-from arrow_ipc_bridge.capsules import new_capsule
+from arrow_ipc_bridge.wire.capsules import new_capsule
 
 if TYPE_CHECKING:
-    from arrow_ipc_bridge.imported import ImportedArray
+    from arrow_ipc_bridge.consumer.imported import ImportedArray
 
 __all__ = ["stream_capsule"]
 

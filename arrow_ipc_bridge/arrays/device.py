@@ -5,8 +5,8 @@
 - :func:`from_cuda_array` / :func:`from_cuda_arrays` wrap CuPy / PyTorch / Numba arrays
   (``__cuda_array_interface__``) or DLPack producers as Arrow columns without copying.
 
-Copying imported data back to the host is :func:`arrow_ipc_bridge.imported.to_host`; showing
-imported columns to array libraries is :mod:`arrow_ipc_bridge.columns`.
+Copying imported data back to the host is :func:`arrow_ipc_bridge.consumer.imported.to_host`; showing
+imported columns to array libraries is :mod:`arrow_ipc_bridge.arrays.columns`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from typing import Any, Literal
 
 import pyarrow as pa
 
-from arrow_ipc_bridge import _arguments, _reaper
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for, read_cuda_columns
-from arrow_ipc_bridge.capsules import (
+from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream, imported_from
+from arrow_ipc_bridge.errors import BridgeError, RegionError
+from arrow_ipc_bridge.runtime import arguments, reaper
+from arrow_ipc_bridge.wire.capsules import (
     DEVICE_CPU,
     DEVICE_CUDA,
     ArrowInput,
@@ -28,9 +30,7 @@ from arrow_ipc_bridge.capsules import (
     CapturedData,
     capture,
 )
-from arrow_ipc_bridge.errors import BridgeError, RegionError
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
-from arrow_ipc_bridge.metadata import (
+from arrow_ipc_bridge.wire.metadata import (
     SLOT_FIRST_REGION,
     SLOT_UNPLACED,
     Decoded,
@@ -88,8 +88,8 @@ def to_device(
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge.cuda import placer
 
-    device = _arguments.device_ordinal(device)
-    _arguments.choice(allocation, "allocation", ("pool", "legacy"))
+    device = arguments.device_ordinal(device)
+    arguments.choice(allocation, "allocation", ("pool", "legacy"))
     captured = capture(obj)
     try:
         if captured.device_type != DEVICE_CPU:
@@ -106,10 +106,10 @@ def to_device(
         if allocation == "pool":
             pool = placer.bridge_pool(device)
             base = pool.allocate(nbytes)
-            owner = lib.aib_owner_new(_reaper.register(lambda: pool.free(base)))
+            owner = lib.aib_owner_new(reaper.register(lambda: pool.free(base)))
         else:
             base = cuda.mem_alloc(nbytes, device)
-            owner = lib.aib_owner_new(_reaper.register(lambda: cuda.mem_free(base, device=device)))
+            owner = lib.aib_owner_new(reaper.register(lambda: cuda.mem_free(base, device=device)))
         try:
             for i, offset in layout:
                 cuda.memcpy_htod(base + offset, slots[i], slots[i + 1], device=device)
@@ -391,7 +391,7 @@ def _build_columns(
         if release_event is not None:
             release_event()
 
-    token = _reaper.register(release)
+    token = reaper.register(release)
     try:
         schema = lib.aib_schema_alloc()
         array = lib.aib_device_array_alloc()
@@ -408,7 +408,7 @@ def _build_columns(
         array.device_id = device
         captured = CapturedData(schema, [array], is_stream=False, token=token)
     except BaseException:
-        if _reaper.unregister(token):
+        if reaper.unregister(token):
             release()
         raise
     if event is not None:
@@ -451,15 +451,15 @@ def from_cuda_arrays(columns: Mapping[str, Any]) -> CapturedArray:
     are in the same allocations, checked when they were first wrapped and published.
     """
     if type(columns) is not dict and not isinstance(columns, Mapping):  # a dict without the ABC check
-        _arguments.fail_type("columns", "a mapping of column names (str) to 1-D GPU arrays", columns)
+        arguments.fail_type("columns", "a mapping of column names (str) to 1-D GPU arrays", columns)
     names = tuple(columns)
     if not names:
-        _arguments.fail_value("columns", "a mapping with at least one column", columns)
+        arguments.fail_value("columns", "a mapping with at least one column", columns)
     try:
         "".join(names)  # every name a str: one C loop (TypeError at the first that is not)
     except TypeError:
         for name in names:
             if not isinstance(name, str):
-                _arguments.fail_type("columns", "a mapping whose keys, the column names, are str", name)
+                arguments.fail_type("columns", "a mapping whose keys, the column names, are str", name)
         raise
     return _captured_columns(names, list(columns.values()))

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final
 
-from arrow_ipc_bridge import _process
 from arrow_ipc_bridge._ffi import ffi, lib, new_error
 from arrow_ipc_bridge.errors import (
     BridgeError,
@@ -43,6 +42,7 @@ from arrow_ipc_bridge.errors import (
     TransportError,
     WireFormatError,
 )
+from arrow_ipc_bridge.runtime import process
 
 __all__ = ["MAX_FDS", "MAX_PAYLOAD", "Channel", "Frame", "error_for", "frame_from", "millis"]
 
@@ -184,7 +184,7 @@ class Channel:
         self.raw = ffi.gc(raw, lib.aib_channel_free)
         self._sock = sock
         # A forked child inherits this object and the socket, but the conversation is the parent's.
-        self._pid = _process.pid
+        self._pid = process.pid
         self._state_lock = threading.Lock()
         self._closed = False
         self._close_reason = ""
@@ -425,8 +425,8 @@ class Channel:
     def check_open(self) -> None:
         """Raise :class:`~arrow_ipc_bridge.errors.PeerClosedError` when the channel is closed,
         :class:`~arrow_ipc_bridge.errors.ForeignProcessError` in a process other than its own."""
-        if self._pid != _process.pid:
-            raise _process.foreign("connection", self._pid, "connect again here")
+        if self._pid != process.pid:
+            raise process.foreign("connection", self._pid, "connect again here")
         if self._closed:
             raise PeerClosedError(
                 f"the connection is closed ({self._close_reason or 'closed'})", closed_locally=True
@@ -443,7 +443,7 @@ class Channel:
         self._teardown("closed by close()", holding=None)
 
     def _teardown(self, reason: str, *, holding: str | None) -> None:
-        if self._pid != _process.pid:
+        if self._pid != process.pid:
             # A fork child's copy: shutdown() would end the parent's conversation and the locks may
             # have been held by parent threads at the fork. Only our descriptor goes.
             self._closed = True

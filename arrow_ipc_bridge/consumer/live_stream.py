@@ -20,11 +20,9 @@ from collections.abc import Callable, Iterator
 from types import EllipsisType, TracebackType
 from typing import Any
 
-from arrow_ipc_bridge import _arguments, _reaper, protocol
 from arrow_ipc_bridge._ffi import lib
-from arrow_ipc_bridge.capsules import DEVICE_CPU, _check_kwargs
-from arrow_ipc_bridge.channel import Channel, close_fds
-from arrow_ipc_bridge.content_check import check_content
+from arrow_ipc_bridge.consumer.content_check import check_content
+from arrow_ipc_bridge.consumer.imported import ImportedArray
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -38,13 +36,16 @@ from arrow_ipc_bridge.errors import (
     StreamInterruptedError,
 )
 from arrow_ipc_bridge.host.shared_alloc import F_SEAL_FUTURE_WRITE
-from arrow_ipc_bridge.imported import ImportedArray
 from arrow_ipc_bridge.process_stats import stream_counters
-from arrow_ipc_bridge.streams import frames
+from arrow_ipc_bridge.runtime import arguments, reaper
+from arrow_ipc_bridge.transport import protocol
+from arrow_ipc_bridge.transport.channel import Channel, close_fds
+from arrow_ipc_bridge.wire import stream_frames
+from arrow_ipc_bridge.wire.capsules import DEVICE_CPU, _check_kwargs
 
 __all__ = ["LiveStream", "open_subscription"]
 
-_LEASE_LIMIT = 1 << _reaper.FAMILY_VALUE_BITS
+_LEASE_LIMIT = 1 << reaper.FAMILY_VALUE_BITS
 _RING_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
 
 
@@ -103,7 +104,7 @@ class _Credit:
             if len(ids) == 1:
                 self._channel.send(protocol.RELEASE, protocol.encode_lease(ids[0]), timeout=5.0)
             else:
-                self._channel.send(protocol.RELEASE_MANY, frames.encode_release_many(ids), timeout=5.0)
+                self._channel.send(protocol.RELEASE_MANY, stream_frames.encode_release_many(ids), timeout=5.0)
 
 
 class LiveStream:
@@ -119,14 +120,16 @@ class LiveStream:
     Receive from one thread at a time; batches may be released from any thread.
     """
 
-    def __init__(self, session: Any, name: str, subscribed: frames.Subscribed, timeout: float | None) -> None:
+    def __init__(
+        self, session: Any, name: str, subscribed: stream_frames.Subscribed, timeout: float | None
+    ) -> None:
         self._session = session  # private to this stream: its connection carries only this stream
         self.name = name
         self.max_in_flight = subscribed.max_in_flight
         self.policy = subscribed.policy
         self._expected = subscribed.next_sequence
         self._timeout = timeout
-        self._end: frames.StreamEnd | None = None
+        self._end: stream_frames.StreamEnd | None = None
         # The ProtocolError that ended the subscription (its connection closed): raised again by
         # every later call, as the end's errors are (docs/streams.md), not a "closed" of its own.
         self._broken: ProtocolError | None = None
@@ -154,8 +157,8 @@ class LiveStream:
             self._channel, subscribed.max_in_flight, subscribed.policy, self._ring_released
         )
         # Leases are a reaper family of this stream's: a batch's owner dying gives its credit back.
-        self._lease_tokens = _reaper.register_family(self._credit.released)
-        weakref.finalize(self, _reaper.unregister_family, self._lease_tokens)
+        self._lease_tokens = reaper.register_family(self._credit.released)
+        weakref.finalize(self, reaper.unregister_family, self._lease_tokens)
         self._poll = select.poll()
         self._poll.register(self._channel.fileno(), select.POLLIN)
 
@@ -179,7 +182,7 @@ class LiveStream:
         if self._session.closed:
             raise ClosedError(f"the live stream {self.name!r} is closed: subscribe again", what="live stream")
         if not isinstance(timeout, EllipsisType):
-            timeout = _arguments.optional_seconds(timeout, "timeout")
+            timeout = arguments.optional_seconds(timeout, "timeout")
         if self._peeked is not None:
             batch, self._peeked = self._peeked, None
             return batch
@@ -221,7 +224,7 @@ class LiveStream:
             if frame.fds:
                 raise ProtocolError(f"frame kind {frame.kind} with descriptors on a subscription")
             if frame.kind == protocol.STREAM_END:
-                self._end = frames.decode_stream_end(frame.payload)
+                self._end = stream_frames.decode_stream_end(frame.payload)
                 self._finished()
                 return None
             if frame.kind == protocol.ERROR:
@@ -235,7 +238,7 @@ class LiveStream:
             frame.close_fds()  # the mappings keep what they need open
 
     def _import(self, payload: bytes, fds: list[int]) -> ImportedArray:
-        sequence, lease_id, slot, again, ring = frames.decode_batch_header(payload)
+        sequence, lease_id, slot, again, ring = stream_frames.decode_batch_header(payload)
         session = self._session
         if not 0 < lease_id < _LEASE_LIMIT:
             raise ProtocolError(f"BATCH lease id {lease_id} out of range")
@@ -258,19 +261,19 @@ class LiveStream:
             message, fds = kept
             self.repeated += 1
         else:
-            message = payload[frames.BATCH_HEADER_SIZE :]
+            message = payload[stream_frames.BATCH_HEADER_SIZE :]
             if ring:
                 try:
                     _check_ring_segment(fds)
                 except RegionError:
                     self._credit.give_back([lease_id])  # refused: the producer gets it back
                     raise
-            if slot != frames.NO_SLOT:  # kept for the repeats of this slot (FLAG_SLOT_AGAIN)
+            if slot != stream_frames.NO_SLOT:  # kept for the repeats of this slot (FLAG_SLOT_AGAIN)
                 self._keep_slot(key, message, fds)
         token = self._lease_tokens | lease_id
         try:
             imported = None
-            if slot == frames.NO_SLOT and not fds:
+            if slot == stream_frames.NO_SLOT and not fds:
                 # A written batch, new each time: when it is CUDA data carved out of allocations
                 # this process has open already (legacy handles, kept slabs), the C core imports it
                 # as it does a GET's new message, without the Python decode and opens.
@@ -312,8 +315,8 @@ class LiveStream:
 
     def _keep_slot(self, slot: tuple[bool, int], message: bytes, fds: list[int]) -> None:
         """Keep a slot's message with copies of its descriptors, replacing the slot's last."""
-        if len(self._slots) >= frames.MAX_SLOTS and slot not in self._slots:
-            raise ProtocolError(f"more than {frames.MAX_SLOTS} slots on one stream")
+        if len(self._slots) >= stream_frames.MAX_SLOTS and slot not in self._slots:
+            raise ProtocolError(f"more than {stream_frames.MAX_SLOTS} slots on one stream")
         copies: list[int] = []
         try:
             for fd in fds:
@@ -328,7 +331,7 @@ class LiveStream:
 
     def _slot_name(self, key: tuple[bool, int]) -> str:
         ring, slot = key
-        if slot == frames.NO_SLOT:
+        if slot == stream_frames.NO_SLOT:
             return self._slot_names[0]
         return f"{self.name}#{'ring' if ring else 'slot'}{slot}"
 
@@ -370,7 +373,7 @@ class LiveStream:
         return self._c_stream(requested_schema, device=True)
 
     def _c_stream(self, requested_schema: object | None, *, device: bool) -> object:
-        from arrow_ipc_bridge.streams.c_stream import stream_capsule
+        from arrow_ipc_bridge.consumer.c_stream import stream_capsule
 
         if requested_schema is not None:
             raise StreamError("a live stream offers its own schema: requested_schema must be None")
@@ -404,7 +407,7 @@ class LiveStream:
             self._peeked.release()
             self._peeked = None
         if not self._session.closed:
-            _reaper.settle()
+            reaper.settle()
             self._credit.flush()
         self._session.close()
         _close_kept(self._slots)
@@ -452,21 +455,23 @@ def open_subscription(
     when no such stream is open. (``Session.subscribe`` and ``arrow_ipc_bridge.subscribe`` connect;
     this module stays below the session module.)"""
     try:
-        if isinstance(max_in_flight, bool) or not 1 <= max_in_flight <= frames.MAX_IN_FLIGHT:
-            raise ValueError(f"max_in_flight must be 1 to {frames.MAX_IN_FLIGHT}, not {max_in_flight!r}")
+        if isinstance(max_in_flight, bool) or not 1 <= max_in_flight <= stream_frames.MAX_IN_FLIGHT:
+            raise ValueError(
+                f"max_in_flight must be 1 to {stream_frames.MAX_IN_FLIGHT}, not {max_in_flight!r}"
+            )
         features = session.publisher_info.get("features")
         if not isinstance(features, list) or "stream" not in features:
             raise BridgeError("this publisher does not serve live streams (an older version): upgrade it")
         channel = session._connection()
         frame = channel.request(
-            protocol.SUBSCRIBE, frames.encode_subscribe(name, max_in_flight), timeout=request_timeout
+            protocol.SUBSCRIBE, stream_frames.encode_subscribe(name, max_in_flight), timeout=request_timeout
         )
         frame.close_fds()
         if frame.kind == protocol.ERROR:
             protocol.raise_error(frame.payload)
         if frame.kind != protocol.SUBSCRIBED:
             raise ProtocolError(f"expected SUBSCRIBED, got frame kind {frame.kind}")
-        subscribed = frames.decode_subscribed(frame.payload, max_in_flight)
+        subscribed = stream_frames.decode_subscribed(frame.payload, max_in_flight)
     except BaseException:
         session.close()
         raise

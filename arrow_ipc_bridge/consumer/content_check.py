@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from arrow_ipc_bridge import _arguments
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
-from arrow_ipc_bridge.metadata import Decoded
+from arrow_ipc_bridge.runtime import arguments
+from arrow_ipc_bridge.wire.metadata import Decoded
 
 __all__ = ["CHECK_LEVELS", "check_level", "check_content", "ReadFunction"]
 
@@ -43,7 +43,7 @@ ReadFunction = Callable[[int, int], bytes]
 def check_level(value: object, what: str = "check") -> str:
     """``value`` if it names a level; ``ArgumentTypeError`` for a non-str, ``InvalidArgumentError``
     naming the allowed levels for another string."""
-    return _arguments.choice(value, what, CHECK_LEVELS)
+    return arguments.choice(value, what, CHECK_LEVELS)
 
 
 def check_content(decoded: Decoded, region_bases: Any, level: str, read: ReadFunction | None = None) -> None:

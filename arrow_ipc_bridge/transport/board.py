@@ -31,10 +31,10 @@ import struct
 import threading
 from typing import TYPE_CHECKING, Any
 
-from arrow_ipc_bridge import protocol
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.errors import ProtocolError
 from arrow_ipc_bridge.host import F_SEAL_FUTURE_WRITE, reopen_read_only
+from arrow_ipc_bridge.transport import protocol
 
 __all__ = ["DEFAULT_SLOTS", "PublisherBoard", "SessionBoard", "decode_board", "encode_board", "open_board"]
 
@@ -44,7 +44,7 @@ DEFAULT_SLOTS = 4096
 """Slots on a publisher's board (128 KiB): names published beyond them are got by round trips."""
 
 if TYPE_CHECKING:
-    from arrow_ipc_bridge.channel import Channel
+    from arrow_ipc_bridge.transport.channel import Channel
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 _BOARD = struct.Struct("<I")  # BOARD's payload: the number of slots; the page's fd attached

@@ -1,6 +1,6 @@
 """The consumer's import of a message's regions: host files mapped, CUDA handles opened.
 
-:class:`~arrow_ipc_bridge.session.Session` decodes a message and checks it; these functions make its
+:class:`~arrow_ipc_bridge.consumer.session.Session` decodes a message and checks it; these functions make its
 regions addressable in this process, make the import (and the template that remembers the message,
 when it is remembered) hold what keeps each region open, and build the imported object. They take
 what they need from the session as arguments, so this module knows nothing of connections.
@@ -12,14 +12,15 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from arrow_ipc_bridge import _arguments
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.capsules import DEVICE_CUDA
-from arrow_ipc_bridge.content_check import check_content, cuda_reader
+from arrow_ipc_bridge.consumer.content_check import check_content, cuda_reader
+from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream, imported_from
+from arrow_ipc_bridge.consumer.remembered import RememberedMessages, needs_lease
 from arrow_ipc_bridge.errors import RegionError
 from arrow_ipc_bridge.host.mappings import HostMappingCache
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, imported_from
-from arrow_ipc_bridge.metadata import (
+from arrow_ipc_bridge.runtime import arguments
+from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA
+from arrow_ipc_bridge.wire.metadata import (
     REGION_CUDA_LEGACY,
     REGION_CUDA_POOL,
     REGION_FLAG_ZERO_COPY,
@@ -28,7 +29,6 @@ from arrow_ipc_bridge.metadata import (
     DeviceInfo,
     Region,
 )
-from arrow_ipc_bridge.remembered import RememberedMessages, needs_lease
 
 __all__ = ["checked_fds", "file_identities", "hold", "map_host_regions", "open_cuda_regions"]
 
@@ -156,10 +156,10 @@ def checked_fds(fds: Sequence[int]) -> Sequence[int]:
     """``fds`` when each is a descriptor number: ``TypeError`` for anything but an int,
     :class:`RegionError` for a number no descriptor can have."""
     if type(fds) is not list and type(fds) is not tuple and not isinstance(fds, Sequence):
-        _arguments.fail_type("fds", "a sequence of file descriptors (ints)", fds)
+        arguments.fail_type("fds", "a sequence of file descriptors (ints)", fds)
     for fd in fds:
         if isinstance(fd, bool) or not isinstance(fd, int):
-            _arguments.fail_type("fds", "a sequence of file descriptors (ints)", fd)
+            arguments.fail_type("fds", "a sequence of file descriptors (ints)", fd)
         if not 0 <= fd < 2**31:
             raise RegionError(f"fds: {fd} is not a file descriptor number", field="fds")
     return fds

@@ -23,8 +23,6 @@ import threading
 import time
 from collections.abc import Callable, Collection
 
-from arrow_ipc_bridge import protocol
-from arrow_ipc_bridge.channel import Channel
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -38,7 +36,9 @@ from arrow_ipc_bridge.errors import (
     no_stream_message,
 )
 from arrow_ipc_bridge.process_stats import stream_counters
-from arrow_ipc_bridge.streams import frames
+from arrow_ipc_bridge.transport import protocol
+from arrow_ipc_bridge.transport.channel import Channel
+from arrow_ipc_bridge.wire import stream_frames
 
 __all__ = ["MAX_SUBSCRIPTIONS", "Batch", "LiveStreamState", "StreamHub"]
 
@@ -66,7 +66,7 @@ class Batch:
         message: bytes,
         fds: list[int],
         on_free: Callable[[], None],
-        slot: int = frames.NO_SLOT,
+        slot: int = stream_frames.NO_SLOT,
         *,
         ring: bool = False,
         generation: int = 0,
@@ -116,7 +116,7 @@ class _Subscriber:
         self.pending: collections.deque[Batch] = collections.deque()  # "drop_oldest": not sent yet
         self.next_lease = 1
         self.dropped = 0
-        self.end: frames.StreamEnd | None = None  # to send once the queue is empty
+        self.end: stream_frames.StreamEnd | None = None  # to send once the queue is empty
         self.ended = False  # STREAM_END sent (or the connection is gone): nothing more goes out
         # (ring, slot) -> (generation, message) of the last BATCH sent in full for that slot: a
         # batch in the same slot with the same message and file goes as the slot's name alone
@@ -220,7 +220,7 @@ class LiveStreamState:
             self.slow_consumers_ended += 1
             self._end(
                 sub,
-                frames.StreamEnd(
+                stream_frames.StreamEnd(
                     "SlowConsumerError",
                     f"this consumer held {sub.window} unreleased batches of stream {self.name!r} "
                     "when another was committed (policy 'error'): its subscription ended",
@@ -233,18 +233,20 @@ class LiveStreamState:
     def _send(self, sub: _Subscriber, batch: Batch) -> None:
         lease_id = sub.next_lease
         sub.next_lease += 1
-        flags = frames.FLAG_RING if batch.ring else 0
+        flags = stream_frames.FLAG_RING if batch.ring else 0
         fds: list[int] = []
-        if batch.slot == frames.NO_SLOT:
-            payload = frames.encode_batch_header(batch.sequence, lease_id) + batch.message
+        if batch.slot == stream_frames.NO_SLOT:
+            payload = stream_frames.encode_batch_header(batch.sequence, lease_id) + batch.message
             fds = batch.fds
         elif sub.sent_slots.get(batch.slot_key) == (batch.generation, batch.message):
             # The subscriber has this slot's message and descriptors: name the slot, send neither
             # (no descriptor passing, no decode and no mapping for the consumer).
-            flags |= frames.FLAG_SLOT_AGAIN
-            payload = frames.encode_batch_header(batch.sequence, lease_id, batch.slot, flags)
+            flags |= stream_frames.FLAG_SLOT_AGAIN
+            payload = stream_frames.encode_batch_header(batch.sequence, lease_id, batch.slot, flags)
         else:
-            payload = frames.encode_batch_header(batch.sequence, lease_id, batch.slot, flags) + batch.message
+            payload = (
+                stream_frames.encode_batch_header(batch.sequence, lease_id, batch.slot, flags) + batch.message
+            )
             fds = batch.fds
             sub.sent_slots[batch.slot_key] = (batch.generation, batch.message)
         try:
@@ -260,7 +262,7 @@ class LiveStreamState:
         sub.leases[lease_id] = batch
         next(stream_counters.batches_sent)
 
-    def _end(self, sub: _Subscriber, end: frames.StreamEnd) -> None:
+    def _end(self, sub: _Subscriber, end: stream_frames.StreamEnd) -> None:
         """End ``sub``'s subscription with ``end``: now, or after the batches it still has queued."""
         if sub.ended or sub.end is not None:
             return
@@ -273,9 +275,9 @@ class LiveStreamState:
         assert end is not None
         sub.ended = True
         if end.dropped != sub.dropped:
-            end = frames.StreamEnd(end.error_type, end.message, sub.dropped)
+            end = stream_frames.StreamEnd(end.error_type, end.message, sub.dropped)
         with contextlib.suppress(TransportError, BridgeTimeoutError):
-            sub.channel.send(protocol.STREAM_END, frames.encode_stream_end(end), timeout=SEND_TIMEOUT)
+            sub.channel.send(protocol.STREAM_END, stream_frames.encode_stream_end(end), timeout=SEND_TIMEOUT)
         self.cond.notify_all()  # a blocked writer no longer waits for this one
 
     def finish(self, error_type: str | None, message: str) -> None:
@@ -285,7 +287,7 @@ class LiveStreamState:
                 return
             self.closed = True
             for sub in self._subscribers:
-                self._end(sub, frames.StreamEnd(error_type, message, sub.dropped))
+                self._end(sub, stream_frames.StreamEnd(error_type, message, sub.dropped))
             self.cond.notify_all()
         if self.on_finished is not None:
             self.on_finished()
@@ -298,8 +300,8 @@ class LiveStreamState:
             if self.closed:
                 raise NotPublishedError(f"the stream {self.name!r} has ended")
             sub = _Subscriber(channel, min(asked, self.max_in_flight))
-            answer = frames.Subscribed(sub.window, self.policy, self._next_sequence)
-            channel.send(protocol.SUBSCRIBED, frames.encode_subscribed(answer), timeout=SEND_TIMEOUT)
+            answer = stream_frames.Subscribed(sub.window, self.policy, self._next_sequence)
+            channel.send(protocol.SUBSCRIBED, stream_frames.encode_subscribed(answer), timeout=SEND_TIMEOUT)
             self._subscribers.append(sub)
             self.cond.notify_all()  # a pump may wait for subscribers
             return sub
@@ -400,7 +402,7 @@ class StreamHub:
         the consumer closes the connection or breaks the protocol; the caller then closes it."""
         counted = False
         try:
-            name, asked = frames.decode_subscribe(payload)
+            name, asked = stream_frames.decode_subscribe(payload)
             with self._lock:
                 stream = self._streams.get(name)
                 if stream is not None and self._subscriptions >= self._max_subscriptions:
@@ -439,7 +441,7 @@ class StreamHub:
                     if frame.kind == protocol.RELEASE:
                         lease_ids: tuple[int, ...] = (protocol.decode_lease(frame.payload),)
                     else:
-                        lease_ids = frames.decode_release_many(frame.payload)
+                        lease_ids = stream_frames.decode_release_many(frame.payload)
                 stream.release(sub, lease_ids)
         except PeerClosedError:
             pass  # the consumer closed or died: what it held is let go below

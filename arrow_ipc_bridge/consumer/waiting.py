@@ -17,7 +17,7 @@ stuck: the connection is closed (a late answer would be misread) and
 With standing leases (any session but one with ``pool_linger=0``) and a publisher offering
 ``"board_wake"``, :class:`BoardWaits` serves
 ``get_next`` for names whose gets are local without a WAIT: it sleeps on the name's slot of the
-publisher's version board (``board.py``), which the publisher's next write of the slot wakes, then
+publisher's version board (``transport/board.py``), which the publisher's next write of the slot wakes, then
 gets the name (docs/lifetime.md, "Waiting on the version board").
 """
 
@@ -28,8 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from arrow_ipc_bridge import _arguments, protocol, region_import
-from arrow_ipc_bridge.channel import Channel, Frame
+from arrow_ipc_bridge.consumer import region_import
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -39,10 +38,13 @@ from arrow_ipc_bridge.errors import (
     WaitTimeoutError,
 )
 from arrow_ipc_bridge.process_stats import wait_counters
+from arrow_ipc_bridge.runtime import arguments
+from arrow_ipc_bridge.transport import protocol
+from arrow_ipc_bridge.transport.channel import Channel, Frame
 
 if TYPE_CHECKING:
-    from arrow_ipc_bridge.board import SessionBoard
-    from arrow_ipc_bridge.remembered import RememberedMessages
+    from arrow_ipc_bridge.consumer.remembered import RememberedMessages
+    from arrow_ipc_bridge.transport.board import SessionBoard
 
 __all__ = ["MAX_WAIT", "BoardWaits", "Versioned", "check_after", "check_wait", "wait_for_version"]
 
@@ -55,12 +57,12 @@ _U64_MAX = (1 << 64) - 1
 def check_wait(seconds: object, what: str) -> float | None:
     """``seconds`` as a wait's timeout: a number in [0, MAX_WAIT] or None (no limit); ``ValueError``
     / ``TypeError`` for anything else (negative, NaN, infinite, a bool, not a number)."""
-    return _arguments.optional_seconds(seconds, what, maximum=MAX_WAIT)
+    return arguments.optional_seconds(seconds, what, maximum=MAX_WAIT)
 
 
 def check_after(after: object) -> int:
     """``after`` as a version to wait past: an int in [0, 2**64 - 1] (0: any version)."""
-    return _arguments.count(after, "after", least=0, most=_U64_MAX)
+    return arguments.count(after, "after", least=0, most=_U64_MAX)
 
 
 class Versioned:

@@ -1,6 +1,6 @@
 """Producer side server: publish named Arrow objects, serve them to sessions under leases.
 
-Each published name holds an :class:`~arrow_ipc_bridge.exporter.Exported` (captured data, its region
+Each published name holds an :class:`~arrow_ipc_bridge.producer.exporter.Exported` (captured data, its region
 fds and the encoded message, made once at publish time, so a ``get`` costs one frame). The names,
 messages and leases live in the C core (``cffi_build/serve.c``), whose serve loop answers GET and
 RELEASE (and PING) frames without the GIL; this module handles the handshake, LIST, errors and the
@@ -25,11 +25,8 @@ from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
-from arrow_ipc_bridge import _arguments, _process, _reaper, process_stats, protocol, transport
+from arrow_ipc_bridge import process_stats, transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, InPlaceRenewer, ffi, lib, new_error, raise_for
-from arrow_ipc_bridge.board import PublisherBoard, encode_board
-from arrow_ipc_bridge.capsules import ArrowInput
-from arrow_ipc_bridge.channel import MAX_FDS, Channel, Frame, frame_from, millis
 from arrow_ipc_bridge.errors import (
     BridgeError,
     ClosedError,
@@ -42,7 +39,7 @@ from arrow_ipc_bridge.errors import (
     UnreadAnswersError,
     not_published_message,
 )
-from arrow_ipc_bridge.exporter import (
+from arrow_ipc_bridge.producer.exporter import (
     CopyPolicy,
     Exported,
     ExportStats,
@@ -50,11 +47,16 @@ from arrow_ipc_bridge.exporter import (
     export_again,
     record_in_place,
 )
-from arrow_ipc_bridge.streams import frames as stream_frames
-from arrow_ipc_bridge.streams.hub import MAX_SUBSCRIPTIONS, LiveStreamState, StreamHub
-from arrow_ipc_bridge.streams.slots import SlotLayout
-from arrow_ipc_bridge.streams.writer import StreamWriter, check_source, pump
-from arrow_ipc_bridge.watch import HeldWait, WaitingConnection, Watch
+from arrow_ipc_bridge.producer.stream_hub import MAX_SUBSCRIPTIONS, LiveStreamState, StreamHub
+from arrow_ipc_bridge.producer.stream_slots import SlotLayout
+from arrow_ipc_bridge.producer.stream_writer import StreamWriter, check_source, pump
+from arrow_ipc_bridge.producer.watch import HeldWait, WaitingConnection, Watch
+from arrow_ipc_bridge.runtime import arguments, process, reaper
+from arrow_ipc_bridge.transport import protocol
+from arrow_ipc_bridge.transport.board import PublisherBoard, encode_board
+from arrow_ipc_bridge.transport.channel import MAX_FDS, Channel, Frame, frame_from, millis
+from arrow_ipc_bridge.wire import stream_frames
+from arrow_ipc_bridge.wire.capsules import ArrowInput
 
 __all__ = ["Publisher"]
 
@@ -94,7 +96,7 @@ class _Served:
         self.channel = channel
         self.served = served
         self.welcomed = False
-        self.waiting = WaitingConnection(channel, served)  # its held waits' answers (watch.py)
+        self.waiting = WaitingConnection(channel, served)  # its held waits' answers (producer/watch.py)
 
 
 class Publisher:
@@ -174,29 +176,29 @@ class Publisher:
         max_connections_per_process: int = MAX_CONNECTIONS_PER_PROCESS,
         max_connections_per_uid: int = MAX_CONNECTIONS_PER_UID,
     ) -> None:
-        path = _arguments.path(path)
+        path = arguments.path(path)
         allowed_uids = _uids(allowed_uids)
         copy = copy_policy(copy)
-        max_connections = _arguments.count(max_connections, "max_connections", least=1)
-        handshake_timeout = _arguments.seconds(handshake_timeout, "handshake_timeout", positive=True)
-        max_leases_per_connection = _arguments.count(
+        max_connections = arguments.count(max_connections, "max_connections", least=1)
+        handshake_timeout = arguments.seconds(handshake_timeout, "handshake_timeout", positive=True)
+        max_leases_per_connection = arguments.count(
             max_leases_per_connection, "max_leases_per_connection", least=1
         )
-        max_unread_fds = _arguments.count(max_unread_fds, "max_unread_fds", least=MAX_FDS)
-        park_after = _arguments.seconds(park_after, "park_after", positive=True)
-        max_subscriptions = _arguments.count(max_subscriptions, "max_subscriptions", least=1)
-        max_waits_per_connection = _arguments.count(
+        max_unread_fds = arguments.count(max_unread_fds, "max_unread_fds", least=MAX_FDS)
+        park_after = arguments.seconds(park_after, "park_after", positive=True)
+        max_subscriptions = arguments.count(max_subscriptions, "max_subscriptions", least=1)
+        max_waits_per_connection = arguments.count(
             max_waits_per_connection, "max_waits_per_connection", least=1
         )
-        self._max_per_process = _arguments.count(
+        self._max_per_process = arguments.count(
             max_connections_per_process, "max_connections_per_process", least=1
         )
-        self._max_per_uid = _arguments.count(max_connections_per_uid, "max_connections_per_uid", least=1)
+        self._max_per_uid = arguments.count(max_connections_per_uid, "max_connections_per_uid", least=1)
         self._max_leases = max_leases_per_connection
         self._max_unread_fds = max_unread_fds
         self._park_after_ms = millis(park_after)
         self._served: dict[transport.Connection, _Served] = {}
-        self._pid = _process.pid  # a forked child inherits this object; it serves nothing there
+        self._pid = process.pid  # a forked child inherits this object; it serves nothing there
         self._lock = threading.Lock()
         self._names: set[str] = set()
         # name -> its current publication's export: the next version of the name may send the same
@@ -206,7 +208,7 @@ class Publisher:
         if table == ffi.NULL:
             raise MemoryError("allocating the publication table")
         self._table = ffi.gc(table, lib.aib_pubtable_unref)
-        # The version board (board.py): sessions re-get what they remember without a round trip
+        # The version board (transport/board.py): sessions re-get what they remember without a round trip
         # while it shows the same entry. None where the kernel cannot seal it (Linux < 5.1): the
         # publisher does not offer feature "board" then, and every get asks.
         self._board: PublisherBoard | None = None
@@ -294,7 +296,7 @@ class Publisher:
         # and nothing below has happened (the entry, the version and the waits are as they were).
         exported = export_again(obj, current, copy=copy, pool_fds=False, doing=f"publishing {name!r}")
         # The entry's keeper: when the last of (publication, leases) lets go, the reaper closes it.
-        keeper = lib.aib_owner_new(_reaper.register(exported.close))
+        keeper = lib.aib_owner_new(reaper.register(exported.close))
         if keeper == ffi.NULL:
             exported.close()
             raise MemoryError("allocating a publication keeper")
@@ -321,7 +323,7 @@ class Publisher:
         finally:
             lib.aib_owner_unref(keeper)  # the entry holds its own reference (or none: then it closes)
             try:
-                _reaper.drain()  # a replaced object without leases is closed now, not later
+                reaper.drain()  # a replaced object without leases is closed now, not later
             finally:
                 lib.aib_reaper_quiet(0)
         if waiting:  # sessions waiting for this name (or a newer version of it) get it now
@@ -353,8 +355,8 @@ class Publisher:
     def _new_renewer(self) -> Any:
         """The C core's in-place renewal over this publisher's state (``cffi_build/py_in_place.c``):
         what :meth:`_renew` does for columns whose streams need no wait, in one builtin call."""
+        from arrow_ipc_bridge.arrays.device import from_cuda_arrays_type
         from arrow_ipc_bridge.cuda.placer import remember_local_event
-        from arrow_ipc_bridge.device import from_cuda_arrays_type
 
         return InPlaceRenewer(
             int(ffi.cast("uintptr_t", self._table)),
@@ -389,7 +391,7 @@ class Publisher:
             raise NotPublishedError(
                 not_published_message(name, self._published_names(), every="Publisher.names()")
             )
-        _reaper.drain()
+        reaper.drain()
 
     def version(self, name: str) -> int:
         """The version ``name`` is published at now, 0 when it is not published.
@@ -441,8 +443,8 @@ class Publisher:
             raise _closed_error()
 
     def _check_process(self) -> None:
-        if self._pid != _process.pid:
-            raise _process.foreign("publisher", self._pid, "publish from a Publisher made here")
+        if self._pid != process.pid:
+            raise process.foreign("publisher", self._pid, "publish from a Publisher made here")
 
     # ---------- live streams (docs/streams.md) -------------------------------------------------------
     def open_stream(
@@ -469,13 +471,13 @@ class Publisher:
         """
         self._check_open()
         protocol.encode_name(name)
-        max_in_flight = _arguments.count(
+        max_in_flight = arguments.count(
             max_in_flight, "max_in_flight", least=1, most=stream_frames.MAX_IN_FLIGHT
         )
-        _arguments.choice(on_slow, "on_slow", stream_frames.POLICIES)
-        block_timeout = _arguments.optional_seconds(block_timeout, "block_timeout")
+        arguments.choice(on_slow, "on_slow", stream_frames.POLICIES)
+        block_timeout = arguments.optional_seconds(block_timeout, "block_timeout")
         if slots is not None and not isinstance(slots, SlotLayout):
-            _arguments.fail_type("slots", "a SlotLayout or None", slots)
+            arguments.fail_type("slots", "a SlotLayout or None", slots)
         copy = self._copy if copy is None else copy_policy(copy)
         state = LiveStreamState(
             name, max_in_flight=max_in_flight, policy=on_slow, block_timeout=block_timeout
@@ -496,7 +498,7 @@ class Publisher:
         :meth:`open_stream`. Returns the writer (``close()`` stops the pump).
         """
         self._check_open()
-        wait_for_subscribers = _arguments.count(wait_for_subscribers, "wait_for_subscribers", least=0)
+        wait_for_subscribers = arguments.count(wait_for_subscribers, "wait_for_subscribers", least=0)
         check_source(source)
         writer = self.open_stream(name, **options)
         pump(writer, source, name=name, wait_for_subscribers=wait_for_subscribers)
@@ -536,7 +538,7 @@ class Publisher:
             # GET for published names, RELEASE and PING are answered in C; the rest comes back here.
             # The send lock is not held across the wait for a request: an answer to a held wait
             # goes out from the publishing thread meanwhile (the C loop's sends and its lease table
-            # are ordered with it by the C connection's mutex; watch.py).
+            # are ordered with it by the C connection's mutex; producer/watch.py).
             with recv_lock:
                 conn.check_open()
                 rc = lib.aib_serve(state.served, wait_ms, raw_frame, err)
@@ -592,7 +594,7 @@ class Publisher:
 
     def _message_bytes(self, raw_name: bytes) -> int:
         """The size of the message published as ``raw_name`` now (0: none), what an answer to a
-        held wait carries (watch.py: the publishing thread sends only small answers itself)."""
+        held wait carries (producer/watch.py: the publishing thread sends only small answers itself)."""
         exported = self._current.get(raw_name.decode("utf-8", "replace"))
         return 0 if exported is None else len(exported.message)
 
@@ -612,7 +614,7 @@ class Publisher:
             return
         self._watch.forget(state.waiting)  # no answer to a held wait uses the lease table after this
         lib.aib_server_conn_free(state.served)  # gives this session's leases back
-        _reaper.drain()
+        reaper.drain()
 
     def _answer(self, state: _Served, frame: Frame) -> None:
         """The frames the C loop leaves to Python: handshake, LIST, POOL_FD, unknown names, bad frames."""
@@ -690,15 +692,15 @@ class Publisher:
 
         In a child of ``fork`` this only drops the child's copies of the descriptors: the socket
         file, the sessions and the published data stay the parent's."""
-        timeout = _arguments.seconds(timeout, "timeout")
+        timeout = arguments.seconds(timeout, "timeout")
         if self._in_place is not None:  # renews nothing from now on (before any teardown)
             self._in_place.close()
             self._renew_in_place = None
-        if self._pid == _process.pid:
+        if self._pid == process.pid:
             self._streams.close("the publisher closed while the stream was open")
             self._watch.close()  # every held wait is answered: the publisher is closing
         self._server.close(timeout)  # every connection's on_close gave its leases back
-        if self._pid != _process.pid:
+        if self._pid != process.pid:
             return
         self._watch.join_answerer(timeout)  # its connections are closed: it has nothing left to wait for
         with self._lock:
@@ -709,7 +711,7 @@ class Publisher:
             self._current.clear()
             if self._board is not None:
                 self._board.close()
-        _reaper.drain()
+        reaper.drain()
 
     def __enter__(self) -> Publisher:
         return self
@@ -735,8 +737,8 @@ def _uids(allowed_uids: object) -> list[int] | None:
     if allowed_uids is None:
         return None
     if isinstance(allowed_uids, str | bytes) or not isinstance(allowed_uids, Iterable):
-        _arguments.fail_type("allowed_uids", "an iterable of uids (ints >= 0) or None", allowed_uids)
-    return [_arguments.count(uid, "allowed_uids", least=0) for uid in allowed_uids]
+        arguments.fail_type("allowed_uids", "an iterable of uids (ints >= 0) or None", allowed_uids)
+    return [arguments.count(uid, "allowed_uids", least=0) for uid in allowed_uids]
 
 
 def _farewell(conn: transport.Connection, error: BridgeError) -> None:

@@ -3,7 +3,7 @@
 Capture moves the producer's C structs into an owner record of the C core (no data is copied); the
 record keeps the producer's buffers alive until every struct handed out from it is released.
 :class:`ArrowExporter` and its one-method mixins are the protocol surface of everything the bridge
-hands to consumers (captured data here, imported data in ``imported.py``): each protocol call builds
+hands to consumers (captured data here, imported data in ``consumer/imported.py``): each protocol call builds
 fresh structs that share the same memory, so one object can feed pyarrow, then polars, then
 nanoarrow.
 
@@ -19,9 +19,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast, runtime_checkable
 
 from arrow_ipc_bridge import _ffi
-from arrow_ipc_bridge._deferred_close import DeferredClose
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.errors import BridgeError, CapsuleError, ReleasedError
+from arrow_ipc_bridge.runtime.deferred_close import DeferredClose
 
 if TYPE_CHECKING:
     from typing_extensions import CapsuleType
@@ -110,7 +110,7 @@ _CAPSULE_ADDRESS = {kind: _ffi.capsule_address[code] for kind, (code, _) in _KIN
 
 device_array_capsules = _ffi.device_array_capsules
 """``device_array_capsules(message, owner_address)``: the (schema, device array) capsule pair of batch
-0 of ``message`` (a :class:`~arrow_ipc_bridge.metadata.Decoded`), built in one C call from its owner's
+0 of ``message`` (a :class:`~arrow_ipc_bridge.wire.metadata.Decoded`), built in one C call from its owner's
 view (``aib_owner_set_view``); ``None`` when the owner cannot build it (no view): the caller's
 regular path then does the work and reports errors. Raises :class:`ReleasedError` when ``message``
 is closed — checked in the same call that uses the owner, which holds the GIL throughout, so
@@ -388,7 +388,7 @@ def _capture_pair(schema_capsule: object, array_capsule: object, *, host: bool) 
 # The protocol surface is built from one-method mixins, so that each object offers exactly the
 # methods that apply to its data: a consumer probing with hasattr (pyarrow, polars, pylibcudf) must
 # not be offered a host method that can only refuse, or it takes that method and fails instead of
-# using the device one. Imported data picks its classes when it is imported (imported.py); captured
+# using the device one. Imported data picks its classes when it is imported (consumer/imported.py); captured
 # data, whose device is known only per call, takes the full set and refuses at call time.
 class ArrowExporter:
     """The base of every protocol object the bridge hands out: ``__arrow_c_schema__``, the subclass

@@ -20,9 +20,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from arrow_ipc_bridge import _arguments
 from arrow_ipc_bridge.errors import InvalidArgumentError, StreamError, StreamSchemaError
-from arrow_ipc_bridge.exporter import Exported, export
+from arrow_ipc_bridge.producer.exporter import Exported, export
+from arrow_ipc_bridge.runtime import arguments
 
 __all__ = ["HostSlot", "SlotLayout", "StreamSlot", "make_slot"]
 
@@ -58,9 +58,9 @@ class SlotLayout:
         """Check every field (``Publisher.open_stream`` calls it): ``ArgumentTypeError`` or
         ``InvalidArgumentError`` naming the field."""
         if not isinstance(self.schema, pa.Schema):
-            _arguments.fail_type("SlotLayout.schema", "a pyarrow.Schema", self.schema)
+            arguments.fail_type("SlotLayout.schema", "a pyarrow.Schema", self.schema)
         if len(self.schema) == 0:
-            _arguments.fail_value("SlotLayout.schema", "a schema with at least one field", self.schema)
+            arguments.fail_value("SlotLayout.schema", "a schema with at least one field", self.schema)
         for f in self.schema:
             if not (pa.types.is_integer(f.type) or pa.types.is_floating(f.type)):
                 raise InvalidArgumentError(
@@ -68,11 +68,11 @@ class SlotLayout:
                     f"{f.name!r} is {f.type}",
                     argument="SlotLayout.schema",
                 )
-        _arguments.count(self.rows, "SlotLayout.rows", least=1)
+        arguments.count(self.rows, "SlotLayout.rows", least=1)
         if self.count is not None:
-            _arguments.count(self.count, "SlotLayout.count", least=1, most=65536)
-        _arguments.choice(self.device, "SlotLayout.device", ("cpu", "cuda"))
-        _arguments.device_ordinal(self.device_id, "SlotLayout.device_id")
+            arguments.count(self.count, "SlotLayout.count", least=1, most=65536)
+        arguments.choice(self.device, "SlotLayout.device", ("cpu", "cuda"))
+        arguments.device_ordinal(self.device_id, "SlotLayout.device_id")
 
 
 class StreamSlot:
@@ -106,7 +106,7 @@ class StreamSlot:
         if not self.reserved or self._writer is None:
             raise ValueError("commit of a slot that is not reserved (reserve() it again)")
         if rows is not None:
-            rows = _arguments.count(rows, "rows", least=0)
+            rows = arguments.count(rows, "rows", least=0)
         if rows is not None and rows > self.layout.rows:
             raise StreamSchemaError(
                 f"commit of {rows} rows into a slot reserved for {self.layout.rows}: a batch larger than "
@@ -217,7 +217,7 @@ class CudaSlot(StreamSlot):
         self._event = _local_event_of(self._full)
 
     def export(self, rows: int) -> Exported:
-        from arrow_ipc_bridge.device import from_cuda_arrays
+        from arrow_ipc_bridge.arrays.device import from_cuda_arrays
 
         cols = {f.name: c[:rows] for f, c in zip(self.layout.schema, self.columns, strict=True)}
         return export(from_cuda_arrays(cols), copy="never")
@@ -253,7 +253,7 @@ def _stream_pointer(stream: Any) -> int:
 def _local_event_of(exported: Exported) -> int:
     """The ``CUevent`` behind the interprocess event an export's message names."""
     from arrow_ipc_bridge.cuda import _state
-    from arrow_ipc_bridge.metadata import Decoded
+    from arrow_ipc_bridge.wire.metadata import Decoded
 
     decoded = Decoded(exported.message, len(exported.fds))
     try:

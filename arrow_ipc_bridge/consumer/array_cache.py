@@ -11,7 +11,7 @@ objects out again when nobody else holds them any more.
 The rules (``docs/lifetime.md``, "Kept CuPy arrays"):
 
 - The arrays are handed out again only for an import of the same remembered message they were made
-  for (the same :class:`~arrow_ipc_bridge.remembered.RememberedMessage`, so the same addresses,
+  for (the same :class:`~arrow_ipc_bridge.consumer.remembered.RememberedMessage`, so the same addresses,
   lengths and types), and only while this cache is the only holder of every array, of its
   ``MemoryPointer`` and of its ``UnownedMemory`` (their reference counts are back to what the cache
   itself holds), and every array still has the shape it was made with (CuPy lets ``shape`` be set
@@ -21,7 +21,7 @@ The rules (``docs/lifetime.md``, "Kept CuPy arrays"):
   latest get, as new arrays would.
 - A kept entry holds its batch lease (and so the name's standing lease) until it is dropped:
   ``pool_linger`` seconds after its last hand-out (the ``_linger`` thread), on
-  :meth:`Session.forget <arrow_ipc_bridge.session.Session.forget>` and on ``Session.close``, which
+  :meth:`Session.forget <arrow_ipc_bridge.consumer.session.Session.forget>` and on ``Session.close``, which
   is what a standing lease already promises. Arrays the user still holds keep their lease then, as
   any array does.
 """
@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from arrow_ipc_bridge import _linger
+from arrow_ipc_bridge.consumer import linger
 from arrow_ipc_bridge.process_stats import import_counters
 
 __all__ = ["KeptCupyArrays", "CacheKey"]
@@ -147,7 +147,7 @@ class KeptCupyArrays:
             del kept
         del old_lease, dropped  # outside the lock: a lease's end may give it back through the reaper
         if made:
-            _linger.watch(self)
+            linger.watch(self)
         return result
 
     def _make_locked(

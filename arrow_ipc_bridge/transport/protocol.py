@@ -11,7 +11,6 @@ import json
 import struct
 from typing import Any
 
-from arrow_ipc_bridge import _arguments
 from arrow_ipc_bridge.errors import (
     BridgeError,
     ConnectionLimitError,
@@ -35,6 +34,7 @@ from arrow_ipc_bridge.errors import (
     WaitTimeoutError,
     WireFormatError,
 )
+from arrow_ipc_bridge.runtime import arguments
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -97,7 +97,7 @@ PING = 9  # session -> publisher: 0 to MAX_PING bytes, echoed (publishers advert
 PONG = 10  # publisher -> session: the PING's payload
 POOL_FD = 11  # session -> publisher: a 24-byte IPC-pool identity (publishers advertising "pool_fd")
 POOL = 12  # publisher -> session: the same identity, the pool's fd attached
-# Live streams (publishers advertising "stream"; payloads in arrow_ipc_bridge/streams/frames.py).
+# Live streams (publishers advertising "stream"; payloads in arrow_ipc_bridge/wire/stream_frames.py).
 # A subscription has a connection of its own: after SUBSCRIBED the publisher pushes BATCH frames
 # and the session sends RELEASE (of a batch's lease: credit back) and nothing else.
 SUBSCRIBE = 13  # session -> publisher: u32 max_in_flight, then the stream's name, UTF-8
@@ -200,7 +200,7 @@ def encode_name(name: str, what: str = "name") -> bytes:
             raw = b""  # refused below, saying why
         if 0 < len(raw) <= MAX_NAME:
             return raw
-    return _arguments.name(name, what, MAX_NAME)
+    return arguments.name(name, what, MAX_NAME)
 
 
 def decode_name(payload: bytes) -> str:

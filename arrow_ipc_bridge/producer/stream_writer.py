@@ -13,9 +13,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from arrow_ipc_bridge import _arguments
 from arrow_ipc_bridge._ffi import ffi, lib, new_error
-from arrow_ipc_bridge.capsules import (
+from arrow_ipc_bridge.errors import BridgeError, StreamBlockedError, StreamError, StreamSchemaError
+from arrow_ipc_bridge.producer.exporter import CopyPolicy, export_captured
+from arrow_ipc_bridge.producer.stream_hub import Batch, LiveStreamState, StreamHub
+from arrow_ipc_bridge.producer.stream_ring import HostRing, RingSegment
+from arrow_ipc_bridge.producer.stream_slots import SlotLayout, StreamSlot, make_slot
+from arrow_ipc_bridge.runtime import arguments
+from arrow_ipc_bridge.wire.capsules import (
     DEVICE_CPU,
     ArrowInput,
     CapturedData,
@@ -24,12 +29,7 @@ from arrow_ipc_bridge.capsules import (
     capture,
     new_capsule,
 )
-from arrow_ipc_bridge.errors import BridgeError, StreamBlockedError, StreamError, StreamSchemaError
-from arrow_ipc_bridge.exporter import CopyPolicy, export_captured
-from arrow_ipc_bridge.metadata import Decoded
-from arrow_ipc_bridge.streams.hub import Batch, LiveStreamState, StreamHub
-from arrow_ipc_bridge.streams.ring import HostRing, RingSegment
-from arrow_ipc_bridge.streams.slots import SlotLayout, StreamSlot, make_slot
+from arrow_ipc_bridge.wire.metadata import Decoded
 
 __all__ = ["StreamWriter", "batches_of", "check_source", "pump"]
 
@@ -202,7 +202,7 @@ class StreamWriter:
         seconds (None: the stream's ``block_timeout``) until consumers released one; then
         :class:`~arrow_ipc_bridge.errors.StreamBlockedError`."""
         self._check_writable()
-        timeout = _arguments.optional_seconds(timeout, "timeout")
+        timeout = arguments.optional_seconds(timeout, "timeout")
         layout = self._layout
         if layout is None:
             raise StreamError(f"the stream {self.name!r} has no reserved slots (open it with slots=...)")
@@ -285,7 +285,7 @@ class StreamWriter:
         :class:`~arrow_ipc_bridge.errors.StreamFailedError` naming it, after the batches they
         already received."""
         if not isinstance(error, BaseException | str):
-            _arguments.fail_type("error", "an exception or a str", error)
+            arguments.fail_type("error", "an exception or a str", error)
         if isinstance(error, BaseException):
             self._end(type(error).__name__, str(error) or type(error).__name__)
         else:
@@ -488,7 +488,7 @@ def check_source(source: object) -> None:
         or (isinstance(source, Iterable) and not isinstance(source, str | bytes | bytearray))
     ):
         return
-    _arguments.fail_type(
+    arguments.fail_type(
         "source",
         "an Arrow stream (__arrow_c_stream__ / __arrow_c_device_stream__) or an iterable of arrays or "
         "record batches",

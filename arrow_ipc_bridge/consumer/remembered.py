@@ -2,7 +2,7 @@
 
 A re-get of the same publication (the steady state) finds its message remembered and is imported
 from it without a decode or an open: by the C core, in the get itself (``aib_session_get``), or, for
-:meth:`Session.import_message <arrow_ipc_bridge.session.Session.import_message>`, by Python.
+:meth:`Session.import_message <arrow_ipc_bridge.consumer.session.Session.import_message>`, by Python.
 The set itself lives in the C core (``aib_remembered``, ``cffi_build/remembered.c``): which
 messages are remembered (a *remembered message*: its validated decode, the *template*, holding every
 region's owner open), lookup by bytes and files, one message per name, the least-recently-used bound
@@ -21,11 +21,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from arrow_ipc_bridge import _linger
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.capsules import DEVICE_CUDA
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, adopted_fields, imported_class
-from arrow_ipc_bridge.metadata import REGION_CUDA_LEGACY, REGION_CUDA_POOL, REGION_FLAG_KEPT, Decoded, Region
+from arrow_ipc_bridge.consumer import linger
+from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream, adopted_fields, imported_class
+from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA
+from arrow_ipc_bridge.wire.metadata import (
+    REGION_CUDA_LEGACY,
+    REGION_CUDA_POOL,
+    REGION_FLAG_KEPT,
+    Decoded,
+    Region,
+)
 
 __all__ = ["RememberedMessage", "RememberedMessages", "needs_lease"]
 
@@ -215,7 +221,7 @@ class RememberedMessages:
             self._by_id[entry_id[0]] = remembered
             _close_templates(self._take_forgotten_locked())
         if lingers:
-            _linger.watch(self)
+            linger.watch(self)
 
     def remember_new(
         self, owner: Any, message: bytes, bases: Any, device_id: int, *, name: str, lease_keeper: Any
@@ -275,7 +281,7 @@ class RememberedMessages:
         if self._closed:
             return None
         if not self._request_lock.acquire(blocking=False):  # a get in flight: ask again soon
-            return now + _linger.BUSY_RETRY_S
+            return now + linger.BUSY_RETRY_S
         try:
             with self._lock:
                 next_deadline = float(lib.aib_remembered_expire(self.table, now, self._pool_linger))

@@ -1,7 +1,7 @@
 """Producer side: capture -> describe -> place buffers in shareable regions -> encode.
 
 :func:`export` is the bring-your-own-channel entry point: it returns the message bytes and the file
-descriptors to send beside them. :class:`~arrow_ipc_bridge.publisher.Publisher` uses the same path
+descriptors to send beside them. :class:`~arrow_ipc_bridge.producer.publisher.Publisher` uses the same path
 and caches the result per published name.
 """
 
@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from arrow_ipc_bridge import _arguments
-from arrow_ipc_bridge._file_limit import file_limit_error, is_out_of_descriptors
-from arrow_ipc_bridge.capsules import (
+from arrow_ipc_bridge.errors import BridgeError, ClosedError
+from arrow_ipc_bridge.host.placement import COPY_POLICIES, HostExport, export_host_buffers
+from arrow_ipc_bridge.runtime import arguments
+from arrow_ipc_bridge.runtime.file_limit import file_limit_error, is_out_of_descriptors
+from arrow_ipc_bridge.wire.capsules import (
     DEVICE_CPU,
     DEVICE_CUDA,
     ArrowInput,
@@ -23,9 +25,7 @@ from arrow_ipc_bridge.capsules import (
     _CapturedSource,
     capture,
 )
-from arrow_ipc_bridge.errors import BridgeError, ClosedError
-from arrow_ipc_bridge.host.placement import COPY_POLICIES, HostExport, export_host_buffers
-from arrow_ipc_bridge.metadata import (
+from arrow_ipc_bridge.wire.metadata import (
     REGION_FLAG_SEALED,
     REGION_FLAG_ZERO_COPY,
     REGION_HOST_FD,
@@ -327,7 +327,7 @@ def _send_again(
 
 def copy_policy(value: object, what: str = "copy") -> CopyPolicy:
     """``value`` checked as a copy policy (``ArgumentTypeError`` / ``InvalidArgumentError``)."""
-    return cast(CopyPolicy, _arguments.choice(value, what, COPY_POLICIES))
+    return cast(CopyPolicy, arguments.choice(value, what, COPY_POLICIES))
 
 
 def export_again(
@@ -353,7 +353,7 @@ def export_again(
     # later in-place version of them (record_in_place).
     names_own_memory = not exported.fds and exported.stats.copied_bytes == 0
     if signature is not None and exported._shared_event is not None and names_own_memory:
-        from arrow_ipc_bridge.device import hold_checked_columns
+        from arrow_ipc_bridge.arrays.device import hold_checked_columns
 
         try:
             # While this export is open its columns' facts spare from_cuda_arrays the device
@@ -448,7 +448,7 @@ def export(
     >>> imported.release(); exported.close()
     """
     copy = copy_policy(copy)
-    _arguments.boolean(pool_fds, "pool_fds")
+    arguments.boolean(pool_fds, "pool_fds")
     if requested_schema is None and isinstance(obj, _CapturedSource):
         # Data captured already (from_cuda_arrays, a capture served back out): share its record
         # instead of a round of capsules, struct copies and a second capture of the same structs.

@@ -3,7 +3,7 @@ imported again in Python, and a new message the C core imported over regions ope
 
 :class:`MessageImporter` holds what those need of the session (the host mapping cache, the remembered
 messages, the content checks, the set of live imports) and nothing of its connection: the session
-(``session.py``) decides which path a message takes, passes what the connection gives (the lease
+(``consumer/session.py``) decides which path a message takes, passes what the connection gives (the lease
 token, the pool-fd fetch, the lease keeper) and keeps the requests, the leases and the get paths.
 The steady state, a remembered message imported by the C core, is the session's (``Session.get``)
 and, for local answers, the C core's own (``cffi_build/py_local_get.c``).
@@ -15,22 +15,22 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from arrow_ipc_bridge import region_import
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
-from arrow_ipc_bridge.content_check import check_content, cuda_reader
-from arrow_ipc_bridge.errors import RegionError
-from arrow_ipc_bridge.host.mappings import HostMappingCache
-from arrow_ipc_bridge.imported import (
+from arrow_ipc_bridge.consumer import region_import
+from arrow_ipc_bridge.consumer.content_check import check_content, cuda_reader
+from arrow_ipc_bridge.consumer.imported import (
     ImportedArray,
     ImportedStream,
     adopted_fields,
     imported_class,
     imported_from,
 )
-from arrow_ipc_bridge.metadata import Decoded
+from arrow_ipc_bridge.consumer.remembered import RememberedMessage, RememberedMessages
+from arrow_ipc_bridge.errors import RegionError
+from arrow_ipc_bridge.host.mappings import HostMappingCache
 from arrow_ipc_bridge.process_stats import import_counters
-from arrow_ipc_bridge.remembered import RememberedMessage, RememberedMessages
+from arrow_ipc_bridge.wire.capsules import DEVICE_CPU, DEVICE_CUDA
+from arrow_ipc_bridge.wire.metadata import Decoded
 
 __all__ = ["ImportedRefs", "MessageImporter", "track"]
 

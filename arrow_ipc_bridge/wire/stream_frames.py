@@ -1,4 +1,4 @@
-"""Payloads of the live-stream frames (kinds in :mod:`arrow_ipc_bridge.protocol`, table in
+"""Payloads of the live-stream frames (kinds in :mod:`arrow_ipc_bridge.transport.protocol`, table in
 docs/protocol.md). Every decoder treats its input as hostile and raises
 :class:`~arrow_ipc_bridge.errors.ProtocolError`; a bad frame closes the subscription's connection.
 """
@@ -9,8 +9,8 @@ import struct
 from dataclasses import dataclass
 from typing import TypeGuard
 
-from arrow_ipc_bridge import protocol
 from arrow_ipc_bridge.errors import ProtocolError
+from arrow_ipc_bridge.transport import protocol
 
 __all__ = [
     "BATCH_HEADER_SIZE",

@@ -17,10 +17,10 @@ from __future__ import annotations
 import threading
 
 from arrow_ipc_bridge._ffi import ffi
-from arrow_ipc_bridge.capsules import DEVICE_CPU, CapturedData
 from arrow_ipc_bridge.host import allocate_shared
 from arrow_ipc_bridge.host.shared_alloc import SharedHostBuffer
-from arrow_ipc_bridge.metadata import (
+from arrow_ipc_bridge.wire.capsules import DEVICE_CPU, CapturedData
+from arrow_ipc_bridge.wire.metadata import (
     REGION_HOST_FD,
     SLOT_FIRST_REGION,
     SLOT_UNPLACED,

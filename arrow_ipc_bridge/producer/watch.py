@@ -43,9 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from arrow_ipc_bridge import protocol
 from arrow_ipc_bridge._ffi import ffi, lib, new_error
-from arrow_ipc_bridge.channel import Channel, error_for, millis
 from arrow_ipc_bridge.errors import (
     BridgeError,
     DescriptorsInFlightError,
@@ -56,6 +54,8 @@ from arrow_ipc_bridge.errors import (
     WaitTimeoutError,
 )
 from arrow_ipc_bridge.process_stats import wait_counters
+from arrow_ipc_bridge.transport import protocol
+from arrow_ipc_bridge.transport.channel import Channel, error_for, millis
 
 __all__ = ["ANSWER_SEND_TIMEOUT", "FAST_ANSWER_BYTES", "HeldWait", "Watch", "WaitingConnection"]
 

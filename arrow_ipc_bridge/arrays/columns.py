@@ -20,11 +20,12 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from arrow_ipc_bridge import _arguments, _ffi
+from arrow_ipc_bridge import _ffi
 from arrow_ipc_bridge._ffi import ffi
-from arrow_ipc_bridge.capsules import DEVICE_CPU, DEVICE_CUDA
+from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream, _ImportedBase
 from arrow_ipc_bridge.errors import BridgeError, closest_name, names_shown, shown_name
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream, _ImportedBase
+from arrow_ipc_bridge.runtime import arguments
+from arrow_ipc_bridge.wire.capsules import DEVICE_CPU, DEVICE_CUDA
 
 __all__ = ["column_view", "column_arrays", "ColumnView"]
 
@@ -124,9 +125,9 @@ def column_view(
     """
     _check_imported(imported)
     if type(column) is not str:
-        column = _arguments.count(column, "column", least=0)  # an index (a name is any str)
-    batch = _arguments.count(batch, "batch", least=0)
-    stream = _arguments.stream_handle(stream)
+        column = arguments.count(column, "column", least=0)  # an index (a name is any str)
+    batch = arguments.count(batch, "batch", least=0)
+    stream = arguments.stream_handle(stream)
     device_id = imported.device_id
     waiter = _stream_waiter(device_id) if imported.device_type == DEVICE_CUDA else None
     _lease, event, facts, is_record_batch = _read_batch(imported, batch, _AS_DLPACK_COLUMNS, column, waiter)
@@ -207,14 +208,14 @@ def column_arrays(
     """
     _check_imported(imported)
     library = _library_name(like)
-    batch = _arguments.count(batch, "batch", least=0)
-    stream = _arguments.stream_handle(stream)
+    batch = arguments.count(batch, "batch", least=0)
+    stream = arguments.stream_handle(stream)
     if names is not None:
         if isinstance(names, str) or not isinstance(names, Sequence):
-            _arguments.fail_type("names", "a sequence of column names (str), not one string, or None", names)
+            arguments.fail_type("names", "a sequence of column names (str), not one string, or None", names)
         for column_name in names:
             if not isinstance(column_name, str):
-                _arguments.fail_type("names", "a sequence of column names (str)", column_name)
+                arguments.fail_type("names", "a sequence of column names (str)", column_name)
     device_type = imported.device_type
     if library == "numpy" and device_type != DEVICE_CPU:
         raise BridgeError(
@@ -229,7 +230,7 @@ def column_arrays(
         )
     device_id = imported.device_id
     # A standing-lease session's re-get: the CuPy arrays made for this message before may be handed
-    # out again (array_cache.py); their facts are known, so C reads only the lease and the event.
+    # out again (consumer/array_cache.py); their facts are known, so C reads only the lease and the event.
     kept = imported._kept_arrays if library == "cupy" else None
     name = imported.name
     if kept is not None and name is not None:
@@ -268,7 +269,7 @@ def _check_imported(imported: object) -> None:
     # Any imported object (arrays, tables, streams, and their subclasses): the facts come from what
     # they all hold, the decoded message and the regions' bases.
     if not isinstance(imported, _ImportedBase):
-        _arguments.fail_type(
+        arguments.fail_type(
             "imported", "data imported by the bridge (ImportedArray or ImportedStream)", imported
         )
     if imported.device_type not in (DEVICE_CPU, DEVICE_CUDA):
@@ -358,9 +359,9 @@ def _library_name(like: object) -> str:
     elif isinstance(like, types.ModuleType):
         name = like.__name__
     else:
-        _arguments.fail_type("like", allowed, like)
+        arguments.fail_type("like", allowed, like)
     if name not in _LIBRARIES:
-        _arguments.fail_value("like", allowed, like)
+        arguments.fail_value("like", allowed, like)
     return name
 
 
@@ -403,7 +404,7 @@ def _cupy_parts(
     chosen: Sequence[_Fact], owner: object, device: int
 ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
     """CuPy arrays over the columns' memory, with their ``MemoryPointer`` and ``UnownedMemory``
-    objects (array_cache.py counts references on all three), each memory owning ``owner`` (a batch
+    objects (consumer/array_cache.py counts references on all three), each memory owning ``owner`` (a batch
     lease, a reference on the message, or array_cache's holder of one); the device is given, so
     CuPy asks the driver nothing."""
     import cupy

@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from arrow_ipc_bridge._deferred_close import DeferredClose
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
-from arrow_ipc_bridge.capsules import HOST_READABLE_DEVICES, CapturedData
 from arrow_ipc_bridge.errors import BridgeError, ReleasedError, WireFormatError
+from arrow_ipc_bridge.runtime.deferred_close import DeferredClose
+from arrow_ipc_bridge.wire.capsules import HOST_READABLE_DEVICES, CapturedData
 
 __all__ = [
     "Described",

@@ -2,45 +2,40 @@
 
 A :class:`Session` is the consumer's local session. On its own it imports messages that arrived
 over the user's channel (:meth:`Session.import_message`); made by :func:`connect`, it also talks to
-a :class:`~arrow_ipc_bridge.publisher.Publisher` (``list``, ``get``) and gives each lease back when
+a :class:`~arrow_ipc_bridge.producer.publisher.Publisher` (``list``, ``get``) and gives each lease back when
 the last struct built from it is released. The messages it remembers for re-gets, with their
-regions open, are kept by :class:`~arrow_ipc_bridge.remembered.RememberedMessages`.
+regions open, are kept by :class:`~arrow_ipc_bridge.consumer.remembered.RememberedMessages`.
 
-One concern, at some 900 lines: the consumer's session, made by :func:`connect` (and
+One concern: the consumer's session, made by :func:`connect` (and
 :func:`subscribe`), and its get paths, which share the request lock, the remembered set and the
 leases. What stands apart from that state lives beside it: the Python import of a message
-(``message_import.py``), the remembered set (``remembered.py``), the version board
-(``board.py``), kept CuPy arrays (``array_cache.py``), live subscriptions (``streams/live.py``),
-waits: one WAIT and its answer, and ``get_next``'s waits on the board (``waiting.py``), and the C
-core's local re-get (``cffi_build/py_local_get.c``).
+(``consumer/message_import.py``), the remembered set (``consumer/remembered.py``), the version board
+(``transport/board.py``), kept CuPy arrays (``consumer/array_cache.py``), live subscriptions
+(``consumer/live_stream.py``), waits: one WAIT and its answer, and ``get_next``'s waits on the
+board (``consumer/waiting.py``), and the C core's local re-get (``cffi_build/py_local_get.c``).
+Connecting to a socket path is ``consumer/socket_connect.py``'s; choosing between the socket and
+Arrow Flight, ``addresses.py``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from arrow_ipc_bridge import (
-    _arguments,
-    _linger,
-    _process,
-    _reaper,
-    protocol,
-    region_import,
-    transport,
-    waiting,
-)
+from arrow_ipc_bridge import transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION, LocalGetter, ffi, lib
-from arrow_ipc_bridge.array_cache import KeptCupyArrays
-from arrow_ipc_bridge.board import SessionBoard, open_board
-from arrow_ipc_bridge.channel import Channel, Frame, millis
-from arrow_ipc_bridge.content_check import check_level
+from arrow_ipc_bridge.consumer import linger, region_import, waiting
+from arrow_ipc_bridge.consumer.array_cache import KeptCupyArrays
+from arrow_ipc_bridge.consumer.content_check import check_level
+from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream
+from arrow_ipc_bridge.consumer.live_stream import LiveStream, open_subscription
+from arrow_ipc_bridge.consumer.message_import import ImportedRefs, MessageImporter, track
+from arrow_ipc_bridge.consumer.remembered import RememberedMessage, RememberedMessages
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -48,21 +43,20 @@ from arrow_ipc_bridge.errors import (
     DescriptorsInFlightError,
     PeerClosedError,
     ProtocolError,
-    WaitTimeoutError,
 )
 from arrow_ipc_bridge.host.mappings import HostMappingCache
-from arrow_ipc_bridge.imported import ImportedArray, ImportedStream
-from arrow_ipc_bridge.message_import import ImportedRefs, MessageImporter, track
-from arrow_ipc_bridge.metadata import Decoded
 from arrow_ipc_bridge.process_stats import import_counters
-from arrow_ipc_bridge.remembered import RememberedMessage, RememberedMessages
-from arrow_ipc_bridge.streams.frames import MAX_IN_FLIGHT
-from arrow_ipc_bridge.streams.live import LiveStream, open_subscription
+from arrow_ipc_bridge.runtime import arguments, process, reaper
+from arrow_ipc_bridge.transport import protocol
+from arrow_ipc_bridge.transport.board import SessionBoard, open_board
+from arrow_ipc_bridge.transport.channel import Channel, Frame, millis
+from arrow_ipc_bridge.wire.metadata import Decoded
+from arrow_ipc_bridge.wire.stream_frames import MAX_IN_FLIGHT
 
 if TYPE_CHECKING:
     from arrow_ipc_bridge.cuda.cross_gpu import ReaderPlacement
 
-__all__ = ["Session", "connect", "subscribe"]
+__all__ = ["Session"]
 
 Imported = ImportedArray | ImportedStream
 
@@ -165,7 +159,7 @@ class Session:
         copy_stream: object = None,
         **removed: NoReturn,
     ) -> None:
-        _refuse_removed(removed, "Session()")
+        refuse_removed(removed, "Session()")
         self._reader: ReaderPlacement | None = None
         if reader_device is not None:
             from arrow_ipc_bridge.cuda.cross_gpu import ReaderPlacement
@@ -175,26 +169,26 @@ class Session:
             raise ValueError("cross_device and copy_stream need reader_device (the consumer's GPU)")
         self._host_check = "full" if check is None else check_level(check)
         self._cuda_check = "none" if check is None else self._host_check
-        pool_linger = _arguments.seconds(pool_linger, "pool_linger")
-        remembered_messages = _arguments.count(remembered_messages, "remembered_messages", least=0)
-        mapping_cache_size = _arguments.count(mapping_cache_size, "mapping_cache_size", least=0)
-        self._pid = _process.pid  # a forked child inherits this object; it may not use it
+        pool_linger = arguments.seconds(pool_linger, "pool_linger")
+        remembered_messages = arguments.count(remembered_messages, "remembered_messages", least=0)
+        mapping_cache_size = arguments.count(mapping_cache_size, "mapping_cache_size", least=0)
+        self._pid = process.pid  # a forked child inherits this object; it may not use it
         self._cache = HostMappingCache(mapping_cache_size)
         # Lock order: _request_lock, then the remembered set's own (see RememberedMessages).
         self._request_lock = threading.Lock()
         self._remembered = RememberedMessages(remembered_messages, float(pool_linger), self._request_lock)
         self._pool_linger = float(pool_linger)
         # CuPy arrays column_arrays made for this session's re-gets, handed out again while unheld
-        # (array_cache.py): a standing lease already keeps what they hold for pool_linger, so they
+        # (consumer/array_cache.py): a standing lease already keeps what they hold for pool_linger, so they
         # exist exactly when standing leases may (pool_linger 0 keeps neither).
         self._kept_arrays = KeptCupyArrays(self._pool_linger) if self._pool_linger > 0 else None
-        # The publisher's version board once connected (board.py); None: every get asks.
+        # The publisher's version board once connected (transport/board.py); None: every get asks.
         self._board: SessionBoard | None = None
         # Whether the publisher offers a board this session has not mapped yet (see _attach).
         self._board_wanted = False
-        # get_next's waits on the board (waiting.py) when the publisher wakes its slots' sleepers.
+        # get_next's waits on the board (consumer/waiting.py) when the publisher wakes its slots' sleepers.
         self._board_waits: waiting.BoardWaits | None = None
-        # The imports this session handed out (close() releases those alive): message_import.py.
+        # The imports this session handed out (close() releases those alive): consumer/message_import.py.
         self._imported: ImportedRefs = set()
         self._importer = MessageImporter(
             self._cache,
@@ -232,13 +226,14 @@ class Session:
         region cannot be mapped; nothing is leaked either way.
         """
         self._check_open()
-        message = _arguments.byte_string(message, "message")
-        _arguments.optional_name(name, "name", protocol.MAX_NAME)
+        message = arguments.byte_string(message, "message")
+        arguments.optional_name(name, "name", protocol.MAX_NAME)
         imported = self._import(message, region_import.checked_fds(fds), name=name, token=0)
         return imported if self._reader is None else self._place(imported)
 
     def _import(self, message: bytes, fds: Sequence[int], *, name: str | None, token: int) -> Imported:
-        """``message`` imported in Python (``message_import.py``) under the lease ``token`` (0: none)."""
+        """``message`` imported in Python (``consumer/message_import.py``) under the lease ``token``
+        (0: none)."""
         self._check_open()
         fetch_pool_fd = self._fetch_pool_fd if self._channel is not None else None
         return self._importer.import_message(
@@ -262,11 +257,11 @@ class Session:
         data decodes and opens again. Returns how many messages were forgotten.
         """
         self._check_open()
-        name = _arguments.optional_name(name, "name", protocol.MAX_NAME)
+        name = arguments.optional_name(name, "name", protocol.MAX_NAME)
         if self._kept_arrays is not None:
             self._kept_arrays.forget(name)
         forgotten = self._remembered.forget(name)
-        _reaper.drain()
+        reaper.drain()
         return forgotten
 
     # ---------- publisher conversation --------------------------------------------------------------
@@ -298,10 +293,10 @@ class Session:
         self._channel = channel
         # The family's callback holds the channel, so a lease outliving the session can still be
         # given back; the keeper's death retires it (then the channel can close with the session).
-        tokens = _reaper.register_family(functools.partial(_send_release, channel))
-        keeper = lib.aib_owner_new(_reaper.register(functools.partial(_reaper.unregister_family, tokens)))
+        tokens = reaper.register_family(functools.partial(_send_release, channel))
+        keeper = lib.aib_owner_new(reaper.register(functools.partial(reaper.unregister_family, tokens)))
         if keeper == ffi.NULL:
-            _reaper.unregister_family(tokens)
+            reaper.unregister_family(tokens)
             raise MemoryError("allocating the session's lease keeper")
         self._lease_tokens = tokens
         self._lease_keeper = ffi.gc(keeper, lib.aib_owner_unref)
@@ -413,7 +408,7 @@ class Session:
         ``payload``: at most ``protocol.MAX_PING`` bytes, which must come back unchanged.
         """
         self._check_open()
-        payload = _arguments.byte_string(payload, "payload", max_bytes=protocol.MAX_PING)
+        payload = arguments.byte_string(payload, "payload", max_bytes=protocol.MAX_PING)
         features = self.publisher_info.get("features")
         if not isinstance(features, list) or "ping" not in features:
             self._connection()  # not connected / closed: that error first
@@ -494,7 +489,7 @@ class Session:
                 hit = self._remembered.used_by_c_core(entry_id)
                 if hit is None:  # cannot happen; if it did, the lease ends here
                     lib.aib_owner_unref(owner)
-                    _reaper.drain()
+                    reaper.drain()
                     raise BridgeError("a remembered message vanished during a get")
                 fast = Decoded.adopt(owner, hit.steady_fields[1]), hit, address, sync_slot
         if imported_now is not None and imported_now[0] == 0:
@@ -507,7 +502,7 @@ class Session:
                 self._python_local_gets += 1
                 next(import_counters.local_gets)
             elif flags & _GET_STANDING:  # the message holds a standing lease now: its linger runs
-                _linger.watch(self._remembered)
+                linger.watch(self._remembered)
             decoded, hit, address, sync_slot = fast
             imported_type, _, fields = hit.steady_fields
             imported = imported_type.adopt(
@@ -530,12 +525,12 @@ class Session:
             else:
                 raise ProtocolError(f"expected ITEM, got frame kind {frame.kind}")
             lease = _Lease(channel, lease_id)
-            token = _reaper.register(lease)
+            token = reaper.register(lease)
             try:
                 imported = self._import(message, frame.fds, name=name, token=token)
             except BaseException:
                 # If the owner never came to life, nobody else will give the lease back.
-                if _reaper.unregister(token):
+                if reaper.unregister(token):
                     lease()
                 raise
         finally:
@@ -577,12 +572,12 @@ class Session:
             name,
             after=waiting.check_after(after),
             timeout=waiting.check_wait(timeout, "timeout"),
-            spin=_arguments.seconds(spin, "spin", maximum=waiting.MAX_WAIT),
+            spin=arguments.seconds(spin, "spin", maximum=waiting.MAX_WAIT),
         )
         return imported if self._reader is None else self._place(imported)
 
     def _get_version(self, name: str, *, after: int, timeout: float | None, spin: float = 0.0) -> Imported:
-        """WAIT for a version over ``after`` (``waiting.py``), then import it like a GET's answer;
+        """WAIT for a version over ``after`` (``consumer/waiting.py``), then import it like a GET's answer;
         a version over ``after`` > 0 of a name whose gets are local is waited for on the board."""
         raw_name = protocol.encode_name(name)
         if self._board_wanted:
@@ -632,11 +627,11 @@ class Session:
         frame = answer.frame
         try:
             lease = _Lease(channel, answer.lease_id)
-            token = _reaper.register(lease)
+            token = reaper.register(lease)
             try:
                 imported = self._import(answer.message, frame.fds, name=name, token=token)
             except BaseException:
-                if _reaper.unregister(token):  # the owner never came to life: give the lease back
+                if reaper.unregister(token):  # the owner never came to life: give the lease back
                     lease()
                 raise
         finally:
@@ -664,7 +659,7 @@ class Session:
         self, imported_now: tuple[int, Any, int, Any, int, int], message: bytes, name: str
     ) -> Imported:
         """The import of a message the C core made because all its regions are open in this process
-        (``aib_import_new``), wrapped (``message_import.py``)."""
+        (``aib_import_new``), wrapped (``consumer/message_import.py``)."""
         return self._importer.adopt_new(imported_now, message, name, self._lease_keeper)
 
     def subscribe(self, name: str, *, max_in_flight: int = 8, timeout: float | None = None) -> LiveStream:
@@ -682,16 +677,21 @@ class Session:
                 "this session was not made by connect(): use arrow_ipc_bridge.subscribe(path, name)"
             )
         protocol.encode_name(name)
-        max_in_flight = _arguments.count(max_in_flight, "max_in_flight", least=1, most=MAX_IN_FLIGHT)
-        timeout = _arguments.optional_seconds(timeout, "timeout")
+        max_in_flight = arguments.count(max_in_flight, "max_in_flight", least=1, most=MAX_IN_FLIGHT)
+        timeout = arguments.optional_seconds(timeout, "timeout")
         check = None if self._host_check == "full" and self._cuda_check == "none" else self._host_check
-        return subscribe(
-            self._path,
-            name,
-            max_in_flight=max_in_flight,
-            timeout=timeout,
-            connect_timeout=self._timeout if self._timeout is not None else 5.0,
-            check=check,
+        connect_timeout = self._timeout if self._timeout is not None else 5.0
+        # The subscription's own connection to the same publisher; remembered_messages: one per
+        # reserved slot of the stream.
+        subscriber = Session(remembered_messages=1024, check=check)
+        subscriber._path = self._path
+        try:
+            subscriber._attach(transport.connect(self._path, timeout=connect_timeout), connect_timeout)
+        except BaseException:
+            subscriber.close()
+            raise
+        return open_subscription(
+            subscriber, name, max_in_flight=max_in_flight, timeout=timeout, request_timeout=connect_timeout
         )
 
     def _connection(self) -> Channel:
@@ -704,8 +704,8 @@ class Session:
 
     # ---------- lifetime ----------------------------------------------------------------------------
     def _check_open(self) -> None:
-        if self._pid != _process.pid:
-            raise _process.foreign(
+        if self._pid != process.pid:
+            raise process.foreign(
                 "session",
                 self._pid,
                 "connect again here (imported objects the child inherited stay readable)",
@@ -763,11 +763,11 @@ class Session:
         if self._local_getter is not None:  # answers nothing from now on (before any teardown)
             self._local_getter.close()
             self._local_get = None
-        if self._waiting and self._channel is not None and self._pid == _process.pid:
+        if self._waiting and self._channel is not None and self._pid == process.pid:
             # A wait held by the publisher holds the request lock for its whole time: end it now
             # (it raises PeerClosedError). The publisher then ends this connection's leases at once.
             self._channel.close()
-        if self._pid != _process.pid:
+        if self._pid != process.pid:
             # A fork child's copy: the leases, the remembered messages and the connection are the
             # parent's (and its locks may have been held at the fork). Only our descriptor goes.
             if self._conn is not None:
@@ -782,7 +782,7 @@ class Session:
         self._remembered.close()
         # While the connection is open: pool imports are freed and kept leases given back in that
         # order (the producer frees its memory only after the importer did).
-        _reaper.drain()
+        reaper.drain()
         if self._conn is not None:
             self._conn.close()
         if self._lease_keeper != ffi.NULL:
@@ -792,7 +792,7 @@ class Session:
                 if self._board is not None:
                     self._board.close()
         self._cache.close()
-        _reaper.drain()
+        reaper.drain()
 
     def __enter__(self) -> Session:
         return self
@@ -819,7 +819,7 @@ _LOCAL_GETTER_KIT = (
 )
 
 
-def _refuse_removed(options: Mapping[str, object], where: str) -> None:
+def refuse_removed(options: Mapping[str, object], where: str) -> None:
     """TypeError for keyword arguments ``where`` does not take, naming the replacement of a removed
     one: a caller of the old surface learns what to do instead of meeting a bare unknown name."""
     if "standing_leases" in options:
@@ -838,149 +838,3 @@ def _send_release(channel: Channel, lease_id: int) -> None:
     # A publisher that is gone has nothing left to release.
     with contextlib.suppress(PeerClosedError, BridgeTimeoutError, OSError):
         channel.send(protocol.RELEASE, protocol.encode_lease(lease_id), timeout=5.0)
-
-
-def connect(
-    path: str | os.PathLike[str],
-    *,
-    timeout: float = 5.0,
-    wait_for_publisher: bool = False,
-    pool_linger: float = 1.0,
-    remembered_messages: int = 64,
-    check: str | None = None,
-    reader_device: int | None = None,
-    cross_device: str = "peer",
-    copy_stream: object = None,
-    **flight_options: Any,
-) -> Session:
-    """Connect a new :class:`Session` to the publisher at ``path``.
-
-    ``path`` may be a Flight front's address (``grpc://``, ``grpc+tls://``): then the publisher's
-    socket is used when this process can reach it, Arrow Flight otherwise (a ``FlightSession``),
-    and ``flight_options`` are those of :func:`arrow_ipc_bridge.flight.client.connect` (``token``,
-    TLS, ``prefer``); ``docs/flight.md``.
-
-    Parameters
-    ----------
-    path
-        The publisher's socket file.
-    timeout
-        Seconds for the connection and for every request after it. With ``wait_for_publisher``
-        it also bounds the wait for the publisher to appear.
-    wait_for_publisher
-        Wait for a publisher to appear at ``path`` (the socket file missing, or refusing: one that
-        is starting or restarting), retrying with a short backoff, instead of raising
-        :class:`~arrow_ipc_bridge.errors.TransportError` at once; a publisher that takes the
-        connection and closes it before welcoming the session (going down or coming up) is tried
-        again too, instead of raising :class:`~arrow_ipc_bridge.errors.PeerClosedError`. When
-        ``timeout`` passes first: :class:`~arrow_ipc_bridge.errors.WaitTimeoutError`.
-    pool_linger
-        See :class:`Session`: how long the session keeps one lease per re-got name after its last
-        get (re-gets without a round trip meanwhile); 0 keeps none.
-    remembered_messages
-        See :class:`Session`: how many messages (one per name) re-gets find remembered.
-    check
-        See :class:`Session`: how far buffer contents are checked (default: ``"full"`` for host
-        data, ``"none"`` for CUDA data).
-    reader_device, cross_device, copy_stream
-        See :class:`Session`: GPU data living on a GPU other than the consumer's, read in place
-        (``"peer"``) or copied (``"copy"``).
-
-    Examples
-    --------
-    >>> with aib.connect("/tmp/demo.sock") as session:  # doctest: +SKIP
-    ...     table = pa.table(session.get("trades"))
-    """
-    if "standing_leases" in flight_options:
-        _refuse_removed({"standing_leases": flight_options["standing_leases"]}, "connect()")
-    if isinstance(path, str) and path.startswith(("grpc://", "grpc+tcp://", "grpc+tls://")):
-        from arrow_ipc_bridge.flight.client import connect as connect_flight
-
-        # This function comes along to make the socket session: flight/ does not import this module.
-        session_options = {
-            "pool_linger": pool_linger,
-            "remembered_messages": remembered_messages,
-            "check": check,
-            "reader_device": reader_device,
-            "cross_device": cross_device,
-            "copy_stream": copy_stream,
-        }
-        return connect_flight(  # type: ignore[no-any-return]  # a Session, or a FlightSession (same methods)
-            path, connect, timeout=timeout, session_options=session_options, **flight_options
-        )
-    if flight_options:
-        raise TypeError(f"connect() got unexpected keyword arguments {sorted(flight_options)}")
-    path = _arguments.path(path)
-    timeout = _arguments.seconds(timeout, "timeout")
-    _arguments.boolean(wait_for_publisher, "wait_for_publisher")
-    deadline = time.monotonic() + timeout
-    delay = _RETRY_FIRST
-    while True:
-        session = Session(
-            pool_linger=pool_linger,
-            remembered_messages=remembered_messages,
-            check=check,
-            reader_device=reader_device,
-            cross_device=cross_device,
-            copy_stream=copy_stream,
-        )
-        session._path = os.fspath(path)
-        try:
-            left = max(deadline - time.monotonic(), 0.0) if wait_for_publisher else timeout
-            conn = transport.connect(path, timeout=left, wait_for_server=wait_for_publisher)
-            session._attach(conn, timeout)
-            return session
-        except PeerClosedError as exc:
-            session.close()
-            # The publisher closed the connection before the session was set up: one going down
-            # (its listening socket still took the connection) or coming up and failing. Waiting
-            # for a publisher waits through that, as through a missing or refusing socket.
-            if not wait_for_publisher:
-                raise
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WaitTimeoutError(
-                    f"no publisher at {path!r} completed a handshake within {timeout} s "
-                    f"(last: {exc.message})",
-                    path=os.fspath(path),
-                    timeout=timeout,
-                ) from exc
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, _RETRY_MOST)
-        except BaseException:
-            session.close()  # closes the connection too
-            raise
-
-
-# connect(wait_for_publisher=True)'s backoff between handshakes a publisher closed (seconds), as
-# transport.connect's while no socket is there.
-_RETRY_FIRST = 0.001
-_RETRY_MOST = 0.05
-
-
-def subscribe(
-    path: str | os.PathLike[str],
-    name: str,
-    *,
-    max_in_flight: int = 8,
-    timeout: float | None = None,
-    connect_timeout: float = 5.0,
-    check: str | None = None,
-) -> LiveStream:
-    """Subscribe to the live stream ``name`` of the publisher at ``path`` (from now on).
-
-    ``max_in_flight``: batches this consumer may hold unreleased (the publisher may grant fewer);
-    ``timeout``: seconds each batch is waited for (None: forever); ``check``: see
-    :class:`~arrow_ipc_bridge.Session`. Raises :class:`~arrow_ipc_bridge.errors.NotPublishedError`
-    when no such stream is open.
-    """
-    path = _arguments.path(path)
-    protocol.encode_name(name)
-    max_in_flight = _arguments.count(max_in_flight, "max_in_flight", least=1, most=MAX_IN_FLIGHT)
-    timeout = _arguments.optional_seconds(timeout, "timeout")
-    connect_timeout = _arguments.seconds(connect_timeout, "connect_timeout")
-    # The subscription's own connection; remembered_messages: one per reserved slot of the stream.
-    session = connect(path, timeout=connect_timeout, remembered_messages=1024, check=check)
-    return open_subscription(
-        session, name, max_in_flight=max_in_flight, timeout=timeout, request_timeout=connect_timeout
-    )
