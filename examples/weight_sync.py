@@ -188,7 +188,12 @@ class Layout:
         specs = [
             TensorSpec(name, dtype, tuple(shape), offset, nbytes)
             for name, dtype, shape, offset, nbytes in zip(
-                columns["name"], columns["dtype"], columns["shape"], columns["offset"], columns["nbytes"]
+                columns["name"],
+                columns["dtype"],
+                columns["shape"],
+                columns["offset"],
+                columns["nbytes"],
+                strict=True,
             )
         ]
         layout = cls(specs)
@@ -509,8 +514,12 @@ class WeightFollower:
         except BaseException:
             imported.release()
             raise
-        self.seen = imported.version
-        return WeightVersion(imported, imported.version, flat, tensors)
+        version = imported.version
+        if version is None:  # objects got by waiting always carry their version
+            imported.release()
+            raise RuntimeError(f"get_next returned {self.name!r} without a version")
+        self.seen = version
+        return WeightVersion(imported, version, flat, tensors)
 
 
 class InferenceModel:
@@ -653,7 +662,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"trainer: published {args.steps} versions of {len(layout.specs)} parameters "
                 f"({layout.total_bytes / (1 << 20):.1f} MiB) in {elapsed:.2f} s, "
-                f"{weights.slot_waits} waits for a free slot, {_copied_since(before)} bytes copied by the bridge",
+                f"{weights.slot_waits} waits for a free slot, "
+                f"{_copied_since(before)} bytes copied by the bridge",
                 flush=True,
             )
             done.wait(120)  # serve until the inference process has the last version
