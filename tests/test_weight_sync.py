@@ -12,6 +12,7 @@ device; they skip with the reason elsewhere.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import subprocess
@@ -438,3 +439,39 @@ def test_gpu_example_runs(cuda_device: int) -> None:
     assert done.returncode == 0, done.stderr
     assert "parameters viewed in place on the GPU" in done.stdout, done.stdout
     assert "0 bytes copied by the bridge" in done.stdout, done.stdout
+
+
+def test_the_benchmark_runs_on_the_host_and_reports_every_step(tmp_path: Path) -> None:
+    """The harness of benchmarks/bench_weight_sync.py (its GPU run is the issue's benchmark): on the
+    host it runs the bridge alone, checks every version, and reports one sample per step."""
+    out = tmp_path / "ws.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "bench_weight_sync.py"),
+            "--device",
+            "cpu",
+            "--total-mib",
+            "4",
+            "--tensors",
+            "60",
+            "--steps",
+            "8",
+            "--json",
+            str(out),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    (row,) = report["results"]
+    assert row["method"] == "bridge"
+    assert len(row["samples_ms"]) == 8
+    assert all(sample > 0 for sample in row["samples_ms"])
+    assert row["copied_bytes"] == 0
+    assert {skip["method"] for skip in report["skipped"]} == {"torch_tensors", "torch_packed"}
+    assert "skipped torch_packed" in done.stdout
