@@ -100,6 +100,7 @@ def trainer(options: dict[str, Any], queue: Any, link: Any, results: Any) -> Non
         facts: dict[str, Any] = {}
         if device == "cuda":
             import torch
+            import torch.multiprocessing  # registers the CUDA tensor reductions
 
             facts["gpu"] = torch.cuda.get_device_name(0)
             facts["torch"] = torch.__version__
@@ -133,7 +134,7 @@ def trainer(options: dict[str, Any], queue: Any, link: Any, results: Any) -> Non
                 import torch
 
                 views = packed_views[step % 2]
-                torch._foreach_copy_([views[n] for n in names], [parameters[n] for n in names])
+                ws.copy_all(torch, [views[n] for n in names], [parameters[n] for n in names])
                 queue.put(packed[step % 2])
             handed.append(now())
             started.append(t0)
@@ -169,6 +170,7 @@ def inference(options: dict[str, Any], queue: Any, link: Any, results: Any) -> N
         layout = ws.Layout.plan(spec)
         if device == "cuda":
             import torch
+            import torch.multiprocessing  # registers the CUDA tensor reductions
 
             torch.zeros(1, device="cuda:0")  # CUDA initialised before the clock, as in a serving process
         usable: list[float] = []

@@ -412,8 +412,7 @@ class WeightPublisher:
         else:
             torch = self._torch
             names = list(views)
-            # One fused launch per group of tensors: writes are ordered on the current stream.
-            torch._foreach_copy_([views[n] for n in names], [parameters[n] for n in names])
+            copy_all(torch, [views[n] for n in names], [parameters[n] for n in names])
             stream = torch.cuda.current_stream(self._buffers[k].device).cuda_stream or 1
             hold = _SlotHold(self._buffers[k], self._addresses[k], self.layout.total_bytes, stream)
             obj = aib.from_cuda_arrays({self.layout.column: hold})
@@ -436,6 +435,17 @@ class WeightPublisher:
                 self.publisher.unpublish(name)
         self._views = []
         self._buffers = []
+
+
+def copy_all(torch: Any, destinations: list[Any], sources: list[Any]) -> None:
+    """Copy each source tensor into its destination on the current stream: one fused
+    ``torch._foreach_copy_`` where this PyTorch has it (2.1 on), else a ``copy_`` per tensor."""
+    foreach_copy = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy is not None:
+        foreach_copy(destinations, sources)
+        return
+    for destination, source in zip(destinations, sources, strict=True):
+        destination.copy_(source)
 
 
 def parameter_views(flat: Any, layout: Layout) -> dict[str, Any]:
