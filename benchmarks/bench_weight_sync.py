@@ -43,10 +43,12 @@ The bridge's trainer also reports how many publishes waited for a free slot.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing
 import os
 import platform
+import queue as queue_module
 import statistics
 import sys
 import tempfile
@@ -64,6 +66,7 @@ import weight_sync as ws  # noqa: E402
 import arrow_ipc_bridge as aib  # noqa: E402
 
 METHODS = ("bridge", "torch_tensors", "torch_packed")
+METHOD_LIMIT_S = 300  # one method, both processes, start to end
 WARMUP = 2  # steps left out of the median and p90 (the first is reported as the cold sync)
 
 
@@ -230,9 +233,21 @@ def run_method(method: str, options: dict[str, Any]) -> dict[str, Any]:
         for process in processes:
             process.start()
         got: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + METHOD_LIMIT_S
         try:
             while len(got) < 2:
-                side, _, data = results.get(timeout=600)
+                try:
+                    side, _, data = results.get(timeout=1.0)
+                except queue_module.Empty:
+                    # A process that died without a word (a crash in CUDA or the driver) ends the wait.
+                    dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+                    if dead or time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"{method}: a process exited with {dead}"
+                            if dead
+                            else f"{method}: no result in time"
+                        ) from None
+                    continue
                 got[side] = data
                 if "error" in data:
                     break
@@ -289,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
     if not 1 <= steps < ws.MARKERS or args.tensors < 1 or args.total_mib <= 0 or args.slots < 2:
         parser.error(f"--steps 1..{ws.MARKERS - 1}, --tensors >= 1, --total-mib > 0, --slots >= 2")
+    if args.device == "cuda" and importlib.util.find_spec("torch") is None:
+        parser.error("--device cuda needs PyTorch with CUDA (pip install torch); --device cpu runs without")
     skipped: list[dict[str, str]] = []
     if args.device == "cpu":
         for method in methods:
