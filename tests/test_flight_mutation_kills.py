@@ -18,7 +18,8 @@ from arrow_ipc_bridge.runtime import reaper
 
 flight = pytest.importorskip("pyarrow.flight")
 from arrow_ipc_bridge.flight import bearer_header, serve  # noqa: E402
-from arrow_ipc_bridge.flight.staging import StagedPublication, StagingPool  # noqa: E402
+from arrow_ipc_bridge.flight.pinned_pool import StagingPool  # noqa: E402
+from arrow_ipc_bridge.flight.staging import StagedPublication  # noqa: E402
 
 TOKEN = "t0ken-for-the-tests-only-0123456789"
 OTHER = "another-token-of-the-tests-987654"
@@ -49,7 +50,7 @@ def test_a_call_with_two_authorization_headers_is_refused(
         assert client.do_get(flight.Ticket(b"t"), options=one).read_all().num_rows == 3
 
 
-# ---------- staging.py: a buffer lent to a chunk holds the chunk -------------------------------------------
+# ---------- pinned_pool.py: a buffer lent to a chunk holds the chunk ---------------------------------------
 class BoundedCopier:
     """A stand-in device (host buffers, copies by memmove at once) that refuses a copy landing
     outside the buffer it targets, as memory past a pinned buffer would be overwritten by a DMA."""

@@ -24,15 +24,14 @@ from arrow_ipc_bridge.runtime import reaper
 
 flight = pytest.importorskip("pyarrow.flight")
 from arrow_ipc_bridge.flight import serve  # noqa: E402
-from arrow_ipc_bridge.flight.server import FlightFront  # noqa: E402
-from arrow_ipc_bridge.flight.staging import (  # noqa: E402
-    Prefetcher,
-    StagedPublication,
+from arrow_ipc_bridge.flight.pinned_pool import (  # noqa: E402
     StagingCancelledError,
     StagingLimitError,
     StagingPool,
-    stage_live_batch,
 )
+from arrow_ipc_bridge.flight.prefetch import Prefetcher  # noqa: E402
+from arrow_ipc_bridge.flight.server import FlightFront  # noqa: E402
+from arrow_ipc_bridge.flight.staging import StagedPublication, stage_live_batch  # noqa: E402
 
 
 class HostCopier:
@@ -359,7 +358,7 @@ def _write_when_subscribed(
 def test_staged_live_batches_on_a_thread_never_overwrite_a_held_batch(
     publisher: aib.Publisher, session: aib.Session, eager: bool
 ) -> None:
-    """The front's composition (``FlightFront._live_stream``): each batch of a subscription staged
+    """The front's composition (``sending.live_stream``): each batch of a subscription staged
     on a ``Prefetcher`` thread one chunk ahead, the consumer holding the chunk it was handed until
     it takes the next (as gRPC does while it sends). Three buffers serve every chunk, and each
     held chunk still holds its own rows when the next arrives."""

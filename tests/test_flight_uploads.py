@@ -22,7 +22,7 @@ import arrow_ipc_bridge as aib
 
 flight = pytest.importorskip("pyarrow.flight")
 from arrow_ipc_bridge.flight import serve  # noqa: E402
-from arrow_ipc_bridge.flight.server import _held_bytes  # noqa: E402
+from arrow_ipc_bridge.flight.uploads import held_bytes  # noqa: E402
 
 MiB = 1 << 20
 
@@ -224,10 +224,10 @@ def _padded_message_batch(padding: int) -> pa.RecordBatch:
 def test_a_batch_over_a_padded_body_counts_the_whole_body() -> None:
     batch = _padded_message_batch(8 * MiB)
     assert batch.nbytes == 16
-    assert _held_bytes(batch, {}) >= 8 * MiB
+    assert held_bytes(batch, {}) >= 8 * MiB
     roots: dict[tuple[int, int], int] = {}
-    first = _held_bytes(batch, roots)
-    assert _held_bytes(batch, roots) == 0 < first  # what the upload holds already is not counted again
+    first = held_bytes(batch, roots)
+    assert held_bytes(batch, roots) == 0 < first  # what the upload holds already is not counted again
 
 
 def test_dictionaries_count_once_at_any_depth() -> None:
@@ -243,8 +243,8 @@ def test_dictionaries_count_once_at_any_depth() -> None:
         writer.write_batch(batch)
     first, second = list(pa.ipc.open_stream(sink.getvalue()))
     roots: dict[tuple[int, int], int] = {}
-    assert _held_bytes(first, roots) > values.nbytes
-    assert _held_bytes(second, roots) < values.nbytes
+    assert held_bytes(first, roots) > values.nbytes
+    assert held_bytes(second, roots) < values.nbytes
 
 
 def test_serve_checks_max_put_total_bytes(publisher: aib.Publisher) -> None:

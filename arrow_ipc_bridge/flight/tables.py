@@ -15,7 +15,8 @@ rebuilt over the same buffers before they are sent (``sendable``).
 Arrow IPC cannot describe a dictionary whose values are themselves a dictionary: a schema field
 carries one dictionary encoding and its type cannot be a dictionary, so pyarrow's writer drops the
 inner encoding and its reader reads the inner dictionary's indices as the values (wrong values, or
-an error). ``nested_dictionary`` finds such a column so that the front refuses it before sending.
+an error). ``nested_dictionary`` finds such a column so that the front refuses it before sending
+(``unsendable`` says why).
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ import pyarrow as pa
 
 from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream, to_host
 
-__all__ = ["STRUCT_ROOT", "as_table", "flight_schema", "host_table", "nested_dictionary", "sendable"]
+__all__ = [
+    "STRUCT_ROOT",
+    "as_table",
+    "flight_schema",
+    "host_table",
+    "nested_dictionary",
+    "sendable",
+    "unsendable",
+]
 
 STRUCT_ROOT = "+s"
 
@@ -162,6 +171,20 @@ def nested_dictionary(schema: pa.Schema) -> tuple[str, pa.DataType] | None:
         if found is not None:
             return found
     return None
+
+
+def unsendable(name: str, schema: pa.Schema) -> str | None:
+    """Why ``name``, of ``schema``, cannot be sent over Flight, or None when it can. Found from the
+    schema alone, before anything is sent: a client must not get wrong values."""
+    found = nested_dictionary(schema)
+    if found is None:
+        return None
+    path, dtype = found
+    return (
+        f"column {path[:200]!r} of {name!r} is a dictionary whose values are a dictionary "
+        f"({str(dtype)[:300]}): Arrow IPC, which Flight sends, cannot carry it (pyarrow reads it "
+        "back as one dictionary of wrong values); publish its values decoded to serve it over Flight"
+    )
 
 
 def _storage(dtype: pa.DataType) -> pa.DataType:
