@@ -54,14 +54,11 @@ batch_columns: Callable[..., tuple[object, int, tuple[tuple[str, int, int, int, 
 DLPackColumn: type  # what batch_columns hands out for DLPack consumers (columns.ColumnView wraps it)
 # py_columns.c (from_cuda_arrays): (values, n, cupy_type) -> (columns read, aib_cuda_column[n] as bytes)
 read_cuda_columns: Callable[[list[Any], int, type | None], tuple[int, bytes]]
-# py_local_get.c: a session's local re-gets in one builtin call (consumer/session.py makes one per session).
-LocalGetter: type
 # py_in_place.c: a publisher's in-place renewals in one builtin call (producer/publisher.py makes one).
 InPlaceRenewer: type
 if (
     lib.aib_py_install(__name__.encode()) != 0
     or lib.aib_py_install_columns(__name__.encode()) != 0
-    or lib.aib_py_install_local_get(__name__.encode()) != 0
     or lib.aib_py_install_in_place(__name__.encode()) != 0
 ):
     raise BuildMismatchError(  # pragma: no cover - only out of memory
@@ -83,7 +80,6 @@ __all__ = [
     "batch_columns",
     "DLPackColumn",
     "read_cuda_columns",
-    "LocalGetter",
     "InPlaceRenewer",
 ]
 

@@ -39,7 +39,6 @@ C_SOURCES = [
     "host_system.c",
     "py_columns.c",
     "py_hot.c",
-    "py_local_get.c",
     "py_in_place.c",
 ]
 HEADERS = ["arrow_c_abi.h", "bridge.h"]

@@ -1,4 +1,4 @@
-/* What the hot-path builtins over prepared Python state share (py_local_get.c, py_in_place.c): the
+/* What the hot-path builtins over prepared Python state share (py_in_place.c): the
  * fork generation, the calls of a threading.Lock's bound methods, and making and installing their
  * types. Declared in py_hot.h. */
 #ifndef _GNU_SOURCE

@@ -1,4 +1,4 @@
-/* What the hot-path builtins over prepared Python state share (py_local_get.c, py_in_place.c),
+/* What the hot-path builtins over prepared Python state share (py_in_place.c),
  * defined in py_hot.c. Needs <Python.h> first. Not part of the cffi surface. */
 #ifndef AIB_PY_HOT_H
 #define AIB_PY_HOT_H

@@ -1,8 +1,8 @@
-"""The C core's local re-get (``cffi_build/py_local_get.c``): a standing-lease session's gets that the
-version board answers are made in one builtin call, objects included, and behave exactly as the
-Python path's: the same data and attributes, the same counters, the same errors, released by
-``Session.close``, refused in a forked child and after a close. docs/lifetime.md ("Standing
-leases") describes the path.
+"""Local re-gets: a standing-lease session's gets that the publisher's version board answers with no
+round trip (one C call, ``aib_session_get``, on the session's one get path) return the same data,
+version and name as a round trip, are counted in ``aib.stats().session.local_gets``, are released
+by ``Session.close``, and are never made after a close, in a forked child, for a bad name, or once
+the board shows another publication. docs/lifetime.md ("Standing leases") describes the path.
 
 Every test runs under the ``no_leaks`` fixture (tests/conftest.py): descriptors, the C core's live
 owners, struct nodes and mappings, the reaper's pending callbacks and threads return to what they
@@ -21,7 +21,6 @@ import pytest
 from helpers.session_rig import report_from_forked_child, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge._ffi import ffi
 from arrow_ipc_bridge.errors import ArgumentTypeError, ClosedError, InvalidArgumentError, NotPublishedError
 from arrow_ipc_bridge.runtime import reaper
 
@@ -37,18 +36,19 @@ def local_session(publisher: aib.Publisher) -> Iterator[aib.Session]:
         for _ in range(2):  # the first get imports, the second takes the standing lease
             for name in ("t", "s"):
                 session.get(name).release()
-        assert session.local_gets == 0
         yield session
 
 
-def test_local_gets_are_made_by_the_c_getter_with_the_data_and_the_counts(
+def local_gets() -> int:
+    """Local gets made by this process so far."""
+    return aib.stats().session.local_gets
+
+
+def test_local_gets_have_the_data_and_the_counts(
     local_session: aib.Session, publisher: aib.Publisher
 ) -> None:
-    """Each later get is local and made by the getter: the data, the version, the session's and the
-    process's counters as before."""
+    """Each later get is local: the data, the version and the name, and the process's counters."""
     before = aib.stats().session
-    getter = local_session._local_getter
-    assert getter is not None
     for round_ in range(1, 4):
         with local_session.get("t") as batch, local_session.get("s") as table:
             assert isinstance(batch, aib.ImportedArray)
@@ -58,76 +58,32 @@ def test_local_gets_are_made_by_the_c_getter_with_the_data_and_the_counts(
             assert (batch.version, table.version) == (publisher.version("t"), publisher.version("s"))
             assert batch.name == "t"
             assert table.name == "s"
-        assert getter.gets == 2 * round_
-    assert local_session.local_gets == 6
-    assert local_session.remembered_gets == 8  # the two standing-lease gets were remembered too
+        assert aib.stats().session.local_gets - before.local_gets == 2 * round_
     after = aib.stats().session
     assert after.local_gets - before.local_gets == 6
     assert after.remembered_gets - before.remembered_gets == 6
 
 
-def test_a_c_made_import_has_the_python_paths_attributes(local_session: aib.Session) -> None:
-    """The getter's objects carry the same attributes as those the Python path makes for the same
-    local answer (with the getter set aside), so no code can tell them apart."""
-
-    def attributes(imported: Any) -> dict[str, Any]:
-        fields = dict(vars(imported))
-        decoded = fields.pop("_decoded")
-        fields["decoded"] = {k: v for k, v in vars(decoded).items() if k != "owner"}
-        fields["owner type"] = ffi.typeof(decoded.owner)
-        # Each import's own owner, and its slot for the producer's event (none for host data).
-        assert fields.pop("_owner_address") == int(ffi.cast("uintptr_t", decoded.owner))
-        fields["has sync"] = fields.pop("_sync") != ffi.NULL
-        return fields
-
-    with local_session.get("t") as from_c:
-        c_fields = attributes(from_c)
-    getter_get, local_session._local_get = local_session._local_get, None
-    try:
-        with local_session.get("t") as from_python:
-            python_fields = attributes(from_python)
-    finally:
-        local_session._local_get = getter_get
-    assert local_session._local_getter.gets == 1
-    assert c_fields.keys() == python_fields.keys()
-    assert c_fields == python_fields
-
-
-def test_closing_the_session_releases_c_made_imports_and_stops_the_getter(local_session: aib.Session) -> None:
-    """Session.close releases what the getter handed out, and the getter answers nothing after it:
-    a get raises ClosedError from the Python path."""
+def test_closing_the_session_releases_local_imports(local_session: aib.Session) -> None:
+    """Session.close releases what local gets handed out; a get after it raises ClosedError and
+    answers nothing from the board."""
+    before = local_gets()
     held = [local_session.get("t"), local_session.get("s")]
-    assert local_session._local_getter.gets == 2
-    getter = local_session._local_getter
+    assert local_gets() - before == 2
     local_session.close()
     assert all(imported.released for imported in held)
-    assert getter.get("t") is None
     with pytest.raises(ClosedError):
         local_session.get("t")
+    assert local_gets() - before == 2
 
 
-def test_a_get_waiting_for_the_request_lock_answers_nothing_once_closed(local_session: aib.Session) -> None:
-    """A get that waited for the request lock while the session closed (close marks the getter
-    first, then tears down under that lock) answers nothing: it looks again once it holds the lock."""
-    getter = local_session._local_getter
-    answers: list[object] = []
-    with local_session._request_lock:
-        thread = threading.Thread(target=lambda: answers.append(getter.get("t")))
-        thread.start()
-        thread.join(0.2)
-        assert thread.is_alive()  # held up by the request lock
-        getter.close()
-    thread.join(10)
-    assert answers == [None]
-    assert getter.gets == 0
-
-
-def test_a_collected_c_made_import_leaves_the_sessions_set(local_session: aib.Session) -> None:
-    """The session's set of live imports holds weak references that leave it when their import dies,
-    whichever path made it (a consumer that never calls release leaks nothing)."""
+def test_a_collected_local_import_leaves_the_sessions_set(local_session: aib.Session) -> None:
+    """The session's set of live imports holds weak references that leave it when their import dies
+    (a consumer that never calls release leaks nothing)."""
     before = len(local_session._imported)
+    gets_before = local_gets()
     imports = [local_session.get("t") for _ in range(50)]
-    assert local_session._local_getter.gets == 50
+    assert local_gets() - gets_before == 50
     assert len(local_session._imported) == before + 50
     del imports
     gc.collect()
@@ -144,11 +100,14 @@ def test_a_collected_c_made_import_leaves_the_sessions_set(local_session: aib.Se
         ("x" * 5000, InvalidArgumentError),
     ],
 )
-def test_a_bad_name_gets_the_python_paths_error(local_session: aib.Session, name: Any, error: type) -> None:
-    """What the getter cannot take (not a str, not a name) is left to the Python path, which says why."""
+def test_a_bad_name_is_refused_before_the_board_is_read(
+    local_session: aib.Session, name: Any, error: type
+) -> None:
+    """Not a str, or not a name: the documented argument error, and no local get."""
+    before = local_gets()
     with pytest.raises(error):
         local_session.get(name)
-    assert local_session._local_getter.gets == 0
+    assert local_gets() == before
 
 
 def test_an_unknown_or_republished_name_is_asked_of_the_publisher(
@@ -156,17 +115,19 @@ def test_an_unknown_or_republished_name_is_asked_of_the_publisher(
 ) -> None:
     """A name with no standing lease goes to the publisher (NotPublishedError); after a new publish
     the board no longer matches and the get is a round trip that returns the new data."""
+    before = local_gets()
     with pytest.raises(NotPublishedError):
         local_session.get("nothing")
     publisher.publish("t", pa.record_batch({"x": pa.array([9], pa.int64())}))
     with local_session.get("t") as imported:
         assert pa.record_batch(imported).column(0).to_pylist() == [9]
-    assert local_session._local_getter.gets == 0
+    assert local_gets() == before
 
 
 def test_gets_from_several_threads_are_each_whole(local_session: aib.Session) -> None:
-    """Threads getting at once (the getter takes the session's request lock, as Python does) each get
-    whole imports, and every lease ends."""
+    """Threads getting at once (each get holds the session's request lock) each get whole imports,
+    and every lease ends."""
+    before = local_gets()
     errors: list[BaseException] = []
 
     def worker() -> None:
@@ -183,24 +144,24 @@ def test_gets_from_several_threads_are_each_whole(local_session: aib.Session) ->
     for thread in threads:
         thread.join(60)
     assert errors == []
-    assert local_session._local_getter.gets == 800
+    assert local_gets() - before == 800
 
 
 def test_a_closed_publisher_is_a_clear_error_not_a_local_answer(
     local_session: aib.Session, publisher: aib.Publisher
 ) -> None:
-    """When the publisher closes, its end of the connection is unread on the channel: the getter
-    answers nothing and the get raises the Python path's PeerClosedError."""
+    """When the publisher closes, its end of the connection is unread on the channel: no local
+    answer, the get raises PeerClosedError."""
+    before = local_gets()
     publisher.close()
     assert wait_for(lambda: not local_session._connection().quiet(), 5.0)
     with pytest.raises(aib.PeerClosedError):
         local_session.get("t")
-    assert local_session._local_getter.gets == 0
+    assert local_gets() == before
 
 
 def _forked_child(session: aib.Session) -> list[Any]:
     report: list[Any] = []
-    report.append(session._local_getter.get("t") is None)  # answers nothing here
     try:
         session.get("t")
         report.append("no error")
@@ -210,21 +171,23 @@ def _forked_child(session: aib.Session) -> list[Any]:
     return report
 
 
-def test_a_forked_child_gets_nothing_from_its_parents_getter(local_session: aib.Session) -> None:
-    """A child of fork inherits the getter: it answers nothing there, and the get raises
-    ForeignProcessError from the Python path; the parent's gets go on locally."""
+def test_a_forked_child_gets_nothing_from_its_parents_board(local_session: aib.Session) -> None:
+    """A child of fork inherits the session: a get there raises ForeignProcessError; the parent's
+    gets go on locally."""
     report = report_from_forked_child(lambda: _forked_child(local_session))
-    assert report == [True, "foreign"]
+    assert report == ["foreign"]
+    before = local_gets()
     with local_session.get("t") as imported:
         assert pa.record_batch(imported).num_rows == 3
-    assert local_session._local_getter.gets == 1
+    assert local_gets() - before == 1
 
 
-def test_a_session_without_standing_leases_makes_no_getter(publisher: aib.Publisher) -> None:
-    """Without standing leases (``pool_linger=0``) there is no board and no local answer: no getter.
-    (A session that places each get on a reader GPU makes none either: the placement is Python's.)"""
+def test_a_session_without_standing_leases_makes_no_local_get(publisher: aib.Publisher) -> None:
+    """Without standing leases (``pool_linger=0``) every get asks the publisher."""
     publisher.publish("t", pa.table({"x": [1]}))
+    before = local_gets()
     with aib.connect(publisher.path, timeout=10.0, pool_linger=0) as plain:
-        assert plain._local_getter is None
-        with plain.get("t") as imported:
-            assert pa.table(imported).num_rows == 1
+        for _ in range(3):
+            with plain.get("t") as imported:
+                assert pa.table(imported).num_rows == 1
+    assert local_gets() == before

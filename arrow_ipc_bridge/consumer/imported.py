@@ -69,7 +69,7 @@ def adopted_fields(bases: Any, device_type: int, device_id: int) -> dict[str, An
     """The attributes :meth:`_ImportedBase.adopt` sets that are the same for every import of a
     remembered message (``bases``: its shared ``uint64_t[]``). The others are each import's own:
     ``_decoded``, ``_owner_address``, ``_sync`` and ``name`` (and ``version``, ``_kept_arrays``
-    when set). The C core's local get (``cffi_build/py_local_get.c``) starts from these too."""
+    when set)."""
     return {
         "_bases": bases,
         "_n_bases": len(bases),

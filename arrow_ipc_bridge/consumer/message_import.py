@@ -5,8 +5,7 @@ imported again in Python, and a new message the C core imported over regions ope
 messages, the content checks, the set of live imports) and nothing of its connection: the session
 (``consumer/session.py``) decides which path a message takes, passes what the connection gives (the lease
 token, the pool-fd fetch, the lease keeper) and keeps the requests, the leases and the get paths.
-The steady state, a remembered message imported by the C core, is the session's (``Session.get``)
-and, for local answers, the C core's own (``cffi_build/py_local_get.c``).
+The steady state, a remembered message imported by the C core, is the session's (``Session.get``).
 """
 
 from __future__ import annotations

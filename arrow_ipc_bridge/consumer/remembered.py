@@ -52,8 +52,7 @@ class RememberedMessage:
     device_id: int
     imported_type: type[ImportedArray] | type[ImportedStream]
     # (imported_type, the attributes of each import's Decoded but its owner, those every import
-    # shares): what an import is made of, made once. Session._get_unplaced and the C core's local
-    # get (cffi_build/py_local_get.c, which reads it by this name) both build from it.
+    # shares): what an import is made of, made once; Session._adopt_remembered builds from it.
     steady_fields: tuple[type[ImportedArray] | type[ImportedStream], dict[str, Any], dict[str, Any]] = field(
         init=False, repr=False, compare=False
     )

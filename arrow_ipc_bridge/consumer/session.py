@@ -12,7 +12,7 @@ leases. What stands apart from that state lives beside it: the Python import of 
 (``consumer/message_import.py``), the remembered set (``consumer/remembered.py``), the version board
 (``transport/board.py``), kept CuPy arrays (``consumer/array_cache.py``), live subscriptions
 (``consumer/live_stream.py``), waits: one WAIT and its answer, and ``get_next``'s waits on the
-board (``consumer/waiting.py``), and the C core's local re-get (``cffi_build/py_local_get.c``).
+board (``consumer/waiting.py``).
 Connecting to a socket path is ``consumer/socket_connect.py``'s; choosing between the socket and
 Arrow Flight, ``addresses.py``'s.
 """
@@ -28,14 +28,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from arrow_ipc_bridge import transport
-from arrow_ipc_bridge._ffi import WIRE_VERSION, LocalGetter, ffi, lib
+from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.consumer import linger, region_import, waiting
 from arrow_ipc_bridge.consumer.array_cache import KeptCupyArrays
 from arrow_ipc_bridge.consumer.content_check import check_level
 from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream
 from arrow_ipc_bridge.consumer.live_stream import LiveStream, open_subscription
 from arrow_ipc_bridge.consumer.message_import import ImportedRefs, MessageImporter, track
-from arrow_ipc_bridge.consumer.remembered import RememberedMessage, RememberedMessages
+from arrow_ipc_bridge.consumer.remembered import RememberedMessages
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -197,10 +197,6 @@ class Session:
             host_check=self._host_check,
             cuda_check=self._cuda_check,
         )
-        # The C core's local re-gets (py_local_get.c) once connected with a version board: the
-        # getter, and its builtin get(name) -> import or None (None: take the Python path).
-        self._local_getter: Any = None
-        self._local_get: Any = None
         self._conn: transport.Connection | None = None
         self._channel: Channel | None = None  # the C side of the connection once the handshake is done
         self._path: str | None = None  # the publisher's socket (connect), for subscriptions
@@ -214,9 +210,9 @@ class Session:
         self._closed = False
         self._waiting: set[int] = set()  # threads in get_next / get(wait=): close() wakes them
         self.publisher_info: dict[str, object] = {}
-        # Remembered gets made in Python (the local getter counts its own: the properties add them).
-        self._python_remembered_gets = 0
-        self._python_local_gets = 0
+        # This session's gets answered with a remembered message, and of those, from the board.
+        self._remembered_gets = 0
+        self._local_gets = 0
 
     # ---------- local import ------------------------------------------------------------------------
     def import_message(self, message: bytes, fds: Sequence[int] = (), *, name: str | None = None) -> Imported:
@@ -326,9 +322,6 @@ class Session:
         self._board_wanted = False
         if isinstance(features, list) and "board_wake" in features and "watch" in features:
             self._board_waits = waiting.BoardWaits(board, self._remembered)
-        if self._reader is None:  # a reader's placement of each get stays in Python
-            self._local_getter = self._new_local_getter(channel, board)
-            self._local_get = self._local_getter.get
 
     def _ask_board_again(self, channel: Channel) -> None:
         """The board a ``DescriptorsInFlightError`` kept from this session at connect, asked for
@@ -338,27 +331,6 @@ class Session:
         with self._request_lock:
             if self._board_wanted and not self._closed:
                 self._take_board(channel, timeout)
-
-    def _new_local_getter(self, channel: Channel, board: SessionBoard) -> Any:
-        """The C core's local getter over this session's state (``cffi_build/py_local_get.c``):
-        what :meth:`_get_unplaced` does for a local answer from the board, in one builtin call."""
-        remembered = self._remembered
-        return LocalGetter(
-            int(ffi.cast("uintptr_t", channel.raw)),
-            int(ffi.cast("uintptr_t", remembered.table)),
-            int(ffi.cast("uintptr_t", board.address)),
-            board.n_slots,
-            (channel, remembered.table, board),  # what keeps the three pointers valid
-            channel,
-            self._request_lock,
-            channel.locked()[0],  # the receive lock
-            remembered._by_id,
-            Decoded,
-            _LOCAL_GETTER_KIT,
-            (import_counters.remembered_gets, import_counters.local_gets),
-            self._kept_arrays,
-            self._imported,
-        )
 
     def _request(self, kind: int, payload: bytes) -> Frame:
         channel = self._connection()
@@ -445,32 +417,23 @@ class Session:
         name is got with other data, on :meth:`forget`, or on :meth:`close`; ``pool_linger=0``
         keeps none (``docs/lifetime.md``, 5a and 5b).
         """
-        if wait is None:
-            local_get = self._local_get
-            if local_get is not None:  # (never with a reader placement: see _attach)
-                imported = local_get(name)
-                if imported is not None:
-                    return imported  # type: ignore[no-any-return]
         channel = self._connection()  # closed, not connected: before the arguments
         if wait is not None:
             imported = self._get_version(name, after=0, timeout=waiting.check_wait(wait, "wait"))
         else:
-            imported = self._get_unplaced(channel, name)
+            imported = self._get_now(channel, name)
         return imported if self._reader is None else self._place(imported)
 
-    def _get_local_first(self, channel: Channel, name: str) -> Imported:
-        """:meth:`_get_unplaced`, through the C core's local getter first when there is one."""
-        local_get = self._local_get
-        imported = local_get(name) if local_get is not None else None
-        return imported if imported is not None else self._get_unplaced(channel, name)
-
-    def _get_unplaced(self, channel: Channel, name: str) -> Imported:
-        """:meth:`get` without waiting, before the reader's placement (``cross_gpu.py``); the
-        Python path of every answer (:attr:`_local_get` makes local answers in C when it can)."""
+    def _get_now(self, channel: Channel, name: str) -> Imported:
+        """:meth:`get` without waiting, before the reader's placement (``cross_gpu.py``): every get's
+        one path. One C call (``aib_session_get``) answers from the publisher's version board with no
+        round trip when the name's remembered message holds a standing lease and the board shows
+        the same publication, or else asks the publisher; it imports a remembered message itself
+        (the steady state: what is left here is wrapping its owner), and a new message whose
+        regions are all open here. Any other answer is imported in Python."""
         raw_name = protocol.encode_name(name)
         if self._board_wanted:
             self._ask_board_again(channel)
-        fast: tuple[Decoded, RememberedMessage, int, Any] | None = None
         with self._request_lock:
             imported_now, frame = channel.get(
                 raw_name,
@@ -481,39 +444,11 @@ class Session:
                 timeout_ms=self._timeout_ms,
             )
             if imported_now is not None and imported_now[0] != 0:
-                # The steady state: a remembered message, imported by the C core already (from the
-                # board, or from the answer); the owner's token, or the standing lease it holds,
-                # ends the lease when it dies. Changes to the remembered set wait for
-                # _request_lock, so the entry is here.
-                entry_id, owner, address, sync_slot, version, flags = imported_now
-                hit = self._remembered.used_by_c_core(entry_id)
-                if hit is None:  # cannot happen; if it did, the lease ends here
-                    lib.aib_owner_unref(owner)
-                    reaper.drain()
-                    raise BridgeError("a remembered message vanished during a get")
-                fast = Decoded.adopt(owner, hit.steady_fields[1]), hit, address, sync_slot
-        if imported_now is not None and imported_now[0] == 0:
+                # Changes to the remembered set wait for _request_lock: the entry is here.
+                return self._adopt_remembered(name, imported_now)
+        if imported_now is not None:
             assert frame is not None
             return self._adopt_new(imported_now, protocol.answer_message(frame.kind, frame.payload), name)
-        if fast is not None:
-            self._python_remembered_gets += 1
-            next(import_counters.remembered_gets)
-            if flags & _GET_LOCAL:
-                self._python_local_gets += 1
-                next(import_counters.local_gets)
-            elif flags & _GET_STANDING:  # the message holds a standing lease now: its linger runs
-                linger.watch(self._remembered)
-            decoded, hit, address, sync_slot = fast
-            imported_type, _, fields = hit.steady_fields
-            imported = imported_type.adopt(
-                decoded, fields, sync_event=sync_slot or None, name=name, owner_address=address
-            )
-            if version:
-                imported.version = version
-            if self._kept_arrays is not None:
-                imported._kept_arrays = (self._kept_arrays, hit)
-            track(self._imported, imported)
-            return imported
         assert frame is not None
         try:
             if frame.kind == protocol.ERROR:
@@ -537,6 +472,39 @@ class Session:
             frame.close_fds()  # the mappings keep the files alive
         if version:
             imported.version = version
+        return imported
+
+    def _adopt_remembered(self, name: str, imported_now: tuple[int, Any, int, Any, int, int]) -> Imported:
+        """The steady state's import: a remembered message the C core imported already (from the
+        board, or from the answer), wrapped with the message's attributes made once
+        (``RememberedMessage.steady_fields``). The owner's token, or the standing lease it holds,
+        ends the lease when it dies. Called holding ``_request_lock``."""
+        entry_id, owner, address, sync_slot, version, flags = imported_now
+        hit = self._remembered.used_by_c_core(entry_id)
+        if hit is None:  # cannot happen; if it did, the lease ends here
+            lib.aib_owner_unref(owner)
+            reaper.drain()
+            raise BridgeError("a remembered message vanished during a get")
+        imported_type, decoded_fields, fields = hit.steady_fields
+        imported = imported_type.adopt(
+            Decoded.adopt(owner, decoded_fields),
+            fields,
+            sync_event=sync_slot or None,
+            name=name,
+            owner_address=address,
+        )
+        self._remembered_gets += 1
+        next(import_counters.remembered_gets)
+        if flags & _GET_LOCAL:
+            self._local_gets += 1
+            next(import_counters.local_gets)
+        elif flags & _GET_STANDING:  # the message holds a standing lease now: its linger runs
+            linger.watch(self._remembered)
+        if version:
+            imported.version = version
+        if self._kept_arrays is not None:
+            imported._kept_arrays = (self._kept_arrays, hit)
+        track(self._imported, imported)
         return imported
 
     def get_next(self, name: str, *, after: int, timeout: float | None, spin: float = 0.0) -> Imported:
@@ -592,7 +560,7 @@ class Session:
                 timeout=timeout,
                 spin=spin,
                 channel=channel,
-                get=lambda: self._get_local_first(channel, name),
+                get=lambda: self._get_now(channel, name),
                 closed=lambda: self._closed,
                 local_gets=lambda: self.local_gets,
             )
@@ -720,15 +688,13 @@ class Session:
     @property
     def remembered_gets(self) -> int:
         """Gets answered with a remembered message and imported by the C core (the steady state)."""
-        local = self._local_getter
-        return self._python_remembered_gets + (0 if local is None else int(local.gets))
+        return self._remembered_gets
 
     @property
     def local_gets(self) -> int:
         """Of those, gets answered from the publisher's version board under a standing lease, with no
         round trip to the publisher (docs/lifetime.md, "Standing leases")."""
-        local = self._local_getter
-        return self._python_local_gets + (0 if local is None else int(local.gets))
+        return self._local_gets
 
     @property
     def new_message_gets(self) -> int:
@@ -760,9 +726,6 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        if self._local_getter is not None:  # answers nothing from now on (before any teardown)
-            self._local_getter.close()
-            self._local_get = None
         if self._waiting and self._channel is not None and self._pid == process.pid:
             # A wait held by the publisher holds the request lock for its whole time: end it now
             # (it raises PeerClosedError). The publisher then ends this connection's leases at once.
@@ -805,18 +768,6 @@ class Session:
 
 _GET_LOCAL = int(lib.AIB_GET_LOCAL)
 _GET_STANDING = int(lib.AIB_GET_STANDING)
-
-
-# What the local getter makes cffi pointers with: ffi.cast, ffi.gc, the owner's unref, the owner's
-# and the sync slot's pointer types, and NULL (py_local_get.c).
-_LOCAL_GETTER_KIT = (
-    ffi.cast,
-    ffi.gc,
-    lib.aib_owner_unref,
-    ffi.typeof("aib_owner *"),
-    ffi.typeof("uint64_t *"),
-    ffi.NULL,
-)
 
 
 def refuse_removed(options: Mapping[str, object], where: str) -> None:

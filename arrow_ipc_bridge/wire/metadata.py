@@ -310,8 +310,7 @@ class Decoded(DeferredClose):
         return self
 
     def sharing_fields(self) -> dict[str, Any]:
-        """The attributes :meth:`adopt` copies from the message it shares (all but ``owner``): the C
-        core's local get (``cffi_build/py_local_get.c``) makes its Decoded from these too."""
+        """The attributes :meth:`adopt` copies from the message it shares (all but ``owner``)."""
         return {
             "_d": self._d,
             "_message": self._message,
