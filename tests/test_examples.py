@@ -272,6 +272,22 @@ def test_example_next_version() -> None:
     line_matching(run, r"^producer: published 30 versions, the last is 30$")
 
 
+def test_example_weight_sync() -> None:
+    """The trainer published every version into slots no consumer held; the inference process saw
+    only whole versions (every parameter at one step), viewed in place."""
+    run = run_example("weight_sync.py")
+    line_matching(
+        run,
+        r"^trainer: published 40 versions of 120 parameters \([\d.]+ MiB\) in [\d.]+ s, "
+        r"\d+ waits for a free slot, 0 bytes copied by the bridge$",
+    )
+    line_matching(
+        run,
+        r"^inference: \d+ versions, each whole \(120 parameters at one step\), \d+ skipped, "
+        r"parameters viewed in place on the host$",
+    )
+
+
 def test_example_own_socket() -> None:
     run = run_example("own_socket.py")
     line_matching(run, r"^producer: exported \d+ bytes of metadata and 1 fd\(s\)")
