@@ -97,6 +97,19 @@ def test_a_routed_session_is_the_session_connect_path_makes(
             assert after.python_imports == before.python_imports
 
 
+def test_a_flight_session_keeps_the_servers_suggestion_for_an_unknown_name(front: FlightFront) -> None:
+    """``NotPublishedError`` over Flight carries the front's message, its "did you mean" and the
+    names it serves included, as a session over the socket does."""
+    with aib.connect(front.location, token=TOKEN, prefer="flight") as session:
+        with pytest.raises(NotPublishedError) as missing:
+            session.get("tt")
+        assert "did you mean 't'?" in str(missing.value)
+        assert "publications: 't'" in str(missing.value)
+        with pytest.raises(NotPublishedError, match="did you mean 't'"):
+            session.subscribe("tt")
+        assert "Detail" not in str(missing.value)  # pyarrow's appended traceback is left out
+
+
 def test_prefer_flight_gives_the_same_methods_over_grpc(front: FlightFront, publisher: aib.Publisher) -> None:
     with aib.connect(front.location, token=TOKEN, prefer="flight") as session:
         assert session.route == "flight"

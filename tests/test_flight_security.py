@@ -115,3 +115,18 @@ def test_client_certificates_are_required_when_asked_for(
             pytest.raises(flight.FlightUnavailableError),
         ):
             list(client.list_flights(options=call_options(None, timeout=5)))
+
+
+def test_two_authorization_headers_are_refused_as_two(published: aib.Publisher) -> None:
+    """A call carrying two ``authorization`` headers is refused, and the message says that two came
+    (not that the token is missing, which would send the user looking for a header they did send);
+    one header of the same token is admitted."""
+    with serve(published, tokens=[TOKEN]) as front, flight.connect(front.location) as client:
+        two = flight.FlightCallOptions(headers=[bearer_header(TOKEN), bearer_header(TOKEN)])
+        with pytest.raises(flight.FlightUnauthenticatedError) as refused:
+            list(client.list_flights(options=two))
+        message = str(refused.value)
+        assert "2 authorization headers" in message
+        assert "needs a bearer token" not in message
+        one = flight.FlightCallOptions(headers=[bearer_header(TOKEN)])
+        assert client.do_get(flight.Ticket(b"t"), options=one).read_all().num_rows == 3

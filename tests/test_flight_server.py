@@ -99,6 +99,33 @@ def test_do_get_gives_the_published_data_and_ends_its_lease(
     assert wait_for(lambda: pub.active_leases == 0, 5.0), pub.active_leases
 
 
+def test_an_unknown_name_is_answered_with_the_closest_names_served(
+    front: tuple[aib.Publisher, flight.FlightClient],
+) -> None:
+    """NOT_FOUND names the closest publication or live stream (typo'd names are the usual cause)
+    and the first names served, for do_get and get_flight_info alike; with nothing served it says
+    so instead of suggesting anything."""
+    publisher, client = front
+    with pytest.raises(pa.ArrowKeyError, match="nothing is published or open now"):
+        client.do_get(flight.Ticket(b"prices")).read_all()
+    publisher.publish("prices", pa.table({"x": [1]}))
+    writer = publisher.open_stream("ticks", max_in_flight=2)
+    try:
+        with pytest.raises(pa.ArrowKeyError) as price:
+            client.do_get(flight.Ticket(b"price")).read_all()
+        assert "did you mean 'prices'?" in str(price.value)
+        assert "publications: 'prices'" in str(price.value)
+        assert "live streams: 'ticks'" in str(price.value)
+        with pytest.raises(pa.ArrowKeyError, match="did you mean 'ticks'"):
+            client.get_flight_info(flight.FlightDescriptor.for_path("tick"))
+        with pytest.raises(pa.ArrowKeyError) as far:
+            client.do_get(flight.Ticket(b"zzzzzz")).read_all()
+        assert "did you mean" not in str(far.value)
+        assert "publications: 'prices'" in str(far.value)
+    finally:
+        writer.close()
+
+
 def test_refusals_carry_their_grpc_status_and_no_server_internals(
     front: tuple[aib.Publisher, flight.FlightClient],
 ) -> None:

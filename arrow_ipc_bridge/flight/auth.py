@@ -61,8 +61,14 @@ class TokenAuthMiddlewareFactory(flight.ServerMiddlewareFactory):  # type: ignor
     def start_call(self, info: Any, headers: dict[str, list[Any]]) -> None:
         values = headers.get(AUTH_HEADER, [])
         if len(values) != 1:
+            # Two headers are refused whatever they hold: a proxy in front may judge one and this
+            # server the other. The message says which case it is, so that a client sending two
+            # does not go looking for a header it sent.
             raise flight.FlightUnauthenticatedError(
-                "this Flight server needs a bearer token (header 'authorization: Bearer <token>')"
+                f"the call carries {len(values)} authorization headers: send exactly one "
+                "('authorization: Bearer <token>')"
+                if values
+                else "this Flight server needs a bearer token (header 'authorization: Bearer <token>')"
             )
         value = values[0]
         raw = value if isinstance(value, bytes) else str(value).encode()

@@ -53,7 +53,10 @@ def _bridge_error(exc: BaseException, name: str | None = None) -> BridgeError:
     if isinstance(exc, flight.FlightUnavailableError | flight.FlightCancelledError):
         return PeerClosedError(f"the Flight server is not reachable: {text}")
     if isinstance(exc, KeyError):  # NOT_FOUND
-        return NotPublishedError(f"nothing is published as {name!r}" if name is not None else text)
+        # The server's message is kept whole: the bridge's front names the closest names it serves.
+        if text:
+            return NotPublishedError(text)
+        return NotPublishedError(f"nothing is published as {name!r}" if name is not None else "not found")
     return TransportError(f"the Flight call failed: {text}")
 
 

@@ -10,10 +10,12 @@ by the handler itself (:func:`answering`), so the client sees pyarrow's frame an
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 import pyarrow as pa
+
+from arrow_ipc_bridge.errors import closest_name, names_shown, shown_name
 
 __all__ = ["Refused", "answering", "invalid", "not_found"]
 
@@ -27,8 +29,21 @@ class Refused(Exception):
         self.message = message
 
 
-def not_found(name: str) -> Refused:
-    return Refused(pa.ArrowKeyError, f"no publication or live stream named {name!r}")
+def not_found(name: str, publications: Collection[str] = (), streams: Collection[str] = ()) -> Refused:
+    """The refusal of an unknown ``name``: the closest of the ``publications`` and live ``streams``
+    served when one is close (a mistyped name is the usual cause), and the first few of each,
+    bounded in length whatever the publisher holds (``errors.names_shown``)."""
+    head = f"no publication or live stream named {shown_name(name)}"
+    if not publications and not streams:
+        return Refused(pa.ArrowKeyError, f"{head}, and nothing is published or open now")
+    close = closest_name(name, [*publications, *streams])
+    guess = f"; did you mean {shown_name(close)}?" if close is not None else ""
+    served = []
+    if publications:
+        served.append(f"publications: {names_shown(publications)}")
+    if streams:
+        served.append(f"live streams: {names_shown(streams)}")
+    return Refused(pa.ArrowKeyError, f"{head}{guess} ({'; '.join(served)}; list_flights lists every name)")
 
 
 def invalid(message: str) -> Refused:

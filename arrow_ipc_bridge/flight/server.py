@@ -58,7 +58,7 @@ from arrow_ipc_bridge.flight.listing import (
 )
 from arrow_ipc_bridge.flight.locations import LocalLocation
 from arrow_ipc_bridge.flight.pinned_pool import CHUNK_BYTES, MAX_STAGING_BYTES, StagingPool
-from arrow_ipc_bridge.flight.refusals import invalid, not_found
+from arrow_ipc_bridge.flight.refusals import Refused, invalid, not_found
 from arrow_ipc_bridge.flight.sending import live_stream, staged_publication_stream
 from arrow_ipc_bridge.flight.staging import StagedPublication, stage_live_batch
 from arrow_ipc_bridge.flight.tables import flight_schema, host_table, unsendable
@@ -196,7 +196,11 @@ class FlightFront:
             return facts
         if name in self.stream_names():
             return self.stream_facts()
-        raise not_found(name)
+        raise self._not_found(name)
+
+    def _not_found(self, name: str) -> Refused:
+        """The refusal of an unknown ``name``, with the names served now and the closest one."""
+        return not_found(name, self.publication_names(), self.stream_names())
 
     def flight_info(self, name: str, facts: Facts) -> flight.FlightInfo:
         return flight_info(name, facts, self._advertised, self.local_location)
@@ -215,7 +219,7 @@ class FlightFront:
                 imported.release()
             return flight.RecordBatchStream(table)
         if self._publisher is None and name not in self._streams:
-            raise not_found(name)
+            raise self._not_found(name)
         return self._live_stream(name, cancelled)
 
     @staticmethod
@@ -267,7 +271,7 @@ class FlightFront:
         try:
             live = self._call(lambda s: s.subscribe(name, max_in_flight=self._max_in_flight))
         except NotPublishedError:
-            raise not_found(name) from None
+            raise self._not_found(name) from None
         return live_stream(
             name,
             live,
