@@ -269,6 +269,11 @@ class Producer:
     def ping(self) -> int:
         return os.getpid()
 
+    def socket_path(self) -> str:
+        pub = aib_ray.local_publisher()
+        assert pub is not None
+        return str(pub.path)
+
 
 @_remote(enable_tensor_transport=True)
 class Consumer:
@@ -448,6 +453,7 @@ def test_a_killed_sender_leaves_held_data_valid_and_later_receives_fail(
     expected_sum = ROWS * (ROWS - 1) // 2
     held, not_yet = producer.heap_table.remote(), producer.heap_table.remote()
     assert ray.get(consumer.describe.remote(held), timeout=TIMEOUT_S)["x_sum"] == expected_sum
+    killed_directory = os.path.dirname(ray.get(producer.socket_path.remote(), timeout=TIMEOUT_S))
     _kill(producer)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(producer.ping.remote(), timeout=TIMEOUT_S)
@@ -459,10 +465,13 @@ def test_a_killed_sender_leaves_held_data_valid_and_later_receives_fail(
     assert isinstance(info.value.cause, aib_ray.SourceGoneError)
     assert "was killed" in str(info.value.cause)  # of the cached session, or a new connect
     assert time.monotonic() - started < 30  # a clear error at once, not Ray's transfer timeout
-    # The receiver goes on: a new sender's data arrives.
+    # The receiver goes on: a new sender's data arrives. That sender, starting its publisher, removed
+    # the killed one's socket directory (its process is gone; killed, it could not remove it).
+    assert os.path.isdir(killed_directory)
     other = Producer.remote()
     try:
         assert ray.get(consumer.describe.remote(other.heap_table.remote()), timeout=TIMEOUT_S)["rows"] == ROWS
+        assert not os.path.exists(killed_directory)
     finally:
         _kill(other)
 

@@ -310,7 +310,8 @@ class _Sender:
     temporary directory of its own, and its optional Flight front."""
 
     def __init__(self) -> None:
-        self.directory = tempfile.mkdtemp(prefix="aib-ray-")
+        _sweep_stale_directories()
+        self.directory = tempfile.mkdtemp(prefix=f"{_DIRECTORY_PREFIX}{os.getpid()}-")
         self.publisher = aib.Publisher(os.path.join(self.directory, "publisher.sock"))
         self.front: Any = None
         self.flight_location: str | None = None
@@ -322,6 +323,33 @@ class _Sender:
             self.front.close()
         self.publisher.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_DIRECTORY_PREFIX = "aib-ray-"
+
+
+def _sweep_stale_directories() -> None:
+    """Remove the socket directories of senders of this uid that died without closing (Ray kills
+    actors at shutdown and on ray.kill, so their atexit never runs): the directory's name carries
+    its process id, and one whose process is gone holds only a dead socket file."""
+    base = tempfile.gettempdir()
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.startswith(_DIRECTORY_PREFIX):
+            continue
+        pid_text = entry[len(_DIRECTORY_PREFIX) :].split("-", 1)[0]
+        path = os.path.join(base, entry)
+        try:
+            if not pid_text.isdigit() or os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue  # alive under another uid (EPERM), or gone meanwhile
 
 
 _sender: _Sender | None = None
