@@ -54,13 +54,7 @@ batch_columns: Callable[..., tuple[object, int, tuple[tuple[str, int, int, int, 
 DLPackColumn: type  # what batch_columns hands out for DLPack consumers (columns.ColumnView wraps it)
 # py_columns.c (from_cuda_arrays): (values, n, cupy_type) -> (columns read, aib_cuda_column[n] as bytes)
 read_cuda_columns: Callable[[list[Any], int, type | None], tuple[int, bytes]]
-# py_in_place.c: a publisher's in-place renewals in one builtin call (producer/publisher.py makes one).
-InPlaceRenewer: type
-if (
-    lib.aib_py_install(__name__.encode()) != 0
-    or lib.aib_py_install_columns(__name__.encode()) != 0
-    or lib.aib_py_install_in_place(__name__.encode()) != 0
-):
+if lib.aib_py_install(__name__.encode()) != 0 or lib.aib_py_install_columns(__name__.encode()) != 0:
     raise BuildMismatchError(  # pragma: no cover - only out of memory
         "the C core could not install its Python functions (the error is printed above)"
     )
@@ -80,7 +74,6 @@ __all__ = [
     "batch_columns",
     "DLPackColumn",
     "read_cuda_columns",
-    "InPlaceRenewer",
 ]
 
 

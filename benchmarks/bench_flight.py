@@ -100,7 +100,7 @@ def copy_bandwidth(nbytes: int, repeat: int = 3) -> dict[str, float]:
     """The best H2D and D2H seconds for ``nbytes`` between GPU 0 and pinned host memory, with the
     front's own copier (``cuMemcpyDtoHAsync`` on its stream) for D2H."""
     from arrow_ipc_bridge import cuda
-    from arrow_ipc_bridge.flight.staging import CudaCopier
+    from arrow_ipc_bridge.flight.copier import CudaCopier
 
     copier = CudaCopier(0)
     host = copier.allocate(nbytes)

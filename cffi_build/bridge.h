@@ -731,9 +731,6 @@ typedef struct aib_cuda_column {
 } aib_cuda_column;
 /* Installs read_cuda_columns on the Python module module_name (py_columns.c); 0 or -1. */
 int aib_py_install_columns(const char *module_name);
-/* Installs InPlaceRenewer on the Python module module_name (py_in_place.c): a publisher's in-place
- * renewal of from_cuda_arrays columns (aib_cuda_record_after, aib_pubtable_renew) in one call; 0 or -1. */
-int aib_py_install_in_place(const char *module_name);
 /* aib_columns_build: the schema and array (no device wrapper) of n columns of one length: a struct
  * "+s" record batch with children named names[i] when as_batch, else one plain array (n == 1, names
  * unused). One allocation per tree; the structs own no data (the caller keeps it alive). */

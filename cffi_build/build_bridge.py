@@ -38,8 +38,6 @@ C_SOURCES = [
     "py_capsules.c",
     "host_system.c",
     "py_columns.c",
-    "py_hot.c",
-    "py_in_place.c",
 ]
 HEADERS = ["arrow_c_abi.h", "bridge.h"]
 _INTEGER_DEFINE = re.compile(r"^#define\s+\w+\s+-?\d+\s*(/\*.*\*/)?\s*$")

@@ -136,37 +136,28 @@ def test_a_forked_child_asks_about_columns_its_parent_holds(fake_libcuda: str) -
     assert _run(fake_libcuda, "forked") == {"child": "CudaError", "held_parent": 1}
 
 
-def test_the_c_core_renews_from_the_second_renewal_on(fake_libcuda: str) -> None:
-    """py_in_place.c: the publisher's first in-place renewal (Python) prepares it; the next ones are
-    made in one C call each and do exactly what Python's do (one record, no wait, no query, a new
-    version, the same stats); the rest takes the Python path."""
-    seen = _run(fake_libcuda, "c_renewal")
-    assert not seen["renewer_before"]
-    assert seen["renewer_after"]
-    assert seen["c_five"] == {"pointer_queries": 0, "waits": 0, "records": 5, "pushes": 0, "in_place": 5}
-    assert seen["c_renewals"] == 5
+def test_renewals_in_place_one_after_another(fake_libcuda: str) -> None:
+    """Each renewal of the same columns is one record, no wait, no query, a new version and the same
+    stats; a copy policy given renews too; other columns, a forked child and a closed publisher
+    renew nothing."""
+    seen = _run(fake_libcuda, "renewals")
+    assert seen["five"] == {"pointer_queries": 0, "waits": 0, "records": 5, "pushes": 0, "in_place": 5}
     assert seen["version_steps"] == 5
     assert seen["same_stats"]
-    # A copy policy given: renewed in place by Python (the C renewer counts nothing).
     assert seen["policy_given"]["in_place"] == 1
-    assert seen["c_renewals_policy"] == 5
-    # A forked child: the C renewer answers nothing there; Python refuses the foreign process.
     assert seen["forked_child"] == "ForeignProcessError"
     # Other columns, then the first ones again: two new publications, nothing renewed.
     assert seen["other_columns"]["in_place"] == 0
-    assert seen["c_renewals_other"] == 5
-    # Closed: ClosedError from the Python path; nothing recorded or renewed.
+    # Closed: ClosedError; nothing recorded or renewed.
     assert seen["closed"] == "ClosedError"
     assert not any(seen["publish_closed"].values())
-    assert seen["c_renewals_closed"] == 5
 
 
-def test_a_c_renewal_answers_the_one_wait_held_on_its_name(fake_libcuda: str) -> None:
-    """py_in_place.c: a single WAIT held on the name (a consumer's get_next) is answered by the C
-    renewal with the new version at once, not left to its timeout (kills
-    ``in-place-renewer-single-wait-unanswered``)."""
-    seen = _run(fake_libcuda, "c_renewal_answers_a_single_wait")
+def test_a_renewal_answers_the_one_wait_held_on_its_name(fake_libcuda: str) -> None:
+    """A single WAIT held on the name (a consumer's get_next) is answered by the renewal with the new
+    version at once, not left to its timeout."""
+    seen = _run(fake_libcuda, "renewal_answers_a_single_wait")
     assert seen["held"] == 1
-    assert seen["c_renewed"] == 1
+    assert seen["renewed"] == 1
     assert seen["answer"] is True, seen["answer"]
     assert seen["answered_version"] == seen["version"]

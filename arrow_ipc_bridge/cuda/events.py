@@ -122,8 +122,8 @@ class Event(_DriverResource):
 
     def legacy_record_values(self) -> tuple[int, int]:
         """``(primary context, CUevent)`` as numbers: what ``aib_cuda_record_after`` takes for a
-        record of this event on the legacy default stream (:meth:`_record_on_legacy_stream`, and
-        the C core's in-place renewal, ``cffi_build/py_in_place.c``). CudaError when the event is
+        record of this event on the legacy default stream (:meth:`_record_on_legacy_stream`).
+        CudaError when the event is
         closed or the driver is not loaded by this process."""
         self._check_open()
         _api()  # the driver loaded by this process (the C core has its functions): else CudaError

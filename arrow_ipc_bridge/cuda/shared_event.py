@@ -64,14 +64,6 @@ class SharedEvent:
         if last:
             self._events.release(self._event)
 
-    def in_place_values(self) -> tuple[Event, int, int, bytes, int]:
-        """What a record of :meth:`record_after` with no producer event needs, as values: ``(the
-        event, primary context, CUevent, handle, the CUevent remembered for a same-process
-        consumer)``, for the C core's in-place renewal (``cffi_build/py_in_place.c``), which checks
-        the event is open before each record."""
-        context, event = self._event.legacy_record_values()
-        return self._event, context, event, self.handle, self._event_value
-
     def record_after(self, producer_event: int) -> None:
         """Record the event on the legacy default stream after ``producer_event`` (a ``CUevent``;
         0: none), that is after the producer's work on the new version and, the stream being the

@@ -17,8 +17,6 @@ slices are ``pa.foreign_buffer`` views whose ``base`` gives it back when collect
 A GPU live stream's batches go through the same pool, copier and rule (:func:`stage_live_batch`),
 staged on a worker thread one chunk ahead of the sender (``prefetch.py``); each batch's lease, the
 producer's credit, is given back as soon as its last chunk is copied.
-
-``CudaCopier`` is importable from here too, where the benchmark harness takes it.
 """
 
 from __future__ import annotations
@@ -34,13 +32,12 @@ from arrow_ipc_bridge._ffi import ffi
 from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream
 from arrow_ipc_bridge.errors import BridgeError
 from arrow_ipc_bridge.flight.chunk_plan import ADDRESS_MOD, Chunk, ChunkPlanner, aligned, column_ranges
-from arrow_ipc_bridge.flight.copier import CudaCopier
 from arrow_ipc_bridge.flight.pinned_pool import CHUNK_BYTES, Loan, StagingPool
 from arrow_ipc_bridge.runtime import reaper
 from arrow_ipc_bridge.wire.capsules import new_capsule
 from arrow_ipc_bridge.wire.metadata import Decoded
 
-__all__ = ["CudaCopier", "StagedPublication", "stage_live_batch"]
+__all__ = ["StagedPublication", "stage_live_batch"]
 
 
 class _LoanHolder:

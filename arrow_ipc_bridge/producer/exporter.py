@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 from arrow_ipc_bridge.errors import BridgeError, ClosedError
 from arrow_ipc_bridge.host.placement import COPY_POLICIES, HostExport, export_host_buffers
@@ -92,10 +92,6 @@ class Exported:
     #: with a signature: every column announced the legacy default stream or none, so the shared
     #: event's record for a version in place needs no wait before it (``record_in_place``)
     _in_place_no_wait: bool = field(default=False, repr=False)
-    #: set by the first :func:`record_in_place` that needed no wait: ``(signature, *the shared
-    #: event's SharedEvent.in_place_values(), stats)``, what the C core's in-place renewal
-    #: (``cffi_build/py_in_place.c``, which reads it by this name) renews the next versions from
-    _in_place_c: tuple[Any, ...] | None = field(default=None, repr=False)
 
     @property
     def fds(self) -> list[int]:
@@ -391,8 +387,6 @@ def record_in_place(current: Exported, obj: ArrowInput, copy: CopyPolicy) -> boo
     # none, the shared event's record there is ordered after the producer's work with no wait.
     producer_handle = 0 if current._in_place_no_wait else _pending_event(obj)
     shared.record_after(producer_handle)  # and remembered for a same-process consumer
-    if current._in_place_no_wait and current._in_place_c is None:
-        current._in_place_c = (signature, *shared.in_place_values(), current.stats)
     return True
 
 

@@ -26,7 +26,7 @@ from types import TracebackType
 from typing import Any
 
 from arrow_ipc_bridge import process_stats, transport
-from arrow_ipc_bridge._ffi import WIRE_VERSION, InPlaceRenewer, ffi, lib, new_error, raise_for
+from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.errors import (
     BridgeError,
     ClosedError,
@@ -219,10 +219,6 @@ class Publisher:
         else:
             lib.aib_pubtable_set_board(table, self._board.address, self._board.n_slots)
         self._copy: CopyPolicy = copy
-        # The C core's in-place renewals (py_in_place.c), made at the first renewal in Python: its
-        # builtin renew(name, obj) -> stats or None (None: take the Python path). None before.
-        self._in_place: Any = None
-        self._renew_in_place: Any = None
         # Live streams (docs/streams.md), a namespace of their own.
         self._streams = StreamHub(max_subscriptions, publications=self._published_names)
         self.publisher_id = os.urandom(16).hex()
@@ -277,12 +273,6 @@ class Publisher:
         left for the publication's region (each host publication holds one while published or
         leased): nothing is published then, and the name keeps what it had.
         """
-        if copy is None:
-            renew_in_place = self._renew_in_place
-            if renew_in_place is not None:  # a version of the current columns, updated in place
-                stats = renew_in_place(name, obj)
-                if stats is not None:
-                    return stats  # type: ignore[no-any-return]
         self._check_open()
         raw_name = protocol.encode_name(name)  # validates the name
         copy = self._copy if copy is None else copy_policy(copy)
@@ -344,31 +334,10 @@ class Publisher:
             if self._current.get(name) is not current or not record_in_place(current, obj, copy):
                 return None
             waiting = self._renew_version_locked(raw_name)
-            if self._in_place is None and current._in_place_c is not None and self._copy != "always":
-                self._in_place = self._new_renewer()
-                self._renew_in_place = self._in_place.renew
         next(process_stats.in_place_publishes)
         if waiting:
             self._watch.deliver(waiting)
         return current.stats
-
-    def _new_renewer(self) -> Any:
-        """The C core's in-place renewal over this publisher's state (``cffi_build/py_in_place.c``):
-        what :meth:`_renew` does for columns whose streams need no wait, in one builtin call."""
-        from arrow_ipc_bridge.arrays.device import from_cuda_arrays_type
-        from arrow_ipc_bridge.cuda.placer import remember_local_event
-
-        return InPlaceRenewer(
-            int(ffi.cast("uintptr_t", self._table)),
-            self._table,  # keeps the pointer valid
-            self._lock,
-            self._current,
-            from_cuda_arrays_type(),
-            self._watch.published,
-            self._watch.deliver,
-            remember_local_event,
-            process_stats.in_place_publishes,
-        )
 
     def _renew_version_locked(self, raw_name: bytes) -> list[HeldWait]:
         """A new version of the published entry ``raw_name`` (its message, fds and leases kept), and
@@ -693,9 +662,6 @@ class Publisher:
         In a child of ``fork`` this only drops the child's copies of the descriptors: the socket
         file, the sessions and the published data stay the parent's."""
         timeout = arguments.seconds(timeout, "timeout")
-        if self._in_place is not None:  # renews nothing from now on (before any teardown)
-            self._in_place.close()
-            self._renew_in_place = None
         if self._pid == process.pid:
             self._streams.close("the publisher closed while the stream was open")
             self._watch.close()  # every held wait is answered: the publisher is closing

@@ -235,49 +235,41 @@ def _in_forked_child(call: Any) -> str:
         return pipe.read().decode()
 
 
-def c_renewal() -> dict[str, Any]:
-    """The first in-place renewal (Python) prepares the publication; from the second on the C core
-    renews (py_in_place.c): one record each, no wait, no query, a version step of one each, the same
-    stats returned, the process counter. Other columns, a copy policy given, a forked child and a
-    closed publisher take the Python path."""
+def renewals() -> dict[str, Any]:
+    """Renewals in place, one after another: one record each, no wait, no query, a version step of
+    one each, the same stats returned, the process counter. A copy policy given still renews; other
+    columns, a forked child and a closed publisher renew nothing."""
     seen: dict[str, Any] = {}
     cols = _columns(140)
     pub = _publisher()
     pub.publish("t", aib.from_cuda_arrays(cols))
-    seen["renewer_before"] = pub._in_place is not None
-    first = pub.publish("t", aib.from_cuda_arrays(cols))  # renewed in Python, which prepares
-    renewer = pub._in_place
-    seen["renewer_after"] = renewer is not None
+    first = pub.publish("t", aib.from_cuda_arrays(cols))
     version = pub.version("t")
     delta = _Delta()
     returned = [pub.publish("t", aib.from_cuda_arrays(cols)) for _ in range(5)]
-    seen["c_five"] = delta()
-    seen["c_renewals"] = renewer.renewals
+    seen["five"] = delta()
     seen["version_steps"] = pub.version("t") - version
     seen["same_stats"] = all(stats is first for stats in returned)
     delta = _Delta()
-    pub.publish("t", aib.from_cuda_arrays(cols), copy="if_needed")  # a policy given: Python's renewal
+    pub.publish("t", aib.from_cuda_arrays(cols), copy="if_needed")  # a policy given: renewed too
     seen["policy_given"] = delta()
-    seen["c_renewals_policy"] = renewer.renewals
     batch = aib.from_cuda_arrays(cols)
     seen["forked_child"] = _in_forked_child(lambda: pub.publish("t", batch))  # columns made before
     delta = _Delta()
     pub.publish("t", aib.from_cuda_arrays(_columns(150)))  # other columns: a new publication
     pub.publish("t", batch)  # the first columns again: not the current version's
     seen["other_columns"] = delta()
-    seen["c_renewals_other"] = renewer.renewals
     pub.close()
     reaper.settle()
     delta = _Delta()
     seen["closed"] = _bridge_error(lambda: pub.publish("t", batch))
     seen["publish_closed"] = delta()
-    seen["c_renewals_closed"] = renewer.renewals
     return seen
 
 
-def c_renewal_answers_a_single_wait() -> dict[str, Any]:
-    """A C renewal (py_in_place.c) answers the one WAIT held on its name at once, as a Python
-    renewal does: a raw client's WAIT for a version newer than the current one, then a renewal."""
+def renewal_answers_a_single_wait() -> dict[str, Any]:
+    """A renewal in place answers the one WAIT held on its name at once: a raw client's WAIT for a
+    version newer than the current one, then a renewal."""
     from arrow_ipc_bridge import transport
     from arrow_ipc_bridge.transport import protocol
     from helpers.session_rig import raw_hello
@@ -286,8 +278,7 @@ def c_renewal_answers_a_single_wait() -> dict[str, Any]:
     cols = _columns(160)
     pub = _publisher()
     pub.publish("t", aib.from_cuda_arrays(cols))
-    pub.publish("t", aib.from_cuda_arrays(cols))  # renewed in Python, which prepares
-    renewer = pub._in_place
+    pub.publish("t", aib.from_cuda_arrays(cols))  # the first renewal in place
     version = pub.version("t")
     raw = transport.connect(pub.path, timeout=10.0)
     raw_hello(raw)
@@ -296,9 +287,9 @@ def c_renewal_answers_a_single_wait() -> dict[str, Any]:
     while pub.held_waits != 1 and time.monotonic() < deadline:
         time.sleep(0.005)
     seen["held"] = pub.held_waits
-    renewals = renewer.renewals
+    delta = _Delta()
     pub.publish("t", aib.from_cuda_arrays(cols))
-    seen["c_renewed"] = renewer.renewals - renewals
+    seen["renewed"] = delta()["in_place"]
     seen["version"] = pub.version("t")
     try:
         with raw.recv(timeout=10.0) as frame:
