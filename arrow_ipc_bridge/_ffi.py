@@ -45,12 +45,13 @@ WIRE_VERSION = (lib.aib_wire_version() >> 16, lib.aib_wire_version() & 0xFFFF)
 new_struct_capsule: Callable[[int], tuple[object, int]]
 capsule_address: tuple[Callable[[object], int], ...]  # indexed by lib.AIB_CAPSULE_*
 capsule_name: Callable[[object], bytes | None]
-device_array_capsules: Callable[[object, int], tuple[object, object] | None]
-array_capsules: Callable[[object, int], tuple[object, object] | None]
+device_array_capsules: Callable[[int], tuple[object, object] | None]
+array_capsules: Callable[[int], tuple[object, object] | None]
 dlpack_capsule: Callable[[int, int, int, int, int, int, int], object]
-# (message, owner, bases, n_bases, device_type, device_id, sync_slot, batch, form, select, waiter)
-#   -> (lease, event, ((name, numeric, length, null_count, item), ...), is_record_batch)
-batch_columns: Callable[..., tuple[object, int, tuple[tuple[str, int, int, int, Any] | None, ...], bool]]
+# (owner, bases, n_bases, device_type, device_id, sync_slot, batch, form, select, waiter)
+#   -> (lease, event, ((name, numeric, length, null_count, item), ...), is_record_batch), or why not (str)
+_BatchColumns = tuple[object, int, tuple[tuple[str, int, int, int, Any] | None, ...], bool]
+batch_columns: Callable[..., _BatchColumns | str]
 DLPackColumn: type  # what batch_columns hands out for DLPack consumers (columns.ColumnView wraps it)
 # py_columns.c (from_cuda_arrays): (values, n, cupy_type) -> (columns read, aib_cuda_column[n] as bytes)
 read_cuda_columns: Callable[[list[Any], int, type | None], tuple[int, bytes]]

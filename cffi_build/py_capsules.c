@@ -147,40 +147,23 @@ static PyObject *capsule_pair(aib_owner *owner, int device) {
 
 /* The functions Python calls: builtin function objects made here (make_function), so a call costs
  * what calling len() costs, without ctypes' conversion of every argument. */
-/* args: (message, owner address), where message is the arrow_ipc_bridge.wire.metadata.Decoded whose
- * owner that is. Its `_closed` attribute is read here, in the same GIL-holding call that uses the
- * owner: Decoded.close() sets it before it drops the owner, so a message found open cannot lose
- * its owner before this call returns (no Python code runs in between). A Python-side check before
- * the call would leave a gap in which another thread could release it. self: the exception class
- * raised for a closed message (ReleasedError). */
-static aib_owner *owner_if_open(PyObject *released_error, PyObject *message, PyObject *address) {
-  PyObject *closed = PyObject_GetAttrString(message, "_closed");
-  if (closed == NULL) return NULL;
-  int is_closed = PyObject_IsTrue(closed);
-  Py_DECREF(closed);
-  if (is_closed < 0) return NULL;
-  if (is_closed) {
-    PyErr_SetString(released_error, "this imported data was released; get it again from the session to use it");
-    return NULL;
-  }
+/* arg: an owner's address. The caller holds the owner alive for the call (Python borrows the
+ * decoded message around it: Decoded.borrow), so nothing here reads a Python object's state. */
+static aib_owner *owner_at(PyObject *address) {
   void *p = PyLong_AsVoidPtr(address);
   if (p == NULL && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "owner address is 0");
   return p;
 }
 
-static aib_owner *open_owner(PyObject *released_error, PyObject *args) {
-  PyObject *message, *address;
-  if (!PyArg_ParseTuple(args, "OO", &message, &address)) return NULL;
-  return owner_if_open(released_error, message, address);
-}
-
-static PyObject *device_array_capsules(PyObject *self, PyObject *args) {
-  aib_owner *owner = open_owner(self, args);
+static PyObject *device_array_capsules(PyObject *self, PyObject *address) {
+  (void)self;
+  aib_owner *owner = owner_at(address);
   return owner == NULL ? NULL : capsule_pair(owner, 1);
 }
 
-static PyObject *array_capsules(PyObject *self, PyObject *args) {
-  aib_owner *owner = open_owner(self, args);
+static PyObject *array_capsules(PyObject *self, PyObject *address) {
+  (void)self;
+  aib_owner *owner = owner_at(address);
   return owner == NULL ? NULL : capsule_pair(owner, 0);
 }
 
@@ -477,8 +460,9 @@ static void destroy_lease_capsule(PyObject *capsule) {
 #define COLUMNS_AS_LEGACY_CAPSULES 1
 #define COLUMNS_AS_DLPACK_COLUMNS 2
 
-/* args: (message, owner address, bases address, n bases, device type, device id, sync slot address,
- * batch, form, select, waiter); self: (ReleasedError, BridgeError). select: None (every column), a
+/* args: (owner address, bases address, n bases, device type, device id, sync slot address, batch,
+ * form, select, waiter); the caller keeps the owner alive for the call (Python borrows the decoded
+ * message around it). On a failed read: the reason, a str. select: None (every column), a
  * column index, or a name (the first column of that name): columns not selected are None.
  * The columns of batch `batch` of the owner's decode, in one call:
  *   (lease, event, ((name, numeric, length, null_count, item), ...), is_record_batch)
@@ -490,12 +474,12 @@ static void destroy_lease_capsule(PyObject *capsule) {
  * "dltensor" capsule, or a DLPackColumn (waiter(stream, event) makes a stream wait for the event);
  * for the last two None for columns that are not numeric or have nulls. */
 static PyObject *batch_columns(PyObject *self, PyObject *args) {
-  PyObject *message, *address, *select, *waiter;
+  PyObject *address, *select, *waiter;
   unsigned long long bases_address, sync_address;
   Py_ssize_t n_bases;
   int device_type, form;
   long long device_id, batch;
-  if (!PyArg_ParseTuple(args, "OOKniLKLiOO", &message, &address, &bases_address, &n_bases, &device_type, &device_id,
+  if (!PyArg_ParseTuple(args, "OKniLKLiOO", &address, &bases_address, &n_bases, &device_type, &device_id,
                         &sync_address, &batch, &form, &select, &waiter))
     return NULL;
   /* select: None (every column), an index, or a name (the first column of that name) */
@@ -509,14 +493,12 @@ static PyObject *batch_columns(PyObject *self, PyObject *args) {
     if (select_index == -1 && PyErr_Occurred()) return NULL;
     if (select_index < 0) select_index = PY_SSIZE_T_MAX; /* selects nothing */
   }
-  PyObject *released_error = PyTuple_GetItem(self, 0), *bridge_error = PyTuple_GetItem(self, 1);
-  if (released_error == NULL || bridge_error == NULL) return NULL;
-  aib_owner *owner = owner_if_open(released_error, message, address);
+  (void)self;
+  aib_owner *owner = owner_at(address);
   if (owner == NULL) return NULL;
   const aib_decoded *decoded = aib_owner_decoded(owner);
   if (decoded == NULL) {
-    PyErr_SetString(bridge_error, "the imported data has no decoded message");
-    return NULL;
+    return PyUnicode_FromString("the imported data has no decoded message");
   }
   size_t capacity = aib_decoded_column_count(decoded), n = 0;
   aib_column_fact *facts = malloc((capacity ? capacity : 1) * sizeof(*facts));
@@ -526,8 +508,7 @@ static PyObject *batch_columns(PyObject *self, PyObject *args) {
                                capacity, &n, &err);
   if (rc != AIB_OK) {
     free(facts);
-    PyErr_Format(bridge_error, "reading the columns of batch %lld failed: %s", batch, err.message);
-    return NULL;
+    return PyUnicode_FromFormat("reading the columns of batch %lld failed: %s", batch, err.message);
   }
   uint64_t *slot = (uint64_t *)(uintptr_t)sync_address;
   uint64_t event = 0;
@@ -596,15 +577,16 @@ done:
 
 /* The functions installed, with what their `self` is bound to (see install). */
 static PyMethodDef pair_functions[] = {
-    {"device_array_capsules", device_array_capsules, METH_VARARGS,
-     "device_array_capsules(message, owner_address) -> (schema, device array) capsules of batch 0, or None"},
-    {"array_capsules", array_capsules, METH_VARARGS,
-     "array_capsules(message, owner_address) -> (schema, array) capsules of batch 0, or None"},
+    {"device_array_capsules", device_array_capsules, METH_O,
+     "device_array_capsules(owner_address) -> (schema, device array) capsules of batch 0, or None"},
+    {"array_capsules", array_capsules, METH_O,
+     "array_capsules(owner_address) -> (schema, array) capsules of batch 0, or None"},
 };
 static PyMethodDef batch_columns_function = {
     "batch_columns", batch_columns, METH_VARARGS,
-    "batch_columns(message, owner, bases, n_bases, device_type, device_id, sync_slot, batch, form, select, waiter)"
-    " -> (lease, event, ((name, numeric, length, null_count, item), ...), is_record_batch)"};
+    "batch_columns(owner, bases, n_bases, device_type, device_id, sync_slot, batch, form, select, waiter)"
+    " -> (lease, event, ((name, numeric, length, null_count, item), ...), is_record_batch), or the reason"
+    " the columns could not be read (a str)"};
 static PyMethodDef capsule_address_function = {
     "capsule_address", capsule_address, METH_O,
     "capsule_address(capsule) -> address of the struct it holds, or 0 when it is not of this kind"};
@@ -626,15 +608,10 @@ static int set_function(PyObject *module, PyMethodDef *def, PyObject *bound_to) 
 
 static int install(const char *module_name) {
   int rc = -1;
-  PyObject *module = NULL, *errors = NULL, *released = NULL, *by_kind = NULL, *bridge = NULL, *pair = NULL;
+  PyObject *module = NULL, *by_kind = NULL;
   module = PyImport_ImportModule(module_name);
-  errors = module ? PyImport_ImportModule("arrow_ipc_bridge.errors") : NULL;
-  released = errors ? PyObject_GetAttrString(errors, "ReleasedError") : NULL;
-  bridge = released ? PyObject_GetAttrString(errors, "BridgeError") : NULL;
-  pair = bridge ? PyTuple_Pack(2, released, bridge) : NULL;
-  if (pair == NULL) goto done;
-  /* batch_columns raises ReleasedError for a closed message, BridgeError for a failed read. */
-  if (set_function(module, &batch_columns_function, pair) < 0) goto done;
+  if (module == NULL) goto done;
+  if (set_function(module, &batch_columns_function, NULL) < 0) goto done;
   for (int k = 0; k < 4; k++)
     if (dlpack_keywords[k] == NULL && (dlpack_keywords[k] = PyUnicode_InternFromString(dlpack_keyword_names[k])) == NULL)
       goto done;
@@ -643,9 +620,8 @@ static int install(const char *module_name) {
     if (dlpack_column_type == NULL) goto done;
   }
   if (PyObject_SetAttrString(module, "DLPackColumn", dlpack_column_type) < 0) goto done;
-  /* The pair functions raise ReleasedError (their self) for a closed message. */
   for (size_t i = 0; i < sizeof(pair_functions) / sizeof(pair_functions[0]); i++)
-    if (set_function(module, &pair_functions[i], released) < 0) goto done;
+    if (set_function(module, &pair_functions[i], NULL) < 0) goto done;
   for (size_t i = 0; i < sizeof(plain_functions) / sizeof(plain_functions[0]); i++)
     if (set_function(module, &plain_functions[i], NULL) < 0) goto done;
   /* capsule_address: a tuple indexed by AIB_CAPSULE_*, each function bound to its kind (METH_O: the
@@ -662,10 +638,6 @@ static int install(const char *module_name) {
 done:
   if (rc < 0) PyErr_WriteUnraisable(NULL);
   Py_XDECREF(by_kind);
-  Py_XDECREF(pair);
-  Py_XDECREF(bridge);
-  Py_XDECREF(released);
-  Py_XDECREF(errors);
   Py_XDECREF(module);
   return rc;
 }

@@ -285,21 +285,27 @@ def _read_batch(
 ) -> tuple[object, int, _Facts, bool]:
     """One C call: (lease, the producer's event if pending else 0, the batch's columns, whether the
     root is a record batch); ``select`` (an index, a name, None: all) says which columns get their
-    capsule or DLPack column (the others are None). ReleasedError when ``imported`` was released."""
-    decoded = imported._live()  # the error that names the object; C checks again as it reads
-    return _ffi.batch_columns(
-        decoded,
-        int(ffi.cast("uintptr_t", decoded.owner)),
-        int(ffi.cast("uintptr_t", imported._bases)),
-        imported._n_bases,
-        imported.device_type,
-        imported.device_id,
-        int(ffi.cast("uintptr_t", imported._sync)),
-        batch,
-        form,
-        select,
-        waiter,
-    )
+    capsule or DLPack column (the others are None). ReleasedError when ``imported`` was released;
+    BridgeError when the columns cannot be read."""
+    decoded = imported._borrow()  # the owner lives through the call, whichever thread releases
+    try:
+        result = _ffi.batch_columns(
+            int(ffi.cast("uintptr_t", decoded.owner)),
+            int(ffi.cast("uintptr_t", imported._bases)),
+            imported._n_bases,
+            imported.device_type,
+            imported.device_id,
+            int(ffi.cast("uintptr_t", imported._sync)),
+            batch,
+            form,
+            select,
+            waiter,
+        )
+    finally:
+        decoded.unborrow()
+    if isinstance(result, str):
+        raise BridgeError(result)
+    return result
 
 
 def _check_plain(name: str, numeric: int, null_count: int, facts: _Facts | None = None) -> None:

@@ -428,15 +428,14 @@ class ImportedArray(_ImportedBase, DeviceArrayExporter):
     _capsules_from_owner = True
     _kind_name = "ImportedArray"
 
-    # The hand-off's hot path: both capsules made by one C call (py_capsules.c), which also checks
-    # the message is open in the same GIL-holding call that uses it (no borrow needed); the
-    # generic path when the C call cannot (no view).
+    # The hand-off's hot path: both capsules made by one C call (py_capsules.c) from the owner's
+    # view, the message borrowed around it; the generic path when the owner has no view.
     def _device_array_capsules(self) -> tuple[object, object]:
+        decoded = self._borrow()
         try:
-            pair = device_array_capsules(self._decoded, self._owner_address)
-        except ReleasedError:
-            self._live()  # the error that names this object
-            raise
+            pair = device_array_capsules(self._owner_address)
+        finally:
+            decoded.unborrow()
         return pair if pair is not None else super()._device_array_capsules()
 
     def __enter__(self) -> ImportedArray:
@@ -450,11 +449,11 @@ class ImportedHostArray(ImportedArray, ArrowArrayExporter):
 
     def _array_capsules(self) -> tuple[object, object]:
         # The C call as for the device pair (ImportedArray._device_array_capsules).
+        decoded = self._borrow()
         try:
-            pair = array_capsules(self._decoded, self._owner_address)
-        except ReleasedError:
-            self._live()
-            raise
+            pair = array_capsules(self._owner_address)
+        finally:
+            decoded.unborrow()
         return pair if pair is not None else super()._array_capsules()
 
     def __enter__(self) -> ImportedHostArray:

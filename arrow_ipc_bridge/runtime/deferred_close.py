@@ -30,8 +30,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 class DeferredClose:
     """Mixin: :meth:`borrow` / :meth:`unborrow` around C calls; :meth:`close` defers
-    :meth:`_close_now` to the last borrower. ``_closed`` is set before anything is dropped (the C
-    core reads a decoded message's ``_closed`` by name: ``cffi_build/py_capsules.c``)."""
+    :meth:`_close_now` to the last borrower. ``_closed`` is set before anything is dropped."""
 
     _closed = False
     _borrowers = 0
