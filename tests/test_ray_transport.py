@@ -404,6 +404,22 @@ def test_the_driver_and_nested_values_and_kinds(pair: tuple[Any, Any]) -> None:
     assert mapping[0] == "r--s"
     del table
     payload.release()
+    # ray.put in the driver sends through the transport too: the driver publishes, Ray's free
+    # unpublishes there.
+    put_ref = ray.put(
+        aib_ray.ArrowPayload(pa.table({"x": pa.array([5, 6, 7], pa.int64())})),
+        _tensor_transport=aib_ray.TRANSPORT,
+    )
+    assert ray.get(consumer.count.remote(put_ref), timeout=TIMEOUT_S) == 3
+    driver_publisher = aib_ray.local_publisher()
+    assert driver_publisher is not None
+    assert len(driver_publisher.names()) == 1
+    del put_ref
+    ray.get(consumer.drop.remote(), timeout=TIMEOUT_S)
+    _wait_until(
+        "the driver's put to be freed",
+        lambda: (driver_publisher.names(), driver_publisher.active_leases) == ([], 0),
+    )
     # Payloads anywhere in the value (a dict here) travel; other values beside them as usual.
     got = ray.get(consumer.several.remote(producer.several.remote()), timeout=TIMEOUT_S)
     assert got == {"n": 7, "batch_rows": 100, "array": [0, 1, 2], "routes": ["socket", "socket"]}
@@ -540,11 +556,30 @@ class GpuProducer:
 
 
 @_remote(enable_tensor_transport=True)
+class CudfProducer:
+    @_method
+    def table(self) -> Any:
+        import pylibcudf as plc
+
+        return aib_ray.ArrowPayload(
+            plc.Table.from_arrow(pa.table({"x": pa.array(np.arange(1000, dtype=np.int64))}))
+        )
+
+
+@_remote(enable_tensor_transport=True)
 class GpuConsumer:
     def sums(self, payload: Any) -> dict[str, Any]:
         arrays = aib.column_arrays(payload.data, "cupy")
         result = {name: float(array.sum()) for name, array in arrays.items()}
         return {"sums": result, "route": payload.route, "device": payload.data.device}
+
+    def cudf_sum(self, payload: Any) -> dict[str, Any]:
+        import pylibcudf as plc
+
+        table = plc.Table.from_arrow(payload)  # the payload offers the device capsule of its import
+        total = plc.reduce.reduce(table.columns()[0], plc.aggregation.sum(), plc.DataType(plc.TypeId.INT64))
+        value = total.to_py() if hasattr(total, "to_py") else plc.interop.to_arrow(total).as_py()
+        return {"x": value, "rows": table.num_rows(), "route": payload.route, "device": payload.data.device}
 
     def torch_sum(self, payload: Any) -> dict[str, Any]:
         tensors = aib.column_arrays(payload.data, "torch")
@@ -589,5 +624,25 @@ def test_gpu_table_to_torch_through_the_transport(cluster: None, cuda_device: in
         got = ray.get(consumer.torch_sum.remote(producer.uploaded_table.remote()), timeout=TIMEOUT_S)
         assert got == {"x": 999 * 1000 // 2, "device": got["device"], "route": "socket"}
         assert got["device"].startswith("cuda")
+    finally:
+        _kill(producer, consumer)
+
+
+@needs_ray
+@pytest.mark.gpu
+def test_pylibcudf_table_through_the_transport(cluster: None, cuda_device: int) -> None:
+    plc = pytest.importorskip("pylibcudf", reason="the cuDF case needs pylibcudf (RAPIDS)")
+    if not hasattr(plc.Table, "__arrow_c_device_array__"):
+        pytest.skip(
+            "this pylibcudf's Table offers no Arrow device capsule (__arrow_c_device_array__) to publish"
+        )
+    if not ray.cluster_resources().get("GPU"):
+        pytest.skip("the local Ray cluster sees no GPU")
+    producer = CudfProducer.options(num_gpus=0.5).remote()
+    consumer = GpuConsumer.options(num_gpus=0.5).remote()
+    try:
+        got = ray.get(consumer.cudf_sum.remote(producer.table.remote()), timeout=TIMEOUT_S)
+        assert (got["x"], got["rows"], got["route"]) == (999 * 1000 // 2, 1000, "socket")
+        assert got["device"].startswith("cuda:")
     finally:
         _kill(producer, consumer)
