@@ -359,7 +359,7 @@ def run_gpu(
         ("ray object store", producer.tensors_list.remote),
     ]
     rows = max(1, nbytes // (4 * columns))
-    expected = float(rows - 1 + columns - 1)
+    expected = float(np.float32(rows - 1) + np.float32(columns - 1))  # as torch adds, in float32
     consumer = GpuConsumer.options(num_gpus=0.5).remote()
     return run_pair(
         "cuda", producer, consumer, cases, nbytes=nbytes, expected=expected, warmup=warmup, repeat=repeat
