@@ -514,6 +514,7 @@ def test_another_node_takes_the_flight_front_or_fails_clearly(cluster: None) -> 
     with_front, without_front = Producer.remote(flight=True), Producer.remote()
     consumer = Consumer.options(runtime_env=elsewhere).remote()
     try:
+        later = with_front.heap_table.remote()
         got = ray.get(consumer.describe.remote(with_front.heap_table.remote()), timeout=TIMEOUT_S)
         assert got["route"] == "flight"
         assert "another machine" in got["reason"]
@@ -521,6 +522,13 @@ def test_another_node_takes_the_flight_front_or_fails_clearly(cluster: None) -> 
         assert got["record"].node == "pretend-other-node"
         assert (got["rows"], got["last_s"]) == (ROWS, str(ROWS - 1))
         assert ray.get(consumer.transport_stats.remote(), timeout=TIMEOUT_S).received_flight == 1
+
+        # The sender's front gone before a receive: a clear error, as on the socket route.
+        ray.get(with_front.close_transport.remote(), timeout=TIMEOUT_S)
+        with pytest.raises(ray.exceptions.RayTaskError) as gone:
+            ray.get(consumer.describe.remote(later), timeout=TIMEOUT_S)
+        assert isinstance(gone.value.cause, aib_ray.SourceGoneError)
+        assert "Flight front" in str(gone.value.cause)
 
         with pytest.raises(ray.exceptions.RayTaskError) as info:
             ray.get(consumer.describe.remote(without_front.heap_table.remote()), timeout=TIMEOUT_S)

@@ -420,8 +420,12 @@ def _serve_flight_locked(
 
 def close() -> None:
     """Close this process's transport publisher (and Flight front) and its receiving sessions.
-    Publications not yet received then raise :class:`SourceGoneError` at their receivers; data that
-    receivers hold stays valid. The next send makes a new publisher. Runs at exit by itself."""
+
+    As a sender: publications not yet received then raise :class:`SourceGoneError` at their
+    receivers, while what receivers hold stays valid; the next send makes a new publisher. As a
+    receiver: the payloads this process received are released (``payload.data`` raises
+    ``ReleasedError``; pyarrow objects already made from them stay valid). Runs at exit by itself.
+    """
     global _sender
     with _lock:
         sender, _sender = _sender, None
@@ -734,7 +738,15 @@ def _get_by_flight(meta: BridgeTransportMetadata, name: str) -> Any:
     with _lock:
         session = _flight_sessions.get(location)
     if session is None:
-        session = aib.connect(location, token=meta.flight_token, prefer="flight")
+        try:
+            session = aib.connect(location, token=meta.flight_token, prefer="flight")
+        except aib.PeerClosedError as exc:  # the front does not answer
+            raise SourceGoneError(
+                f"the sender's Flight front at {location} does not answer: the sending process "
+                f"({meta.hostname}, pid {meta.pid}) exited, was killed or closed its transport",
+                name=name,
+                path=location,
+            ) from exc
         with _lock:
             kept = _flight_sessions.setdefault(location, session)
         if kept is not session:
