@@ -429,6 +429,33 @@ def run_case(ctx: Any, case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def summarize(results: list[dict[str, Any]]) -> None:
+    """Median, lowest and highest rate of each case over the rounds, and each round's ratio of
+    ``write_small`` to ``socket_small`` (issue 29's pair, measured back to back in one round)."""
+    import statistics
+
+    print(f"{'case':<14s} {'rounds':>6s} {'median/s':>11s} {'min/s':>11s} {'max/s':>11s}")
+    kinds = list(dict.fromkeys(r["kind"] for r in results))
+    for kind in kinds:
+        rates = [r["batches_per_s"] for r in results if r["kind"] == kind and "error" not in r]
+        if rates:
+            print(
+                f"{kind:<14s} {len(rates):>6d} {statistics.median(rates):>11,.0f} "
+                f"{min(rates):>11,.0f} {max(rates):>11,.0f}"
+            )
+    for ours, peer in (("write_small", "socket_small"), ("write_large", "socket_large")):
+        by_round: dict[int, dict[str, float]] = {}
+        for r in results:
+            if r["kind"] in (ours, peer) and "error" not in r:
+                by_round.setdefault(r["round"], {})[r["kind"]] = r["batches_per_s"]
+        ratios = [v[ours] / v[peer] for v in by_round.values() if ours in v and peer in v]
+        if ratios:
+            print(
+                f"{ours} / {peer} per round: median {statistics.median(ratios):.2f}x "
+                f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x, {len(ratios)} rounds)"
+            )
+
+
 def gpu_present() -> bool:
     try:
         import cupy
@@ -445,6 +472,10 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=None, help="measured batches per case")
     parser.add_argument("--sizes", default="1MiB,64MiB", help="CUDA batch sizes (16 float32 columns)")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument(
+        "--cases", default=None, help="comma-separated case kinds to run (default: all of the mode's)"
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="run the chosen cases this many rounds")
     args = parser.parse_args()
     import multiprocessing
 
@@ -487,6 +518,14 @@ def main() -> int:
                 for kind in ("cuda_slots", "cuda_cupy", "torch_queue"):
                     n = batches if kind != "torch_queue" else max(batches // 10, 200)
                     cases.append({"kind": kind, "rows": rows, "size": size, "batches": n, "warmup": warmup})
+    if args.cases:
+        wanted = set(args.cases.split(","))
+        unknown = wanted - {c["kind"] for c in cases}
+        if unknown:
+            parser.error(f"unknown case(s) for this mode: {', '.join(sorted(unknown))}")
+        cases = [c for c in cases if c["kind"] in wanted]
+    # Rounds alternate the cases, so a peer and the bridge see the same load on a shared machine.
+    cases = [dict(c, round=r) for r in range(args.repeat) for c in cases]
     out: list[dict[str, Any]] = []
     print(f"# bench_stream on {platform.node()} ({os.cpu_count()} CPUs), python {sys.version.split()[0]}")
     for note in notes:
@@ -506,6 +545,8 @@ def main() -> int:
             f"{result['us_per_batch']:>9.1f}",
             flush=True,
         )
+    if args.repeat > 1:
+        summarize(out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": out, "notes": notes, "host": platform.node()}, f, indent=1)

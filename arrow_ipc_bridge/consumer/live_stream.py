@@ -15,6 +15,7 @@ import fcntl
 import os
 import select
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from types import EllipsisType, TracebackType
@@ -46,6 +47,8 @@ from arrow_ipc_bridge.wire.capsules import DEVICE_CPU, _check_kwargs
 __all__ = ["LiveStream", "open_subscription"]
 
 _LEASE_LIMIT = 1 << reaper.FAMILY_VALUE_BITS
+SPIN_S = 0.0005
+"""How long a consumer with no batch at hand looks for one without sleeping (see ``_spin``)."""
 _RING_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
 
 
@@ -204,6 +207,7 @@ class LiveStream:
             else:
                 self._credit.waiting(True)
                 try:
+                    self._spin(wait)
                     frame = channel.recv(timeout=wait)
                 finally:
                     self._credit.waiting(False)
@@ -236,6 +240,17 @@ class LiveStream:
             raise
         finally:
             frame.close_fds()  # the mappings keep what they need open
+
+    def _spin(self, wait: float | None) -> None:
+        """Look for the next frame without sleeping for up to ``SPIN_S`` (less when ``wait`` is
+        shorter): a producer in the middle of a run sends it within a batch's time, and a frame
+        sent to a process that is awake wakes nobody (a sleeping one is woken, and on a machine of
+        few cores that wake-up takes the producer's core from it). The blocking receive follows."""
+        spin = SPIN_S if wait is None else min(SPIN_S, wait)
+        until = time.monotonic() + spin
+        poll = self._poll.poll
+        while not poll(0) and time.monotonic() < until:
+            os.sched_yield()  # a producer runnable on this core (a busy machine) runs first
 
     def _import(self, payload: bytes, fds: list[int]) -> ImportedArray:
         sequence, lease_id, slot, again, ring = stream_frames.decode_batch_header(payload)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
+import select
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -37,7 +39,7 @@ from arrow_ipc_bridge.errors import (
 )
 from arrow_ipc_bridge.process_stats import stream_counters
 from arrow_ipc_bridge.transport import protocol
-from arrow_ipc_bridge.transport.channel import Channel
+from arrow_ipc_bridge.transport.channel import Channel, Frame
 from arrow_ipc_bridge.wire import stream_frames
 
 __all__ = ["MAX_SUBSCRIPTIONS", "Batch", "LiveStreamState", "StreamHub"]
@@ -48,6 +50,16 @@ SEND_TIMEOUT = 10.0
 """Seconds a BATCH may wait for room in a consumer's socket. Credit bounds what a consumer has
 unreleased, so its socket holds at most ``max_in_flight`` frames: this fires only for a consumer
 that stopped reading altogether, which is then disconnected."""
+WRITER_ACTIVE_S = 0.02
+"""While the producer wrote within this many seconds, subscribers' serving threads stay off their
+sockets and the writer reads the RELEASEs it needs itself (see :meth:`LiveStreamState.commit`): a
+thread asleep on a subscriber's socket is woken by every RELEASE, and on a machine of few cores
+that wake-up takes the consumer's core from it. Once the writer is idle this long, the serving
+threads read again (releases, a consumer gone)."""
+SPIN_S = 0.0005
+"""How long a write short of credit looks for it without sleeping (a RELEASE sent to a thread that
+is not asleep wakes nobody) before it sleeps on the slow subscriber's socket."""
+_SLEEP_S = 0.005  # the longest sleep of a write short of credit between two looks at the stream's state
 MAX_SUBSCRIPTIONS = 128
 """Default ``max_subscriptions``: live-stream subscriptions a publisher serves at once (each holds
 one of its threads and one of its ``max_connections``)."""
@@ -99,18 +111,23 @@ class _Subscriber:
 
     __slots__ = (
         "channel",
+        "detached",
         "dropped",
         "end",
         "ended",
         "leases",
         "next_lease",
         "pending",
+        "poller",
         "sent_slots",
         "window",
     )
 
     def __init__(self, channel: Channel, window: int) -> None:
         self.channel = channel
+        self.poller = select.poll()  # the writer's look at this socket (RELEASEs come)
+        self.poller.register(channel.fileno(), select.POLLIN)
+        self.detached = False  # its connection is gone (or was dropped): its serving thread ends
         self.window = window
         self.leases: dict[int, Batch] = {}  # sent and not released yet
         self.pending: collections.deque[Batch] = collections.deque()  # "drop_oldest": not sent yet
@@ -145,6 +162,8 @@ class LiveStreamState:
         """Subscriptions ended by the ``"error"`` policy."""
         self.on_finished: Callable[[], None] | None = None
         """Called once when the stream ends (the writer frees its reserved slots)."""
+        self.last_write = 0.0
+        """``time.monotonic()`` of the last commit (the serving threads' cue, ``WRITER_ACTIVE_S``)."""
 
     @property
     def subscribers(self) -> int:
@@ -176,6 +195,13 @@ class LiveStreamState:
             try:
                 if self.closed:
                     raise StreamError(f"the stream {self.name!r} is closed")
+                self.last_write = time.monotonic()
+                # Credit the serving threads have not read (they stay off the sockets while the
+                # writer is active): read here what a subscriber short of room has sent back, so a
+                # consumer that keeps up is never taken for slow.
+                for sub in self._subscribers:
+                    if not sub.ended and (sub.pending or not sub.has_room):
+                        self._collect(sub)
                 if self.policy == "block":
                     self._wait_for_room()
                 batch.sequence = self._next_sequence
@@ -188,14 +214,24 @@ class LiveStreamState:
                 batch.unref()
 
     def _wait_for_room(self) -> None:
-        deadline = None if self.block_timeout is None else time.monotonic() + self.block_timeout
+        """Wait (condition held) until every subscriber has credit. The writer reads the RELEASEs
+        itself: first without sleeping for up to ``SPIN_S`` (the consumer is working through its
+        window, and a RELEASE to a thread that is awake wakes nobody), then asleep on the slow
+        subscriber's socket, so its RELEASE wakes this thread and no other. A serving thread that
+        was receiving already takes the frame and notifies the condition instead."""
+        now = time.monotonic()
+        deadline = None if self.block_timeout is None else now + self.block_timeout
+        spin_until = now + SPIN_S
         while True:
             slow = [s for s in self._subscribers if not s.ended and not s.has_room]
             if not slow:
                 return
             if self.closed:
                 raise StreamError(f"the stream {self.name!r} was closed while a write waited")
-            remaining = None if deadline is None else deadline - time.monotonic()
+            if [s for s in slow if self._collect(s)]:
+                continue
+            now = time.monotonic()
+            remaining = None if deadline is None else deadline - now
             if remaining is not None and remaining <= 0:
                 raise StreamBlockedError(
                     f"write to stream {self.name!r} waited {self.block_timeout} s for "
@@ -203,7 +239,45 @@ class LiveStreamState:
                     "(policy 'block'); nothing was sent",
                     timeout=self.block_timeout,
                 )
-            self.cond.wait(remaining)
+            sleep = (
+                0.0 if now < spin_until else min(_SLEEP_S, remaining if remaining is not None else _SLEEP_S)
+            )
+            # The condition is let go while looking: releases, closes and new subscribers go on.
+            self.cond.release()
+            try:
+                if sleep == 0.0:
+                    os.sched_yield()  # a consumer runnable on this core (a busy machine) runs first
+                slow[0].poller.poll(int(sleep * 1000))
+            finally:
+                self.cond.acquire()
+
+    def _collect(self, sub: _Subscriber) -> bool:
+        """Read the RELEASEs ``sub`` has sent, without waiting (condition held); whether any
+        credit came back or the subscriber is gone. A frame that breaks the protocol, or a
+        connection that failed, ends the subscription as its serving thread would."""
+        progressed = False
+        while not sub.detached:
+            try:
+                frame = sub.channel.recv_ready(sub.poller)
+            except BridgeError as exc:  # gone (or broken framing): the channel closed itself
+                _log.info("arrow_ipc_bridge: stream %r: dropping a consumer: %s", self.name, exc)
+                self._detach(sub)
+                return True
+            if frame is None:
+                return progressed
+            try:
+                with frame:
+                    lease_ids = release_frame_ids(frame)
+            except ProtocolError as exc:
+                _log.warning("arrow_ipc_bridge: stream %r: closing a subscriber: %s", self.name, exc)
+                with contextlib.suppress(BridgeError):
+                    sub.channel.send(protocol.ERROR, protocol.encode_error(exc), timeout=SEND_TIMEOUT)
+                self._detach(sub)
+                sub.channel.close()
+                return True
+            self._release(sub, lease_ids)
+            progressed = True
+        return progressed
 
     def _offer(self, sub: _Subscriber, batch: Batch) -> None:
         if sub.has_room and not sub.pending:
@@ -286,6 +360,7 @@ class LiveStreamState:
             if self.closed:
                 return
             self.closed = True
+            self.last_write = 0.0  # no more writes: the serving threads read their sockets again
             for sub in self._subscribers:
                 self._end(sub, stream_frames.StreamEnd(error_type, message, sub.dropped))
             self.cond.notify_all()
@@ -313,30 +388,47 @@ class LiveStreamState:
                 self.cond.wait()
             return not self.closed
 
+    def wait_while_writing(self, sub: _Subscriber) -> bool:
+        """The serving thread's wait before it receives: while the writer is active (it wrote in
+        the last ``WRITER_ACTIVE_S``), it reads the RELEASEs it needs itself. False once ``sub``'s
+        connection is gone (the writer found it closed or broken): nothing more to serve."""
+        with self.cond:
+            while not sub.detached:
+                idle_in = self.last_write + WRITER_ACTIVE_S - time.monotonic()
+                if idle_in <= 0:
+                    return True
+                self.cond.wait(idle_in)
+            return False
+
     def release(self, sub: _Subscriber, lease_ids: tuple[int, ...]) -> None:
         """RELEASE (or RELEASE_MANY) of batches' leases: credit back; queued batches go out. An
         unknown or already released lease is ignored (releasing twice is harmless, as for GET
         leases)."""
         with self.cond:
-            released = False
-            for lease_id in lease_ids:
-                batch = sub.leases.pop(lease_id, None)
-                if batch is not None:
-                    batch.unref()
-                    released = True
-            if not released:
-                return
-            while sub.pending and sub.has_room and not sub.ended:
-                queued = sub.pending.popleft()
-                self._send(sub, queued)
-                queued.unref()  # the queue's reference (the lease holds its own now)
-            if not sub.pending and sub.end is not None and not sub.ended:
-                self._send_end(sub)
-            self.cond.notify_all()
+            self._release(sub, lease_ids)
+
+    def _release(self, sub: _Subscriber, lease_ids: tuple[int, ...]) -> None:
+        """:meth:`release` with the condition held."""
+        released = False
+        for lease_id in lease_ids:
+            batch = sub.leases.pop(lease_id, None)
+            if batch is not None:
+                batch.unref()
+                released = True
+        if not released:
+            return
+        while sub.pending and sub.has_room and not sub.ended:
+            queued = sub.pending.popleft()
+            self._send(sub, queued)
+            queued.unref()  # the queue's reference (the lease holds its own now)
+        if not sub.pending and sub.end is not None and not sub.ended:
+            self._send_end(sub)
+        self.cond.notify_all()
 
     def _detach(self, sub: _Subscriber) -> None:
         """``sub``'s connection is gone: let go of everything it held. Condition held."""
         sub.ended = True
+        sub.detached = True
         leases, sub.leases = sub.leases, {}
         pending, sub.pending = sub.pending, collections.deque()
         for batch in (*leases.values(), *pending):
@@ -348,6 +440,19 @@ class LiveStreamState:
     def detach(self, sub: _Subscriber) -> None:
         with self.cond:
             self._detach(sub)
+
+
+def release_frame_ids(frame: Frame) -> tuple[int, ...]:
+    """The lease ids of a subscriber's RELEASE or RELEASE_MANY; ProtocolError for any other frame
+    (a subscription's consumer sends nothing else, and never descriptors)."""
+    if frame.kind not in (protocol.RELEASE, protocol.RELEASE_MANY) or frame.fds:
+        raise ProtocolError(
+            f"frame kind {frame.kind} with {len(frame.fds)} fds on a subscription "
+            "(only RELEASE and RELEASE_MANY are allowed)"
+        )
+    if frame.kind == protocol.RELEASE:
+        return (protocol.decode_lease(frame.payload),)
+    return stream_frames.decode_release_many(frame.payload)
 
 
 class StreamHub:
@@ -430,18 +535,10 @@ class StreamHub:
                 self._uncount()
             raise
         try:
-            while True:
+            while stream.wait_while_writing(sub):
                 frame = channel.recv(timeout=None)
                 with frame:
-                    if frame.kind not in (protocol.RELEASE, protocol.RELEASE_MANY) or frame.fds:
-                        raise ProtocolError(
-                            f"frame kind {frame.kind} with {len(frame.fds)} fds on a subscription "
-                            "(only RELEASE and RELEASE_MANY are allowed)"
-                        )
-                    if frame.kind == protocol.RELEASE:
-                        lease_ids: tuple[int, ...] = (protocol.decode_lease(frame.payload),)
-                    else:
-                        lease_ids = stream_frames.decode_release_many(frame.payload)
+                    lease_ids = release_frame_ids(frame)
                 stream.release(sub, lease_ids)
         except PeerClosedError:
             pass  # the consumer closed or died: what it held is let go below

@@ -15,18 +15,18 @@ stream's policy bounds how many batches subscribers hold, so it stops growing).
 from __future__ import annotations
 
 import threading
+from typing import Any
 
-from arrow_ipc_bridge._ffi import ffi
+from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.host import allocate_shared
 from arrow_ipc_bridge.host.shared_alloc import SharedHostBuffer
 from arrow_ipc_bridge.wire.capsules import DEVICE_CPU, CapturedData
 from arrow_ipc_bridge.wire.metadata import (
+    MAX_MESSAGE_BYTES,
+    MESSAGE_ARRAY,
     REGION_HOST_FD,
     SLOT_FIRST_REGION,
     SLOT_UNPLACED,
-    Described,
-    DeviceInfo,
-    Region,
 )
 
 __all__ = ["SMALL_BATCH_BYTES", "HostRing", "RingSegment"]
@@ -44,13 +44,18 @@ class RingSegment:
     the segment is replaced by a larger one (another file), so no subscriber is told to reuse a
     descriptor of the old file."""
 
-    __slots__ = ("buffer", "generation", "index", "size")
+    __slots__ = ("buffer", "generation", "index", "region", "size")
 
     def __init__(self, index: int, size: int, name: str, generation: int) -> None:
         self.index = index
         self.size = size
         self.generation = generation
         self.buffer: SharedHostBuffer = allocate_shared(size, name=f"aib-ring-{name}"[:200])
+        # The message's one region, built once per segment (every batch in it names the same file).
+        self.region = ffi.new("aib_region *")
+        self.region.kind = REGION_HOST_FD
+        self.region.size = size
+        self.region.fd_index = 0
 
     @property
     def start(self) -> int:
@@ -71,6 +76,12 @@ class HostRing:
         self._free: list[RingSegment] = []
         self._lock = threading.Lock()  # write() takes segments, any thread's release frees them
         self.closed = False
+        # Scratch of place(), which one writer thread calls at a time (StreamWriter's rule).
+        self._err = new_error()
+        self._device = ffi.new("aib_device_info *")
+        self._device.device_type = DEVICE_CPU
+        self._out = ffi.new("uint8_t[]", 4096)
+        self._out_len = ffi.new("size_t *")
 
     @property
     def segments(self) -> int:
@@ -81,33 +92,73 @@ class HostRing:
         """Copy ``captured``'s buffers into a free segment and encode the message naming them;
         None when the batch is not small (the caller exports it instead). The segment is the
         caller's until it gives it back with :meth:`free` (or :meth:`free` on a failure)."""
-        described = Described(captured)
-        slots = described.slots()
-        wanted: list[int] = []
-        total = 0
-        for i in range(0, len(slots), 4):
-            if slots[i + 2] == SLOT_UNPLACED:
-                wanted.append(i)
-                total += -(-slots[i + 1] // _ALIGN) * _ALIGN
-                if total > SMALL_BATCH_BYTES:
-                    return None
-        segment = self._take(total)
+        if captured.is_stream or len(captured.arrays) != 1:
+            return None
+        return self.place_structs(captured.schema, ffi.addressof(captured.arrays[0], "array"))
+
+    def place_structs(self, schema: Any, array: Any) -> tuple[bytes, RingSegment] | None:
+        """:meth:`place` for a host batch's borrowed ``struct ArrowSchema *`` and ``struct
+        ArrowArray *`` (a producer's capsules, kept alive by the caller while this runs): the
+        buffers are copied, so nothing of the producer's is moved or kept (no capture record, no
+        release to wait for: the capsules release the producer's structs when they go)."""
+        d = lib.aib_describe_new()
+        if d == ffi.NULL:
+            raise MemoryError("allocating a description")
         try:
-            base = segment.buffer.address
-            offset = segment.start
-            for i in wanted:
-                nbytes = slots[i + 1]
-                if nbytes:
-                    ffi.memmove(ffi.cast("char *", base + offset), ffi.cast("char *", slots[i]), nbytes)
-                slots[i + 2] = SLOT_FIRST_REGION
-                slots[i + 3] = offset
-                offset += -(-nbytes // _ALIGN) * _ALIGN
-            region = Region(kind=REGION_HOST_FD, size=segment.size, file_offset=0, fd_index=0, flags=0)
-            message = described.encode(DeviceInfo(device_type=DEVICE_CPU), [region], n_fds=1)
-        except BaseException:
-            self.free(segment)
-            raise
-        return message, segment
+            err = self._err
+            rc = lib.aib_describe_schema(d, schema, err)
+            if rc:
+                raise_for(rc, err, "describing the schema")
+            rc = lib.aib_describe_batch(d, array, 1, err)
+            if rc:
+                raise_for(rc, err, "describing a batch")
+            n = lib.aib_described_buffer_count(d)
+            slots = lib.aib_described_buffers(d)
+            wanted: list[tuple[Any, int]] = []
+            total = 0
+            for i in range(n):
+                slot = slots[i]
+                if slot.region == SLOT_UNPLACED:
+                    nbytes = slot.length
+                    wanted.append((slot, nbytes))
+                    total += -(-nbytes // _ALIGN) * _ALIGN
+                    if total > SMALL_BATCH_BYTES:
+                        return None
+            segment = self._take(total)
+            try:
+                base = segment.buffer.address
+                offset = segment.start
+                for slot, nbytes in wanted:
+                    if nbytes:
+                        ffi.memmove(
+                            ffi.cast("char *", base + offset), ffi.cast("char *", slot.address), nbytes
+                        )
+                    slot.region = SLOT_FIRST_REGION
+                    slot.offset = offset
+                    offset += -(-nbytes // _ALIGN) * _ALIGN
+                message = self._encode(d, segment)
+            except BaseException:
+                self.free(segment)
+                raise
+            return message, segment
+        finally:
+            lib.aib_described_free(d)
+
+    def _encode(self, d: Any, segment: RingSegment) -> bytes:
+        """The message of a placed description: one host region, the segment's memfd (fd 0)."""
+        out_len = self._out_len
+        while True:
+            out = self._out
+            capacity = len(out)
+            rc = lib.aib_encode(
+                d, MESSAGE_ARRAY, self._device, segment.region, 1, 1, out, capacity, out_len, self._err
+            )
+            if rc == lib.AIB_E_LIMIT and capacity < out_len[0] <= MAX_MESSAGE_BYTES:
+                self._out = ffi.new("uint8_t[]", int(out_len[0]))  # kept: the next batch is alike
+                continue
+            if rc:
+                raise_for(rc, self._err, "encoding the message")
+            return bytes(ffi.buffer(out, out_len[0]))
 
     def _take(self, nbytes: int) -> RingSegment:
         """A free segment holding ``nbytes`` from its start (replaced by a larger one if too small),

@@ -14,7 +14,13 @@ from typing import Any
 import pyarrow as pa
 
 from arrow_ipc_bridge._ffi import ffi, lib, new_error
-from arrow_ipc_bridge.errors import BridgeError, StreamBlockedError, StreamError, StreamSchemaError
+from arrow_ipc_bridge.errors import (
+    BridgeError,
+    ReleasedError,
+    StreamBlockedError,
+    StreamError,
+    StreamSchemaError,
+)
 from arrow_ipc_bridge.producer.exporter import CopyPolicy, export_captured
 from arrow_ipc_bridge.producer.stream_hub import Batch, LiveStreamState, StreamHub
 from arrow_ipc_bridge.producer.stream_ring import HostRing, RingSegment
@@ -24,6 +30,8 @@ from arrow_ipc_bridge.wire.capsules import (
     DEVICE_CPU,
     ArrowInput,
     CapturedData,
+    TableExporter,
+    _capture_pair,
     _CapturedSource,
     capsule_struct,
     capture,
@@ -125,6 +133,17 @@ class StreamWriter:
             captured = obj
         elif isinstance(obj, _CapturedSource):  # captured already (from_cuda_arrays, ...): share it
             captured = CapturedData.sharing(obj._live())
+        elif self._copy == "if_needed" and not isinstance(obj, TableExporter):
+            # The default path: the producer's capsules, and a small host batch copied from them
+            # into the ring (nothing of the producer's is moved or kept); else captured from them.
+            pair, host = _capsules_of(obj)
+            if pair is None:
+                captured = capture(obj)
+            else:
+                placed = self._place(pair, host)
+                if placed is not None:
+                    return self._commit_ring(*placed)
+                captured = _capture_pair(pair[0], pair[1], host=host)
         else:
             captured = capture(obj)
         if captured.device_type == DEVICE_CPU and self._copy == "if_needed" and not captured.is_stream:
@@ -146,6 +165,21 @@ class StreamWriter:
             exported.close()
             raise
         return self._state.commit(Batch(exported.message, list(exported.fds), exported.close))
+
+    def _place(self, pair: tuple[object, object], host: bool) -> tuple[bytes, RingSegment] | None:
+        """A small host batch's capsules copied into the ring; None when the data is on a device
+        or not small (the caller captures the same capsules instead)."""
+        schema = capsule_struct(pair[0], "schema")
+        if host:
+            array = capsule_struct(pair[1], "array")
+        else:
+            device_array = capsule_struct(pair[1], "device_array")
+            if device_array.device_type != DEVICE_CPU:
+                return None
+            array = ffi.addressof(device_array, "array")
+        if ffi.NULL in (schema.release, array.release):
+            raise ReleasedError("the producer's schema or array capsule was already consumed or released")
+        return self._ring.place_structs(schema, array)
 
     def _commit_ring(self, message: bytes, segment: RingSegment) -> int:
         ring = self._ring
@@ -314,6 +348,19 @@ class StreamWriter:
             self.fail(exc)
         else:
             self.close()
+
+
+def _capsules_of(obj: object) -> tuple[tuple[object, object] | None, bool]:
+    """The ``(schema, array)`` capsules of one array or record batch, tried as :func:`capture`
+    tries them (the device array first), and whether the array capsule is a host one; None for
+    anything else (a stream, a capsule pair, ...), which :func:`capture` takes as it is."""
+    export = getattr(obj, "__arrow_c_device_array__", None)
+    if export is not None:
+        return export(None), False
+    export = getattr(obj, "__arrow_c_array__", None)
+    if export is not None:
+        return export(None), True
+    return None, False
 
 
 def _metadata_of(field: pa.Field) -> str:

@@ -308,6 +308,26 @@ class Channel:
         finally:
             self._recv_lock.release()
 
+    def recv_ready(self, poller: Any, *, timeout: float = 1.0) -> Frame | None:
+        """The next frame when one has arrived (buffered, or the socket readable by ``poller``, a
+        ``select.poll`` with this socket registered), else None at once; None too while another
+        thread receives (its receive gets the frame). For a thread that looks for frames between
+        other work without sleeping on the socket. ``timeout`` bounds the rest of a frame whose
+        first bytes have come; the errors are :meth:`recv`'s."""
+        if not self._recv_lock.acquire(False):
+            return None
+        try:
+            if lib.aib_channel_buffered(self.raw) == 0 and not poller.poll(0):
+                return None
+            self.check_open()
+            err = new_error()
+            rc = lib.aib_channel_recv(self.raw, millis(timeout), self._frame, err)
+            if rc == 0:
+                return frame_from(self._frame)
+            raise self.failed(rc, err, "receiving a frame", timeout, holding="recv")
+        finally:
+            self._recv_lock.release()
+
     def request(self, kind: int, payload: bytes, *, timeout: float | None) -> Frame:
         """Send a request and receive its answer (the session's round trip, one C call).
 
