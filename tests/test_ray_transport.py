@@ -427,9 +427,12 @@ def test_the_driver_and_nested_values_and_kinds(pair: tuple[Any, Any]) -> None:
 
 @needs_ray
 def test_a_method_returning_no_payload_fails_instead_of_using_the_object_store(pair: tuple[Any, Any]) -> None:
-    producer, consumer = pair
+    producer, _ = pair
+    # Got in the driver: a consumer task given the failed ref would leave a receive task on it
+    # that Ray's failure monitor aborts when the actor is killed, through an import of its
+    # collective module that needs torch (a Ray matter, not the transport's).
     with pytest.raises(ray.exceptions.RayTaskError, match="returned no ArrowPayload"):
-        ray.get(consumer.count.remote(producer.bare_table.remote()), timeout=TIMEOUT_S)
+        ray.get(producer.bare_table.remote(), timeout=TIMEOUT_S)
 
 
 @needs_ray
