@@ -267,6 +267,13 @@ class Producer:
     def close_transport(self) -> None:
         aib_ray.close()
 
+    def republish_everything(self) -> None:
+        """Publish other data under every name in flight, as nothing of the transport does."""
+        pub = aib_ray.local_publisher()
+        assert pub is not None
+        for name in pub.names():
+            pub.publish(name, pa.table({"x": pa.array([0], pa.int64())}))
+
     def ping(self) -> int:
         return os.getpid()
 
@@ -509,6 +516,19 @@ def test_a_closed_publisher_before_the_receive_is_a_clear_error(pair: tuple[Any,
     # The sender's next send makes a new publisher, and the receiver reaches it.
     got = ray.get(consumer.describe.remote(producer.heap_table.remote()), timeout=TIMEOUT_S)
     assert (got["rows"], got["route"]) == (ROWS, "socket")
+
+
+@needs_ray
+def test_a_receiver_gets_the_very_publication_sent_or_an_error(pair: tuple[Any, Any]) -> None:
+    """The receiver checks the publisher id and version of what it got against the metadata: a name
+    published again meanwhile (another publication under it) is refused, not handed over."""
+    producer, consumer = pair
+    ref = producer.heap_table.remote()
+    ray.get(producer.republish_everything.remote(), timeout=TIMEOUT_S)
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        ray.get(consumer.describe.remote(ref), timeout=TIMEOUT_S)
+    assert isinstance(info.value.cause, aib_ray.SourceGoneError)
+    assert "published again" in str(info.value.cause)
 
 
 @needs_ray

@@ -705,8 +705,11 @@ def _get_by_socket(meta: BridgeTransportMetadata, index: int) -> Any:
     name = meta.names[index]
     session = _session_for(meta)
     try:
-        imported = session.get(name)
-    except aib.NotPublishedError as exc:
+        # wait=0 answers at once, as a get does, but through the publisher's WAIT, whose answer
+        # carries the version and publisher id: the receiver checks it got the very publication the
+        # metadata names (a plain get of a name not got before knows neither).
+        imported = session.get(name, wait=0)
+    except (aib.NotPublishedError, aib.WaitTimeoutError) as exc:
         raise SourceGoneError(
             f"{name!r} is no longer published by the sender (pid {meta.pid} on {meta.hostname}): Ray freed "
             "its ObjectRef, or the sending process closed its transport",
@@ -721,11 +724,12 @@ def _get_by_socket(meta: BridgeTransportMetadata, index: int) -> Any:
             name=name,
             path=meta.socket_path,
         ) from exc
-    version = imported.version
-    if version is not None and version != meta.versions[index]:
+    got = (imported.publisher_id, imported.version)
+    if got != (meta.publisher_id, meta.versions[index]):
         imported.release()
         raise SourceGoneError(
-            f"{name!r} was published again (version {version}, expected {meta.versions[index]})",
+            f"{name!r} is another publication than the one sent (publisher {got[0]}, version {got[1]}; "
+            f"sent: publisher {meta.publisher_id}, version {meta.versions[index]}): it was published again",
             name=name,
             path=meta.socket_path,
         )
