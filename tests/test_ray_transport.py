@@ -20,6 +20,7 @@ without it. GPU tests carry the ``gpu`` marker and run where there is a GPU (and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -337,8 +338,22 @@ def _wait_until(what: str, condition: Any, timeout: float = 20.0) -> None:
         time.sleep(0.1)
 
 
+def _settle(actor: Any) -> None:
+    """Wait for the receive tasks Ray queued on ``actor``: they run in order on its ``_ray_system``
+    concurrency group, so a no-op there runs after them. Killing an actor with one still queued makes
+    Ray's transfer monitor (in the driver) abort it, and its abort path imports a module that needs
+    torch: a thread exception in the driver where torch is missing, whichever test runs then."""
+    with contextlib.suppress(ray.exceptions.RayActorError):
+        ray.get(actor.__ray_call__.options(concurrency_group="_ray_system").remote(_no_op), timeout=TIMEOUT_S)
+
+
+def _no_op(actor_self: Any) -> None:
+    return None
+
+
 def _kill(*actors: Any) -> None:
     for actor in actors:
+        _settle(actor)
         ray.kill(actor, no_restart=True)
 
 
@@ -481,7 +496,9 @@ def test_a_killed_sender_leaves_held_data_valid_and_later_receives_fail(
     held, not_yet = producer.heap_table.remote(), producer.heap_table.remote()
     assert ray.get(consumer.describe.remote(held), timeout=TIMEOUT_S)["x_sum"] == expected_sum
     killed_directory = os.path.dirname(ray.get(producer.socket_path.remote(), timeout=TIMEOUT_S))
-    _kill(producer)
+    pid = ray.get(producer.ping.remote(), timeout=TIMEOUT_S)
+    _kill(producer)  # asynchronous: the actor is marked dead, and its process ends, a little later
+    _wait_until("the killed sender's process to exit", lambda: not os.path.exists(f"/proc/{pid}"))
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(producer.ping.remote(), timeout=TIMEOUT_S)
     # The held table lives in the receiver's mapping of the sender's memfd, which outlives it.
