@@ -710,7 +710,9 @@ def _get_by_socket(meta: BridgeTransportMetadata, index: int) -> Any:
         # carries the version and publisher id: the receiver checks it got the very publication the
         # metadata names (a plain get of a name not got before knows neither).
         imported = session.get(name, wait=0)
-    except (aib.NotPublishedError, aib.WaitTimeoutError) as exc:
+    except (aib.NotPublishedError, aib.BridgeTimeoutError) as exc:
+        if isinstance(exc, aib.BridgeTimeoutError) and exc.waiting_for not in ("name", "version"):
+            raise  # the publisher did not answer at all: not a freed publication
         raise SourceGoneError(
             f"{name!r} is no longer published by the sender (pid {meta.pid} on {meta.hostname}): Ray freed "
             "its ObjectRef, or the sending process closed its transport",
