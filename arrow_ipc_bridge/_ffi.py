@@ -19,9 +19,9 @@ from arrow_ipc_bridge._version import __version__
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BuildMismatchError,
-    ReleasedError,
+    ClosedError,
+    ProtocolError,
     UnsupportedFormatError,
-    WireFormatError,
 )
 
 try:
@@ -95,7 +95,7 @@ def raise_for(code: int, err: Any, what: str, *, wire: bool = False) -> NoReturn
     what
         What was being done, for the message ("decoding a message").
     wire
-        The input came from another process: every failure is a ``WireFormatError``.
+        The input came from another process: every failure is a ``ProtocolError``.
     """
     message = ffi.string(err.message).decode("utf-8", "replace")
     field = ffi.string(err.field).decode("utf-8", "replace")
@@ -105,9 +105,9 @@ def raise_for(code: int, err: Any, what: str, *, wire: bool = False) -> NoReturn
     if code == lib.AIB_E_NOMEM:
         raise MemoryError(text)
     if wire or code in (lib.AIB_E_WIRE, lib.AIB_E_LIMIT):
-        raise WireFormatError(text, field=field, path=path, code=code)
+        raise ProtocolError(text, field=field, path=path, code=code)
     if code == lib.AIB_E_FORMAT:
         raise UnsupportedFormatError(text, field=field, path=path, code=code)
     if code == lib.AIB_E_RELEASED:
-        raise ReleasedError(text)
+        raise ClosedError(text, reason="released")
     raise BridgeError(text, field=field, path=path, code=code)

@@ -49,7 +49,7 @@ def connect(
         :class:`~arrow_ipc_bridge.errors.TransportError` at once; a publisher that takes the
         connection and closes it before welcoming the session (going down or coming up) is tried
         again too, instead of raising :class:`~arrow_ipc_bridge.errors.PeerClosedError`. When
-        ``timeout`` passes first: :class:`~arrow_ipc_bridge.errors.WaitTimeoutError`.
+        ``timeout`` passes first: :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError`.
     pool_linger
         See :class:`Session`: how long the session keeps one lease per re-got name after its last
         get (re-gets without a round trip meanwhile); 0 keeps none.

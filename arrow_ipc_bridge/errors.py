@@ -15,40 +15,30 @@ from typing import Any
 
 __all__ = [
     "BridgeError",
-    "BuildMismatchError",
+    "InvalidArgumentError",
+    "ClosedError",
+    "TransportError",
+    "PeerClosedError",
+    "NotPublishedError",
+    "BridgeTimeoutError",
+    "LimitError",
+    "ProtocolError",
     "UnsupportedFormatError",
-    "CapsuleError",
-    "ReleasedError",
-    "WireFormatError",
     "RegionError",
     "CopyRequiredError",
     "CudaError",
-    "TransportError",
-    "PeerClosedError",
-    "PeerRejectedError",
-    "ProtocolError",
-    "BridgeTimeoutError",
-    "NotPublishedError",
-    "ForeignProcessError",
-    "PublisherLimitError",
-    "ConnectionLimitError",
-    "LeaseLimitError",
-    "UnreadAnswersError",
-    "DescriptorsInFlightError",
-    "HandshakeTimeoutError",
-    "WaitTimeoutError",
-    "InvalidArgumentError",
-    "ArgumentTypeError",
-    "ClosedError",
-    "FileLimitError",
+    "StreamError",
+    "BuildMismatchError",
 ]
 
 
 class BridgeError(Exception):
     """Base of every error the bridge raises on purpose.
 
-    Extra keyword details (``field=...``, ``path=...``, ``code=...``) are kept as attributes and survive
-    pickling, so a handler can branch on them without parsing the message.
+    Extra keyword details (``field=...``, ``limit=...``, ``code=...``) are kept as attributes and
+    survive pickling, so a handler can branch on them without parsing the message. Each family
+    below documents the attributes it always has (a class default stands in where a raise site
+    does not know the value).
     """
 
     def __init__(self, message: str, **details: Any) -> None:
@@ -69,38 +59,131 @@ def _rebuild_error(cls: type[BridgeError], message: str, details: dict[str, Any]
     return cls(message, **details)
 
 
-class BuildMismatchError(BridgeError, ImportError):
-    """The compiled C core does not match the Python package (a stale build).
+# Families. A caller catches the family it acts on; what used to be a subclass of its own is an
+# attribute now (``LimitError.limit``, ``BridgeTimeoutError.waiting_for``, ...), so that there is
+# one class per thing to do and the attributes still tell every cause apart.
 
-    Rebuild it with ``pip install .`` (or ``python setup.py build_ext --inplace`` in a checkout).
-    """
+
+class InvalidArgumentError(BridgeError, ValueError, TypeError):
+    """An argument of a public function has a value or a type it does not take (a negative
+    timeout, NaN, an unknown copy policy, an empty name, a bool where seconds go, an object that
+    is not an Arrow PyCapsule producer, memory that is not where the call needs it, ...).
+    ``argument`` names it (``""`` where no single argument is at fault); the message says what is
+    allowed. Nothing was done. Both a ``ValueError`` and a ``TypeError``, as either builtin would
+    have been raised by a plain function."""
+
+    argument: str = ""
+
+
+class ClosedError(BridgeError, ValueError):
+    """An object was used when it can no longer be: ``reason`` is ``"closed"`` (a
+    :class:`~arrow_ipc_bridge.Publisher`, :class:`~arrow_ipc_bridge.Session`, stream or export
+    used after ``close()``; ``close()`` itself stays idempotent), ``"released"`` (imported data or
+    a capsule used after its release, a capsule consumed twice) or ``"forked"`` (a publisher,
+    session or connection used in a child of ``fork``: it belongs to the parent, and using its
+    socket would interleave with the parent's frames). ``what`` says which object where known. A
+    ``ValueError`` as for a closed file. Make a new one (get the data again)."""
+
+    what: str = ""
+    reason: str = "closed"
+
+
+class TransportError(BridgeError, ConnectionError):
+    """The connection to the peer could not be made or used: nothing listens at the address, the
+    socket failed, or the publisher rejected this process (``reason == "rejected"``: its
+    ``SO_PEERCRED`` uid is not allowed, or a Flight server refused its credentials). ``reason`` is
+    ``None`` for the other causes."""
+
+    reason: str | None = None
+
+
+class PeerClosedError(TransportError):
+    """The peer is gone: the publisher (or the consumer) closed the connection or its process
+    ended, also in the middle of a live stream. For a stream, ``stream`` names it and ``received``
+    counts the batches that came (``None`` otherwise); batches already received stay valid.
+    ``reason`` is ``"client_gone"`` where a Flight server's client went away while its data waited
+    for staging memory, ``None`` otherwise.
+    Connect again (``wait_for_publisher=True`` waits for a publisher to come back)."""
+
+    stream: str | None = None
+    received: int | None = None
+
+
+class NotPublishedError(BridgeError, KeyError):
+    """No object is published under that name, or no live stream is open under it (the message
+    lists the first names that are, with the closest one when one is close:
+    :func:`not_published_message`)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.message
+
+
+class BridgeTimeoutError(BridgeError, TimeoutError):
+    """A wait ran past its timeout. ``waiting_for`` says what was waited for:
+
+    * ``"publisher"``, ``"name"``, ``"version"``: a wait for a publisher to listen, a name to be
+      published, a newer version (a wait the publisher ended leaves the connection usable);
+    * ``"handshake"``: the client did not complete HELLO/WELCOME within the publisher's
+      ``handshake_timeout`` (the publisher closed the connection);
+    * ``"credit"``: a write to a stream with the ``"block"`` policy waited ``block_timeout``
+      seconds for a slow consumer to give credit back (the batch was sent to nobody);
+    * ``"send"``, ``"receive"``, ``"answer"``: a frame could not be sent or did not come in time;
+    * ``"flight"``: a Flight server did not answer in time.
+
+    ``timeout`` is the limit in seconds where known (``None`` otherwise)."""
+
+    waiting_for: str = ""
+    timeout: float | None = None
+
+
+class LimitError(BridgeError, OSError):
+    """A limit was reached; ``limit`` says which, ``value`` its number where known (``None``
+    otherwise). The publisher's limits (``Publisher(...)`` keywords; its other clients are served
+    as before):
+
+    * ``"max_connections"``, ``"max_connections_per_process"``, ``"max_connections_per_uid"``: the
+      connection was refused or closed (an idle one is closed to make room for another client);
+    * ``"max_leases_per_connection"``: a GET refused, nothing leased; release imports, get again;
+    * ``"max_unread_fds"``: a GET refused while answers carrying descriptors were not read;
+    * ``"max_waits_per_connection"``: a WAIT refused, nothing held;
+    * ``"max_subscriptions"``: a SUBSCRIBE refused and its connection closed.
+
+    And the system's: ``"descriptors_in_flight"`` (``ETOOMANYREFS``: the kernel refused to pass an
+    answer's descriptors; nothing was leased, retry), ``"file_descriptors"`` (``EMFILE`` or
+    ``ENFILE``: the process or the system ran out of file descriptors; ``errno`` is set, ``soft``
+    and ``hard`` are ``RLIMIT_NOFILE``; nothing was published, exported or leaked) and
+    ``"staging_bytes"`` (a Flight batch needs more pinned staging memory than the pool may hold).
+    An ``OSError``, as the limits of the system are."""
+
+    limit: str = ""
+    value: int | None = None
+
+
+class ProtocolError(BridgeError, ValueError):
+    """Bad data from the peer, or in a message handed to :meth:`~arrow_ipc_bridge.Session.import_message`:
+    a frame that breaks the protocol (bad magic, a size over a limit, an unexpected type), a
+    metadata message that is truncated, corrupted, over a limit or inconsistent (``field`` names
+    the offending field and ``path`` the node path, for example ``batch0/root/child2/dictionary``),
+    or a region this process cannot map as described (a descriptor that is not a sealed file of
+    the right size, a CUDA handle of the wrong size). A connection that received such a frame is
+    closed."""
+
+    field: str = ""
+    path: str = ""
 
 
 class UnsupportedFormatError(BridgeError, ValueError):
-    """An Arrow format string the bridge does not understand, or a layout that breaks the format's rules."""
+    """An Arrow format string the bridge does not understand, a layout that breaks the format's
+    rules, or data on a device this build cannot import."""
 
 
-class CapsuleError(BridgeError, TypeError):
-    """An object is not an Arrow PyCapsule producer, or a capsule has the wrong name."""
+class RegionError(BridgeError, OSError):
+    """The operating system refused what sharing memory needs: creating, sealing, mapping or
+    copying into a memfd, duplicating a received descriptor, reading ``/proc/self/maps``. The
+    message carries the system's reason (often memory or ``/dev/shm`` space)."""
 
 
-class ReleasedError(BridgeError, ValueError):
-    """A struct was already released or moved out (a capsule consumed twice, an object used after close)."""
-
-
-class WireFormatError(BridgeError, ValueError):
-    """A metadata message is malformed: truncated, corrupted, over a limit, or inconsistent.
-
-    ``field`` names the offending field and ``path`` the node path (for example
-    ``batch0/root/child2/dictionary``).
-    """
-
-
-class RegionError(BridgeError, ValueError):
-    """Memory could not be exported or mapped as a shared region."""
-
-
-class CopyRequiredError(RegionError):
+class CopyRequiredError(BridgeError, ValueError):
     """The memory cannot be shared zero-copy and the copy policy forbids a copy.
 
     Pass ``copy="if_needed"`` to let the bridge copy it into a shareable region (counted in the stats).
@@ -108,123 +191,90 @@ class CopyRequiredError(RegionError):
 
 
 class CudaError(BridgeError, RuntimeError):
-    """A CUDA driver call failed; ``call``, ``code`` and ``name`` say which and why."""
+    """A CUDA driver call failed, or a CUDA requirement is not met; ``call``, ``code`` and ``name``
+    say which driver call failed and why (``None`` where no call failed). ``reason`` is
+    ``"no_peer_access"`` when GPU ``reader`` cannot read GPU ``owner``'s memory in place (both
+    named by ordinal and by UUID in the message and the details ``reader``, ``owner``,
+    ``reader_uuid``, ``owner_uuid``; a copy with ``imported.to_device(reader)`` works between any
+    two GPUs), ``"not_visible"`` when a GPU a message names is not visible here, and ``None`` for
+    a failed call."""
+
+    call: str | None = None
+    code: int | None = None
+    name: str | None = None
+    reason: str | None = None
 
 
-class TransportError(BridgeError, ConnectionError):
-    """The socket between publisher and session failed."""
+class StreamError(BridgeError):
+    """A live stream (``Publisher.open_stream`` / ``Session.subscribe``) cannot go on. ``reason``:
+
+    * ``"failed"``: the producer ended the stream with an error (``StreamWriter.fail``, or the
+      source of ``publish_stream`` raised); ``producer_error`` names the producer's exception type;
+    * ``"slow_consumer"``: this consumer fell ``max_in_flight`` batches behind a stream whose
+      slow-consumer policy is ``"error"``; the publisher ended its subscription (others go on);
+    * ``"schema"``: a batch written to a stream does not have the stream's schema (set by its
+      first batch) or does not fit the reserved memory of a slot; nothing was sent;
+    * ``"usage"``: a call the stream's state does not allow (the message says which).
+
+    Batches the consumer already holds stay valid. A publisher gone mid-stream is a
+    :class:`PeerClosedError`, a blocked write a :class:`BridgeTimeoutError`."""
+
+    reason: str = "usage"
+    producer_error: str | None = None
 
 
-class PeerClosedError(TransportError):
-    """The peer closed the connection or died."""
+class BuildMismatchError(BridgeError, ImportError):
+    """The compiled C core does not match the Python package (a stale build).
+
+    Rebuild it with ``pip install .`` (or ``python setup.py build_ext --inplace`` in a checkout).
+    """
 
 
-class PeerRejectedError(TransportError, PermissionError):
-    """The peer's credentials (SO_PEERCRED uid) are not allowed."""
+# ---------- the names retired into the families -------------------------------------------------------
+# An older publisher names these in its ERROR frames, and older code catches them: each maps to
+# its family and the attributes that say the same thing (transport/protocol.py turns a received
+# name into its family; the module's __getattr__ says where a retired class went).
+RETIRED: dict[str, tuple[type[BridgeError], dict[str, Any]]] = {
+    "ArgumentTypeError": (InvalidArgumentError, {}),
+    "CapsuleError": (InvalidArgumentError, {}),
+    "ReleasedError": (ClosedError, {"reason": "released"}),
+    "ForeignProcessError": (ClosedError, {"reason": "forked"}),
+    "PeerRejectedError": (TransportError, {"reason": "rejected"}),
+    "StreamInterruptedError": (PeerClosedError, {}),
+    "WaitTimeoutError": (BridgeTimeoutError, {"waiting_for": "version"}),
+    "HandshakeTimeoutError": (BridgeTimeoutError, {"waiting_for": "handshake"}),
+    "StreamBlockedError": (BridgeTimeoutError, {"waiting_for": "credit"}),
+    "PublisherLimitError": (LimitError, {}),
+    "ConnectionLimitError": (LimitError, {"limit": "max_connections"}),
+    "LeaseLimitError": (LimitError, {"limit": "max_leases_per_connection"}),
+    "UnreadAnswersError": (LimitError, {"limit": "max_unread_fds"}),
+    "WaitLimitError": (LimitError, {"limit": "max_waits_per_connection"}),
+    "DescriptorsInFlightError": (LimitError, {"limit": "descriptors_in_flight"}),
+    "SubscriptionLimitError": (LimitError, {"limit": "max_subscriptions"}),
+    "FileLimitError": (LimitError, {"limit": "file_descriptors"}),
+    "StagingLimitError": (LimitError, {"limit": "staging_bytes"}),
+    "WireFormatError": (ProtocolError, {}),
+    "PeerAccessError": (CudaError, {"reason": "no_peer_access"}),
+    "StreamFailedError": (StreamError, {"reason": "failed"}),
+    "SlowConsumerError": (StreamError, {"reason": "slow_consumer"}),
+    "StreamSchemaError": (StreamError, {"reason": "schema"}),
+}
+"""Each retired exception name: its family and the attributes that tell the same cause."""
 
 
-class ProtocolError(TransportError):
-    """The peer sent a frame that breaks the protocol (bad magic, size over a limit, unexpected type)."""
+def retired_hint(name: str) -> str | None:
+    """The message of the ``AttributeError`` for a retired class name (None: not a retired name)."""
+    entry = RETIRED.get(name)
+    if entry is None:
+        return None
+    family, attrs = entry
+    how = " and ".join(f".{key} == {value!r}" for key, value in attrs.items())
+    return f"{name} was retired: catch {family.__name__}" + (f" and check {how}" if how else "")
 
 
-class PublisherLimitError(TransportError):
-    """The publisher refused a request or a connection because this client is over one of its
-    limits (``Publisher(max_connections=, max_leases_per_connection=, max_unread_fds=)``,
-    ``docs/protocol.md``). Other clients are served as before; the subclass says which limit."""
-
-
-class ConnectionLimitError(PublisherLimitError):
-    """The publisher closed this connection at a connection limit: it serves ``max_connections``
-    already and none is idle to close for it, or this process or uid holds its cap
-    (``max_connections_per_process``, ``max_connections_per_uid``), or this idle connection was
-    closed to make room for another client. Close sessions that are not needed, or connect again
-    later."""
-
-
-class LeaseLimitError(PublisherLimitError):
-    """This connection holds ``max_leases_per_connection`` leases: the GET was refused (nothing was
-    leased) and the session goes on. Release imported objects, then get again."""
-
-
-class UnreadAnswersError(PublisherLimitError):
-    """The GET was refused because this connection has not read answers carrying
-    ``max_unread_fds`` descriptors (a client that sends requests without reading the replies);
-    the connection goes on. A :class:`~arrow_ipc_bridge.Session` never gets it."""
-
-
-class WaitLimitError(PublisherLimitError):
-    """This connection holds ``max_waits_per_connection`` waits already: the WAIT was refused
-    (nothing was held) and the connection goes on. A :class:`~arrow_ipc_bridge.Session` waits for
-    one thing at a time and never gets it."""
-
-
-class DescriptorsInFlightError(PublisherLimitError):
-    """The kernel refused to pass the answer's descriptors (``ETOOMANYREFS``: the publisher's user
-    has too many descriptors in flight to peers that did not read them). Nothing was leased and the
-    session goes on; retry the get."""
-
-
-class HandshakeTimeoutError(TransportError, TimeoutError):
-    """The client did not complete HELLO/WELCOME within the publisher's ``handshake_timeout``; the
-    publisher closed the connection."""
-
-
-class BridgeTimeoutError(BridgeError, TimeoutError):
-    """A wait ran past its timeout."""
-
-
-class WaitTimeoutError(BridgeTimeoutError):
-    """A wait for a publisher, a published name or a newer version ran past its timeout. A wait the
-    publisher ended (a name or a version) leaves the session's connection usable."""
-
-
-class ForeignProcessError(BridgeError, RuntimeError):
-    """A publisher, session or connection was used in a process other than the one that made it:
-    a child of ``fork`` inherits them, but they belong to the parent (using the socket would
-    interleave with the parent's frames). Make a new one in this process."""
-
-
-class InvalidArgumentError(BridgeError, ValueError):
-    """An argument of a public function has the right type but a value it does not allow (a
-    negative timeout, NaN, an unknown copy policy, an empty name, ...). ``argument`` names it; the
-    message says what is allowed. Nothing was done."""
-
-    argument: str
-
-
-class ArgumentTypeError(BridgeError, TypeError):
-    """An argument of a public function has a type it does not take (a bool or a string where a
-    number of seconds goes, a non-str name, ...). ``argument`` names it; the message says what is
-    allowed. Nothing was done."""
-
-    argument: str
-
-
-class ClosedError(BridgeError, ValueError):
-    """A :class:`~arrow_ipc_bridge.Publisher` or :class:`~arrow_ipc_bridge.Session` was used after
-    ``close()``: every method raises it (``close()`` itself stays idempotent); ``what`` says which.
-    A ``ValueError`` as for a closed file. Make a new one."""
-
-    what: str
-
-
-class FileLimitError(BridgeError, OSError):
-    """The process (``EMFILE``: ``RLIMIT_NOFILE``) or the system (``ENFILE``) ran out of file
-    descriptors while the bridge needed one: a host publication holds one per region (its sealed
-    memfd, or its zero-copy file) for as long as it is published or leased. ``soft`` and ``hard``
-    are the process's ``RLIMIT_NOFILE``; the message says how to raise it. Nothing was published,
-    exported or leaked. An ``OSError`` with ``errno`` set, as the raw failure was."""
-
-    soft: int
-    hard: int
-
-
-class NotPublishedError(BridgeError, KeyError):
-    """No object is published under that name (the message lists the first names that are, with
-    the closest one when one is close: :func:`not_published_message`)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return self.message
+def __getattr__(name: str) -> Any:
+    hint = retired_hint(name)
+    raise AttributeError(hint or f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------- messages that guide: what exists, and the closest name -----------------------------------
@@ -302,44 +352,3 @@ PUBLISHER_GONE_HINT = (
     "(arrow_ipc_bridge.connect; wait_for_publisher=True waits for a publisher to come back)"
 )
 """What a session's :class:`PeerClosedError` tells the user to do when its publisher went away."""
-
-
-# ---------- live streams (arrow_ipc_bridge.streams, docs/streams.md) ----------------------------------
-class StreamError(BridgeError):
-    """Base of the errors of live streams (``Publisher.open_stream`` / ``Session.subscribe``)."""
-
-
-class StreamFailedError(StreamError):
-    """The producer ended the stream with an error (``StreamWriter.fail``, or the source of
-    ``publish_stream`` raised). ``producer_error`` names the producer's exception type. Batches the
-    consumer already holds stay valid."""
-
-    producer_error: str
-
-
-class StreamInterruptedError(StreamError, PeerClosedError):
-    """The publisher went away mid-stream (closed, or its process died) without ending the stream.
-    Batches the consumer already holds stay valid; ``received`` counts the batches that came."""
-
-    received: int
-
-
-class SlowConsumerError(StreamError):
-    """This consumer fell ``max_in_flight`` batches behind a stream whose slow-consumer policy is
-    ``"error"``: the publisher ended its subscription (other consumers go on)."""
-
-
-class StreamBlockedError(StreamError, BridgeTimeoutError):
-    """A write to a stream with the ``"block"`` policy waited ``block_timeout`` seconds for a slow
-    consumer to give credit back; the batch was sent to nobody (retry, or fail the stream)."""
-
-
-class StreamSchemaError(StreamError, ValueError):
-    """A batch written to a stream does not have the stream's schema (set by its first batch), or
-    does not fit the reserved memory of a slot; nothing was sent."""
-
-
-class SubscriptionLimitError(PublisherLimitError, StreamError):
-    """The publisher serves ``max_subscriptions`` live-stream subscriptions already (each holds one
-    of its threads for its whole life): this SUBSCRIBE was refused and its connection closed.
-    Close subscriptions that are not needed, or raise the publisher's limit."""

@@ -104,7 +104,7 @@ def parse_size(text: str) -> int:
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = t[len(num) :]
     if unit not in _UNITS or not num:
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 1MiB, 64MiB, 1GiB)")
+        raise argparse.InvalidArgumentError(f"bad size {text!r} (use e.g. 1MiB, 64MiB, 1GiB)")
     return int(float(num) * _UNITS[unit])
 
 

@@ -88,7 +88,7 @@ def _consumer(sock: str, sizes: list[int], files: list[str], gets: int, opt_out:
                 bridge.append(reget(name))
                 peer.append(ipc_file(path))
             out[str(size)] = {"bridge": bridge, "ipc_file": peer}
-        out["local_gets"] = getattr(session, "local_gets", None)
+        out["local_gets"] = aib.stats().session.local_gets  # this child process's, its one session
     print(json.dumps(out), flush=True)
 
 

@@ -229,7 +229,8 @@ def bridge_consumer(path: str, go: Any, answers: Any, options: dict[str, Any], o
                 handoffs.append(t1 - t0 + publish_s)
         if get_next:
             _receive(go, spin)  # the producer's end
-        local_gets, reused = session.local_gets, session.reused_cupy_arrays
+        counts = aib.stats().session  # this child process's: its one session
+        local_gets, reused = counts.local_gets, counts.reused_cupy_arrays
     out.send(
         {
             "get_capsule": _summary(get_times),

@@ -932,18 +932,21 @@ class _BridgeConsumer:
         """One hand-off: get -> device capsule -> wait sync_event on our stream: timed so far (the
         consumer can launch work); then the launch of a kernel on the last column (reported as
         "launched"), and (untimed) synchronise, check, release."""
+        import arrow_ipc_bridge as aib
         from arrow_ipc_bridge import cuda
         from arrow_ipc_bridge._ffi import ffi
         from arrow_ipc_bridge.runtime import reaper
         from arrow_ipc_bridge.wire.capsules import capsule_struct
 
         assert self.session is not None
-        remembered, new_in_c = self.session.remembered_gets, self.session.new_message_gets
+        before = aib.stats().session
+        remembered, new_in_c = before.remembered_gets, before.new_message_gets
         t0 = _perf()
         imported = self.session.get(name)
         t_got = _perf()
-        remembered = self.session.remembered_gets - remembered
-        new_in_c = self.session.new_message_gets - new_in_c
+        after = aib.stats().session
+        remembered = after.remembered_gets - remembered
+        new_in_c = after.new_message_gets - new_in_c
         capsules = imported.__arrow_c_device_array__()
         t_capsules = _perf()
         device_array = capsule_struct(capsules[1], "device_array")

@@ -207,8 +207,9 @@ def main() -> None:
     for _ in range(args.iterations):
         one(True)
     print(
-        f"device {args.device}, {args.iterations} gets, remembered (C path): {session.remembered_gets}, "
-        f"new messages imported in C: {session.new_message_gets}"
+        f"device {args.device}, {args.iterations} gets, "
+        f"remembered (C path): {aib.stats().session.remembered_gets}, "
+        f"new messages imported in C: {aib.stats().session.new_message_gets}"
     )
     for key, values in phases.items():
         print(f"  {key:12s} median {median_us(values):7.1f} µs")

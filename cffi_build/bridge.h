@@ -22,7 +22,7 @@ uint32_t aib_wire_version(void);        /* (major << 16) | minor of the wire for
 /* AIB_E_LIMIT: describe/encode met a count or size over a documented limit (also the encoder's
  * "output buffer too small" answer). The decoder reports malformed and over-limit messages alike as
  * AIB_E_WIRE, except nesting depth and schema node count (AIB_E_LIMIT); Python maps both to
- * WireFormatError. */
+ * ProtocolError. */
 #define AIB_E_LIMIT 5
 #define AIB_E_STATE 6         /* call out of order (e.g. batch before schema) */
 #define AIB_E_OS 7            /* a system call failed; errno_value says which */
@@ -137,7 +137,7 @@ const char *aib_capsule_name(int kind);          /* static storage, e.g. "arrow_
  *   capsule_name(obj)            -> the name a capsule carries (bytes), None for anything else
  *   device_array_capsules(message, owner address)
  *                                -> (schema, device array) capsules of the owner's batch 0, or None
- *                                   when the owner cannot build them; ReleasedError when message
+ *                                   when the owner cannot build them; ClosedError when message
  *                                   (the Decoded holding the owner) is closed
  *   array_capsules(message, owner address) -> (schema, array) capsules, likewise
  *   dlpack_capsule(owner address, data, device type, device id, code, bits, length)

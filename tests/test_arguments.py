@@ -1,7 +1,7 @@
 """Arguments checked at the API boundary: every public function, every kind of bad input.
 
 Each row calls one public function with one bad argument and names the exception class it must
-raise, exactly (``ArgumentTypeError`` for a wrong type, ``InvalidArgumentError`` for a value not
+raise, exactly (``InvalidArgumentError`` for a wrong type, ``InvalidArgumentError`` for a value not
 allowed), and the argument the error must name: in ``exc.argument`` and at the start of the message,
 which goes on to say what is allowed. Rows that would change state (publish, open a stream) are
 followed by a check that nothing changed. A second table holds values at the edges that must be
@@ -24,10 +24,10 @@ import pyarrow as pa
 import pytest
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge.errors import ArgumentTypeError, InvalidArgumentError
+from arrow_ipc_bridge.errors import InvalidArgumentError
 from arrow_ipc_bridge.transport import protocol
 
-TYPE = ArgumentTypeError
+TYPE = InvalidArgumentError
 VALUE = InvalidArgumentError
 
 
@@ -459,13 +459,13 @@ def test_bad_argument_is_refused_naming_it(
     assert not rig.writer.closed
 
 
-def test_descriptor_numbers_out_of_range_are_region_errors(rig: Rig) -> None:
-    """A descriptor number no descriptor can have stays the documented RegionError (a ValueError),
-    naming ``fds``."""
+def test_descriptor_numbers_out_of_range_are_invalid_arguments(rig: Rig) -> None:
+    """A descriptor number no descriptor can have is an InvalidArgumentError (a ValueError) naming
+    ``fds``."""
     for bad in (-1, 2**31):
-        with pytest.raises(aib.RegionError, match=r"^fds: ") as info:
+        with pytest.raises(aib.InvalidArgumentError, match=r"^fds: ") as info:
             rig.session.import_message(rig.exported.message, [bad])
-        assert info.value.field == "fds"  # type: ignore[attr-defined]
+        assert info.value.argument == "fds"
 
 
 def test_argument_errors_pickle_with_the_argument() -> None:

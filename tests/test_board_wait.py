@@ -117,7 +117,7 @@ def test_already_newer_answers_at_once_and_timeout_zero_does_not_wait(
         current = newer.version
     assert current is not None
     started = time.monotonic()
-    with pytest.raises(aib.WaitTimeoutError, match="newer than"):
+    with pytest.raises(aib.BridgeTimeoutError, match="newer than"):
         standing.get_next("v", after=current, timeout=0)
     assert time.monotonic() - started < SOON
 
@@ -127,7 +127,7 @@ def test_a_timeout_on_the_board_is_clean_and_the_session_goes_on(
 ) -> None:
     seen = publisher.version("v")
     started = time.monotonic()
-    with pytest.raises(aib.WaitTimeoutError, match="newer than"):
+    with pytest.raises(aib.BridgeTimeoutError, match="newer than"):
         standing.get_next("v", after=seen, timeout=0.3)
     assert 0.25 <= time.monotonic() - started < SOON
     publisher.publish("v", pa.array([2]))

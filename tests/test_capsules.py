@@ -18,7 +18,7 @@ from hypothesis import given
 
 import arrow_ipc_bridge
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.errors import BridgeError, CapsuleError, ReleasedError
+from arrow_ipc_bridge.errors import BridgeError, ClosedError, InvalidArgumentError
 from arrow_ipc_bridge.wire.capsules import (
     ArrowArrayExporter,
     CapturedArray,
@@ -68,34 +68,37 @@ def test_consumed_capsule_cannot_be_imported_again(baseline: tuple[int, int, int
     """A capsule pair that was moved out is released; a second capture says so clearly."""
     pair = pa.array([1, 2, 3]).__arrow_c_array__()
     capture(pair).close()
-    with pytest.raises(ReleasedError, match="already consumed"):
+    with pytest.raises(ClosedError, match="already consumed") as raised:
         capture(pair)
+    assert raised.value.reason == "released"
     del pair
     _assert_back_to(baseline)
 
 
 def test_our_capsule_consumed_by_pyarrow_then_captured_fails() -> None:
-    """pyarrow moves the struct out of our capsule; capturing that capsule again raises ReleasedError."""
+    """pyarrow moves the struct out of our capsule; capturing that capsule again raises ClosedError."""
     exported = export_captured(capture(pa.array([1, 2])))
     pair = exported.__arrow_c_array__()
     pa.Array._import_from_c_capsule(*pair)
-    with pytest.raises(ReleasedError):
+    with pytest.raises(ClosedError) as raised:
         capture(pair)
+    assert raised.value.reason == "released"
 
 
 def test_wrong_capsule_names_and_non_producers_raise_capsule_error(baseline: tuple[int, int, int]) -> None:
-    """Swapped capsules or objects without the protocol raise CapsuleError and move nothing."""
+    """Swapped capsules or objects without the protocol raise InvalidArgumentError and move nothing."""
     schema, array = pa.array([1, 2]).__arrow_c_array__()
     with pytest.raises(
-        CapsuleError, match="expected a PyCapsule named 'arrow_schema', got a capsule named 'arrow_array'"
+        InvalidArgumentError,
+        match="expected a PyCapsule named 'arrow_schema', got a capsule named 'arrow_array'",
     ):
         capture((array, schema))
     _assert_capsules_untouched(schema, array)
     # nothing was moved: the right order still works
     capture((schema, array)).close()
-    with pytest.raises(CapsuleError, match="PyCapsule interface"):
+    with pytest.raises(InvalidArgumentError, match="PyCapsule interface"):
         capture(object())
-    with pytest.raises(CapsuleError):
+    with pytest.raises(InvalidArgumentError):
         capsule_struct(b"not a capsule", "schema")
     del schema, array
     _assert_back_to(baseline)
@@ -117,7 +120,7 @@ def test_capsule_functions_of_the_core_check_what_they_are_given() -> None:
         assert struct.release == ffi.NULL
         assert _ffi.capsule_name(capsule) == name
         assert capsule_struct(capsule, kind) == struct
-        with pytest.raises(CapsuleError, match=f"got a capsule named {name.decode()!r}"):
+        with pytest.raises(InvalidArgumentError, match=f"got a capsule named {name.decode()!r}"):
             capsule_struct(capsule, "device_array")
     assert _ffi.capsule_name(b"arrow_schema") is None
     with pytest.raises(ValueError, match="no such capsule kind"):
@@ -162,14 +165,14 @@ def _assert_capsules_untouched(schema: object, array: object) -> None:
 def test_failed_capture_leaves_the_callers_array_capsule_usable(
     baseline: tuple[int, int, int], bad_schema: object
 ) -> None:
-    """A pair whose array capsule is valid but whose schema capsule is not fails with CapsuleError
+    """A pair whose array capsule is valid but whose schema capsule is not fails with InvalidArgumentError
     *before* anything is moved: the caller's array capsule still holds its struct, and capturing it
     with the right schema afterwards gives the original values."""
     original = pa.array([10, None, 30])
     schema, array = original.__arrow_c_array__()
     stream = pa.table({"a": [1]}).__arrow_c_stream__()
     wrong = {"array-capsule-twice": array, "stream-capsule": stream}.get(str(bad_schema), bad_schema)
-    with pytest.raises(CapsuleError, match="expected a PyCapsule named 'arrow_schema'"):
+    with pytest.raises(InvalidArgumentError, match="expected a PyCapsule named 'arrow_schema'"):
         capture((wrong, array))
     _assert_capsules_untouched(schema, array)
     captured = export_captured(capture((schema, array)))
@@ -182,13 +185,14 @@ def test_capture_with_a_released_schema_leaves_the_callers_array_capsule_usable(
     baseline: tuple[int, int, int],
 ) -> None:
     """A pair whose schema capsule was already consumed but whose array capsule is live fails with
-    ReleasedError before the array is moved: the caller can still capture the array capsule."""
+    ClosedError before the array is moved: the caller can still capture the array capsule."""
     consumed_schema, consumed_array = pa.array([1, 2]).__arrow_c_array__()
     capture((consumed_schema, consumed_array)).close()
     original = pa.array([7, 8, None])
     schema, array = original.__arrow_c_array__()
-    with pytest.raises(ReleasedError, match="schema capsule was already consumed"):
+    with pytest.raises(ClosedError, match="schema capsule was already consumed") as raised:
         capture((consumed_schema, array))
+    assert raised.value.reason == "released"
     _assert_capsules_untouched(schema, array)
     captured = export_captured(capture((schema, array)))
     assert pa.array(captured).equals(original)
@@ -268,13 +272,14 @@ def test_host_methods_refuse_device_data() -> None:
 
 
 def test_closed_capture_refuses_export() -> None:
-    """Using captured data after close() raises ReleasedError, never touches freed memory."""
+    """Using captured data after close() raises ClosedError, never touches freed memory."""
     captured = capture(pa.array([1]))
     exported = export_captured(captured)
     captured.close()
     captured.close()  # idempotent
-    with pytest.raises(ReleasedError):
+    with pytest.raises(ClosedError) as raised:
         exported.__arrow_c_array__()
+    assert raised.value.reason == "released"
 
 
 def test_close_while_borrowed_waits_for_the_borrower() -> None:
@@ -286,8 +291,9 @@ def test_close_while_borrowed_waits_for_the_borrower() -> None:
     captured.borrow()
     captured.close()
     assert captured.closed
-    with pytest.raises(ReleasedError):
+    with pytest.raises(ClosedError) as raised:
         exported.__arrow_c_array__()
+    assert raised.value.reason == "released"
     assert int(lib.aib_live_owners()) == owners  # still held for the borrower
     captured.unborrow()
     assert int(lib.aib_live_owners()) == owners - 1

@@ -38,7 +38,6 @@ from arrow_ipc_bridge.errors import (
     BridgeTimeoutError,
     PeerClosedError,
     ProtocolError,
-    WireFormatError,
 )
 from arrow_ipc_bridge.transport import Connection
 from arrow_ipc_bridge.transport.channel import MAX_FDS, MAX_PAYLOAD, Channel, Frame
@@ -257,7 +256,7 @@ def test_payload_at_limit_accepted_and_over_limit_refused() -> None:
         ca, cb = conn_a.channel, conn_b.channel
         ca.send(1, bytes(1000))
         assert len(cb.recv(timeout=5).payload) == 1000
-        with pytest.raises(WireFormatError):
+        with pytest.raises(ProtocolError):
             ca.send(1, bytes(1001))
         ca.send(2, b"still fine")
         assert cb.recv(timeout=5) == Frame(2, b"still fine", [])
@@ -342,10 +341,10 @@ def test_frame_close_fds_idempotent() -> None:
     [(-1, ()), (65536, ()), (True, ()), ("1", ()), (1, [-1]), (1, ["x"]), (1, list(range(MAX_FDS + 1)))],
 )
 def test_send_rejects_invalid_frames(pair: tuple[Channel, Channel], kind: object, fds: object) -> None:
-    """An invalid kind or descriptor list raises WireFormatError (a ValueError) and sends nothing; the
+    """An invalid kind or descriptor list raises ProtocolError (a ValueError) and sends nothing; the
     connection stays usable."""
     a, b = pair
-    with pytest.raises(WireFormatError) as info:
+    with pytest.raises(ProtocolError) as info:
         a.send(kind, b"x", fds)  # type: ignore[arg-type]
     assert isinstance(info.value, ValueError)
     a.send(1, b"ok")
@@ -353,13 +352,13 @@ def test_send_rejects_invalid_frames(pair: tuple[Channel, Channel], kind: object
 
 
 def test_send_closed_descriptor(pair: tuple[Channel, Channel]) -> None:
-    """Passing a descriptor that is not open raises WireFormatError; nothing was sent, so the connection
+    """Passing a descriptor that is not open raises ProtocolError; nothing was sent, so the connection
     is still in sync."""
     a, b = pair
     r, w = os.pipe()
     os.close(r)
     os.close(w)
-    with pytest.raises(WireFormatError, match="not open"):
+    with pytest.raises(ProtocolError, match="not open"):
         a.send(1, b"x", [r])
     a.send(1, b"ok")
     assert b.recv(timeout=5) == Frame(1, b"ok", [])

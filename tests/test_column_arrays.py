@@ -150,8 +150,9 @@ def test_refusals_say_why(publisher: aib.Publisher) -> None:
             with pytest.raises(ValueError, match="like must be one of"):
                 aib.column_arrays(imported, "jax")
             imported.release()
-            with pytest.raises(aib.ReleasedError, match="released"):
+            with pytest.raises(aib.ClosedError, match="released") as raised:
                 aib.column_arrays(imported, "numpy")
+            assert raised.value.reason == "released"
 
 
 def test_address_form_refuses_nulls_too(publisher: aib.Publisher) -> None:

@@ -3,8 +3,8 @@
 A process may hold ``max_connections_per_process`` connections, the processes of another admitted
 uid ``max_connections_per_uid`` together; and when ``max_connections`` are taken, a new client
 takes the slot of an idle connection that holds nothing (no lease, no held wait) of the process
-holding the most, whose client gets ConnectionLimitError. Before, one process holding every slot
-with idle connections made every new consumer fail with ConnectionLimitError.
+holding the most, whose client gets LimitError. Before, one process holding every slot
+with idle connections made every new consumer fail with LimitError.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from helpers import socket_helpers
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import transport
 from arrow_ipc_bridge.errors import (
-    ArgumentTypeError,
-    ConnectionLimitError,
     InvalidArgumentError,
+    LimitError,
     PeerClosedError,
 )
 from arrow_ipc_bridge.transport import protocol
@@ -97,15 +96,16 @@ def test_idle_sessions_of_one_process_make_room_for_another_consumer(sock_dir: s
                     try:
                         with session.get("t") as batch:
                             assert batch.num_rows == 10
-                    except ConnectionLimitError as exc:
+                    except LimitError as exc:
                         errors.append(str(exc))
                         closed.append(session)
                 assert len(closed) == 1
                 assert "closed to make room" in errors[0]
                 with pytest.raises(PeerClosedError):
                     closed[0].get("t")
-                with pytest.raises(ConnectionLimitError, match="none is idle"):
+                with pytest.raises(LimitError, match="none is idle") as raised:
                     aib.connect(pub.path)
+                assert raised.value.limit == "max_connections"
 
 
 def test_silent_connections_make_room_before_their_handshake_timeout(sock_dir: str) -> None:
@@ -119,13 +119,14 @@ def test_silent_connections_make_room_before_their_handshake_timeout(sock_dir: s
                 assert report == ("ok", 10)
             with silent[0].recv(timeout=5.0) as farewell:
                 assert farewell.kind == protocol.ERROR
-                with pytest.raises(ConnectionLimitError, match="closed to make room"):
+                with pytest.raises(LimitError, match="closed to make room") as raised:
                     protocol.raise_error(farewell.payload)
+                assert raised.value.limit == "max_connections"
 
 
 def test_a_connection_holding_a_lease_or_a_wait_is_not_closed_to_make_room(sock_dir: str) -> None:
     """Only connections holding nothing go: one with a lease, one with a held wait and one being
-    served stay, and a consumer that finds no idle connection gets ConnectionLimitError."""
+    served stay, and a consumer that finds no idle connection gets LimitError."""
     with aib.Publisher(os.path.join(sock_dir, "p.sock"), max_connections=3, park_after=0.2) as pub:
         pub.publish("t", small_batch())
         with aib.connect(pub.path) as leasing, transport.connect(pub.path) as waiting:
@@ -138,7 +139,7 @@ def test_a_connection_holding_a_lease_or_a_wait_is_not_closed_to_make_room(sock_
             with child(pub.path) as report:  # the third slot: free
                 assert report == ("ok", 10)
                 with child(pub.path) as refused:
-                    assert refused[:2] == ("error", ConnectionLimitError.__name__), refused
+                    assert refused[:2] == ("error", LimitError.__name__), refused
             assert pub._server.evicted_connections == 0
             with held:
                 assert pa.record_batch(held).num_rows == 10
@@ -153,8 +154,9 @@ def test_one_process_is_capped(sock_dir: str) -> None:
         with contextlib.ExitStack() as stack:
             for _ in range(3):
                 stack.enter_context(aib.connect(pub.path))
-            with pytest.raises(ConnectionLimitError, match="max_connections_per_process"):
+            with pytest.raises(LimitError, match="max_connections_per_process") as raised:
                 aib.connect(pub.path)
+            assert raised.value.limit == "max_connections_per_process"
             with child(pub.path) as report:
                 assert report == ("ok", 10)
         assert pub._server.refused_over_limit == 1
@@ -171,7 +173,7 @@ def test_another_uid_is_capped_and_the_owners_is_not(sock_dir: str) -> None:
         with child(pub.path, uid=NOBODY, sessions=2) as report:
             assert report == ("ok", 20)
             with child(pub.path, uid=NOBODY) as refused:
-                assert refused[:2] == ("error", ConnectionLimitError.__name__), refused
+                assert refused[:2] == ("error", LimitError.__name__), refused
                 assert "max_connections_per_uid" in str(refused[2])
             with child(pub.path, sessions=3) as owners:
                 assert owners == ("ok", 30)
@@ -182,5 +184,5 @@ def test_another_uid_is_capped_and_the_owners_is_not(sock_dir: str) -> None:
 )
 @pytest.mark.parametrize("value", [0, -1, 1.5, "3", None])
 def test_the_caps_are_checked(sock_dir: str, argument: str, value: object) -> None:
-    with pytest.raises((InvalidArgumentError, ArgumentTypeError), match=f"{argument} must be an int >= 1"):
+    with pytest.raises((InvalidArgumentError, InvalidArgumentError), match=f"{argument} must be an int >= 1"):
         aib.Publisher(os.path.join(sock_dir, "p.sock"), **{argument: value})

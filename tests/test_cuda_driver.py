@@ -37,7 +37,13 @@ from helpers import cuda_helpers
 
 from arrow_ipc_bridge import cuda
 from arrow_ipc_bridge.cuda import _declarations, _driver, devices, pools
-from arrow_ipc_bridge.errors import BridgeError, CopyRequiredError, CudaError, RegionError, ReleasedError
+from arrow_ipc_bridge.errors import (
+    BridgeError,
+    ClosedError,
+    CopyRequiredError,
+    CudaError,
+    InvalidArgumentError,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT = 60.0  # seconds for any single wait on a child process
@@ -523,7 +529,6 @@ def test_error_message_names_call_code_and_driver_name() -> None:
         lambda: cuda.read_device(-5, 1),
         lambda: cuda.read_device(0x1000, -1),
         lambda: cuda_helpers.memset_d8(0x1000, 256, 1),
-        lambda: cuda.ordinal_for_uuid(b"short"),
         lambda: cuda.format_uuid(b"x"),
         lambda: cuda.import_pool(-1, 0),
         lambda: cuda.vmm_import(-1, 1, 0),
@@ -534,9 +539,11 @@ def test_error_message_names_call_code_and_driver_name() -> None:
     ],
 )
 def test_malformed_input_is_rejected_before_any_driver_call(call: Any) -> None:
-    """Wrong-sized handles, negative addresses and sizes raise RegionError, driver or not (invariant 1)."""
-    with pytest.raises(RegionError):
+    """Wrong-sized handles, negative addresses and sizes raise InvalidArgumentError naming the
+    argument, driver or not (invariant 1)."""
+    with pytest.raises(InvalidArgumentError) as raised:
         call()
+    assert raised.value.argument
 
 
 def test_format_uuid_matches_nvidia_smi_spelling() -> None:
@@ -593,7 +600,7 @@ def test_stream_arguments_accept_framework_streams() -> None:
     assert _driver._stream_value(TorchLike()) == 0x5678
     assert _driver._stream_value(Protocol()) == 0x9ABC
     for bad in (True, "0", -1, object()):
-        with pytest.raises(RegionError):
+        with pytest.raises(InvalidArgumentError):
             _driver._stream_value(bad)
 
 
@@ -625,10 +632,11 @@ def test_close_is_idempotent_and_finalizer_warns_without_raising(monkeypatch: py
 
 
 def test_closed_resources_refuse_use() -> None:
-    """Using a closed pool raises ReleasedError, not a driver call on a dead handle."""
+    """Using a closed pool raises ClosedError, not a driver call on a dead handle."""
     pool = cuda.EventPool.__new__(cuda.EventPool)  # never opened: the class default says closed
-    with pytest.raises(ReleasedError):
+    with pytest.raises(ClosedError) as raised:
         pool.acquire()
+    assert (raised.value.reason, raised.value.what) == ("closed", "EventPool")
 
 
 # ==========================================================================================================
@@ -847,7 +855,7 @@ def _child_read_pool_batch(conn: Any, uuid: bytes, export_datas: list[bytes], nb
         digests = [_sha256(cuda.read_device(ptr, nbytes, device=device)) for ptr in pointers]
         # A batch free checks every pointer first: one never imported (or given twice) frees none.
         for bad in ([*pointers, 0x1000], [pointers[0], pointers[0]]):
-            with pytest.raises(RegionError, match="not imported from this pool"):
+            with pytest.raises(InvalidArgumentError, match="not imported from this pool"):
                 pool.free_imported_many(bad)
             assert pool.imported_count == len(pointers)
         pool.free_imported(pointers[0])
@@ -897,16 +905,18 @@ def _child_garbage_handles(conn: Any, uuid: bytes) -> list[tuple[str, str, Any]]
 
 @pytest.mark.gpu
 def test_device_identity_round_trips_through_uuid(cuda_device: int) -> None:
-    """A device's UUID maps back to its ordinal; an unknown UUID raises RegionError naming it."""
+    """A device's UUID maps back to its ordinal; an unknown UUID raises CudaError (reason
+    "not_visible") naming it."""
     uuid = cuda.device_uuid(cuda_device)
     assert len(uuid) == 16
     assert cuda.ordinal_for_uuid(uuid) == cuda_device
     assert cuda.device_name(cuda_device)
     assert cuda.driver_version() >= 12000
     stranger = bytes(15) + b"\x01"
-    with pytest.raises(RegionError, match=re.escape(cuda.format_uuid(stranger))) as info:
+    with pytest.raises(CudaError, match=re.escape(cuda.format_uuid(stranger))) as info:
         cuda.ordinal_for_uuid(stranger)
-    assert info.value.uuid == cuda.format_uuid(stranger)
+    assert info.value.uuid == cuda.format_uuid(stranger)  # type: ignore[attr-defined]
+    assert info.value.reason == "not_visible"
     with pytest.raises(CudaError, match="CUDA_VISIBLE_DEVICES"):
         cuda.device_uuid(cuda.device_count())
 
@@ -1103,8 +1113,9 @@ def test_event_pool_reuses_one_event_for_sequential_hand_offs(cuda_device: int) 
         assert event.query()
         assert cuda.event_query(event.handle)
     assert event.closed  # closing the pool destroyed the leased event too
-    with pytest.raises(ReleasedError):
+    with pytest.raises(ClosedError) as raised:
         event.record(0)
+    assert raised.value.reason == "released"
     with (
         cuda.EventPool(cuda_device) as other,
         cuda.Event(cuda_device) as stranger,

@@ -149,6 +149,6 @@ def test_listings_are_bounded() -> None:
 def test_a_wait_for_a_publisher_names_the_timeout_given(sock_dir: str) -> None:
     """The time left of the user's timeout reaches the transport as a float a few microseconds short
     of it: the message shows it rounded (0.3 s, not 0.29998834299999544 s)."""
-    with pytest.raises(aib.WaitTimeoutError) as info:
+    with pytest.raises(aib.BridgeTimeoutError) as info:
         aib.connect(f"{sock_dir}/nobody.sock", timeout=0.3, wait_for_publisher=True)
     assert "within 0.3 s" in str(info.value)

@@ -1,4 +1,4 @@
-"""Running out of file descriptors (``RLIMIT_NOFILE``) is a ``FileLimitError`` that says what to do.
+"""Running out of file descriptors (``RLIMIT_NOFILE``) is a ``LimitError`` that says what to do.
 
 A host publication holds one descriptor per region while it is published or leased
 (``docs/api.md``, "File descriptors"), so a producer that publishes many names reaches the limit.
@@ -43,7 +43,7 @@ def assert_file_limit_error(
     facts: dict[str, Any] | None, limit: list[int] | tuple[int, int], doing: str
 ) -> None:
     assert facts is not None, f"{doing}: no error at the limit"
-    assert facts["type"] == "FileLimitError", facts
+    assert facts["type"] == "LimitError", facts
     assert facts["is_bridge_error"]
     assert facts["is_os_error"]
     assert facts["errno"] == errno.EMFILE

@@ -32,7 +32,7 @@ def _forked_child(parent_objects: dict[str, Any], path: str) -> list[Any]:
         try:
             call()
             report.append("no error")
-        except aib.ForeignProcessError:
+        except aib.ClosedError:
             report.append("foreign")
     # Dropping and closing everything inherited must reach nothing of the parent's.
     held.release()
@@ -48,7 +48,7 @@ def _forked_child(parent_objects: dict[str, Any], path: str) -> list[Any]:
 
 def test_a_forked_child_neither_uses_nor_breaks_its_parents_bridge(sock_dir: str) -> None:
     """A child of fork inherits a publisher, a session, their sockets and imports. It may read the
-    imports, but the session and publisher raise ForeignProcessError there, and dropping or closing
+    imports, but the session and publisher raise ClosedError there, and dropping or closing
     them in the child sends no frame, shuts no socket down and unlinks no file: the parent's leases,
     connection and socket file are untouched. A new session made in the child works."""
     with aib.Publisher(os.path.join(sock_dir, "fork.sock")) as pub:

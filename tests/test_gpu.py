@@ -22,6 +22,7 @@ from helpers import cuda_helpers
 from helpers.arrow_equality import assert_arrays_equal
 from helpers.arrow_types import TYPE_KINDS
 from helpers.arrow_values import arrow_arrays
+from helpers.counting import SessionCounts
 from hypothesis import HealthCheck, given, settings
 
 import arrow_ipc_bridge as aib
@@ -535,6 +536,7 @@ def test_killed_consumer_gives_its_leases_back(cuda_device: int, cupy: Any) -> N
 def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
     """10,000 get/release cycles from another process's publisher (legacy handles and IPC-pool
     pointers): open handles, fds, owners and GPU memory stay flat; the legacy handle is opened once."""
+    counts = SessionCounts()
 
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge._ffi import lib
@@ -544,6 +546,7 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
     path, parent, producer = _start_cupy_producer(1 << 16)
     try:
         with aib.connect(path, timeout=30.0) as session:
+            counts.reset()  # this session's gets
 
             def cycle(name: str) -> None:
                 with session.get(name) as imported:
@@ -571,11 +574,12 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
             # opened once, before the loop; the session then reuses the opened regions
             assert stats["legacy_opens"] == opens_before
             assert stats["legacy_hits"] >= hits_before
-            assert session.remembered_gets == 10_000  # both imported by the C core every time
+            assert counts.remembered_gets == 10_000  # both imported by the C core every time
         parent.send("leases")
         assert parent.recv() == 0
         # Without a kept lease every pool get imports and frees its pointer: that churn leaks nothing.
         with aib.connect(path, timeout=30.0, pool_linger=0.0) as session:
+            counts.reset()  # this session's gets
             cycle("pool")
             gc.collect()
             reaper.settle()
@@ -587,7 +591,7 @@ def test_ten_thousand_imports_do_not_grow(cuda_device: int, cupy: Any) -> None:
             gc.collect()
             time.sleep(0.2)
             reaper.settle()
-            assert session.remembered_gets == 0
+            assert counts.remembered_gets == 0
             assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
             assert lib.aib_live_owners() <= owners_before + 2
             assert cuda_helpers.mem_get_info(0)[0] >= free_before - (64 << 20)

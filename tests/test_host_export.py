@@ -23,7 +23,7 @@ import pyarrow as pa
 import pytest
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge.errors import CopyRequiredError, InvalidArgumentError, RegionError, ReleasedError
+from arrow_ipc_bridge.errors import ClosedError, CopyRequiredError, InvalidArgumentError
 from arrow_ipc_bridge.host import (
     F_SEAL_FUTURE_WRITE,
     FULL_SEALS,
@@ -332,7 +332,7 @@ def test_copy_never_raises_for_heap_memory() -> None:
     assert "copy='if_needed'" in message
     assert "allocate_shared" in message
     assert info.value.address == address
-    assert isinstance(info.value, RegionError)
+    assert isinstance(info.value, CopyRequiredError)
     assert fd_count() == fds_before
 
 
@@ -351,9 +351,9 @@ def test_copy_always_copies_even_shareable_memory() -> None:
 
 
 def test_unreadable_address_is_region_error_not_crash() -> None:
-    """Copying from an address that is not mapped raises RegionError (EFAULT) instead of crashing."""
+    """Copying from an address that is not mapped raises InvalidArgumentError (EFAULT) instead of crashing."""
     fds_before = fd_count()
-    with pytest.raises(RegionError, match="not readable memory"):
+    with pytest.raises(InvalidArgumentError, match="not readable memory"):
         export_host_buffers([(PAGE, 100)])  # the first pages are never mapped (vm.mmap_min_addr)
     assert fd_count() == fds_before
 
@@ -791,18 +791,19 @@ def test_empty_and_null_buffers_get_no_placement() -> None:
     ],
 )
 def test_invalid_buffers_raise_region_error(pairs: list[tuple[int, int]], match: str) -> None:
-    """Negative sizes, ranges past 2**64, NULL with bytes, non-integer pairs: RegionError, no fd left."""
+    """Negative sizes, ranges past 2**64, NULL with bytes, non-integer pairs:
+    InvalidArgumentError, no fd left."""
     fds_before = fd_count()
-    with pytest.raises(RegionError, match=match):
+    with pytest.raises(InvalidArgumentError, match=match):
         export_host_buffers(pairs)
     assert fd_count() == fds_before
 
 
 def test_invalid_policy_and_allocation_raise_region_error() -> None:
-    """An unknown copy policy given to the placement itself raises RegionError; a non-positive
+    """An unknown copy policy given to the placement itself raises InvalidArgumentError; a non-positive
     allocation or a bad memfd name are argument errors of allocate_shared (InvalidArgumentError, a
     ValueError naming the argument), refused before any memfd is made."""
-    with pytest.raises(RegionError, match="copy must be one of"):
+    with pytest.raises(InvalidArgumentError, match="copy must be one of"):
         export_host_buffers([], copy="sometimes")
     with pytest.raises(InvalidArgumentError, match=r"^nbytes must be an int >= 1"):
         allocate_shared(0)
@@ -817,7 +818,7 @@ def test_failure_midway_closes_opened_fds(shm_ipc_file: str) -> None:
     table = read_mapped(shm_ipc_file)  # keep it alive: its buffers must stay mapped
     pairs = [*buffer_pairs(table), (PAGE, 64)]
     fds_before = fd_count()
-    with pytest.raises(RegionError):
+    with pytest.raises(InvalidArgumentError):
         export_host_buffers(pairs)
     assert fd_count() == fds_before
 
@@ -834,7 +835,7 @@ def test_no_fd_leak_over_many_exports(shm_ipc_file: str) -> None:
                 export_host_buffers([*mapped_pairs, *heap_pairs, (shared.address, PAGE)], copy=policy).close()
             with pytest.raises(CopyRequiredError):
                 export_host_buffers([*mapped_pairs, *heap_pairs], copy="never")
-            with pytest.raises(RegionError):
+            with pytest.raises(InvalidArgumentError):
                 export_host_buffers([*mapped_pairs, (0, 1)])
         gone = export_host_buffers(heap_pairs)
         del gone  # garbage collection closes the fds too
@@ -842,7 +843,7 @@ def test_no_fd_leak_over_many_exports(shm_ipc_file: str) -> None:
 
 
 def test_close_is_idempotent_and_fds_invalid_after() -> None:
-    """close() twice is harmless; fds() after close raises ReleasedError; the fds are really closed."""
+    """close() twice is harmless; fds() after close raises ClosedError; the fds are really closed."""
     heap = pa.py_buffer(b"abc" * 100)
     export = export_host_buffers([(heap.address, heap.size)])
     (fd,) = export.fds()
@@ -850,8 +851,9 @@ def test_close_is_idempotent_and_fds_invalid_after() -> None:
     export.close()
     export.close()
     assert export.closed
-    with pytest.raises(ReleasedError):
+    with pytest.raises(ClosedError) as raised:
         export.fds()
+    assert raised.value.reason == "closed"
     with pytest.raises(OSError, match="Bad file descriptor") as info:
         os.fstat(fd)
     assert info.value.errno == errno.EBADF
@@ -871,10 +873,12 @@ def test_shared_buffer_outlives_close_while_pyarrow_uses_it() -> None:
     shared.close()
     shared.close()
     assert shared.closed
-    with pytest.raises(ReleasedError):
+    with pytest.raises(ClosedError) as raised:
         _ = shared.address
-    with pytest.raises(ReleasedError):
+    assert raised.value.reason == "closed"
+    with pytest.raises(ClosedError) as raised:
         shared.as_pyarrow()
+    assert raised.value.reason == "closed"
     assert data.to_pybytes()[:5] == b"alive"  # still mapped
     mapping = find_shared_mapping(address, 5)
     assert mapping is not None

@@ -14,6 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from helpers.counting import SessionCounts
 from helpers.session_rig import JOIN_S, null_batch, wait_for
 
 import arrow_ipc_bridge as aib
@@ -30,6 +31,7 @@ def test_protocol_capsules_are_built_by_the_c_core(publisher: aib.Publisher, mon
     the first get, on remembered gets and for host data with regions; they hold what the Python path
     builds, and when the C call cannot (no view) the Python path answers. A released object refuses
     both calls."""
+    counts = SessionCounts()
     from arrow_ipc_bridge.consumer import imported as imported_module
     from arrow_ipc_bridge.wire.capsules import device_array_capsules
 
@@ -47,7 +49,7 @@ def test_protocol_capsules_are_built_by_the_c_core(publisher: aib.Publisher, mon
                         *imported.__arrow_c_device_array__()
                     ).equals(batch)
                     assert pa.record_batch(imported).equals(batch)  # __arrow_c_array__
-        assert session.remembered_gets == 4  # host data with regions is remembered too
+        assert counts.remembered_gets == 4  # host data with regions is remembered too
         monkeypatch.setattr(imported_module, "device_array_capsules", lambda address: None)
         monkeypatch.setattr(imported_module, "array_capsules", lambda address: None)
         for name, batch in expected.items():
@@ -58,10 +60,12 @@ def test_protocol_capsules_are_built_by_the_c_core(publisher: aib.Publisher, mon
         monkeypatch.undo()
         imported = session.get("data")
         imported.release()
-        with pytest.raises(aib.ReleasedError):
+        with pytest.raises(aib.ClosedError) as raised:
             imported.__arrow_c_device_array__()
-        with pytest.raises(aib.ReleasedError):
+        assert raised.value.reason == "released"
+        with pytest.raises(aib.ClosedError) as raised:
             imported.__arrow_c_array__()
+        assert raised.value.reason == "released"
     assert wait_for(lambda: publisher.active_leases == 0, 2.0)
 
 
@@ -76,8 +80,9 @@ def test_release_while_another_thread_builds_structs_waits_for_it(publisher: aib
         decoded = imported._decoded
         decoded.borrow()
         imported.release()
-        with pytest.raises(aib.ReleasedError):
+        with pytest.raises(aib.ClosedError) as raised:
             pa.record_batch(imported)
+        assert raised.value.reason == "released"
         reaper.settle()
         session.ping()  # a RELEASE, had one gone out, would have reached the publisher by now
         assert publisher.active_leases == 1  # still borrowed
@@ -95,7 +100,7 @@ def test_release_while_another_thread_builds_structs_waits_for_it(publisher: aib
                     while True:
                         assert pa.record_batch(target).num_rows == 1000
                         target.__arrow_c_device_array__()
-                except aib.ReleasedError:
+                except aib.ClosedError:
                     pass
                 except BaseException as exc:
                     errors.append(exc)

@@ -97,6 +97,7 @@ def test_facts_of_a_released_object_raise(publisher: aib.Publisher, session: aib
     imported = session.get("t")
     imported.release()
     for fact in ("schema", "type", "num_rows", "nbytes"):
-        with pytest.raises(aib.ReleasedError, match="imported t was released"):
+        with pytest.raises(aib.ClosedError, match="imported t was released") as raised:
             getattr(imported, fact)
+        assert raised.value.reason == "released"
     assert imported.device == "cpu"  # where it was: no message needed

@@ -112,7 +112,7 @@ def test_the_in_place_record_waits_only_for_a_real_stream(fake_libcuda: str) -> 
 def test_an_address_no_live_publication_holds_is_checked_again(fake_libcuda: str) -> None:
     """The table never spares a query for memory its publication let go: the same address, now
     pinned host memory (freed and handed out again), is refused at the call."""
-    assert _run(fake_libcuda, "reused_address") == {"error": "RegionError"}
+    assert _run(fake_libcuda, "reused_address") == {"error": "InvalidArgumentError"}
 
 
 def test_a_closed_publisher_renews_nothing(fake_libcuda: str) -> None:
@@ -145,7 +145,7 @@ def test_renewals_in_place_one_after_another(fake_libcuda: str) -> None:
     assert seen["version_steps"] == 5
     assert seen["same_stats"]
     assert seen["policy_given"]["in_place"] == 1
-    assert seen["forked_child"] == "ForeignProcessError"
+    assert seen["forked_child"] == "ClosedError"
     # Other columns, then the first ones again: two new publications, nothing renewed.
     assert seen["other_columns"]["in_place"] == 0
     # Closed: ClosedError; nothing recorded or renewed.

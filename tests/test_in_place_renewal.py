@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 import pytest
+from helpers.counting import SessionCounts
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge._ffi import lib
@@ -35,18 +36,19 @@ def _renew(publisher: aib.Publisher, name: str) -> int:
 def test_a_renewal_is_a_new_version_of_the_same_entry(publisher: aib.Publisher) -> None:
     """The version grows past every earlier one (of any name); the message is the same bytes, so a
     session's get is its remembered message; a lease on the older version stays valid."""
+    counts = SessionCounts()
     publisher.publish("t", pa.table({"x": [1, 2, 3]}))
     publisher.publish("other", pa.table({"y": [1]}))
     before = publisher.version("t")
     with aib.connect(publisher.path, timeout=10.0) as session:
         held = session.get("t")
-        remembered = session.remembered_gets
+        remembered = counts.remembered_gets
         renewed = _renew(publisher, "t")
         assert renewed > publisher.version("other") > before
         assert publisher.version("t") == renewed
         with session.get("t") as again:
             assert again.to_host().column("x").to_pylist() == [1, 2, 3]
-        assert session.remembered_gets == remembered + 1  # the same message: nothing new imported
+        assert counts.remembered_gets == remembered + 1  # the same message: nothing new imported
         assert held.to_host().column("x").to_pylist() == [1, 2, 3]
         held.release()
     deadline = time.monotonic() + 10.0  # the session's releases reach the publisher asynchronously

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from helpers.counting import SessionCounts
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import _ffi
@@ -110,6 +111,7 @@ def _warm(session: aib.Session) -> None:
 
 
 def test_unheld_arrays_are_handed_out_again_with_the_new_lease(publisher: aib.Publisher) -> None:
+    counts = SessionCounts()
     before = aib.stats().session.reused_cupy_arrays
     with aib.connect(publisher.path, timeout=10.0, pool_linger=LINGER) as session:
         _warm(session)
@@ -125,8 +127,8 @@ def test_unheld_arrays_are_handed_out_again_with_the_new_lease(publisher: aib.Pu
         lease = _lease_of(second["a"])
         assert _ffi.capsule_name(lease) == b"arrow_ipc_bridge.batch_lease"
         assert lease is not first_lease
-        assert session.reused_cupy_arrays == 1
-        assert session.local_gets >= 2
+        assert counts.reused_cupy_arrays == 1
+        assert counts.local_gets >= 2
     assert aib.stats().session.reused_cupy_arrays - before == 1
 
 
@@ -134,6 +136,7 @@ def test_unheld_arrays_are_handed_out_again_with_the_new_lease(publisher: aib.Pu
 def test_arrays_anything_still_holds_are_not_handed_out_again(publisher: aib.Publisher, held: str) -> None:
     """Holding the dict, an array, its pointer, its memory, or an object that holds an array (as a
     view's base does) makes the next call make new arrays."""
+    counts = SessionCounts()
     with aib.connect(publisher.path, timeout=10.0, pool_linger=LINGER) as session:
         _warm(session)
         first = _arrays(session)
@@ -148,15 +151,16 @@ def test_arrays_anything_still_holds_are_not_handed_out_again(publisher: aib.Pub
         del first
         second = _arrays(session)
         assert all(id(second[name]) != old[name] for name in old)
-        assert session.reused_cupy_arrays == 0
+        assert counts.reused_cupy_arrays == 0
         # What is still held keeps its own (first) lease; the new arrays hold the new one.
         del second
         third = _arrays(session)  # the second set is unheld now: handed out again
-        assert session.reused_cupy_arrays == 1
+        assert counts.reused_cupy_arrays == 1
         del third, keep
 
 
 def test_an_array_reshaped_in_place_is_not_handed_out_again(publisher: aib.Publisher) -> None:
+    counts = SessionCounts()
     with aib.connect(publisher.path, timeout=10.0, pool_linger=LINGER) as session:
         _warm(session)
         first = _arrays(session)
@@ -164,10 +168,11 @@ def test_an_array_reshaped_in_place_is_not_handed_out_again(publisher: aib.Publi
         del first
         second = _arrays(session)
         assert second["a"].shape == (3,)
-        assert session.reused_cupy_arrays == 0
+        assert counts.reused_cupy_arrays == 0
 
 
 def test_each_column_choice_and_batch_is_kept_apart(publisher: aib.Publisher) -> None:
+    counts = SessionCounts()
     with aib.connect(publisher.path, timeout=10.0, pool_linger=LINGER) as session:
         _warm(session)
         everything = _arrays(session)
@@ -178,10 +183,11 @@ def test_each_column_choice_and_batch_is_kept_apart(publisher: aib.Publisher) ->
         del everything, only_b
         assert id(_arrays(session)["a"]) == everything_id
         assert id(_arrays(session, names=["b"])["b"]) == only_b_id
-        assert session.reused_cupy_arrays == 2
+        assert counts.reused_cupy_arrays == 2
 
 
 def test_other_data_under_the_name_gets_new_arrays(publisher: aib.Publisher) -> None:
+    counts = SessionCounts()
     with aib.connect(publisher.path, timeout=10.0, pool_linger=LINGER) as session:
         _warm(session)
         first = _arrays(session)
@@ -194,7 +200,7 @@ def test_other_data_under_the_name_gets_new_arrays(publisher: aib.Publisher) -> 
         second = _arrays(session)
         assert id(second["a"]) != old_id
         assert second["a"].shape == (2,)
-        assert session.reused_cupy_arrays == 0
+        assert counts.reused_cupy_arrays == 0
 
 
 def test_what_is_kept_is_let_go_after_the_linger(publisher: aib.Publisher) -> None:
@@ -242,6 +248,7 @@ def test_forget_and_close_let_go_at_once(publisher: aib.Publisher, end: str) -> 
 
 def test_without_standing_leases_nothing_is_kept(publisher: aib.Publisher) -> None:
     """``pool_linger=0`` keeps no standing lease, and so no CuPy arrays either."""
+    counts = SessionCounts()
     with aib.connect(publisher.path, timeout=10.0, pool_linger=0) as session:
         _warm(session)
         first = _arrays(session)
@@ -249,7 +256,7 @@ def test_without_standing_leases_nothing_is_kept(publisher: aib.Publisher) -> No
         del first
         second = _arrays(session)
         assert _ffi.capsule_name(second["a"].data.mem.owner) == b"arrow_ipc_bridge.batch_lease"
-        assert session.reused_cupy_arrays == 0
+        assert counts.reused_cupy_arrays == 0
         assert session._kept_arrays is None
         del second  # the user's last array: its lease ends with it
         assert wait_for(lambda: publisher.active_leases == 0, 10.0)

@@ -20,6 +20,7 @@ import polars as pl
 import pyarrow as pa
 import pytest
 from helpers.arrow_equality import assert_arrays_equal
+from helpers.counting import SessionCounts
 from helpers.session_rig import FakePublisher, assert_back_to, null_batch, sample_table, settle, wait_for
 from helpers.wire_craft import encode_item
 
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 def test_lease_lasts_until_pyarrow_lets_go(publisher: aib.Publisher) -> None:
     """get -> pa.table -> release the imported object: the publisher still counts the lease (the table
     holds the structs); dropping the table ends it shortly after. Releasing twice is harmless; using a
-    released object raises ReleasedError."""
+    released object raises ClosedError."""
     expected = sample_table(1000)
     publisher.publish("t", expected)
     with aib.connect(publisher.path, timeout=5.0) as session:
@@ -45,8 +46,9 @@ def test_lease_lasts_until_pyarrow_lets_go(publisher: aib.Publisher) -> None:
         assert publisher.active_leases == 1
         assert_arrays_equal(table, expected)
         imported.release()
-        with pytest.raises(aib.ReleasedError):
+        with pytest.raises(aib.ClosedError) as raised:
             pa.table(imported)
+        assert raised.value.reason == "released"
         assert publisher.active_leases == 1
         del table
         gc.collect()
@@ -170,6 +172,7 @@ def test_lease_ids_the_token_cannot_carry_take_the_python_path(sock_dir: str) ->
     """Leases imported by the C core carry their id in the owner's token (a reaper family, 40 bits). A
     publisher answering with lease ids 0 or from 2**40 on is served by the Python path, and each
     RELEASE names the id the publisher gave."""
+    counts = SessionCounts()
     message = aib.export(null_batch(2, 5)).message
     big = (1 << reaper.FAMILY_VALUE_BITS) + 7
     leases = [1, 2, big, 0, (1 << 64) - 1, 3]
@@ -180,7 +183,7 @@ def test_lease_ids_the_token_cannot_carry_take_the_python_path(sock_dir: str) ->
             with session.get("x") as imported:
                 assert pa.record_batch(imported).num_rows == 5
             assert fake.releases.get(timeout=5.0) == lease
-        assert session.remembered_gets == 2  # leases 2 and 3
+        assert counts.remembered_gets == 2  # leases 2 and 3
 
 
 def test_c_imported_leases_outlive_their_session_object(publisher: aib.Publisher) -> None:
@@ -188,6 +191,7 @@ def test_c_imported_leases_outlive_their_session_object(publisher: aib.Publisher
     stays open for them, each lease ends when its struct is released, and then the session's reaper
     family is retired (nothing of it stays registered). ``pool_linger=0``: every get asks and takes a
     lease of its own (the standing lease's case is the next test)."""
+    counts = SessionCounts()
     publisher.publish("t", null_batch(3, 10))
     families_before = len(reaper._families)
     session = aib.connect(publisher.path, timeout=5.0, pool_linger=0)
@@ -196,7 +200,7 @@ def test_c_imported_leases_outlive_their_session_object(publisher: aib.Publisher
     for _ in range(3):
         with session.get("t") as imported:
             kept.append(imported.__arrow_c_device_array__())
-    assert session.remembered_gets == 3
+    assert counts.remembered_gets == 3
     assert len(reaper._families) == families_before + 1
     del session, imported
     gc.collect()
@@ -218,6 +222,7 @@ def test_a_standing_lease_outlives_its_session_object_until_its_last_import(publ
     without close() while structs of those gets live on keeps that one lease (and its connection)
     until the last struct is released, whatever the linger, then gives it back and retires its
     reaper family."""
+    counts = SessionCounts()
     publisher.publish("t", null_batch(3, 10))
     families_before = len(reaper._families)
     session = aib.connect(publisher.path, timeout=5.0, pool_linger=60.0)
@@ -226,8 +231,8 @@ def test_a_standing_lease_outlives_its_session_object_until_its_last_import(publ
     for _ in range(3):
         with session.get("t") as imported:
             kept.append(imported.__arrow_c_device_array__())
-    assert session.remembered_gets == 3
-    assert session.local_gets == 2  # the second get took the standing lease, the others used it
+    assert counts.remembered_gets == 3
+    assert counts.local_gets == 2  # the second get took the standing lease, the others used it
     assert wait_for(lambda: publisher.active_leases == 1, 2.0)
     del session, imported
     gc.collect()

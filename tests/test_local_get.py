@@ -21,7 +21,7 @@ import pytest
 from helpers.session_rig import report_from_forked_child, wait_for
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge.errors import ArgumentTypeError, ClosedError, InvalidArgumentError, NotPublishedError
+from arrow_ipc_bridge.errors import ClosedError, InvalidArgumentError, NotPublishedError
 from arrow_ipc_bridge.runtime import reaper
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
@@ -94,7 +94,7 @@ def test_a_collected_local_import_leaves_the_sessions_set(local_session: aib.Ses
 @pytest.mark.parametrize(
     ("name", "error"),
     [
-        (7, ArgumentTypeError),
+        (7, InvalidArgumentError),
         ("", InvalidArgumentError),
         ("\ud800", InvalidArgumentError),
         ("x" * 5000, InvalidArgumentError),
@@ -165,14 +165,14 @@ def _forked_child(session: aib.Session) -> list[Any]:
     try:
         session.get("t")
         report.append("no error")
-    except aib.ForeignProcessError:
+    except aib.ClosedError:
         report.append("foreign")
     session.close()
     return report
 
 
 def test_a_forked_child_gets_nothing_from_its_parents_board(local_session: aib.Session) -> None:
-    """A child of fork inherits the session: a get there raises ForeignProcessError; the parent's
+    """A child of fork inherits the session: a get there raises ClosedError; the parent's
     gets go on locally."""
     report = report_from_forked_child(lambda: _forked_child(local_session))
     assert report == ["foreign"]

@@ -19,7 +19,7 @@ from hypothesis import given
 
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream, imported_from
-from arrow_ipc_bridge.errors import BridgeError, WireFormatError
+from arrow_ipc_bridge.errors import BridgeError, ProtocolError
 from arrow_ipc_bridge.wire.capsules import capture
 from arrow_ipc_bridge.wire.metadata import Decoded, Described, DeviceInfo, process_region
 
@@ -132,11 +132,11 @@ def test_crafted_message_matches_the_spec() -> None:
     ],
 )
 def test_header_corruption(mutate: object, field: str) -> None:
-    """Bad magic, unknown major version, unknown kind or flags, wrong lengths: WireFormatError naming
+    """Bad magic, unknown major version, unknown kind or flags, wrong lengths: ProtocolError naming
     the field."""
     f, n = wc.int64_column()
     msg = wc.message(f, [[n]])
-    with pytest.raises(WireFormatError) as info:
+    with pytest.raises(ProtocolError) as info:
         _decode(mutate(msg))  # type: ignore[operator]
     assert info.value.field == field
 
@@ -151,7 +151,7 @@ def test_newer_minor_version_with_optional_extension_is_accepted() -> None:
 def test_unknown_required_extension_is_refused() -> None:
     """An odd extension tag means "required": a decoder that does not know it refuses the message."""
     f, n = wc.int64_column()
-    with pytest.raises(WireFormatError, match="required extension"):
+    with pytest.raises(ProtocolError, match="required extension"):
         _decode(wc.message(f, [[n]], extensions=[(5, b"")]))
 
 
@@ -159,7 +159,7 @@ def test_buffer_past_region_end_names_the_path() -> None:
     """A buffer reaching past its region fails with the node path and field."""
     field, node = wc.int64_column(length=4, region_offset=(1 << 20) - 8)
     schema = wc.Node("+s", children=[field], flags=0)
-    with pytest.raises(WireFormatError, match="outside region") as info:
+    with pytest.raises(ProtocolError, match="outside region") as info:
         _decode(wc.message(schema, [[wc.ArrayNode(4, 0, 0, [(0, 0, 0)]), node]]))
     assert info.value.path == "batch0/root/child0"
     assert info.value.field == "buffers"
@@ -169,30 +169,30 @@ def test_offset_overflow_is_caught() -> None:
     """offset + length overflowing 64 bits is refused, not wrapped."""
     field = wc.Node("l")
     node = wc.ArrayNode(1, 0, 0, [(0, 0, 0), (2, 2**64 - 4, 8)])
-    with pytest.raises(WireFormatError, match="outside region"):
+    with pytest.raises(ProtocolError, match="outside region"):
         _decode(wc.message(field, [[node]], [wc.Region(size=2**64 - 1)]))
 
 
 def test_buffer_too_small_for_length() -> None:
     """A data buffer smaller than length x width is refused."""
     field = wc.Node("l")
-    with pytest.raises(WireFormatError, match="need 32"):
+    with pytest.raises(ProtocolError, match="need 32"):
         _decode(wc.message(field, [[wc.ArrayNode(4, 0, 0, [(0, 0, 0), (2, 0, 31)])]]))
 
 
 def test_missing_region_and_fd_index() -> None:
     """References to regions or fds that do not exist are refused."""
     field = wc.Node("l")
-    with pytest.raises(WireFormatError, match="does not exist"):
+    with pytest.raises(ProtocolError, match="does not exist"):
         _decode(wc.message(field, [[wc.ArrayNode(1, 0, 0, [(0, 0, 0), (9, 0, 8)])]]))
-    with pytest.raises(WireFormatError, match="fds arrived"):
+    with pytest.raises(ProtocolError, match="fds arrived"):
         _decode(wc.message(field, [[wc.ArrayNode(1, 0, 0, [(0, 0, 0), (2, 0, 8)])]]), n_fds=0)
 
 
 def test_null_bitmap_required_when_nulls() -> None:
     """A NULL validity buffer with a positive null count is refused."""
     field = wc.Node("l")
-    with pytest.raises(WireFormatError, match="absent"):
+    with pytest.raises(ProtocolError, match="absent"):
         _decode(wc.message(field, [[wc.ArrayNode(2, 1, 0, [(0, 0, 0), (2, 0, 16)])]]))
 
 
@@ -201,7 +201,7 @@ def test_deep_nesting_is_bounded() -> None:
     node = wc.Node("n")
     for _ in range(200):
         node = wc.Node("+l", children=[node])
-    with pytest.raises(WireFormatError, match="deeper"):
+    with pytest.raises(ProtocolError, match="deeper"):
         _decode(wc.message(node, [[]]))
 
 
@@ -220,16 +220,16 @@ def test_huge_counts_do_not_allocate(count_field: str) -> None:
     else:
         body = device + regions + f.encode() + huge
     message = b"AIBM" + bytes([1, 0, 1, 0]) + len(body).to_bytes(4, "little") + bytes(4) + body
-    with pytest.raises(WireFormatError) as info:
+    with pytest.raises(ProtocolError) as info:
         _decode(message)
     assert info.value.field == count_field
 
 
 def test_wrong_child_arity_and_bad_dictionary_index() -> None:
     """A list without a child, or a dictionary with a float index type, is refused."""
-    with pytest.raises(WireFormatError, match="children"):
+    with pytest.raises(ProtocolError, match="children"):
         _decode(wc.message(wc.Node("+l"), [[wc.ArrayNode(0, 0, 0, [(0, 0, 0), (0, 0, 0)])]]))
-    with pytest.raises(WireFormatError, match="integer index"):
+    with pytest.raises(ProtocolError, match="integer index"):
         _decode(wc.message(wc.Node("f", dictionary=wc.Node("u")), [[]]))
 
 
@@ -238,7 +238,7 @@ def test_struct_child_shorter_than_parent() -> None:
     f, _ = wc.int64_column(length=2)
     schema = wc.Node("+s", children=[f], flags=0)
     batch = [wc.ArrayNode(3, 0, 0, [(0, 0, 0)]), wc.ArrayNode(2, 0, 0, [(0, 0, 0), (2, 0, 16)])]
-    with pytest.raises(WireFormatError, match="shorter"):
+    with pytest.raises(ProtocolError, match="shorter"):
         _decode(wc.message(schema, [batch]))
 
 
@@ -247,9 +247,9 @@ def test_only_the_validity_bitmap_may_be_absent_without_nulls() -> None:
     column_view would read whatever address NULL + offset is)."""
     field = wc.Node("l", "x")
     assert _decode(wc.message(field, [[wc.ArrayNode(2, 0, 0, [(0, 0, 0), (2, 0, 16)])]])).batch_count == 1
-    with pytest.raises(WireFormatError, match="buffer 1 is absent"):
+    with pytest.raises(ProtocolError, match="buffer 1 is absent"):
         _decode(wc.message(field, [[wc.ArrayNode(2, 0, 0, [(0, 0, 0), (0, 0, 0)])]]))
-    with pytest.raises(WireFormatError, match="buffer 1 is absent"):
+    with pytest.raises(ProtocolError, match="buffer 1 is absent"):
         _decode(wc.message(wc.Node("u"), [[wc.ArrayNode(2, 0, 0, [(0, 0, 0), (0, 0, 0), (1, 0, 0)])]]))
 
 
@@ -258,7 +258,7 @@ def test_null_count_above_length_is_refused(null_count: int) -> None:
     field = wc.Node("l", "x")
     bitmap_and_data = [(2, 0, 1), (2, 64, 16)]
     assert _decode(wc.message(field, [[wc.ArrayNode(2, 2, 0, bitmap_and_data)]])).batch_count == 1
-    with pytest.raises(WireFormatError, match="null count above the length"):
+    with pytest.raises(ProtocolError, match="null count above the length"):
         _decode(wc.message(field, [[wc.ArrayNode(2, null_count, 0, bitmap_and_data)]]))
 
 
@@ -270,10 +270,10 @@ def test_fixed_size_list_child_shorter_than_parent() -> None:
         _decode(wc.message(schema, [[parent, wc.ArrayNode(6, 0, 0, [(0, 0, 0), (2, 0, 24)])]])).batch_count
         == 1
     )
-    with pytest.raises(WireFormatError, match="child length 5 is shorter than the 6"):
+    with pytest.raises(ProtocolError, match="child length 5 is shorter than the 6"):
         _decode(wc.message(schema, [[parent, wc.ArrayNode(5, 0, 0, [(0, 0, 0), (2, 0, 20)])]]))
     sliced = wc.ArrayNode(2, 0, 1, [(0, 0, 0)])  # offset 1 + length 2: 6 values again
-    with pytest.raises(WireFormatError, match="shorter than the 6"):
+    with pytest.raises(ProtocolError, match="shorter than the 6"):
         _decode(wc.message(schema, [[sliced, wc.ArrayNode(5, 0, 0, [(0, 0, 0), (2, 0, 20)])]]))
 
 
@@ -283,7 +283,7 @@ def test_sparse_union_child_shorter_than_parent() -> None:
     full = wc.ArrayNode(3, 0, 0, [(0, 0, 0), (2, 64, 12)])
     short = wc.ArrayNode(2, 0, 0, [(0, 0, 0), (2, 64, 8)])
     assert _decode(wc.message(schema, [[parent, full, full]])).batch_count == 1
-    with pytest.raises(WireFormatError, match="child length 2 is shorter than the 3"):
+    with pytest.raises(ProtocolError, match="child length 2 is shorter than the 3"):
         _decode(wc.message(schema, [[parent, full, short]]))
 
 
@@ -294,9 +294,9 @@ def test_dense_union_type_ids_are_not_an_optional_bitmap() -> None:
     assert (
         _decode(wc.message(schema, [[wc.ArrayNode(1, 0, 0, [(2, 0, 1), (2, 8, 4)]), child]])).batch_count == 1
     )
-    with pytest.raises(WireFormatError, match="buffer 0 is absent"):
+    with pytest.raises(ProtocolError, match="buffer 0 is absent"):
         _decode(wc.message(schema, [[wc.ArrayNode(1, 0, 0, [(0, 0, 0), (2, 8, 4)]), child]]))
-    with pytest.raises(WireFormatError, match="buffer 0 is absent"):
+    with pytest.raises(ProtocolError, match="buffer 0 is absent"):
         _decode(
             wc.message(
                 wc.Node("+us:0", children=[wc.Node("i", "a")]), [[wc.ArrayNode(1, 0, 0, [(0, 0, 0)]), child]]
@@ -305,17 +305,17 @@ def test_dense_union_type_ids_are_not_an_optional_bitmap() -> None:
 
 
 def test_non_bytes_message() -> None:
-    """Anything but bytes-like is refused as a WireFormatError."""
-    with pytest.raises(WireFormatError):
+    """Anything but bytes-like is refused as a ProtocolError."""
+    with pytest.raises(ProtocolError):
         Decoded("text")  # type: ignore[arg-type]
 
 
 def test_error_pickles() -> None:
     """Errors survive pickling with their details (a consumer may forward them)."""
-    with pytest.raises(WireFormatError) as info:
+    with pytest.raises(ProtocolError) as info:
         _decode(b"garbage-garbage-garbage")
     again = pickle.loads(pickle.dumps(info.value))
-    assert isinstance(again, WireFormatError)
+    assert isinstance(again, ProtocolError)
     assert again.field == info.value.field == "magic"
     assert str(again) == str(info.value)
 
@@ -323,7 +323,7 @@ def test_error_pickles() -> None:
 # ---------- fuzzing in a subprocess (a crash fails the test instead of killing pytest) -------------
 def test_decoder_fuzz_in_subprocess() -> None:
     """Thousands of mutated messages (golden and libFuzzer-corpus seeds, mutated region contents):
-    only WireFormatError, never a crash or another exception; every message that passes the full
+    only ProtocolError, never a crash or another exception; every message that passes the full
     content check is read in full by pyarrow over regions ending at a guard page."""
     iterations = os.environ.get("AIB_FUZZ_ITERATIONS", "30000")
     result = subprocess.run(
@@ -342,7 +342,7 @@ def test_same_process_region_is_refused_unless_allowed() -> None:
     decoding its own message, may allow it."""
     f, n = wc.int64_column()
     msg = wc.message(f, [[n]], [wc.Region(kind=1, size=2**64 - 1, fd_index=-1)])
-    with pytest.raises(WireFormatError, match="same-process"):
+    with pytest.raises(ProtocolError, match="same-process"):
         Decoded(msg, 0)
     assert Decoded(msg, 0, allow_process_regions=True).batch_count == 1
 
@@ -353,10 +353,10 @@ def test_overlong_varint_and_reserved_byte_are_refused() -> None:
     msg = wc.message(f, [[n]])
     body = b"\x81\x00" + msg[17:]  # device type 1 written in two bytes
     overlong = msg[:8] + len(body).to_bytes(4, "little") + msg[12:16] + body
-    with pytest.raises(WireFormatError) as info:
+    with pytest.raises(ProtocolError) as info:
         _decode(overlong)
     assert info.value.field == "device_type"
-    with pytest.raises(WireFormatError) as info:
+    with pytest.raises(ProtocolError) as info:
         _decode(msg[:7] + b"\x01" + msg[8:])
     assert info.value.field == "reserved"
 

@@ -9,12 +9,13 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from helpers.counting import SessionCounts
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import cuda
 from arrow_ipc_bridge.cli import doctor, listing
 from arrow_ipc_bridge.cuda import _declarations, cross_gpu, nvml, peer
-from arrow_ipc_bridge.errors import BridgeError, CudaError, RegionError
+from arrow_ipc_bridge.errors import BridgeError, CudaError, InvalidArgumentError
 from arrow_ipc_bridge.wire.metadata import SLOT_FIRST_REGION
 from tests.helpers.session_rig import wait_for
 
@@ -126,8 +127,9 @@ def test_access_enabled_by_another_library_counts(two_fake_gpus: dict[str, Any])
 
 def test_no_peer_path_names_both_gpus(two_fake_gpus: dict[str, Any]) -> None:
     two_fake_gpus["can"] = False
-    with pytest.raises(peer.PeerAccessError) as caught:
+    with pytest.raises(peer.CudaError) as caught:
         peer.enable_peer_access(1, 0)
+    assert caught.value.reason == "no_peer_access"
     error = caught.value
     text = str(error)
     assert "GPU 1 (GPU-10111213-1415-1617-1819-1a1b1c1d1e1f)" in text
@@ -141,7 +143,7 @@ def test_no_peer_path_names_both_gpus(two_fake_gpus: dict[str, Any]) -> None:
     assert two_fake_gpus["calls"] == []
     assert not peer.peer_access_enabled(1, 0)
     again = pickle.loads(pickle.dumps(error))
-    assert type(again) is peer.PeerAccessError
+    assert type(again) is peer.CudaError
     assert str(again) == text
     assert again.owner_uuid == error.owner_uuid
     assert peer.try_enable_peer_access(1, 0) is False
@@ -149,8 +151,9 @@ def test_no_peer_path_names_both_gpus(two_fake_gpus: dict[str, Any]) -> None:
 
 def test_a_driver_refusal_is_a_peer_access_error_with_its_code(two_fake_gpus: dict[str, Any]) -> None:
     two_fake_gpus["rc"] = _declarations.CUDA_ERROR_TOO_MANY_PEERS
-    with pytest.raises(peer.PeerAccessError) as caught:
+    with pytest.raises(peer.CudaError) as caught:
         peer.enable_peer_access(0, 1)
+    assert caught.value.reason == "no_peer_access"
     assert caught.value.code == 711
     assert caught.value.call == "cuCtxEnablePeerAccess"
     assert "GPU 0 (" in str(caught.value)
@@ -167,13 +170,13 @@ def test_ordinals_must_be_ints(bad: Any) -> None:
 
 
 def test_peer_copies_check_their_arguments_before_the_driver() -> None:
-    with pytest.raises(RegionError):
+    with pytest.raises(InvalidArgumentError):
         peer.copy_peer_async(-1, 0, 0x1000, 1, 8)
-    with pytest.raises(RegionError):
+    with pytest.raises(InvalidArgumentError):
         peer.copy_peer_async(0x1000, 0, 0x2000, 1, -8)
     with pytest.raises(TypeError):
         peer.copy_peer_async(0x1000, "0", 0x2000, 1, 8)  # type: ignore[arg-type]
-    with pytest.raises(RegionError):
+    with pytest.raises(InvalidArgumentError):
         peer.copy_peer_async(0x1000, 0, 0x2000, 1, 8, stream=object())
 
 
@@ -188,7 +191,11 @@ def test_peer_copies_check_their_arguments_before_the_driver() -> None:
         ({"reader_device": "1"}, ValueError, "reader_device"),
         ({"reader_device": 0, "cross_device": "move"}, ValueError, "cross_device must be one of"),
         ({"reader_device": 0, "copy_stream": 5}, ValueError, "only used with cross_device='copy'"),
-        ({"reader_device": 0, "cross_device": "copy", "copy_stream": object()}, RegionError, "stream"),
+        (
+            {"reader_device": 0, "cross_device": "copy", "copy_stream": object()},
+            InvalidArgumentError,
+            "stream",
+        ),
     ],
 )
 def test_session_reader_options_are_checked(kwargs: dict[str, Any], error: type, match: str) -> None:
@@ -345,6 +352,7 @@ def test_a_cross_gpu_re_get_reuses_what_the_first_get_granted_and_opened(
     """A re-get of a remembered message on another GPU makes no driver call (no device lookup, no
     peer access, no handle open) and names the reader's pointers; forgetting the message drops
     what it kept and the reader's mappings close once the objects handed out are released."""
+    counts = SessionCounts()
     from arrow_ipc_bridge.runtime import reaper
     from arrow_ipc_bridge.wire.metadata import REGION_HOST_FD
 
@@ -365,7 +373,7 @@ def test_a_cross_gpu_re_get_reuses_what_the_first_get_granted_and_opened(
             imported.release()
             if len(readables) == 2:  # the second get is the first of the remembered message
                 calls = (len(devices), len(two_fake_gpus["calls"]), len(fake.opens))
-        assert session.remembered_gets >= 2
+        assert counts.remembered_gets >= 2
         # The third and fourth gets: nothing asked of the driver or the opener.
         assert (len(devices), len(two_fake_gpus["calls"]), len(fake.opens)) == calls
         for readable in readables:

@@ -15,13 +15,14 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from helpers import wire_craft as wc
+from helpers.counting import SessionCounts
 from helpers.session_rig import raw_hello, wait_for
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import transport
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.consumer import array_cache
-from arrow_ipc_bridge.errors import PeerClosedError, ProtocolError, WireFormatError
+from arrow_ipc_bridge.errors import PeerClosedError, ProtocolError
 from arrow_ipc_bridge.transport import protocol
 from arrow_ipc_bridge.transport.board import PublisherBoard
 from arrow_ipc_bridge.wire.metadata import Decoded
@@ -79,7 +80,7 @@ def test_the_c_channel_refuses_a_bad_frame_header(fields: dict[str, object], fie
 
 # ---------- wire.c: the decoder's checks of an untrusted message --------------------------------------------
 def _decodes(schema: wc.Node, nodes: list[wc.ArrayNode], regions: list[wc.Region] | None = None) -> bool:
-    """True when the message decodes; the decoder's WireFormatError propagates."""
+    """True when the message decodes; the decoder's ProtocolError propagates."""
     decoded = Decoded(wc.message(schema, [nodes], regions), 1)
     decoded.close()
     return True
@@ -90,7 +91,7 @@ def test_a_buffer_ending_one_byte_past_its_region_is_refused() -> None:
     byte beyond (a consumer would read the byte after the mapping)."""
     region = [wc.Region(size=40)]
     assert _decodes(wc.Node("l"), [wc.ArrayNode(4, 0, 0, [wc.NULL_BUFFER, (2, 8, 32)])], region)
-    with pytest.raises(WireFormatError, match="outside region"):
+    with pytest.raises(ProtocolError, match="outside region"):
         _decodes(wc.Node("l"), [wc.ArrayNode(4, 0, 0, [wc.NULL_BUFFER, (2, 8, 33)])], region)
 
 
@@ -108,7 +109,7 @@ def test_run_ends_and_values_of_different_lengths_are_refused(n_ends: int, n_val
         ]
 
     assert _decodes(schema, nodes(2, 2))
-    with pytest.raises(WireFormatError, match="differ in length"):
+    with pytest.raises(ProtocolError, match="differ in length"):
         _decodes(schema, nodes(n_ends, n_values))
 
 
@@ -345,7 +346,7 @@ def test_the_run_ends_of_a_sliced_array_must_cover_its_offset_and_length(level: 
     heap = wc.Heap()
     assert _checked_import(level, schema, nodes(heap, [2, 4]), heap).to_pylist() == [20, 20]
     heap = wc.Heap()
-    with pytest.raises(WireFormatError, match="does not cover the parent's 4 values"):
+    with pytest.raises(ProtocolError, match="does not cover the parent's 4 values"):
         _checked_import(level, schema, nodes(heap, [2, 3]), heap)
 
 
@@ -394,7 +395,7 @@ def test_a_wait_after_the_version_the_next_publish_gets_is_kept_for_the_one_afte
 def test_a_stream_batch_whose_metadata_differs_is_refused(publisher: aib.Publisher) -> None:
     """Kills ``streams-schema-metadata-unchecked``: a stream has one schema, its metadata included
     (docs/streams.md): a batch whose column says another unit, or whose schema metadata differs, is
-    refused with StreamSchemaError, saying that the metadata differs, and nothing of it is sent;
+    refused with StreamError, saying that the metadata differs, and nothing of it is sent;
     consumers read every batch with the stream's metadata."""
 
     def batch(value: float, *, unit: str = "m", calibration: str = "1") -> pa.RecordBatch:
@@ -406,10 +407,12 @@ def test_a_stream_batch_whose_metadata_differs_is_refused(publisher: aib.Publish
     writer = publisher.open_stream("s")
     with aib.subscribe(publisher.path, "s", timeout=30) as live:
         writer.write(batch(1.0))
-        with pytest.raises(aib.StreamSchemaError, match=r"metadata .*'km'.* differs"):
+        with pytest.raises(aib.StreamError, match=r"metadata .*'km'.* differs") as raised:
             writer.write(batch(2.0, unit="km"))
-        with pytest.raises(aib.StreamSchemaError, match=r"metadata .*'2'.* differs"):
+        assert raised.value.reason == "schema"
+        with pytest.raises(aib.StreamError, match=r"metadata .*'2'.* differs") as raised:
             writer.write(batch(3.0, calibration="2"))
+        assert raised.value.reason == "schema"
         writer.write(batch(4.0))
         writer.close()
         got = []
@@ -511,6 +514,7 @@ def test_a_local_get_restarts_the_standing_leases_linger(publisher: aib.Publishe
     """Kills ``remembered-local-get-not-a-use``: a standing lease is given back ``pool_linger``
     seconds after its last get, local gets included; one that lapsed in steady use would turn every
     later get into a round trip without a word."""
+    counts = SessionCounts()
     linger = 100.0  # the linger thread gives nothing back during the test; the test asks itself
     publisher.publish("t", pa.record_batch({"x": pa.array([1, 2, 3], pa.int64())}))
     with aib.connect(publisher.path, timeout=10.0, pool_linger=linger) as session:
@@ -521,14 +525,14 @@ def test_a_local_get_restarts_the_standing_leases_linger(publisher: aib.Publishe
         time.sleep(0.5)  # the local get below comes measurably later than the standing lease
         before = time.monotonic()
         session.get("t").release()
-        assert session.local_gets == 1
+        assert counts.local_gets == 1
         # Due linger seconds after the local get, not after the lease was taken.
         assert remembered._expire_kept_leases(time.monotonic()) >= before + linger
         assert remembered._expire_kept_leases(before + linger - 0.01) is not None
         assert remembered.board_place(b"t") is not None, "the standing lease was given back in use"
         with session.get("t") as imported:
             assert pa.record_batch(imported).column(0).to_pylist() == [1, 2, 3]
-        assert session.local_gets == 2
+        assert counts.local_gets == 2
 
 
 def test_an_unused_standing_lease_is_given_back_at_its_linger(publisher: aib.Publisher) -> None:
@@ -536,6 +540,7 @@ def test_an_unused_standing_lease_is_given_back_at_its_linger(publisher: aib.Pub
     ``pool_linger`` seconds is given back then (docs/lifetime.md, "Standing leases"), not later: the
     producer's entry is pinned by an idle consumer no longer than the linger it chose. The message
     stays remembered, and its next get takes a standing lease again."""
+    counts = SessionCounts()
     linger = 100.0  # the linger thread gives nothing back during the test; the test asks itself
     publisher.publish("t", pa.record_batch({"x": pa.array([1, 2, 3], pa.int64())}))
     with aib.connect(publisher.path, timeout=10.0, pool_linger=linger) as session:
@@ -551,13 +556,13 @@ def test_an_unused_standing_lease_is_given_back_at_its_linger(publisher: aib.Pub
         assert remembered._expire_kept_leases(used + linger) is None  # nothing left to give back
         assert remembered.board_place(b"t") is None, "kept past its linger"
         assert wait_for(lambda: publisher.active_leases == 0, 10.0)
-        remembered_gets = session.remembered_gets
+        remembered_gets = counts.remembered_gets
         session.get("t").release()
-        assert session.remembered_gets == remembered_gets + 1
+        assert counts.remembered_gets == remembered_gets + 1
         assert remembered.board_place(b"t") is not None
         with session.get("t") as imported:
             assert pa.record_batch(imported).column(0).to_pylist() == [1, 2, 3]
-        assert session.local_gets == 1
+        assert counts.local_gets == 1
 
 
 def test_the_same_bytes_published_again_move_the_standing_lease(publisher: aib.Publisher) -> None:
@@ -566,6 +571,7 @@ def test_the_same_bytes_published_again_move_the_standing_lease(publisher: aib.P
     message) is a new entry under a new serial. The first get after it asks the publisher and moves
     the standing lease to the new entry (the old entry's lease given back); the gets after that are
     local again, not round trips for as long as the session lives."""
+    counts = SessionCounts()
     with aib.allocate_shared(4096, name="aib-test") as shared:
         view = shared.view().cast("q")
         for i in range(3):
@@ -577,15 +583,15 @@ def test_the_same_bytes_published_again_move_the_standing_lease(publisher: aib.P
         with aib.connect(publisher.path, timeout=10.0, pool_linger=100.0) as session:
             for _ in range(3):
                 session.get("t").release()
-            assert session.local_gets == 1
+            assert counts.local_gets == 1
             remembered = session._remembered
             first = remembered.board_place(b"t")
             assert first is not None
             publisher.publish("t", batch)  # a new entry: a new serial, the same bytes
-            remembered_gets = session.remembered_gets
+            remembered_gets = counts.remembered_gets
             session.get("t").release()  # the board shows another serial: a round trip
-            assert session.remembered_gets == remembered_gets + 1  # the same message, remembered
-            assert session.local_gets == 1
+            assert counts.remembered_gets == remembered_gets + 1  # the same message, remembered
+            assert counts.local_gets == 1
             moved = remembered.board_place(b"t")
             assert moved is not None
             assert moved[1] != first[1], "the standing lease stayed on the entry published before"
@@ -594,6 +600,6 @@ def test_the_same_bytes_published_again_move_the_standing_lease(publisher: aib.P
                 with session.get("t") as imported:
                     assert pa.record_batch(imported).column(0).to_pylist() == [1, 2, 3]
                     assert imported.version == publisher.version("t")
-                assert session.local_gets == expected_local
+                assert counts.local_gets == expected_local
         publisher.unpublish("t")  # before the shared memory under it is closed
         del data, batch

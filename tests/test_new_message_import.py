@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from helpers.arrow_values import record_batches
+from helpers.counting import SessionCounts
 from helpers.session_rig import wait_for
 from hypothesis import HealthCheck, given, settings
 
@@ -159,6 +160,7 @@ def test_new_messages_of_any_type_over_open_handles_import_in_c(
 ) -> None:
     """Any Arrow type goes through the C new-message path: the session's structs carry the
     producer's schema and every data buffer points at its region's base plus its offset."""
+    counts = SessionCounts()
     from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA
     from arrow_ipc_bridge.wire.metadata import REGION_CUDA_LEGACY, Decoded
 
@@ -179,7 +181,7 @@ def test_new_messages_of_any_type_over_open_handles_import_in_c(
             aib.connect(publisher.path, timeout=5.0) as session,
             session.get("any") as imported,
         ):
-            assert session.new_message_gets == 1
+            assert counts.new_message_gets == 1
             assert pa.Schema._import_from_c_capsule(imported.__arrow_c_schema__()) == batch.schema
             _, array_capsule = imported.__arrow_c_device_array__()
             device_array = capsule_struct(array_capsule, "device_array")
@@ -208,6 +210,7 @@ def test_new_messages_of_any_type_over_open_handles_import_in_c(
 def test_new_stream_over_open_handles_is_imported_by_the_c_core(publisher: aib.Publisher) -> None:
     """A two-batch stream over open handles takes the same C path: the session hands out a stream
     whose device batches point into the regions' bases on the GPU's ordinal."""
+    counts = SessionCounts()
     from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA, capture
 
     table = pa.Table.from_batches(
@@ -224,7 +227,7 @@ def test_new_stream_over_open_handles_is_imported_by_the_c_core(publisher: aib.P
             session.get("stream") as imported,
         ):
             assert isinstance(imported, aib.ImportedStream)
-            assert session.new_message_gets == 1
+            assert counts.new_message_gets == 1
             captured = capture(imported)
             try:
                 assert len(captured.arrays) == 2
@@ -246,6 +249,7 @@ def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.
     hold the handles' owners until released; the lease ends with it. With one handle missing the
     get takes the Python path (here that path needs the CUDA driver: CudaError) and gives its lease
     back. No GPU needed: nothing is dereferenced."""
+    counts = SessionCounts()
     from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA
 
     batch = pa.record_batch({f"c{i}": pa.array([float(i)] * 8, pa.float32()) for i in range(3)})
@@ -261,7 +265,7 @@ def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.
         before = cuda.cuda_stats()
         with aib.connect(publisher.path, timeout=5.0) as session:
             imported = session.get("new")
-            assert (session.new_message_gets, session.remembered_gets) == (1, 0)
+            assert (counts.new_message_gets, counts.remembered_gets) == (1, 0)
             after = cuda.cuda_stats()
             assert after["c_imports"] - before["c_imports"] == 1
             assert after["c_legacy_hits"] - before["c_legacy_hits"] == 3
@@ -291,7 +295,7 @@ def test_new_message_over_open_handles_is_imported_by_the_c_core(publisher: aib.
             keys.append((lib.AIB_REGION_KEY_LEGACY, handles[0]))
             with pytest.raises(aib.BridgeError):
                 session.get("new")
-            assert session.new_message_gets == 1
+            assert counts.new_message_gets == 1
             assert wait_for(lambda: publisher.active_leases == 0, 5.0)
     finally:
         for kind, key in keys:
@@ -305,6 +309,7 @@ def test_a_new_message_got_twice_in_a_row_is_remembered(publisher: aib.Publisher
     get is the remembered path. The remembered template holds the regions' owners open, not a
     lease; forget() lets them go (they die once the table lets go too). A stream of different
     messages under one name is never remembered."""
+    counts = SessionCounts()
     batch = pa.record_batch({f"c{i}": pa.array([float(i)] * 8, pa.float32()) for i in range(2)})
     handles = [bytes([0x70 + i]) * 64 for i in range(2)]
     uuid, sync = b"p" * 16, b"q" * 64
@@ -320,14 +325,14 @@ def test_a_new_message_got_twice_in_a_row_is_remembered(publisher: aib.Publisher
                     children = capsule_struct(array_capsule, "device_array").array.children
                     assert int(ffi.cast("uintptr_t", children[1].buffers[1])) == 0x40000
                     del children, array_capsule
-            assert (session.new_message_gets, session.remembered_gets) == (2, 1)
+            assert (counts.new_message_gets, counts.remembered_gets) == (2, 1)
             assert wait_for(lambda: publisher.active_leases == 0, 5.0)  # the template holds none
             # new data under one name every get: each a new message, none remembered
             for k in range(4):
                 changed = _cuda_shaped_message(batch.slice(0, 7 - k), handles, uuid, sync)
                 _publish_raw(publisher, "stream", changed)
                 session.get("stream").release()
-            assert (session.new_message_gets, session.remembered_gets) == (6, 1)
+            assert (counts.new_message_gets, counts.remembered_gets) == (6, 1)
             for kind, key in keys[2:]:
                 lib.aib_regions_remove(kind, key, len(key))
             keys = keys[:2]
@@ -347,6 +352,7 @@ def test_new_message_over_kept_slabs_is_imported_by_the_c_core(publisher: aib.Pu
     """Pool regions flagged kept whose slabs are in the region table (what the opener puts there)
     take the C new-message path like open legacy handles; the same regions without the flag (pool
     pointers that need a lease) never do: the get goes to Python, which needs the driver here."""
+    counts = SessionCounts()
     from arrow_ipc_bridge.wire.metadata import REGION_CUDA_POOL, REGION_FLAG_KEPT
 
     batch = pa.record_batch({f"c{i}": pa.array([float(i)] * 8, pa.float32()) for i in range(2)})
@@ -362,7 +368,7 @@ def test_new_message_over_kept_slabs_is_imported_by_the_c_core(publisher: aib.Pu
             aib.connect(publisher.path, timeout=5.0) as session,
         ):
             with session.get("kept") as imported:
-                assert session.new_message_gets == 1
+                assert counts.new_message_gets == 1
                 _, array_capsule = imported.__arrow_c_device_array__()
                 children = capsule_struct(array_capsule, "device_array").array.children
                 data = [int(ffi.cast("uintptr_t", children[i].buffers[1])) for i in range(2)]
@@ -370,7 +376,7 @@ def test_new_message_over_kept_slabs_is_imported_by_the_c_core(publisher: aib.Pu
                 del children, array_capsule
             with pytest.raises(aib.BridgeError):
                 session.get("leased")
-            assert session.new_message_gets == 1
+            assert counts.new_message_gets == 1
         assert wait_for(lambda: publisher.active_leases == 0, 5.0)
     finally:
         publisher.unpublish("kept")
@@ -489,6 +495,7 @@ def test_a_c_side_import_counts_as_a_use_of_its_handles(publisher: aib.Publisher
     """The region table keeps its least-recently-used order where the new-message imports happen:
     a handle the C core just imported a message over is newer than one it did not use, so a put
     under a bound of two lets the unused one go (its owner ends) and keeps the used one."""
+    counts = SessionCounts()
     batch = pa.record_batch({"c0": pa.array([1.0] * 8, pa.float32())})
     handles = [bytes([0x50 + i]) * 64 for i in range(3)]
     uuid, sync = b"u" * 16, b"v" * 64
@@ -499,7 +506,7 @@ def test_a_c_side_import_counts_as_a_use_of_its_handles(publisher: aib.Publisher
         _publish_raw(publisher, "one", _cuda_shaped_message(batch, handles[:1], uuid, sync))
         with aib.connect(publisher.path, timeout=5.0) as session:
             session.get("one").release()
-            assert session.new_message_gets == 1
+            assert counts.new_message_gets == 1
         assert _legacy_keys_held()[-2:] == [handles[1], handles[0]]  # the import used handle 0
         owner = lib.aib_owner_new(0)
         assert lib.aib_regions_put(lib.AIB_REGION_KEY_LEGACY, handles[2], 64, 0x30000, owner, 2) == 0

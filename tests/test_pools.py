@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 
 def test_publisher_refuses_pool_fds_it_did_not_name_and_serves_on(publisher: aib.Publisher) -> None:
     """POOL_FD for an identity that names no pool of the publisher's process (a guess, another
-    producer's nonce) is answered with RegionError and the session goes on; a malformed identity is
+    producer's nonce) is answered with NotPublishedError and the session goes on; a malformed identity is
     a protocol error that closes the connection. No descriptor is left behind either way."""
     from arrow_ipc_bridge.cuda import placer
 
@@ -41,7 +41,7 @@ def test_publisher_refuses_pool_fds_it_did_not_name_and_serves_on(publisher: aib
         assert "pool_fd" in session.publisher_info["features"]  # type: ignore[operator]
         ours = placer._NONCE + (1234).to_bytes(8, "little")  # our nonce, no such pool
         for identity in (b"\x00" * 24, ours):
-            with pytest.raises(aib.RegionError, match=r"publisher: .*pool"):
+            with pytest.raises(aib.NotPublishedError, match=r"publisher: .*pool"):
                 session._fetch_pool_fd(identity)
         with session.get("t") as imported:
             assert pa.table(imported).num_rows == 10
@@ -110,7 +110,7 @@ def test_pool_region_without_its_fd_needs_a_known_pool_or_a_source() -> None:
     opener = cuda_opener.CudaOpener()
     handle = bytes(range(88))
     region = Region(REGION_CUDA_POOL, 4096, fd_index=-1, handle=handle)
-    with pytest.raises(aib.RegionError, match="without its pool's fd"):
+    with pytest.raises(aib.ProtocolError, match="without its pool's fd"):
         opener.open_pool_regions([region], [], 0)
 
     asked: list[bytes] = []
@@ -125,9 +125,9 @@ def test_pool_region_without_its_fd_needs_a_known_pool_or_a_source() -> None:
     assert opener._pools == {}
     assert opener._pool_pointers == {}
     past_end = Region(REGION_CUDA_POOL, 4096, fd_index=1, handle=handle)
-    with pytest.raises(aib.RegionError, match="fd index 1 but 1 fds came"):
+    with pytest.raises(aib.ProtocolError, match="fd index 1 but 1 fds came"):
         opener.open_pool_regions([past_end], [0], 0)
-    with pytest.raises(aib.RegionError, match="88-byte handle"):
+    with pytest.raises(aib.ProtocolError, match="88-byte handle"):
         opener.open_pool_regions([Region(REGION_CUDA_POOL, 4096, fd_index=-1, handle=b"x")], [], 0)
 
 
@@ -197,7 +197,7 @@ def test_imported_pools_beyond_the_bound_are_dropped_once_idle(monkeypatch: pyte
     let_go(kept)
 
     monkeypatch.setattr(opener, "_pool", lambda *args: _FakeImportedPool())  # never the cached one
-    with pytest.raises(aib.RegionError, match="evicted three times"):
+    with pytest.raises(aib.CudaError, match="evicted three times"):
         use(5, 1)
     assert opener._pool_pointers == {}
 
@@ -300,7 +300,7 @@ def test_legacy_regions_of_a_message_open_together(monkeypatch: pytest.MonkeyPat
     let_go(first)
     let_go(second)
     assert closed == [0x2000]  # a and c stay open in the LRU
-    with pytest.raises(aib.RegionError, match="64 bytes"):
+    with pytest.raises(aib.ProtocolError, match="64 bytes"):
         message(a, b"short")
     assert opened == [a, b, c]
     opener.close()  # the LRU lets go: every handle is closed once

@@ -169,7 +169,7 @@ def test_publish_validation_and_after_close(publisher: aib.Publisher) -> None:
         publisher.publish("", pa.array([1]))
     with pytest.raises(ValueError, match="name"):
         publisher.publish("n" * (protocol.MAX_NAME + 1), pa.array([1]))
-    with pytest.raises(aib.CapsuleError):
+    with pytest.raises(aib.InvalidArgumentError):
         publisher.publish("x", object())
     publisher.close()
     with pytest.raises(aib.ClosedError, match="closed"):

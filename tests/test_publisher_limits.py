@@ -22,18 +22,16 @@ from multiprocessing.connection import Connection
 import pyarrow as pa
 import pytest
 from helpers import socket_helpers
+from helpers.counting import SessionCounts
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import transport
 from arrow_ipc_bridge.errors import (
-    ConnectionLimitError,
-    DescriptorsInFlightError,
-    HandshakeTimeoutError,
-    LeaseLimitError,
+    BridgeTimeoutError,
+    LimitError,
     PeerClosedError,
-    PeerRejectedError,
     ProtocolError,
-    UnreadAnswersError,
+    TransportError,
 )
 from arrow_ipc_bridge.host import SharedHostBuffer, allocate_shared
 from arrow_ipc_bridge.transport import protocol
@@ -56,11 +54,14 @@ def hello(raw: transport.Connection) -> None:
         assert welcome.kind == protocol.WELCOME
 
 
-def expect_error(raw: transport.Connection, cls: type[Exception]) -> None:
+def expect_error(raw: transport.Connection, cls: type[Exception], **attributes: object) -> None:
+    """The next frame is ERROR naming ``cls`` with ``attributes`` (the family's, which tell the cause)."""
     with raw.recv(timeout=10.0) as frame:
         assert frame.kind == protocol.ERROR, frame
-        with pytest.raises(cls):
+        with pytest.raises(cls) as raised:
             protocol.raise_error(frame.payload)
+    for key, value in attributes.items():
+        assert getattr(raised.value, key) == value, (key, raised.value.details)
 
 
 def expect_closed(raw: transport.Connection) -> None:
@@ -88,7 +89,7 @@ def test_requests_before_hello_are_refused(sock_dir: str, kind: int) -> None:
 
 
 def test_silent_connection_is_closed_at_the_handshake_timeout(sock_dir: str) -> None:
-    """A connection that says nothing, or half a frame, is closed with ERROR HandshakeTimeoutError
+    """A connection that says nothing, or half a frame, is closed with ERROR BridgeTimeoutError
     once handshake_timeout passed; sessions are served meanwhile."""
     with aib.Publisher(os.path.join(sock_dir, "p.sock"), handshake_timeout=0.5) as pub:
         pub.publish("t", small_batch())
@@ -96,7 +97,7 @@ def test_silent_connection_is_closed_at_the_handshake_timeout(sock_dir: str) -> 
             os.write(half.fileno(), b"AIBT\x01\x00")  # a header begun, never finished: holds a thread a while
             with aib.connect(pub.path) as session, session.get("t"):
                 pass
-            expect_error(silent, HandshakeTimeoutError)
+            expect_error(silent, BridgeTimeoutError, waiting_for="handshake")
             expect_closed(silent)
             expect_error(half, ProtocolError)  # a frame begun and not finished in time
             expect_closed(half)
@@ -116,14 +117,15 @@ def test_second_hello_is_a_protocol_error(sock_dir: str) -> None:
 
 
 def test_connection_over_the_limit_gets_connection_limit_error(sock_dir: str) -> None:
-    """max_connections sessions are served; one more raises ConnectionLimitError from connect, and
+    """max_connections sessions are served; one more raises LimitError from connect, and
     one closing makes room again."""
     with aib.Publisher(os.path.join(sock_dir, "p.sock"), max_connections=2) as pub:
         pub.publish("t", small_batch())
         first, second = aib.connect(pub.path), aib.connect(pub.path)
         try:
-            with pytest.raises(ConnectionLimitError, match="max_connections"):
+            with pytest.raises(LimitError, match="max_connections") as raised:
                 aib.connect(pub.path)
+            assert raised.value.limit == "max_connections"
             with second.get("t"):
                 pass
         finally:
@@ -166,19 +168,21 @@ def test_idle_connections_are_parked_without_a_thread(sock_dir: str) -> None:
 def test_lease_limit_refuses_the_get_and_the_session_goes_on(sock_dir: str) -> None:
     """``pool_linger=0``: every get asks and takes a lease of its own, so held gets meet the limit.
     A session with standing leases (the default) holds its re-gets of a name under one lease."""
+    counts = SessionCounts()
     with aib.Publisher(os.path.join(sock_dir, "p.sock"), max_leases_per_connection=3) as pub:
         pub.publish("t", small_batch())
         with aib.connect(pub.path) as standing:
             held = [standing.get("t") for _ in range(5)]
-            assert standing.local_gets == 3
+            assert counts.local_gets == 3
             assert pub.active_leases == 2  # the first get's, and the standing lease
             for imported in held:
                 imported.release()
         assert wait_until(lambda: pub.active_leases == 0)
         with aib.connect(pub.path, pool_linger=0) as session, aib.connect(pub.path) as other:
             held = [session.get("t") for _ in range(3)]
-            with pytest.raises(LeaseLimitError, match="max_leases_per_connection"):
+            with pytest.raises(LimitError, match="max_leases_per_connection") as raised:
                 session.get("t")
+            assert raised.value.limit == "max_leases_per_connection"
             assert pub.active_leases == 3
             with other.get("t"):  # another connection has leases of its own
                 pass
@@ -203,7 +207,7 @@ def many_fds_batch() -> Iterator[pa.RecordBatch]:
 def test_client_that_does_not_read_is_refused_and_others_are_served(
     sock_dir: str, many_fds_batch: pa.RecordBatch
 ) -> None:
-    """A client that sends GETs without reading the ITEMs gets UnreadAnswersError once its unread
+    """A client that sends GETs without reading the ITEMs gets LimitError once its unread
     answers carry max_unread_fds descriptors (no more descriptors go in flight to it); a session
     next to it is served throughout."""
     pub = aib.Publisher(os.path.join(sock_dir, "p.sock"), max_unread_fds=256, copy="never", park_after=0.2)
@@ -245,7 +249,7 @@ def test_unread_answers_error_is_what_the_client_reads(sock_dir: str, many_fds_b
             for _ in range(7):  # 7 x 32 = 224; the 8th would make 256 > 253
                 with greedy.recv(timeout=10.0) as frame:
                     assert frame.kind == protocol.ITEM
-            expect_error(greedy, UnreadAnswersError)
+            expect_error(greedy, LimitError, limit="max_unread_fds")
 
 
 # -- one connection holding many leases (the C lease table) -------------------------------------------
@@ -318,7 +322,7 @@ def _child_get(path: str, uid: int, out: Connection) -> None:
         with aib.connect(path, timeout=5.0) as session, session.get("t") as imported:
             out.send(("ok", pa.record_batch(imported).num_rows))
     except Exception as exc:  # reported to the parent, which asserts on it
-        out.send(("error", type(exc).__name__, str(exc)))
+        out.send(("error", type(exc).__name__, str(exc), getattr(exc, "reason", None)))
 
 
 def _run_as(path: str, uid: int) -> tuple[object, ...]:
@@ -350,11 +354,12 @@ def test_allowed_uid_connects_through_the_socket_mode(sock_dir: str) -> None:
 @needs_root
 def test_uid_not_allowed_gets_peer_rejected_error(sock_dir: str) -> None:
     """A uid the publisher does not allow reaches the socket (0666 for another allowed uid) and is
-    refused with ERROR PeerRejectedError, which connect raises."""
+    refused with ERROR TransportError, which connect raises."""
     with aib.Publisher(os.path.join(sock_dir, "p.sock"), allowed_uids=[NOBODY - 1]) as pub:
         pub.publish("t", small_batch())
         result = _run_as(pub.path, NOBODY)
-        assert result[:2] == ("error", PeerRejectedError.__name__), result
+        assert result[:2] == ("error", TransportError.__name__), result
+        assert result[3] == "rejected", result
         assert "not allowed" in str(result[2])
         assert pub._server.rejected_connections == 1
 
@@ -369,6 +374,7 @@ def _child_fds_in_flight(directory: str, out: Connection) -> None:
     with RLIMIT_NOFILE 200: eight clients each GET a 32-descriptor batch and do not read; the
     kernel refuses the descriptors past 200 in flight (ETOOMANYREFS). Reports what each client and
     a session next to them saw."""
+    counts = SessionCounts()
     try:
         os.setgroups([])
         os.setgid(NOBODY)
@@ -390,7 +396,7 @@ def _child_fds_in_flight(directory: str, out: Connection) -> None:
                     session.get("wide").release()
                     first = "ok"
                 except Exception as exc:
-                    first = type(exc).__name__
+                    first = f"{type(exc).__name__} {getattr(exc, 'limit', '')}"
                 kinds = []
                 for client in clients:
                     with client.recv(timeout=10.0) as frame:
@@ -400,10 +406,10 @@ def _child_fds_in_flight(directory: str, out: Connection) -> None:
                     then = pa.record_batch(imported).num_columns
                 for _ in range(2):  # remembered, then local: the board came with the retry
                     session.get("wide").release()
-                local = session.local_gets
+                local = counts.local_gets
             out.send(("done", first, kinds, then, local))
     except Exception as exc:  # reported to the parent, which asserts on it
-        out.send(("error", type(exc).__name__, str(exc)))
+        out.send(("error", type(exc).__name__, str(exc), getattr(exc, "reason", None)))
 
 
 @needs_root
@@ -411,7 +417,7 @@ def test_descriptors_refused_by_the_kernel_fail_only_that_answer(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """Past RLIMIT_NOFILE descriptors in flight the kernel fails sendmsg (ETOOMANYREFS): the answer
-    then is ERROR DescriptorsInFlightError, nothing is leased, and every connection goes on (the
+    then is ERROR LimitError, nothing is leased, and every connection goes on (the
     session's next get, once the others read, succeeds). The session connected meanwhile was refused
     its version board's descriptor the same way: it connected all the same, asked for the board
     again before its gets, and re-gets once it came are local."""
@@ -434,7 +440,7 @@ def test_descriptors_refused_by_the_kernel_fail_only_that_answer(
     _, first, kinds, then, local = result
     if protocol.ERROR not in kinds and first == "ok":
         pytest.skip("this kernel passed 256 descriptors in flight past RLIMIT_NOFILE 200 (no ETOOMANYREFS)")
-    assert first == DescriptorsInFlightError.__name__
+    assert first == "LimitError descriptors_in_flight"
     assert kinds.count(protocol.ITEM) >= 6, kinds
     assert protocol.ERROR in kinds, kinds
     assert then == 32
@@ -442,23 +448,27 @@ def test_descriptors_refused_by_the_kernel_fail_only_that_answer(
 
 
 @pytest.mark.parametrize(
-    "cls",
+    ("cls", "attributes"),
     [
-        ConnectionLimitError,
-        LeaseLimitError,
-        UnreadAnswersError,
-        DescriptorsInFlightError,
-        HandshakeTimeoutError,
-        PeerRejectedError,
+        (LimitError, {"limit": "max_connections", "value": 3}),
+        (LimitError, {"limit": "max_leases_per_connection", "value": 3}),
+        (LimitError, {"limit": "max_unread_fds", "value": 3}),
+        (LimitError, {"limit": "descriptors_in_flight"}),
+        (BridgeTimeoutError, {"waiting_for": "handshake", "timeout": 0.5}),
+        (TransportError, {"reason": "rejected"}),
     ],
 )
-def test_limit_errors_cross_the_wire_and_pickle(cls: type[aib.BridgeError]) -> None:
-    """Each error the publisher reports arrives as its own class (an ERROR frame), and pickles."""
+def test_limit_errors_cross_the_wire_and_pickle(
+    cls: type[aib.BridgeError], attributes: dict[str, object]
+) -> None:
+    """Each error the publisher reports arrives as its family with the attributes that tell its
+    cause (an ERROR frame), and pickles with them."""
     import pickle
 
     with pytest.raises(cls, match="over it") as caught:
-        protocol.raise_error(protocol.encode_error(cls("over it", limit=3)))
-    assert isinstance(caught.value, aib.TransportError)
-    again = pickle.loads(pickle.dumps(cls("over it", limit=3)))
+        protocol.raise_error(protocol.encode_error(cls("over it", **attributes)))
+    for key, value in attributes.items():
+        assert getattr(caught.value, key) == value
+    again = pickle.loads(pickle.dumps(cls("over it", **attributes)))
     assert type(again) is cls
-    assert again.limit == 3  # type: ignore[attr-defined]
+    assert again.details == attributes

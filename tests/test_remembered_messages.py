@@ -15,6 +15,7 @@ import time
 
 import pyarrow as pa
 import pytest
+from helpers.counting import SessionCounts
 from helpers.session_rig import JOIN_S, FakePublisher, fd_count, null_batch, wait_for
 from helpers.wire_craft import encode_item
 
@@ -28,13 +29,14 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 def test_remembered_message_is_imported_by_the_c_core(publisher: aib.Publisher) -> None:
     """The second and later gets of an unchanged publication are imported by aib_session_get (counted in
     ``remembered_gets``): same data, a lease per get, each given back on release."""
+    counts = SessionCounts()
     expected = null_batch(16, 1000)
     publisher.publish("t", expected)
     with aib.connect(publisher.path, timeout=5.0) as session:
         for i in range(50):
             with session.get("t") as imported:
                 assert publisher.active_leases == 1
-                assert session.remembered_gets == i
+                assert counts.remembered_gets == i
                 schema, array = imported.__arrow_c_device_array__()
                 got = pa.RecordBatch._import_from_c_device_capsule(schema, array)
                 assert got.equals(expected)
@@ -47,24 +49,25 @@ def test_forget_drops_remembered_messages(publisher: aib.Publisher) -> None:
     """forget(name) drops the message last got as name, forget() all of them: the next get is
     imported by Python again (and remembered again). A closed session refuses; a bad pool_linger
     is refused up front."""
+    counts = SessionCounts()
     publisher.publish("a", null_batch(2, 10))
     publisher.publish("b", null_batch(3, 10))
     with aib.connect(publisher.path, timeout=5.0) as session:
         for name in ("a", "b", "a", "b"):
             session.get(name).release()
-        assert session.remembered_gets == 2
+        assert counts.remembered_gets == 2
         assert session.forget("a") == 1
         assert session.forget("a") == 0  # nothing remembered under that name any more
         assert session.forget("nobody") == 0
         session.get("b").release()
-        assert session.remembered_gets == 3
+        assert counts.remembered_gets == 3
         session.get("a").release()  # decoded again
-        assert session.remembered_gets == 3
+        assert counts.remembered_gets == 3
         session.get("a").release()
-        assert session.remembered_gets == 4
+        assert counts.remembered_gets == 4
         assert session.forget() == 2
         session.get("b").release()
-        assert session.remembered_gets == 4
+        assert counts.remembered_gets == 4
     with pytest.raises(aib.BridgeError, match="closed"):
         session.forget()
     for bad in (-1.0, float("nan")):
@@ -76,13 +79,15 @@ def test_remembered_messages_bounds_the_steady_state(publisher: aib.Publisher) -
     """remembered_messages is how many names' messages re-gets find remembered: three names got in
     a cycle all hit with room for three, all miss with room for two (least recently used out
     first), and nothing is remembered with 0. Anything but an int >= 0 is refused up front."""
+    counts = SessionCounts()
     for rows, name in enumerate(("a", "b", "c"), start=10):
         publisher.publish(name, null_batch(2, rows))  # three different messages
     for room, hits in ((3, 3), (2, 0), (0, 0)):
         with aib.connect(publisher.path, timeout=5.0, remembered_messages=room) as session:
+            counts.reset()  # this session's gets
             for name in ("a", "b", "c", "a", "b", "c"):
                 session.get(name).release()
-            assert session.remembered_gets == hits, room
+            assert counts.remembered_gets == hits, room
             assert len(session._remembered) == min(room, 3)
     with pytest.raises(ValueError, match="remembered_messages"):
         aib.Session(remembered_messages=-1)
@@ -103,6 +108,7 @@ def test_host_messages_are_remembered_by_bytes_and_files(
     message is dropped. With ``pool_linger=0`` every get is answered by the publisher (its descriptors
     closed here); by default the re-gets after the second are local and bring no descriptors, and the
     session holds its version board's page open too."""
+    counts = SessionCounts()
     a = pa.record_batch({"x": pa.array([1, 2, 3]), "s": pa.array(["a", None, "c"])})
     b = pa.record_batch({"x": pa.array([4, 5, 6]), "s": pa.array(["d", None, "f"])})
     assert aib.export(a).message == aib.export(b).message  # same shape, same bytes: only the files differ
@@ -112,18 +118,18 @@ def test_host_messages_are_remembered_by_bytes_and_files(
         for _ in range(50):
             with session.get("t") as imported:
                 assert pa.record_batch(imported).equals(a)
-        assert session.remembered_gets == 49
-        assert session.local_gets == (0 if pool_linger == 0 else 48)
+        assert counts.remembered_gets == 49
+        assert counts.local_gets == (0 if pool_linger == 0 else 48)
         # the session's socket and template file (and, by default, its board)
         assert wait_for(lambda: fd_count() <= base_fds + session_fds, 2.0)
         publisher.publish("t", b)
         with session.get("t") as imported:
             assert pa.record_batch(imported).equals(b)
-        assert session.remembered_gets == 49
+        assert counts.remembered_gets == 49
         assert len(session._remembered) == 1  # a's message went when the name got b
         with session.get("t") as imported:
             assert pa.record_batch(imported).equals(b)
-        assert session.remembered_gets == 50
+        assert counts.remembered_gets == 50
         # import_message checks the files the same way
         exported_a, exported_b = aib.export(a), aib.export(b)
         try:
@@ -139,6 +145,7 @@ def test_host_messages_are_remembered_by_bytes_and_files(
 def test_remembered_messages_churn_across_threads(publisher: aib.Publisher) -> None:
     """More distinct messages than the session remembers, fetched by four threads of one session: every
     get returns the right data, the C mirror never holds more than the limit, and nothing leaks."""
+    counts = SessionCounts()
     batches = {f"n{k}": null_batch(3, 10 + k) for k in range(5)}
     for name, batch in batches.items():
         publisher.publish(name, batch)
@@ -162,13 +169,14 @@ def test_remembered_messages_churn_across_threads(publisher: aib.Publisher) -> N
             thread.join(JOIN_S)
         assert errors == []
         assert lib.aib_remembered_count(session._remembered.table) <= 2
-        assert session.remembered_gets > 0
+        assert counts.remembered_gets > 0
     assert wait_for(lambda: publisher.active_leases == 0, 2.0)
 
 
 def test_remembered_bytes_with_a_descriptor_take_the_checked_path(sock_dir: str) -> None:
     """A publisher that sends a remembered message again but with a descriptor attached: the C core does
     not import it (only descriptor-free answers are), the Python path does and closes the descriptor."""
+    counts = SessionCounts()
     message = aib.export(null_batch(2, 5)).message
     r, w = os.pipe()
     try:
@@ -183,7 +191,7 @@ def test_remembered_bytes_with_a_descriptor_take_the_checked_path(sock_dir: str)
                 with session.get("x") as imported:
                     assert pa.record_batch(imported).num_rows == 5
                 assert fake.releases.get(timeout=5.0) == lease
-            assert session.remembered_gets == 1
+            assert counts.remembered_gets == 1
     finally:
         os.close(r)
         os.close(w)
@@ -193,22 +201,23 @@ def test_c_side_gets_keep_the_least_recently_used_order(publisher: aib.Publisher
     """The set's LRU order is kept where the steady-state gets happen (the C core): with room for two,
     a name re-got by the C path since the last remember stays, and the one not got since goes; lowering
     the limit forgets the least recently used at once."""
+    counts = SessionCounts()
     for rows, name in enumerate(("a", "b", "c"), start=10):
         publisher.publish(name, null_batch(2, rows))
     with aib.connect(publisher.path, timeout=5.0, remembered_messages=2) as session:
         for name in ("a", "b", "a", "c"):  # the third get of a is a C-side hit: a is newer than b
             session.get(name).release()
-        assert session.remembered_gets == 1
+        assert counts.remembered_gets == 1
         session.get("a").release()  # still remembered: c pushed b out
-        assert session.remembered_gets == 2
+        assert counts.remembered_gets == 2
         session.get("b").release()  # decoded again (and remembered, pushing c out)
-        assert session.remembered_gets == 2
+        assert counts.remembered_gets == 2
         session._remembered.limit = 1  # keeps b, the most recently used
         assert len(session._remembered) == 1
         session.get("b").release()
-        assert session.remembered_gets == 3
+        assert counts.remembered_gets == 3
         session.get("a").release()
-        assert session.remembered_gets == 3
+        assert counts.remembered_gets == 3
     assert wait_for(lambda: publisher.active_leases == 0, 2.0)
 
 

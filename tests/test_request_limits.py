@@ -18,7 +18,7 @@ import pytest
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import transport
 from arrow_ipc_bridge._ffi import lib
-from arrow_ipc_bridge.errors import NotPublishedError, PeerClosedError, ProtocolError, WaitTimeoutError
+from arrow_ipc_bridge.errors import BridgeTimeoutError, NotPublishedError, PeerClosedError, ProtocolError
 from arrow_ipc_bridge.transport import protocol
 from arrow_ipc_bridge.transport.channel import MAX_PAYLOAD
 from arrow_ipc_bridge.wire import stream_frames
@@ -154,7 +154,7 @@ def test_requests_at_their_limits_are_served(pub: aib.Publisher) -> None:
         raw.send(protocol.WAIT, protocol.encode_wait(0, 0, b"w" * protocol.MAX_NAME))
         with raw.recv(timeout=5.0) as answer:
             assert answer.kind == protocol.ERROR
-            with pytest.raises(WaitTimeoutError):
+            with pytest.raises(BridgeTimeoutError):
                 protocol.raise_error(answer.payload)
         raw.send(protocol.GET, b"t")
         with raw.recv(timeout=5.0) as item:

@@ -26,6 +26,7 @@ import pytest
 from helpers import session_children as children
 from helpers.arrow_equality import assert_arrays_equal
 from helpers.arrow_values import tables
+from helpers.counting import SessionCounts
 from helpers.session_rig import (
     ANY_ARROW,
     EXAMPLES,
@@ -205,11 +206,12 @@ def test_export_import_message_across_processes(fd_relay: socket.socket, obj: An
 def test_frames_over_64_kib_cross_the_c_channel(publisher: aib.Publisher) -> None:
     """A message bigger than the channel's 64 KiB buffer (5,000 columns) goes through the C framing's
     large-frame path in both directions, and is then remembered like any other."""
+    counts = SessionCounts()
     expected = null_batch(5000, 3)
     publisher.publish("wide", expected)
     with aib.connect(publisher.path, timeout=10.0) as session:
         for _ in range(3):
             with session.get("wide") as imported:
                 assert pa.record_batch(imported).equals(expected)
-        assert session.remembered_gets == 2
+        assert counts.remembered_gets == 2
     assert wait_for(lambda: publisher.active_leases == 0, 2.0)

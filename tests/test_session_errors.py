@@ -34,12 +34,12 @@ def with_device(message: bytes, device_type: int) -> bytes:
 
 def test_corrupted_item_messages_raise_wire_format_error(sock_dir: str) -> None:
     """A publisher that answers GET with a corrupted ITEM (flipped header bytes, truncated, padded, fds
-    missing, payload shorter than a lease id) makes ``session.get`` raise WireFormatError (ProtocolError for
-    the short payload); the descriptors that came with it are closed, the session gives the lease back
-    (the fake publisher receives exactly one RELEASE for that lease id) and stays usable. A valid message
-    whose descriptor is not a file (a pipe), is not sealed although the region says so, or is smaller than
-    the region, or that claims a device this session cannot map, raises RegionError (or CudaError), with
-    the same guarantees."""
+    missing, payload shorter than a lease id) makes ``session.get`` raise ProtocolError; the descriptors that
+    came with it are closed, the session gives the lease back (the fake publisher receives exactly one RELEASE
+    for that lease id) and stays usable. A valid message whose descriptor is not a file (a pipe), is not
+    sealed although the region says so, or is smaller than the region raises ProtocolError too; one that
+    claims a device this session cannot map raises ProtocolError or CudaError (CUDA), UnsupportedFormatError
+    (a device type this build does not import), with the same guarantees."""
     exported = aib.export(sample_table(300))
     message, fds = exported.message, exported.fds
     read_end, write_end = os.pipe()
@@ -52,32 +52,38 @@ def test_corrupted_item_messages_raise_wire_format_error(sock_dir: str) -> None:
     os.ftruncate(too_small, region_size // 2)
     fcntl.fcntl(too_small, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
     cases: list[tuple[str, type[Exception] | tuple[type[Exception], ...], bytes, list[int], bool]] = [
-        ("flipped magic", aib.WireFormatError, bytes([message[0] ^ 0xFF]) + message[1:], fds, True),
+        ("flipped magic", aib.ProtocolError, bytes([message[0] ^ 0xFF]) + message[1:], fds, True),
         (
             "flipped version",
-            aib.WireFormatError,
+            aib.ProtocolError,
             message[:4] + bytes([message[4] ^ 0x7F]) + message[5:],
             fds,
             True,
         ),
-        ("truncated by one", aib.WireFormatError, message[:-1], fds, True),
-        ("truncated to half", aib.WireFormatError, message[: len(message) // 2], fds, True),
-        ("truncated to the header", aib.WireFormatError, message[:16], fds, True),
-        ("empty message", aib.WireFormatError, b"", fds, True),
-        ("trailing bytes", aib.WireFormatError, message + b"\x00" * 7, fds, True),
-        ("fds missing", aib.WireFormatError, message, [], True),
-        ("not a file", aib.RegionError, message, [read_end], True),
+        ("truncated by one", aib.ProtocolError, message[:-1], fds, True),
+        ("truncated to half", aib.ProtocolError, message[: len(message) // 2], fds, True),
+        ("truncated to the header", aib.ProtocolError, message[:16], fds, True),
+        ("empty message", aib.ProtocolError, b"", fds, True),
+        ("trailing bytes", aib.ProtocolError, message + b"\x00" * 7, fds, True),
+        ("fds missing", aib.ProtocolError, message, [], True),
+        ("not a file", aib.ProtocolError, message, [read_end], True),
         # byte 16 is the device type (docs/wire-format.md): a valid message about memory we cannot map
         (
             "device type CUDA, no GPU UUID",
-            (aib.RegionError, aib.CudaError),
+            (aib.ProtocolError, aib.CudaError),
             with_device(message, 2),
             fds,
             True,
         ),
-        ("device type 7 (an unsupported device)", aib.RegionError, with_device(message, 7), fds, True),
-        ("memfd not sealed", aib.RegionError, message, [unsealed], True),
-        ("memfd smaller than the region", aib.RegionError, message, [too_small], True),
+        (
+            "device type 7 (an unsupported device)",
+            aib.UnsupportedFormatError,
+            with_device(message, 7),
+            fds,
+            True,
+        ),
+        ("memfd not sealed", aib.ProtocolError, message, [unsealed], True),
+        ("memfd smaller than the region", aib.ProtocolError, message, [too_small], True),
         ("payload shorter than a lease id", aib.ProtocolError, b"", fds, False),
     ]
     replies: list[tuple[int, bytes, list[int]] | None] = []
@@ -181,18 +187,18 @@ def test_malformed_welcome_fails_connect(sock_dir: str, welcome: bytes) -> None:
         pytest.param(True, id="zero-copy-region"),
     ],
 )
-def test_import_message_with_unusable_fd_raises_region_error(
+def test_import_message_with_unusable_fd_raises_protocol_error(
     shm_file: tuple[str, pa.Table], zero_copy: bool
 ) -> None:
-    """``import_message`` given a descriptor number that is not open raises RegionError (as documented:
-    "RegionError when a region cannot be mapped"), whether the region is a copy or zero-copy, and leaks
-    nothing (checked by the leak fixture). Regression test: the zero-copy case used to raise a bare
+    """``import_message`` given a descriptor number that is not open raises ProtocolError (as
+    documented: a region this process cannot map as described), whether the region is a copy or zero-copy, and
+    leaks nothing (checked by the leak fixture). Regression test: the zero-copy case used to raise a bare
     OSError from the mapping cache's fstat."""
     path, _ = shm_file
     source = pa.ipc.open_file(pa.memory_map(path)).read_all() if zero_copy else sample_table(100)
     with aib.export(source, copy="never" if zero_copy else "always") as exported:
         assert exported.stats.zero_copy_regions == (1 if zero_copy else 0)
         not_open = 1_000_000  # far above any descriptor this process has open
-        with aib.Session() as session, pytest.raises(aib.RegionError):
+        with aib.Session() as session, pytest.raises(aib.ProtocolError):
             session.import_message(exported.message, [not_open] * len(exported.fds))
     del source

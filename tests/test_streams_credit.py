@@ -155,8 +155,9 @@ def test_a_released_capsule_pair_is_refused_and_the_stream_goes_on(publisher: ai
     writer = publisher.open_stream("s")
     with aib.subscribe(publisher.path, "s", timeout=10) as live:
         assert wait_for(lambda: writer.subscribers == 1, 5)
-        with pytest.raises(aib.ReleasedError, match="already consumed or released"):
+        with pytest.raises(aib.ClosedError, match="already consumed or released") as raised:
             writer.write(_Consumed())
+        assert raised.value.reason == "released"
         assert writer.batches_written == 0
         writer.write(batch(7))
         imported = live.next_batch()

@@ -87,8 +87,9 @@ def test_a_consumer_that_holds_its_batches_blocks_the_writer(publisher: aib.Publ
         writer.write(varied(0))
         writer.write(varied(1))
         held = [live.next_batch(), live.next_batch()]
-        with pytest.raises(aib.StreamBlockedError):
+        with pytest.raises(aib.BridgeTimeoutError) as raised:
             writer.write(varied(2))
+        assert raised.value.waiting_for == "credit"
         for imported in held:
             assert imported is not None
             imported.release()
@@ -163,7 +164,7 @@ def test_a_segment_reused_after_release_carries_the_new_contents_checked(
     scripted,  # noqa: F811
 ) -> None:
     """Named again after its release, a segment's new contents are read, and checked: offsets the
-    producer rewrote past the data raise the content check's WireFormatError."""
+    producer rewrote past the data raise the content check's ProtocolError."""
     ring = HostRing("t")
     first = ring_batch(0, 1, ring, pa.record_batch({"s": pa.array(["ab", "cd"])}))
     again = (
@@ -182,7 +183,7 @@ def test_a_segment_reused_after_release_carries_the_new_contents_checked(
             # The producer rewrites the offsets (int32 at the segment's start) past the 4 data bytes.
             view = segment.buffer.view()
             view[segment.start + 8 : segment.start + 12] = (1000).to_bytes(4, "little")
-            with pytest.raises(aib.WireFormatError):
+            with pytest.raises(aib.ProtocolError):
                 live.next_batch()
             assert live.next_batch() is None  # the stream goes on: its end
     finally:
@@ -200,7 +201,7 @@ def test_a_ring_batch_claiming_more_than_its_segment_is_refused(
     pub = scripted(pushed=[(kind, payload, [os.dup(small.fd)]), (protocol.STREAM_END, _end(None))])
     try:
         with aib.subscribe(pub.path, "s", timeout=10) as live:
-            with pytest.raises(aib.RegionError):
+            with pytest.raises(aib.ProtocolError, match="past the end"):
                 live.next_batch()
             assert live.next_batch() is None
     finally:
@@ -219,7 +220,7 @@ def test_a_ring_batch_in_an_unsealed_file_is_refused(
     pub = scripted(pushed=[(kind, payload, [unsealed]), (protocol.STREAM_END, _end(None))])
     try:
         with aib.subscribe(pub.path, "s", timeout=10) as live:
-            with pytest.raises(aib.RegionError, match="ring segment"):
+            with pytest.raises(aib.ProtocolError, match="ring segment"):
                 live.next_batch()
             assert pub.releases.get(timeout=5) == 1  # the refused batch's lease goes back
             assert live.next_batch() is None

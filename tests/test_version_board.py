@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from helpers.counting import SessionCounts
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge.errors import NotPublishedError, PeerClosedError, ProtocolError
@@ -49,6 +50,7 @@ def _values(imported: aib.ImportedArray | aib.ImportedStream) -> list[int]:
 def test_a_remembered_name_is_got_from_the_board_after_its_standing_lease(publisher: aib.Publisher) -> None:
     """The first get imports, the second (remembered) takes the standing lease, the rest are local:
     the same data, the publisher's version, counted per session and per process."""
+    counts = SessionCounts()
     publisher.publish("t", pa.table({"x": [1, 2, 3]}))
     before = aib.stats().session.local_gets
     with aib.connect(publisher.path, timeout=10.0) as session:
@@ -58,19 +60,20 @@ def test_a_remembered_name_is_got_from_the_board_after_its_standing_lease(publis
         for _ in range(2):
             with session.get("t") as imported:
                 assert _values(imported) == [1, 2, 3]
-        assert session.local_gets == 0
+        assert counts.local_gets == 0
         for _ in range(5):
             with session.get("t") as imported:
                 assert _values(imported) == [1, 2, 3]
                 assert imported.version == publisher.version("t")
-        assert session.local_gets == 5
-        assert session.remembered_gets == 6
+        assert counts.local_gets == 5
+        assert counts.remembered_gets == 6
     assert aib.stats().session.local_gets - before == 5
 
 
 def test_a_new_publish_is_seen_at_once_not_the_remembered_data(publisher: aib.Publisher) -> None:
     """After a publish of other data, the next get is a round trip that returns it (the board's
     serial changed), and the name's later gets are local again, over the new message."""
+    counts = SessionCounts()
     with aib.connect(publisher.path, timeout=10.0) as session:
         for value in range(1, 6):
             publisher.publish("t", pa.table({"x": [value]}))
@@ -78,12 +81,13 @@ def test_a_new_publish_is_seen_at_once_not_the_remembered_data(publisher: aib.Pu
                 with session.get("t") as imported:
                     assert _values(imported) == [value]
                     assert imported.version == publisher.version("t")
-        assert session.local_gets == 5  # the third get of each version
+        assert counts.local_gets == 5  # the third get of each version
 
 
 def test_an_in_place_renewal_is_got_locally_with_its_new_version(publisher: aib.Publisher) -> None:
     """A renewal (the in-place fast path: the same entry, a new version) keeps the serial: gets stay
     local and report the new version."""
+    counts = SessionCounts()
     publisher.publish("t", pa.table({"x": [7]}))
     with aib.connect(publisher.path, timeout=10.0) as session:
         for _ in range(2):
@@ -92,19 +96,20 @@ def test_an_in_place_renewal_is_got_locally_with_its_new_version(publisher: aib.
             with publisher._lock:
                 waiting = publisher._renew_version_locked(b"t")
             assert not waiting
-            local = session.local_gets
+            local = counts.local_gets
             with session.get("t") as imported:
                 assert imported.version == publisher.version("t")
                 assert _values(imported) == [7]
-            assert session.local_gets == local + 1
+            assert counts.local_gets == local + 1
 
 
 def test_an_unpublished_name_is_not_got_from_the_board(publisher: aib.Publisher) -> None:
+    counts = SessionCounts()
     publisher.publish("t", pa.table({"x": [1]}))
     with aib.connect(publisher.path, timeout=10.0) as session:
         for _ in range(3):
             session.get("t").release()
-        assert session.local_gets == 1
+        assert counts.local_gets == 1
         publisher.unpublish("t")
         with pytest.raises(NotPublishedError):
             session.get("t")
@@ -114,12 +119,13 @@ def test_an_unpublished_name_is_not_got_from_the_board(publisher: aib.Publisher)
 
 
 def test_a_closed_publisher_is_reported_not_answered_from_the_board(path: str) -> None:
+    counts = SessionCounts()
     publisher = aib.Publisher(path)
     publisher.publish("t", pa.table({"x": [1]}))
     with aib.connect(path, timeout=10.0) as session:
         for _ in range(3):
             session.get("t").release()
-        assert session.local_gets == 1
+        assert counts.local_gets == 1
         publisher.close()
         with pytest.raises(PeerClosedError):
             session.get("t")
@@ -128,6 +134,7 @@ def test_a_closed_publisher_is_reported_not_answered_from_the_board(path: str) -
 def test_a_killed_publisher_is_reported_and_held_data_stays_readable(tmp_path: Path) -> None:
     """SIGKILL: the next get of a name the session holds a standing lease on raises
     PeerClosedError (no stale answer from the board); what it holds stays readable."""
+    counts = SessionCounts()
     path = str(tmp_path / "killed.sock")
     parent_end, child_end = SPAWN.Pipe()
     process = SPAWN.Process(target=producer_main, args=(child_end, path, ["t"], 100))
@@ -140,7 +147,7 @@ def test_a_killed_publisher_is_reported_and_held_data_stays_readable(tmp_path: P
             for _ in range(2):
                 session.get("t").release()
             held = session.get("t")
-            assert session.local_gets == 1
+            assert counts.local_gets == 1
             process.kill()
             process.join(30)
             with pytest.raises(PeerClosedError):
@@ -157,6 +164,7 @@ def test_a_killed_publisher_is_reported_and_held_data_stays_readable(tmp_path: P
 def test_the_standing_lease_is_given_back_after_the_linger_on_forget_and_on_close(
     publisher: aib.Publisher,
 ) -> None:
+    counts = SessionCounts()
     publisher.publish("t", pa.table({"x": [1]}))
     with aib.connect(publisher.path, timeout=10.0, pool_linger=0.2) as session:
         for _ in range(2):
@@ -164,9 +172,9 @@ def test_the_standing_lease_is_given_back_after_the_linger_on_forget_and_on_clos
         assert wait_for(lambda: publisher.active_leases == 1, 10.0)  # the standing lease, nothing held
         assert wait_for(lambda: publisher.active_leases == 0, 10.0)  # linger seconds unused: given back
         # The message stays remembered: the next get is remembered, not a new import.
-        remembered = session.remembered_gets
+        remembered = counts.remembered_gets
         session.get("t").release()
-        assert session.remembered_gets == remembered + 1
+        assert counts.remembered_gets == remembered + 1
         assert wait_for(lambda: publisher.active_leases == 1, 10.0)  # it took the standing lease again
     with aib.connect(publisher.path, timeout=10.0, pool_linger=60.0) as session:
         for _ in range(2):
@@ -182,12 +190,13 @@ def test_the_standing_lease_is_given_back_after_the_linger_on_forget_and_on_clos
 
 def test_a_held_local_import_keeps_its_data_after_the_lease_expires(publisher: aib.Publisher) -> None:
     """A local import holds the standing lease: it outlives the linger and a republish."""
+    counts = SessionCounts()
     publisher.publish("t", pa.table({"x": [5, 6]}))
     with aib.connect(publisher.path, timeout=10.0, pool_linger=0.05) as session:
         for _ in range(2):
             session.get("t").release()
         held = session.get("t")
-        assert session.local_gets == 1
+        assert counts.local_gets == 1
         publisher.publish("t", pa.table({"x": [9]}))
         time.sleep(0.3)
         assert publisher.active_leases == 1  # the held import's (standing) lease
@@ -200,13 +209,14 @@ def test_a_session_with_no_options_keeps_standing_leases(publisher: aib.Publishe
     """The default is the fast re-get: a session connected with no options takes the board, makes
     re-gets local from the second get on, and keeps one lease per re-got name after the user
     released everything (its standing lease) until ``pool_linger`` (1 s by default) passes."""
+    counts = SessionCounts()
     publisher.publish("t", pa.table({"x": [1]}))
     with aib.connect(publisher.path) as session:
         assert session._board is not None
         assert session._kept_arrays is not None
         for _ in range(4):
             session.get("t").release()
-        assert session.local_gets == 2
+        assert counts.local_gets == 2
         settle()  # the released leases' RELEASE frames are out,
         session.ping()  # and the publisher read them: it answers in order
         assert publisher.active_leases == 1  # the standing lease: nothing is held
@@ -232,12 +242,13 @@ def test_standing_leases_is_refused_naming_its_replacement(path: str, standing: 
 
 
 def test_pool_linger_zero_takes_no_board_and_keeps_no_lease(publisher: aib.Publisher) -> None:
+    counts = SessionCounts()
     publisher.publish("t", pa.table({"x": [1]}))
     with aib.connect(publisher.path, timeout=10.0, pool_linger=0) as session:
         for _ in range(4):
             session.get("t").release()
-        assert session.local_gets == 0
-        assert session.remembered_gets == 3
+        assert counts.local_gets == 0
+        assert counts.remembered_gets == 3
         assert wait_for(lambda: publisher.active_leases == 0, 10.0)
 
 
@@ -271,11 +282,12 @@ def test_the_board_arrives_read_only(publisher: aib.Publisher, monkeypatch: pyte
 
     monkeypatch.setattr(board_module, "SessionBoard", spy)
     publisher.publish("t", pa.table({"x": [1, 2, 3]}))
+    counts = SessionCounts()
     with aib.connect(publisher.path, timeout=10.0) as session:
         for _ in range(3):
             with session.get("t"):
                 pass
-        assert session.local_gets == 1  # the board was taken and used
+        assert counts.local_gets == 1  # the board was taken and used
     assert modes == [os.O_RDONLY]
 
 
@@ -354,6 +366,7 @@ def test_a_malformed_board_item_is_a_protocol_error(  # noqa: PLR0917 (the param
 def test_names_past_a_full_board_are_got_by_round_trips(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A board of two slots: a third name has none (its gets ask); a slot freed by an unpublish
     goes to the next name published."""
+    counts = SessionCounts()
     monkeypatch.setattr(publisher_module, "PublisherBoard", lambda: board_module.PublisherBoard(2))
     with aib.Publisher(path) as publisher:
         for name in "abc":
@@ -363,13 +376,13 @@ def test_names_past_a_full_board_are_got_by_round_trips(path: str, monkeypatch: 
                 for _ in range(3):
                     with session.get(name) as imported:
                         assert _values(imported) == [ord(name)]
-            assert session.local_gets == 2  # a and b
+            assert counts.local_gets == 2  # a and b
             publisher.unpublish("a")
             publisher.publish("d", pa.table({"x": [100]}))
             for _ in range(3):
                 with session.get("d") as imported:
                     assert _values(imported) == [100]
-            assert session.local_gets == 3
+            assert counts.local_gets == 3
 
 
 def test_gets_racing_publishes_always_see_a_consistent_version(publisher: aib.Publisher) -> None:
@@ -392,6 +405,7 @@ def test_gets_racing_publishes_always_see_a_consistent_version(publisher: aib.Pu
                     value_of_version[publisher.version("t")] = value_of_version[max(value_of_version)]
             time.sleep(0.0005)
 
+    counts = SessionCounts()
     thread = threading.Thread(target=publish)
     thread.start()
     try:
@@ -413,7 +427,7 @@ def test_gets_racing_publishes_always_see_a_consistent_version(publisher: aib.Pu
                     assert _values(imported) == [value_of_version[version]]
                 gets += 1
             assert gets > 100
-            assert session.local_gets > 0
+            assert counts.local_gets > 0
     finally:
         stop.set()
         thread.join()

@@ -80,7 +80,7 @@ def test_connect_waits_for_a_publisher_started_later_in_another_process(sock_dir
 
 @pytest.mark.parametrize("stale", [False, True], ids=["no socket file", "stale socket file"])
 def test_connect_wait_times_out_cleanly(sock_dir: str, stale: bool) -> None:
-    """Nobody comes: WaitTimeoutError (a BridgeTimeoutError) after about ``timeout``, for a missing
+    """Nobody comes: BridgeTimeoutError (a BridgeTimeoutError) after about ``timeout``, for a missing
     socket file and for one left by a dead publisher (connection refused)."""
     path = os.path.join(sock_dir, "nobody.sock")
     if stale:
@@ -88,7 +88,7 @@ def test_connect_wait_times_out_cleanly(sock_dir: str, stale: bool) -> None:
         left.bind(path)
         left.close()  # bound, never listening: connect is refused
     started = time.monotonic()
-    with pytest.raises(aib.WaitTimeoutError, match="no server appeared") as caught:
+    with pytest.raises(aib.BridgeTimeoutError, match="no server appeared") as caught:
         aib.connect(path, timeout=0.3, wait_for_publisher=True)
     elapsed = time.monotonic() - started
     assert isinstance(caught.value, aib.BridgeTimeoutError)
@@ -216,11 +216,11 @@ def test_get_wait_for_a_published_name_answers_at_once(publisher: aib.Publisher)
 def test_get_wait_times_out_cleanly_and_the_session_goes_on(publisher: aib.Publisher) -> None:
     with aib.connect(publisher.path, timeout=5.0) as session:
         started = time.monotonic()
-        with pytest.raises(aib.WaitTimeoutError, match="to be published") as caught:
+        with pytest.raises(aib.BridgeTimeoutError, match="to be published") as caught:
             session.get("never", wait=0.3)
         assert 0.25 <= time.monotonic() - started < SOON
         assert isinstance(caught.value, aib.BridgeTimeoutError)
-        with pytest.raises(aib.WaitTimeoutError):
+        with pytest.raises(aib.BridgeTimeoutError):
             session.get("never", wait=0)
         assert not session.closed
         publisher.publish("now", pa.array([3]))
@@ -313,9 +313,9 @@ def test_get_next_across_unpublish_and_republish(publisher: aib.Publisher) -> No
     seen = publisher.version("u")
     publisher.unpublish("u")
     with aib.connect(publisher.path, timeout=5.0) as session:
-        with pytest.raises(aib.WaitTimeoutError):
+        with pytest.raises(aib.BridgeTimeoutError):
             session.get_next("u", after=seen, timeout=0.2)
-        with pytest.raises(aib.WaitTimeoutError):
+        with pytest.raises(aib.BridgeTimeoutError):
             session.get_next("u", after=0, timeout=0)
         publishing = run_later(0.2, lambda: publisher.publish("u", pa.array([2])))
         with session.get_next("u", after=seen, timeout=30.0) as back:
@@ -330,7 +330,7 @@ def test_get_next_times_out_cleanly_and_the_session_goes_on(publisher: aib.Publi
     seen = publisher.version("t")
     with aib.connect(publisher.path, timeout=5.0) as session:
         started = time.monotonic()
-        with pytest.raises(aib.WaitTimeoutError, match="newer than"):
+        with pytest.raises(aib.BridgeTimeoutError, match="newer than"):
             session.get_next("t", after=seen, timeout=0.3)
         assert 0.25 <= time.monotonic() - started < SOON
         assert publisher.held_waits == 0
@@ -353,7 +353,7 @@ def test_a_held_wait_lets_the_session_give_leases_back(publisher: aib.Publisher)
         def wait() -> None:
             try:
                 session.get("absent", wait=3.0)
-            except aib.WaitTimeoutError as exc:
+            except aib.BridgeTimeoutError as exc:
                 errors.append(exc)
 
         waiter = run_later(0, wait)
@@ -728,7 +728,7 @@ def test_a_large_answer_to_a_held_wait_goes_out_from_the_answering_thread(publis
 def test_held_waits_per_connection_are_limited(sock_dir: str, limit: int | None) -> None:
     """A client sending WAITs without reading (4 KiB names) holds at most max_waits_per_connection
     of them (16 by default; it used to hold any number: 100,000 grew a publisher by 408 MB): one
-    more gets ERROR WaitLimitError, nothing more is held, and the connection goes on; a wait that
+    more gets ERROR LimitError, nothing more is held, and the connection goes on; a wait that
     is answered makes room for another."""
     options = {} if limit is None else {"max_waits_per_connection": limit}
     limit = publisher_module.MAX_WAITS_PER_CONNECTION if limit is None else limit
@@ -743,9 +743,10 @@ def test_held_waits_per_connection_are_limited(sock_dir: str, limit: int | None)
             raw.send(protocol.WAIT, protocol.encode_wait(0, 60_000, b"one more"))
             with raw.recv(timeout=SOON) as refusal:
                 assert refusal.kind == protocol.ERROR
-                with pytest.raises(aib.WaitLimitError, match="max_waits_per_connection") as caught:
+                with pytest.raises(aib.LimitError, match="max_waits_per_connection") as caught:
                     protocol.raise_error(refusal.payload)
-            assert isinstance(caught.value, aib.PublisherLimitError)
+                assert caught.value.limit == "max_waits_per_connection"
+            assert isinstance(caught.value, aib.LimitError)
             assert pub.held_waits == limit
             raw.send(protocol.PING, b"still here")  # the connection goes on
             with raw.recv(timeout=SOON) as pong:

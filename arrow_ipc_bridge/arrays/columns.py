@@ -112,7 +112,7 @@ def column_view(
 
     Raises
     ------
-    ReleasedError
+    ClosedError
         ``imported`` was released.
     BridgeError
         No such column or batch, or a column a plain array cannot show (not a number, nulls).
@@ -194,7 +194,7 @@ def column_arrays(
 
     Raises
     ------
-    ReleasedError
+    ClosedError
         ``imported`` was released.
     BridgeError
         No such batch or column, a column with nulls, duplicate column names, data on a device the
@@ -285,7 +285,7 @@ def _read_batch(
 ) -> tuple[object, int, _Facts, bool]:
     """One C call: (lease, the producer's event if pending else 0, the batch's columns, whether the
     root is a record batch); ``select`` (an index, a name, None: all) says which columns get their
-    capsule or DLPack column (the others are None). ReleasedError when ``imported`` was released;
+    capsule or DLPack column (the others are None). ClosedError when ``imported`` was released;
     BridgeError when the columns cannot be read."""
     decoded = imported._borrow()  # the owner lives through the call, whichever thread releases
     try:

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for, read_cuda_columns
 from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream, imported_from
-from arrow_ipc_bridge.errors import BridgeError, RegionError
+from arrow_ipc_bridge.errors import BridgeError, InvalidArgumentError
 from arrow_ipc_bridge.runtime import arguments, reaper
 from arrow_ipc_bridge.wire.capsules import (
     DEVICE_CPU,
@@ -231,7 +231,7 @@ def _device_of_one_by_one(objects: list[Any], pointers: list[int]) -> int:
     for obj, pointer in zip(objects, pointers, strict=True):
         info = cuda.pointer_info(pointer)
         if info is None or info.memory_type == "host":
-            raise RegionError(f"{type(obj).__name__} data at {pointer:#x} is not CUDA device memory")
+            raise InvalidArgumentError(f"{type(obj).__name__} data at {pointer:#x} is not CUDA device memory")
         devices.add(info.device)
     if len(devices) > 1:
         raise BridgeError(f"columns live on several devices {sorted(devices)}; a batch has one device")

@@ -336,7 +336,7 @@ def topology_checks(count: int, pairs: list[PairFacts]) -> list[Check]:
     """The topology section from the facts: one check per pair of GPUs (``count`` of them).
 
     Peer access both ways is ``ok``; one way or none is ``warn`` (copies still work, staged by the
-    driver, and reading in place fails with ``PeerAccessError``)."""
+    driver, and reading in place fails with ``CudaError`` (``reason="no_peer_access"``))."""
     if count < 2:
         return [Check("GPU topology", "info", "one GPU: no pairs" if count == 1 else "no GPU: no pairs")]
     checks = []
@@ -362,9 +362,9 @@ def topology_checks(count: int, pairs: list[PairFacts]) -> list[Check]:
                     name,
                     "warn",
                     detail,
-                    "data from one of these GPUs cannot be read in place on the other (PeerAccessError): "
-                    "use imported.to_device(k) or Session(reader_device=k, cross_device='copy'), which "
-                    "the driver stages through host memory",
+                    "data from one of these GPUs cannot be read in place on the other (CudaError, "
+                    "reason 'no_peer_access'): use imported.to_device(k) or Session(reader_device=k, "
+                    "cross_device='copy'), which the driver stages through host memory",
                 )
             )
     return checks

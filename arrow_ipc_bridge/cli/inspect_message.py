@@ -45,7 +45,7 @@ def _flag_names(flags: int) -> list[str]:
 
 
 def describe_message(data: bytes, n_fds: int) -> dict[str, Any]:
-    """What a message holds, as plain values (the ``--json`` output); raises ``WireFormatError``
+    """What a message holds, as plain values (the ``--json`` output); raises ``ProtocolError``
     (or another ``BridgeError``) for a message the decoder refuses."""
     from arrow_ipc_bridge._ffi import ffi
     from arrow_ipc_bridge.consumer.imported import (

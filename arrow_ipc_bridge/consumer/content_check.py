@@ -41,14 +41,14 @@ ReadFunction = Callable[[int, int], bytes]
 
 
 def check_level(value: object, what: str = "check") -> str:
-    """``value`` if it names a level; ``ArgumentTypeError`` for a non-str, ``InvalidArgumentError``
+    """``value`` if it names a level; ``InvalidArgumentError`` for a non-str, ``InvalidArgumentError``
     naming the allowed levels for another string."""
     return arguments.choice(value, what, CHECK_LEVELS)
 
 
 def check_content(decoded: Decoded, region_bases: Any, level: str, read: ReadFunction | None = None) -> None:
     """Check ``decoded``'s buffer contents over ``region_bases`` (a ``uint64_t[]`` cdata, as for
-    ``rebuild_array``) at ``level``; raises :class:`~arrow_ipc_bridge.errors.WireFormatError`
+    ``rebuild_array``) at ``level``; raises :class:`~arrow_ipc_bridge.errors.ProtocolError`
     naming the column path, the buffer and the bad value.
 
     ``read`` is None for host mappings (read in place); for device memory it copies ``n`` bytes at

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Self, cast
 import pyarrow as pa
 
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.errors import BridgeError, ReleasedError
+from arrow_ipc_bridge.errors import BridgeError, ClosedError
 from arrow_ipc_bridge.runtime import arguments, reaper
 from arrow_ipc_bridge.wire.capsules import (
     DEVICE_CPU,
@@ -184,15 +184,16 @@ class _ImportedBase(DeviceStreamExporter):
         """The message, borrowed (``Decoded.borrow``): the caller unborrows it when done."""
         try:
             self._decoded.borrow()
-        except ReleasedError:
+        except ClosedError:
             self._live()  # the error that names this object
             raise
         return self._decoded
 
     def _live(self) -> Decoded:
         if self._decoded.closed:
-            raise ReleasedError(
-                f"imported {self.name or 'data'} was released; get it again from the session to use it"
+            raise ClosedError(
+                f"imported {self.name or 'data'} was released; get it again from the session to use it",
+                reason="released",
             )
         return self._decoded
 
@@ -321,9 +322,8 @@ class _ImportedBase(DeviceStreamExporter):
 
         Raises
         ------
-        PeerAccessError
-            The two GPUs have no peer path, or the driver refused access: both GPUs named
-            (``arrow_ipc_bridge.cuda.peer.PeerAccessError``).
+        CudaError (``reason="no_peer_access"``)
+            The two GPUs have no peer path, or the driver refused access: both GPUs named.
         BridgeError
             Host data, or a released object.
         """
@@ -487,9 +487,9 @@ class ImportedStream(_ImportedBase, TableExporter):
         ------
         InvalidArgumentError
             ``index`` is not from 0 to ``batch_count - 1``.
-        ArgumentTypeError
+        InvalidArgumentError
             ``index`` is not an int.
-        ReleasedError
+        ClosedError
             This object was released.
         """
         count = self.batch_count

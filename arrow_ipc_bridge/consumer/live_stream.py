@@ -28,13 +28,11 @@ from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
     ClosedError,
+    InvalidArgumentError,
     PeerClosedError,
     ProtocolError,
     RegionError,
-    SlowConsumerError,
     StreamError,
-    StreamFailedError,
-    StreamInterruptedError,
 )
 from arrow_ipc_bridge.host.shared_alloc import F_SEAL_FUTURE_WRITE
 from arrow_ipc_bridge.process_stats import stream_counters
@@ -117,9 +115,10 @@ class LiveStream:
     it, or use it in a ``with`` block, to give the producer its credit back), call
     :meth:`next_batch`, or hand it to any Arrow consumer through ``__arrow_c_stream__`` (host
     data). Iteration stops at the producer's clean end; a producer error raises
-    :class:`~arrow_ipc_bridge.errors.StreamFailedError`, a publisher gone mid-stream
-    :class:`~arrow_ipc_bridge.errors.StreamInterruptedError`, and the ``"error"`` policy
-    :class:`~arrow_ipc_bridge.errors.SlowConsumerError`. Batches already received stay valid.
+    :class:`~arrow_ipc_bridge.errors.StreamError` (``reason="failed"``), a publisher gone
+    mid-stream :class:`~arrow_ipc_bridge.errors.PeerClosedError` (``stream`` and ``received``
+    set), and the ``"error"`` policy :class:`~arrow_ipc_bridge.errors.StreamError`
+    (``reason="slow_consumer"``). Batches already received stay valid.
     Receive from one thread at a time; batches may be released from any thread.
     """
 
@@ -216,30 +215,44 @@ class LiveStream:
             raise
         except PeerClosedError as exc:
             if getattr(exc, "closed_locally", False) or self._session.closed:
-                raise BridgeError(f"the live stream {self.name!r} is closed") from exc
-            raise StreamInterruptedError(
+                raise ClosedError(f"the live stream {self.name!r} is closed", what="live stream") from exc
+            raise PeerClosedError(
                 f"the publisher of stream {self.name!r} went away mid-stream (no end of stream) after "
                 f"{self.received} batches; batches received stay valid",
+                stream=self.name,
                 received=self.received,
             ) from exc
+        refused: _BatchRefused | None = None
         try:
             if frame.kind == protocol.BATCH:
-                return self._import(frame.payload, frame.fds)
-            if frame.fds:
+                try:
+                    return self._import(frame.payload, frame.fds)
+                except _BatchRefused as exc:  # this batch only: the subscription goes on
+                    refused = exc
+            elif frame.fds:
                 raise ProtocolError(f"frame kind {frame.kind} with descriptors on a subscription")
-            if frame.kind == protocol.STREAM_END:
+            elif frame.kind == protocol.STREAM_END:
                 self._end = stream_frames.decode_stream_end(frame.payload)
                 self._finished()
                 return None
-            if frame.kind == protocol.ERROR:
+            elif frame.kind == protocol.ERROR:
                 protocol.raise_error(frame.payload)
-            raise ProtocolError(f"frame kind {frame.kind} on a subscription (BATCH or STREAM_END expected)")
+            else:
+                raise ProtocolError(
+                    f"frame kind {frame.kind} on a subscription (BATCH or STREAM_END expected)"
+                )
         except ProtocolError as exc:
             channel.close()  # out of step with the publisher: this subscription is over
             self._broken = exc
             raise
         finally:
             frame.close_fds()  # the mappings keep what they need open
+        assert refused is not None  # every other way out of the frame returned or raised
+        error, refused = refused.error, None
+        try:
+            raise error from error.__cause__
+        finally:
+            del error  # no cycle through this frame: what the batch held goes with the last reference
 
     def _spin(self, wait: float | None) -> None:
         """Look for the next frame without sleeping for up to ``SPIN_S`` (less when ``wait`` is
@@ -280,9 +293,9 @@ class LiveStream:
             if ring:
                 try:
                     _check_ring_segment(fds)
-                except RegionError:
+                except ProtocolError as exc:
                     self._credit.give_back([lease_id])  # refused: the producer gets it back
-                    raise
+                    raise _BatchRefused(exc) from None
             if slot != stream_frames.NO_SLOT:  # kept for the repeats of this slot (FLAG_SLOT_AGAIN)
                 self._keep_slot(key, message, fds)
         token = self._lease_tokens | lease_id
@@ -297,6 +310,9 @@ class LiveStream:
                 # The session's own import (decode, full check, map), under this batch's lease; one
                 # remembered message per slot, so a reused slot or segment costs a lookup.
                 imported = session._import(message, fds, name=self._slot_name(key), token=token)
+        except ProtocolError as exc:  # the batch's message or regions: this batch is refused
+            self._credit.give_back([lease_id])  # if no owner came to life, nobody else would
+            raise _BatchRefused(exc) from None
         except BaseException:
             self._credit.give_back([lease_id])  # if no owner came to life, nobody else would
             raise
@@ -309,6 +325,9 @@ class LiveStream:
             # here, at the session's level, as a new message's would be.
             try:
                 check_content(imported._decoded, imported._bases, session._host_check)
+            except ProtocolError as exc:  # the contents of this batch: refused, the stream goes on
+                imported.release()
+                raise _BatchRefused(exc) from None
             except BaseException:
                 imported.release()
                 raise
@@ -358,12 +377,15 @@ class LiveStream:
         if end.error_type is None:
             return
         text = f"stream {self.name!r}: {end.message}"
-        if end.error_type == "SlowConsumerError":
-            raise SlowConsumerError(text)
-        if end.error_type == "StreamInterruptedError":
-            raise StreamInterruptedError(text, received=self.received)
-        raise StreamFailedError(
+        # The end's type is a wire token (the names of the retired classes, which older
+        # publishers send too): stream_frames.END_SLOW_CONSUMER and END_INTERRUPTED.
+        if end.error_type == stream_frames.END_SLOW_CONSUMER:
+            raise StreamError(text, reason="slow_consumer")
+        if end.error_type == stream_frames.END_INTERRUPTED:
+            raise PeerClosedError(text, stream=self.name, received=self.received)
+        raise StreamError(
             f"stream {self.name!r} failed in the producer: {end.error_type}: {end.message}",
+            reason="failed",
             producer_error=end.error_type,
         )
 
@@ -391,7 +413,10 @@ class LiveStream:
         from arrow_ipc_bridge.consumer.c_stream import stream_capsule
 
         if requested_schema is not None:
-            raise StreamError("a live stream offers its own schema: requested_schema must be None")
+            raise InvalidArgumentError(
+                "a live stream offers its own schema: requested_schema must be None",
+                argument="requested_schema",
+            )
         first = self._peek()
         if first is None:
             raise StreamError(f"stream {self.name!r} ended before its first batch: no schema to offer")
@@ -439,6 +464,16 @@ class LiveStream:
         return f"<LiveStream {self.name!r} received={self.received} dropped={self.dropped}>"
 
 
+class _BatchRefused(Exception):
+    """Internal: a batch's message or regions were refused (bad data in that batch only, its lease
+    given back); :meth:`LiveStream._next` raises the ProtocolError it carries and keeps the
+    subscription, where a frame that breaks the stream's protocol ends it."""
+
+    def __init__(self, error: ProtocolError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _check_ring_segment(fds: list[int]) -> None:
     """A ring segment is one memfd sealed against shrinking and growing (a mapping of it can never
     fault past its end) and against writes through any other mapping or descriptor (so no other
@@ -448,9 +483,9 @@ def _check_ring_segment(fds: list[int]) -> None:
     try:
         seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
     except OSError as exc:
-        raise RegionError(f"a ring segment's descriptor has no seals ({exc}): not a sealed memfd") from exc
+        raise ProtocolError(f"a ring segment's descriptor has no seals ({exc}): not a sealed memfd") from exc
     if seals & _RING_SEALS != _RING_SEALS:
-        raise RegionError(
+        raise ProtocolError(
             f"a ring segment's memfd has seals {seals:#x}, not shrink, grow and write ({_RING_SEALS:#x})"
         )
 

@@ -25,7 +25,7 @@ from arrow_ipc_bridge.consumer.imported import (
     imported_from,
 )
 from arrow_ipc_bridge.consumer.remembered import RememberedMessage, RememberedMessages
-from arrow_ipc_bridge.errors import RegionError
+from arrow_ipc_bridge.errors import UnsupportedFormatError
 from arrow_ipc_bridge.host.mappings import HostMappingCache
 from arrow_ipc_bridge.process_stats import import_counters
 from arrow_ipc_bridge.wire.capsules import DEVICE_CPU, DEVICE_CUDA
@@ -62,8 +62,6 @@ class MessageImporter:
         self._imported_refs = imported_refs
         self._host_check = host_check
         self._cuda_check = cuda_check
-        self.new_message_gets = 0
-        """Imports :meth:`adopt_new` wrapped (``Session.new_message_gets``)."""
 
     def import_message(
         self,
@@ -137,7 +135,7 @@ class MessageImporter:
                     fetch_pool_fd=fetch_pool_fd,
                 )
             else:
-                raise RegionError(
+                raise UnsupportedFormatError(
                     f"the message holds data on device type {device.device_type}, "
                     "which this build cannot import"
                 )
@@ -210,7 +208,6 @@ class MessageImporter:
         )
         if version:
             imported.version = version
-        self.new_message_gets += 1
         next(import_counters.new_message_gets)
         track(self._imported_refs, imported)
         self._remembered.forget_replaced(name, message)

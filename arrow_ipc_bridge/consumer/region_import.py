@@ -16,7 +16,7 @@ from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.consumer.content_check import check_content, cuda_reader
 from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream, imported_from
 from arrow_ipc_bridge.consumer.remembered import RememberedMessages, needs_lease
-from arrow_ipc_bridge.errors import RegionError
+from arrow_ipc_bridge.errors import InvalidArgumentError, ProtocolError
 from arrow_ipc_bridge.host.mappings import HostMappingCache
 from arrow_ipc_bridge.runtime import arguments
 from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA
@@ -43,7 +43,7 @@ def map_host_regions(
     bases: list[int] = []
     for region in decoded.regions():
         if region.kind != REGION_HOST_FD or region.fd_index < 0:
-            raise RegionError(f"region kind {region.kind} cannot be imported into host memory")
+            raise ProtocolError(f"region kind {region.kind} cannot be imported into host memory")
         mapped = cache.map(fds[region.fd_index], region, cacheable=bool(region.flags & REGION_FLAG_ZERO_COPY))
         hold(mapped.owner, decoded, template)
         bases.append(mapped.base)
@@ -161,7 +161,7 @@ def checked_fds(fds: Sequence[int]) -> Sequence[int]:
         if isinstance(fd, bool) or not isinstance(fd, int):
             arguments.fail_type("fds", "a sequence of file descriptors (ints)", fd)
         if not 0 <= fd < 2**31:
-            raise RegionError(f"fds: {fd} is not a file descriptor number", field="fds")
+            raise InvalidArgumentError(f"fds: {fd} is not a file descriptor number", argument="fds")
     return fds
 
 

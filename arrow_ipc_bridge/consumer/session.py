@@ -40,7 +40,7 @@ from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
     ClosedError,
-    DescriptorsInFlightError,
+    LimitError,
     PeerClosedError,
     ProtocolError,
 )
@@ -110,7 +110,7 @@ class Session:
         enough for ``pyarrow``'s ``validate(full=True)`` to be safe and catch the rest) or
         ``"none"`` (structure only: for a producer this consumer trusts). ``None`` (the default)
         is ``"full"`` for host data and ``"none"`` for CUDA data, whose check costs device-to-host
-        reads. A failing check raises :class:`~arrow_ipc_bridge.errors.WireFormatError`.
+        reads. A failing check raises :class:`~arrow_ipc_bridge.errors.ProtocolError`.
     reader_device
         The GPU (this process's ordinal) this consumer's work runs on, or ``None`` (the default:
         GPU data is handed out where it lives, nothing else is done). When set, CUDA data living
@@ -119,7 +119,8 @@ class Session:
         ``"peer"`` (the default): the object is handed out as it is, after the reader's GPU was
         given access to its memory (peer access, once per pair; IPC-pool and VMM access per
         pool / mapping), so kernels on ``reader_device`` read it in place over NVLink or PCIe;
-        :class:`~arrow_ipc_bridge.cuda.peer.PeerAccessError` when the pair has no peer path.
+        :class:`~arrow_ipc_bridge.errors.CudaError` (``reason="no_peer_access"``) when the pair has
+        no peer path.
         ``"copy"``: a copy on ``reader_device`` is handed out (``ImportedArray.to_device``) and
         the import released once the copies ran.
     copy_stream
@@ -210,16 +211,17 @@ class Session:
         self._closed = False
         self._waiting: set[int] = set()  # threads in get_next / get(wait=): close() wakes them
         self.publisher_info: dict[str, object] = {}
-        # This session's gets answered with a remembered message, and of those, from the board.
-        self._remembered_gets = 0
+        # This session's gets answered from the board (get_next tells a local get from a round trip
+        # by it); the process-wide counts are aib.stats().session's.
         self._local_gets = 0
 
     # ---------- local import ------------------------------------------------------------------------
     def import_message(self, message: bytes, fds: Sequence[int] = (), *, name: str | None = None) -> Imported:
         """Import a message that arrived with ``fds`` (borrowed: the caller still owns and closes them).
 
-        Raises :class:`WireFormatError` for a malformed message and :class:`RegionError` when a
-        region cannot be mapped; nothing is leaked either way.
+        Raises :class:`ProtocolError` for a malformed message or a region that cannot be mapped as
+        described, :class:`RegionError` when the system refuses the mapping; nothing is leaked
+        either way.
         """
         self._check_open()
         message = arguments.byte_string(message, "message")
@@ -309,8 +311,11 @@ class Session:
             # The kernel may refuse the answer's descriptor while the publisher's user has too many
             # in flight to peers that do not read: the connection goes on, and the board is asked
             # for again before the next get, which raises that error while it lasts.
-            with contextlib.suppress(DescriptorsInFlightError):
+            try:
                 self._take_board(channel, timeout)
+            except LimitError as exc:
+                if exc.limit != "descriptors_in_flight":
+                    raise
 
     def _take_board(self, channel: Channel, timeout: float) -> None:
         """Map the publisher's version board and set up what uses it: ``get_next``'s waits on it
@@ -324,8 +329,8 @@ class Session:
             self._board_waits = waiting.BoardWaits(board, self._remembered)
 
     def _ask_board_again(self, channel: Channel) -> None:
-        """The board a ``DescriptorsInFlightError`` kept from this session at connect, asked for
-        again before a get; that error again while the kernel still refuses."""
+        """The board a ``LimitError`` (``limit="descriptors_in_flight"``) kept from this session at
+        connect, asked for again before a get; that error again while the kernel still refuses."""
         timeout = self._timeout
         assert timeout is not None  # _attach set it before it could want the board
         with self._request_lock:
@@ -398,7 +403,7 @@ class Session:
 
         ``wait``: seconds to wait for ``name`` to be published when it is not (yet); the publisher
         answers as soon as it is (no polling), or
-        :class:`~arrow_ipc_bridge.errors.WaitTimeoutError` when the time is up (the session stays
+        :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` when the time is up (the session stays
         usable). ``0`` does not wait but still answers with the version; the object's ``version``
         and ``publisher_id`` say what was got (see :meth:`get_next`). Needs a publisher offering
         ``"watch"``. Without ``wait`` (the default) an unknown name raises at once.
@@ -493,7 +498,6 @@ class Session:
             name=name,
             owner_address=address,
         )
-        self._remembered_gets += 1
         next(import_counters.remembered_gets)
         if flags & _GET_LOCAL:
             self._local_gets += 1
@@ -514,7 +518,7 @@ class Session:
         ``get_next``), or 0 for any version. The publisher answers as soon as it has a newer one
         (it holds the request: no polling); versions published while the consumer was busy are
         skipped, the newest is returned. ``timeout``: seconds (``None``: no limit); when it runs
-        out, :class:`~arrow_ipc_bridge.errors.WaitTimeoutError` and the session stays usable. The
+        out, :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` and the session stays usable. The
         returned object's ``version`` is the one to pass as ``after`` next time.
 
         Versions are a publisher's own: after a reconnect to a new publisher (another
@@ -562,7 +566,7 @@ class Session:
                 channel=channel,
                 get=lambda: self._get_now(channel, name),
                 closed=lambda: self._closed,
-                local_gets=lambda: self.local_gets,
+                local_gets=lambda: self._local_gets,
             )
             if imported is not None:
                 self._stamp_publisher(imported)
@@ -686,33 +690,8 @@ class Session:
         return self._closed
 
     @property
-    def remembered_gets(self) -> int:
-        """Gets answered with a remembered message and imported by the C core (the steady state)."""
-        return self._remembered_gets
-
-    @property
-    def local_gets(self) -> int:
-        """Of those, gets answered from the publisher's version board under a standing lease, with no
-        round trip to the publisher (docs/lifetime.md, "Standing leases")."""
-        return self._local_gets
-
-    @property
-    def new_message_gets(self) -> int:
-        """Gets answered with a message not remembered but imported by the C core all the same,
-        because every region it names is open in this process (new arrays carved out of CUDA
-        allocations shared before)."""
-        return self._importer.new_message_gets
-
-    @property
     def mapping_cache(self) -> HostMappingCache:
         return self._cache
-
-    @property
-    def reused_cupy_arrays(self) -> int:
-        """``column_arrays(..., "cupy")`` calls on this session's imports answered with the CuPy
-        arrays made before for the same remembered message (``docs/lifetime.md``, "Kept CuPy
-        arrays"; none with ``pool_linger=0``)."""
-        return 0 if self._kept_arrays is None else self._kept_arrays.handed_out_again
 
     def close(self) -> None:
         """Release every imported object this session handed out and close the connection (idempotent).

@@ -11,7 +11,7 @@ import time
 from arrow_ipc_bridge import transport
 from arrow_ipc_bridge.consumer.live_stream import LiveStream, open_subscription
 from arrow_ipc_bridge.consumer.session import Session
-from arrow_ipc_bridge.errors import PeerClosedError, WaitTimeoutError
+from arrow_ipc_bridge.errors import BridgeTimeoutError, PeerClosedError
 from arrow_ipc_bridge.runtime import arguments
 from arrow_ipc_bridge.transport import protocol
 from arrow_ipc_bridge.wire.stream_frames import MAX_IN_FLIGHT
@@ -62,9 +62,10 @@ def connect_socket(
                 raise
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WaitTimeoutError(
+                raise BridgeTimeoutError(
                     f"no publisher at {path!r} completed a handshake within {timeout} s "
                     f"(last: {exc.message})",
+                    waiting_for="publisher",
                     path=os.fspath(path),
                     timeout=timeout,
                 ) from exc

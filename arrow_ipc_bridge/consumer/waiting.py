@@ -2,7 +2,7 @@
 
 A session waits for a name to be published, or for a version of it newer than one it has seen, with
 one WAIT frame that the publisher holds open until it can answer: with a VERSIONED_ITEM (the newest
-version, leased like a GET's ITEM) or with ERROR (:class:`~arrow_ipc_bridge.errors.WaitTimeoutError`
+version, leased like a GET's ITEM) or with ERROR (:class:`~arrow_ipc_bridge.errors.BridgeTimeoutError`
 when the wait's time ran out, the connection staying usable;
 :class:`~arrow_ipc_bridge.errors.PeerClosedError` when the publisher closes). Nothing polls: the
 session sends one frame and reads one answer.
@@ -35,7 +35,6 @@ from arrow_ipc_bridge.errors import (
     NotPublishedError,
     PeerClosedError,
     ProtocolError,
-    WaitTimeoutError,
 )
 from arrow_ipc_bridge.process_stats import wait_counters
 from arrow_ipc_bridge.runtime import arguments
@@ -100,6 +99,7 @@ def wait_for_version(
             raise BridgeTimeoutError(
                 f"the publisher did not answer a wait of {timeout} s within {grace} s more "
                 "(connection closed)",
+                waiting_for="answer",
                 timeout=read_for,
             ) from exc
         except BaseException:
@@ -207,7 +207,7 @@ class BoardWaits:
 
         ``(the import, None)``, or ``(None, time left)`` when a held WAIT serves better: no standing
         lease, the name is not published, two gets in a row brought nothing newer, or a woken get
-        was a round trip (new data: the name stops being a candidate). WaitTimeoutError when the
+        was a round trip (new data: the name stops being a candidate). BridgeTimeoutError when the
         time runs out asleep; PeerClosedError when the session is closed meanwhile (as a held WAIT
         would) or the publisher leaves (its farewell, if it sent one)."""
         board = self._board
@@ -232,7 +232,9 @@ class BoardWaits:
                 remaining = left()
                 if remaining == 0.0:
                     what = f"a version of {name!r} newer than {after}"
-                    raise WaitTimeoutError(f"waited {timeout} s for {what}", timeout=timeout)
+                    raise BridgeTimeoutError(
+                        f"waited {timeout} s for {what}", waiting_for="version", timeout=timeout
+                    )
                 nap = _BOARD_NAP if remaining is None else min(remaining, _BOARD_NAP)
                 spinning = spin > 0 and time.monotonic() < spin_until
                 if spinning:

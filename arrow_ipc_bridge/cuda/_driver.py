@@ -32,7 +32,7 @@ from arrow_ipc_bridge.cuda._declarations import (
     _declared_functions,
     build_ffi,
 )
-from arrow_ipc_bridge.errors import CudaError, RegionError, ReleasedError
+from arrow_ipc_bridge.errors import ClosedError, CudaError, InvalidArgumentError
 
 __all__ = [
     "driver_available",
@@ -294,27 +294,31 @@ def driver_version() -> int:
 
 def _address(value: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _UINT64_MAX:
-        raise RegionError(f"{what} must be an integer address in [0, 2**64), got {value!r}", field=what)
+        raise InvalidArgumentError(
+            f"{what} must be an integer address in [0, 2**64), got {value!r}", argument=what
+        )
     return value
 
 
 def _nbytes(value: int, what: str = "nbytes", *, allow_zero: bool = True) -> int:
     low = 0 if allow_zero else 1
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _UINT64_MAX:
-        raise RegionError(f"{what} must be an integer >= {low}, got {value!r}", field=what)
+        raise InvalidArgumentError(f"{what} must be an integer >= {low}, got {value!r}", argument=what)
     return value
 
 
 def _handle_bytes(value: bytes | bytearray | memoryview, what: str) -> bytes:
     data = bytes(value)
     if len(data) != IPC_HANDLE_SIZE:
-        raise RegionError(f"{what} must be {IPC_HANDLE_SIZE} bytes, got {len(data)}", field=what)
+        raise InvalidArgumentError(f"{what} must be {IPC_HANDLE_SIZE} bytes, got {len(data)}", argument=what)
     return data
 
 
 def _fd(value: int, what: str = "fd") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise RegionError(f"{what} must be a non-negative file descriptor, got {value!r}", field=what)
+        raise InvalidArgumentError(
+            f"{what} must be a non-negative file descriptor, got {value!r}", argument=what
+        )
     return value
 
 
@@ -333,8 +337,8 @@ def _stream_value(stream: Any) -> int:
     elif hasattr(stream, "ptr"):
         value = stream.ptr
     else:
-        raise RegionError(
-            f"not a CUDA stream: {stream!r} (pass an int, or a CuPy/PyTorch stream)", field="stream"
+        raise InvalidArgumentError(
+            f"not a CUDA stream: {stream!r} (pass an int, or a CuPy/PyTorch stream)", argument="stream"
         )
     return _address(int(value), "stream")
 
@@ -398,4 +402,4 @@ class _DriverResource:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ReleasedError(f"{type(self).__name__} is closed", field=type(self).__name__)
+            raise ClosedError(f"{type(self).__name__} is closed", what=type(self).__name__)

@@ -17,7 +17,7 @@ from arrow_ipc_bridge.cuda._driver import (
 from arrow_ipc_bridge.cuda.devices import synchronize
 from arrow_ipc_bridge.cuda.pools import IpcMemoryPool
 from arrow_ipc_bridge.cuda.slab import DEFAULT_SLAB_SIZE, SlabAllocator
-from arrow_ipc_bridge.errors import CudaError, RegionError
+from arrow_ipc_bridge.errors import CudaError, InvalidArgumentError
 
 __all__ = [
     "CupyPoolAllocator",
@@ -62,8 +62,8 @@ def cupy_allocation_request(cupy: Any, device: int, nbytes: int) -> tuple[int, i
     device is not the allocator's."""
     current = cupy.cuda.Device().id
     if current != device:
-        raise RegionError(
-            f"CuPy allocates on device {current} but this allocator serves device {device}", field="device"
+        raise InvalidArgumentError(
+            f"CuPy allocates on device {current} but this allocator serves device {device}", argument="device"
         )
     return max(int(nbytes), 1), int(cupy.cuda.get_current_stream().ptr)
 

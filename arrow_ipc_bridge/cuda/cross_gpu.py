@@ -13,7 +13,7 @@ the *reader*, has two ways to use it:
   more: an IPC handle opened in the owner's context is not mapped for another GPU even with peer
   access on, so each is opened again in the reader's context (held open per handle and reader,
   ``opener.open_legacy_for_reader``) and the object handed out names those pointers. Pairs without
-  a peer path raise ``PeerAccessError``.
+  a peer path raise ``CudaError`` (``reason="no_peer_access"``).
 - **a copy** (:func:`copy_to_device`): one new allocation on the reader's GPU (from the bridge's
   IPC pool, so the copy can be published again), one ``cuMemcpyPeerAsync`` per contiguous run of
   buffers of each region on the caller's stream, queued after the producer's event; the copy
@@ -24,7 +24,6 @@ the *reader*, has two ways to use it:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from typing import Any
@@ -40,9 +39,9 @@ from arrow_ipc_bridge.cuda.devices import _device, device_context
 from arrow_ipc_bridge.cuda.events import Event, EventPool, event_query, event_value, stream_wait_event
 from arrow_ipc_bridge.cuda.opener import opener
 from arrow_ipc_bridge.cuda.peer import (
-    PeerAccessError,
     copy_peer_async,
     enable_peer_access,
+    is_no_peer_access,
     peer_access_error,
     try_enable_peer_access,
 )
@@ -109,10 +108,10 @@ def grant_in_place(imported: Any, reader: int) -> None:
 
     Raises
     ------
-    PeerAccessError
+    CudaError (``reason="no_peer_access"``)
         The two GPUs have no peer path, or the driver refused access to a region: both GPUs named.
     BridgeError
-        Host data, or a released object (``ReleasedError``).
+        Host data, or a released object (``ClosedError``).
     """
     _grant(imported, reader)
 
@@ -367,8 +366,11 @@ def copy_to_device(imported: Any, device: int, stream: object = None) -> tuple[A
         # Direct copies over the peer path when there is one; the driver stages them otherwise.
         # Pool and VMM sources have access of their own, given here too where the pair allows.
         if try_enable_peer_access(device, source_device):
-            with contextlib.suppress(PeerAccessError):
+            try:
                 grant_in_place(imported, device)
+            except CudaError as exc:  # no peer path for this pair: the copy goes without it
+                if not is_no_peer_access(exc):
+                    raise
         try_enable_peer_access(source_device, device)
     _sweep()
     decoded = imported._borrow()

@@ -36,7 +36,7 @@ from arrow_ipc_bridge.cuda._driver import (
     _lib,
     _usable_in_this_process,
 )
-from arrow_ipc_bridge.errors import CudaError, RegionError
+from arrow_ipc_bridge.errors import CudaError, InvalidArgumentError, ProtocolError
 
 __all__ = [
     "DeviceCapabilities",
@@ -146,7 +146,7 @@ def format_uuid(uuid: bytes) -> str:
         16 bytes from :func:`device_uuid`.
     """
     if len(uuid) != UUID_SIZE:
-        raise RegionError(f"a device UUID has {UUID_SIZE} bytes, got {len(uuid)}", field="uuid")
+        raise InvalidArgumentError(f"a device UUID has {UUID_SIZE} bytes, got {len(uuid)}", argument="uuid")
     h = uuid.hex()
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
@@ -161,13 +161,15 @@ def ordinal_for_uuid(uuid: bytes) -> int:
 
     Raises
     ------
-    RegionError
-        The device is not visible here (``uuid`` and ``visible`` are attached): another
-        ``CUDA_VISIBLE_DEVICES``, a container without that GPU, or another host.
+    ProtocolError
+        ``uuid`` is not 16 bytes.
+    CudaError
+        The device is not visible here (``reason="not_visible"``; ``uuid`` and ``visible`` are attached):
+        another ``CUDA_VISIBLE_DEVICES``, a container without that GPU, or another host.
     """
     uuid = bytes(uuid)
-    if len(uuid) != UUID_SIZE:
-        raise RegionError(f"a device UUID has {UUID_SIZE} bytes, got {len(uuid)}", field="uuid")
+    if len(uuid) != UUID_SIZE:  # it came in a message: bad data from the peer
+        raise ProtocolError(f"a device UUID has {UUID_SIZE} bytes, got {len(uuid)}", field="uuid")
     if not _DRIVER.uuids_resolved or not _usable_in_this_process():
         # Every visible GPU goes into the C core's region table, the one record of UUID -> ordinal,
         # which its get path resolves a message's GPU by too.
@@ -182,11 +184,12 @@ def ordinal_for_uuid(uuid: bytes) -> int:
     found = _core_ffi.new("uint64_t *")
     if not _core.aib_regions_find(_core.AIB_REGION_KEY_DEVICE, uuid, len(uuid), found, _core_ffi.NULL):
         visible = [format_uuid(device_uuid(i)) for i in range(device_count())]
-        raise RegionError(
+        raise CudaError(
             f"GPU {format_uuid(uuid)} is not visible to this process, which sees {visible or 'no GPU'} "
             f"({_visible_devices_note()}); producer and consumer must share the GPU",
             uuid=format_uuid(uuid),
             visible=visible,
+            reason="not_visible",
         )
     return int(found[0])
 

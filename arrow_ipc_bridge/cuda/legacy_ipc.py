@@ -24,7 +24,7 @@ from arrow_ipc_bridge.cuda._driver import (
 )
 from arrow_ipc_bridge.cuda.devices import _ctx, device_context
 from arrow_ipc_bridge.cuda.pointers import PointerInfo, _device_of, pointer_info
-from arrow_ipc_bridge.errors import CopyRequiredError, RegionError
+from arrow_ipc_bridge.errors import CopyRequiredError, InvalidArgumentError
 
 __all__ = [
     "LegacyHandleCache",
@@ -132,7 +132,7 @@ class LegacyHandleCache:
 
     def __init__(self, max_entries: int = 4096, *, fetch: Callable[[int], bytes] | None = None) -> None:
         if max_entries < 1:
-            raise RegionError(f"max_entries must be >= 1, got {max_entries}", field="max_entries")
+            raise InvalidArgumentError(f"max_entries must be >= 1, got {max_entries}", argument="max_entries")
         self._max = max_entries
         self._fetch = fetch if fetch is not None else ipc_get_mem_handle
         self._entries: OrderedDict[int, bytes] = OrderedDict()

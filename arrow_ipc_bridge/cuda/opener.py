@@ -30,7 +30,7 @@ from arrow_ipc_bridge.cuda.pools import (
     import_pool,
 )
 from arrow_ipc_bridge.cuda.vmm import vmm_import
-from arrow_ipc_bridge.errors import RegionError
+from arrow_ipc_bridge.errors import CudaError, ProtocolError
 from arrow_ipc_bridge.runtime import reaper
 from arrow_ipc_bridge.wire.metadata import (
     REGION_CUDA_LEGACY,
@@ -157,11 +157,11 @@ class CudaOpener:
             return self._open_pool_pointer(region, fds, device, fetch_pool_fd)
         if region.kind == REGION_CUDA_VMM:
             return self._open_vmm(region, fds, device)
-        raise RegionError(f"region kind {region.kind} is not a CUDA region")
+        raise ProtocolError(f"region kind {region.kind} is not a CUDA region")
 
     def _open_legacy(self, region: Region, device: int) -> _Opened:
         if len(region.handle) != 64:
-            raise RegionError("a legacy CUDA IPC handle is 64 bytes", field="handle")
+            raise ProtocolError("a legacy CUDA IPC handle is 64 bytes", field="handle")
         with self._lock:
             return self._legacy_locked(region.handle, device)
 
@@ -172,7 +172,7 @@ class CudaOpener:
         blocks) costs little more than the lookups. Same rules as :meth:`open`."""
         handles = [region.handle for region in regions]
         if any(len(handle) != 64 for handle in handles):
-            raise RegionError("a legacy CUDA IPC handle is 64 bytes", field="handle")
+            raise ProtocolError("a legacy CUDA IPC handle is 64 bytes", field="handle")
         with _state.lock:
             local = [_state.local_exports.get(handle) for handle in handles]
             _state.counters["same_process"] += sum(base is not None for base in local)
@@ -219,7 +219,7 @@ class CudaOpener:
         like the owner's own opens (a table of its own kind, so no import on the owner's GPU is
         ever given one of these pointers)."""
         if any(len(handle) != 64 for handle in handles):
-            raise RegionError("a legacy CUDA IPC handle is 64 bytes", field="handle")
+            raise ProtocolError("a legacy CUDA IPC handle is 64 bytes", field="handle")
         suffix = reader.to_bytes(4, "little")
         return self._open_grouped(
             [(handle, None) for handle in handles],
@@ -309,7 +309,7 @@ class CudaOpener:
         keys: list[bytes] = []
         for region in regions:
             if len(region.handle) != 88:
-                raise RegionError("a pool region needs an 88-byte handle", field="handle")
+                raise ProtocolError("a pool region needs an 88-byte handle", field="handle")
             keys.append(region.handle)
         with _state.lock:
             local = any(key in _state.local_exports for key in keys)
@@ -337,7 +337,7 @@ class CudaOpener:
                         )
                         break
             else:
-                raise RegionError("the message's IPC pools were evicted three times while being imported")
+                raise CudaError("the message's IPC pools were evicted three times while being imported")
             token = reaper.register(lambda: self._release_pool_pointers(counted, pools)) if counted else 0
             group = lib.aib_owner_new(token)
             if group == ffi.NULL:
@@ -448,7 +448,7 @@ class CudaOpener:
         if fd is not None:
             imported = import_pool(fd, device)
         elif fetch_pool_fd is None:
-            raise RegionError(
+            raise ProtocolError(
                 "an IPC-pool region came without its pool's fd and this process has not imported "
                 "that pool: import a publisher's message through its Session, or export with "
                 "pool_fds=True",
@@ -514,7 +514,7 @@ class CudaOpener:
 
     def _open_vmm(self, region: Region, fds: list[int] | tuple[int, ...], device: int) -> _Opened:
         if region.fd_index < 0:
-            raise RegionError("a VMM region needs its fd", field="fd_index")
+            raise ProtocolError("a VMM region needs its fd", field="fd_index")
         mapping = vmm_import(fds[region.fd_index], region.size, device)
         token = reaper.register(mapping.close)
         return _Opened(mapping.ptr, lib.aib_owner_new(token))
@@ -534,7 +534,7 @@ def _attached_fd(region: Region, fds: list[int] | tuple[int, ...]) -> int | None
     if region.fd_index < 0:
         return None
     if region.fd_index >= len(fds):
-        raise RegionError(f"fd index {region.fd_index} but {len(fds)} fds came", field="fd_index")
+        raise ProtocolError(f"fd index {region.fd_index} but {len(fds)} fds came", field="fd_index")
     return fds[region.fd_index]
 
 

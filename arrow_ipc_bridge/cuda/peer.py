@@ -1,13 +1,14 @@
 """Pairs of GPUs in one process: can one read the other's memory, turning that on, copies between them.
 
-A kernel on GPU ``reader`` may dereference memory of GPU ``owner`` only once the reader's context has
-enabled peer access to the owner's (``cuCtxEnablePeerAccess``), which the driver allows only when the
-hardware has a peer path between the two (``cuDeviceCanAccessPeer``: NVLink, or PCIe under a switch
-that routes peer traffic). :func:`enable_peer_access` does it once per ordered pair and process (the
-driver answers a second call with an error, and enabling maps every allocation of the owner into the
-reader, so it is not free), under a lock; a pair without a peer path raises :class:`PeerAccessError`
-naming both GPUs. :func:`copy_peer_async` is one ``cuMemcpyPeerAsync``: asynchronous on the caller's
-stream, direct over the peer path when there is one, staged by the driver otherwise.
+A kernel on GPU ``reader`` may dereference memory of GPU ``owner`` only once the reader's context has enabled
+peer access to the owner's (``cuCtxEnablePeerAccess``), which the driver allows only when the hardware has a
+peer path between the two (``cuDeviceCanAccessPeer``: NVLink, or PCIe under a switch that routes peer
+traffic). :func:`enable_peer_access` does it once per ordered pair and process (the driver answers a second
+call with an error, and enabling maps every allocation of the owner into the reader, so it is not free), under
+a lock; a pair without a peer path raises :class:`~arrow_ipc_bridge.errors.CudaError`
+(``reason="no_peer_access"``) naming both GPUs. :func:`copy_peer_async` is one ``cuMemcpyPeerAsync``:
+asynchronous on the caller's stream, direct over the peer path when there is one, staged by the driver
+otherwise.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from arrow_ipc_bridge.cuda.devices import (
 from arrow_ipc_bridge.errors import CudaError
 
 __all__ = [
-    "PeerAccessError",
+    "is_no_peer_access",
     "PeerLink",
     "access_matrix",
     "can_access_peer",
@@ -55,16 +56,6 @@ __all__ = [
     "peer_link",
     "try_enable_peer_access",
 ]
-
-
-class PeerAccessError(CudaError):
-    """GPU ``reader`` cannot read GPU ``owner``'s memory in place.
-
-    The message names both GPUs by this process's ordinal and by UUID; the details ``reader``,
-    ``owner`` (ordinals), ``reader_uuid``, ``owner_uuid`` and the driver's ``call`` / ``code`` /
-    ``name`` (``None`` when the driver was not asked because it reported no peer path) say the same
-    for a handler. A copy (``imported.to_device(reader)``) works between any two GPUs.
-    """
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,18 +113,28 @@ def _uuid_or_none(ordinal: int) -> str | None:
         return None
 
 
+def is_no_peer_access(exc: BaseException) -> bool:
+    """Whether ``exc`` says that a pair of GPUs has no peer path (made by :func:`peer_access_error`)."""
+    return isinstance(exc, CudaError) and exc.reason == "no_peer_access"
+
+
 def peer_access_error(
     reader: int,
     owner: int,
-    reason: str,
+    why: str,
     *,
     call: str | None = None,
     code: int | None = None,
     name: str | None = None,
-) -> PeerAccessError:
-    """The :class:`PeerAccessError` for a pair, naming both GPUs; ``reason`` says why (and what to do)."""
-    return PeerAccessError(
-        f"{_gpu_name(reader)} cannot read the memory of {_gpu_name(owner)} in place: {reason}",
+) -> CudaError:
+    """The :class:`~arrow_ipc_bridge.errors.CudaError` (``reason="no_peer_access"``) for a pair,
+    naming both GPUs; ``why`` says why (and what to do). The details ``reader``, ``owner``
+    (ordinals), ``reader_uuid``, ``owner_uuid`` and the driver's ``call`` / ``code`` / ``name``
+    (``None`` when the driver was not asked because it reported no peer path) say the same for a
+    handler. A copy (``imported.to_device(reader)``) works between any two GPUs."""
+    return CudaError(
+        f"{_gpu_name(reader)} cannot read the memory of {_gpu_name(owner)} in place: {why}",
+        reason="no_peer_access",
         call=call,
         code=code,
         name=name,
@@ -215,7 +216,7 @@ def enable_peer_access(reader: int, owner: int) -> None:
 
     Raises
     ------
-    PeerAccessError
+    CudaError (``reason="no_peer_access"``)
         The two GPUs have no peer path (``cuDeviceCanAccessPeer`` says 0), or the driver refused
         (too many peers, ...): the message names both GPUs by ordinal and UUID.
     CudaError
@@ -263,7 +264,9 @@ def try_enable_peer_access(reader: int, owner: int) -> bool:
     raised) where it has none: for copies, which work either way and only run faster with it."""
     try:
         enable_peer_access(reader, owner)
-    except PeerAccessError:
+    except CudaError as exc:
+        if not is_no_peer_access(exc):
+            raise
         return False
     return True
 

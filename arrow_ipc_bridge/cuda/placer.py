@@ -47,7 +47,12 @@ from arrow_ipc_bridge.cuda.pools import (
 )
 from arrow_ipc_bridge.cuda.slab import kept_slab
 from arrow_ipc_bridge.cuda.vmm import vmm_export_fd
-from arrow_ipc_bridge.errors import CopyRequiredError, CudaError, RegionError
+from arrow_ipc_bridge.errors import (
+    CopyRequiredError,
+    CudaError,
+    InvalidArgumentError,
+    NotPublishedError,
+)
 from arrow_ipc_bridge.wire.metadata import (
     REGION_CUDA_LEGACY,
     REGION_CUDA_POOL,
@@ -288,7 +293,7 @@ class CudaPlacer:
             allocations: dict[int, PointerInfo] = {}  # buffer id -> its info (one per allocation)
             for info, address in zip(infos, addresses, strict=True):
                 if info is None or info.memory_type == "host":
-                    raise RegionError(f"buffer at {address:#x} is not CUDA device memory")
+                    raise InvalidArgumentError(f"buffer at {address:#x} is not CUDA device memory")
                 allocations.setdefault(info.buffer_id, info)
             # buffer id -> can be shared as it is
             shareable = {
@@ -440,12 +445,12 @@ def pool_fd_for(identity: bytes) -> int:
     and that is still alive: the fd maps the pool's memory, so it goes to no one for anything else.
     """
     if len(identity) != 24 or identity[:16] != _NONCE:
-        raise RegionError("the pool identity does not name a pool of this process", field="handle")
+        raise NotPublishedError("the pool identity does not name a pool of this process")
     serial = int.from_bytes(identity[16:], "little")
     with _state.lock:
         pool = _named_pools.get(serial)
     if pool is None or pool.closed:
-        raise RegionError("no live IPC pool of this process has that identity", field="handle")
+        raise NotPublishedError("no live IPC pool of this process has that identity")
     fd = pool.export_pool_fd()
     with _state.lock:
         _state.counters["pool_fds_served"] += 1
@@ -485,7 +490,7 @@ def _export_pool_pointers(pool: IpcMemoryPool, bases: list[int], device: int) ->
 def _own_pool(handle: int) -> IpcMemoryPool:
     pool = own_pool(handle)
     if pool is None:
-        raise RegionError(
+        raise InvalidArgumentError(
             "the buffer comes from an IPC-capable memory pool this process did not create through "
             "arrow_ipc_bridge.cuda.IpcMemoryPool; its pool fd cannot be exported here"
         )

@@ -37,7 +37,7 @@ from arrow_ipc_bridge.cuda._driver import (
     _nbytes,
 )
 from arrow_ipc_bridge.cuda.devices import _ctx, device_context
-from arrow_ipc_bridge.errors import RegionError
+from arrow_ipc_bridge.errors import InvalidArgumentError
 
 __all__ = [
     "MemoryType",
@@ -220,7 +220,9 @@ def describe_buffers(
 def _device_of(ptr: int) -> int:
     info = pointer_info(ptr)
     if info is None:
-        raise RegionError(f"address {ptr:#x} is not CUDA memory known to this process", field="ptr")
+        raise InvalidArgumentError(
+            f"address {ptr:#x} is not CUDA memory known to this process", argument="ptr"
+        )
     return info.device
 
 

@@ -42,7 +42,7 @@ from arrow_ipc_bridge.cuda._driver import (
     _stream_value,
 )
 from arrow_ipc_bridge.cuda.devices import _ctx, _device, device_context
-from arrow_ipc_bridge.errors import RegionError
+from arrow_ipc_bridge.errors import InvalidArgumentError
 
 __all__ = [
     "ImportedPool",
@@ -381,7 +381,9 @@ class ImportedPool(_DriverResource):
             unknown = [ptr for ptr in pointers if ptr not in self._imported]
             if unknown or len(set(pointers)) != len(pointers):
                 what = f"address {unknown[0]:#x}" if unknown else "an address given twice"
-                raise RegionError(f"{what} was not imported from this pool (or was freed)", field="ptr")
+                raise InvalidArgumentError(
+                    f"{what} was not imported from this pool (or was freed)", argument="ptr"
+                )
             self._imported.difference_update(pointers)
         _lib()  # the driver loaded: the core has its functions (cuda_batch.c)
         array = _core_ffi.new("uint64_t[]", list(pointers) or [0])

@@ -28,7 +28,7 @@ from arrow_ipc_bridge.cuda._driver import (
     _stream_value,
 )
 from arrow_ipc_bridge.cuda.pools import IpcMemoryPool
-from arrow_ipc_bridge.errors import RegionError
+from arrow_ipc_bridge.errors import InvalidArgumentError
 
 __all__ = [
     "ALIGNMENT",
@@ -199,7 +199,9 @@ class SlabAllocator:
         with self._lock:
             self._apply_freed_later()
             if not self._give_back(address):
-                raise RegionError(f"address {address:#x} was not allocated here (or was freed)", field="ptr")
+                raise InvalidArgumentError(
+                    f"address {address:#x} was not allocated here (or was freed)", argument="ptr"
+                )
 
     def free_later(self, address: int) -> None:
         """:meth:`free` from a finalizer: queued, applied by the next call that takes the lock."""

@@ -24,12 +24,11 @@ from pyarrow import flight
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
+    ClosedError,
     NotPublishedError,
     PeerClosedError,
-    PeerRejectedError,
-    ReleasedError,
+    ProtocolError,
     TransportError,
-    WaitTimeoutError,
 )
 from arrow_ipc_bridge.flight.auth import call_options
 from arrow_ipc_bridge.flight.locations import LOCAL_ACTION, LocalLocation
@@ -47,9 +46,9 @@ def _bridge_error(exc: BaseException, name: str | None = None) -> BridgeError:
     """A Flight error as the bridge's exception (the message kept)."""
     text = str(exc).split(". Detail:", 1)[0]
     if isinstance(exc, flight.FlightUnauthenticatedError | flight.FlightUnauthorizedError):
-        return PeerRejectedError(f"the Flight server refused this client: {text}")
+        return TransportError(f"the Flight server refused this client: {text}", reason="rejected")
     if isinstance(exc, flight.FlightTimedOutError):
-        return BridgeTimeoutError(f"the Flight server did not answer in time: {text}")
+        return BridgeTimeoutError(f"the Flight server did not answer in time: {text}", waiting_for="flight")
     if isinstance(exc, flight.FlightUnavailableError | flight.FlightCancelledError):
         return PeerClosedError(f"the Flight server is not reachable: {text}")
     if isinstance(exc, KeyError):  # NOT_FOUND
@@ -74,7 +73,7 @@ class FlightImported:
 
     def _data(self) -> pa.Table:
         if self._table is None:
-            raise ReleasedError(f"{self.name!r} was released")
+            raise ClosedError(f"{self.name!r} was released", reason="released")
         return self._table
 
     @property
@@ -215,7 +214,9 @@ class FlightSession:
             if not isinstance(error, NotPublishedError) or deadline is None:
                 raise error
             if time.monotonic() >= deadline:
-                raise WaitTimeoutError(f"{name!r} was not published within {wait} s")
+                raise BridgeTimeoutError(
+                    f"{name!r} was not published within {wait} s", waiting_for="name", timeout=wait
+                )
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, 0.5)
 
@@ -279,9 +280,11 @@ def _try_socket(
         return None, "the server runs on another host"
     try:
         session = connect_socket(location.socket_path, timeout=timeout, **session_options)
-    except PeerRejectedError as exc:
-        return None, f"the publisher's socket refused this uid ({exc})"
-    except (TransportError, OSError) as exc:
+    except TransportError as exc:
+        if exc.reason == "rejected":
+            return None, f"the publisher's socket refused this uid ({exc})"
+        return None, f"the publisher's socket is not reachable ({exc})"
+    except (ProtocolError, OSError) as exc:  # a socket that does not speak the protocol, or a limit
         return None, f"the publisher's socket is not reachable ({exc})"
     if session.publisher_info.get("publisher_id") != location.publisher_id:
         session.close()

@@ -6,7 +6,8 @@ back (a slow client holds the buffers of the chunks gRPC has not sent yet). A bu
 chunk at a time (a :class:`Loan`) and goes back only when the last pyarrow object over it is gone,
 which is when gRPC has sent the chunk and dropped it: nothing gRPC still holds is ever overwritten.
 One chunk needs at most ``max(buffer_bytes, its own size)``; a batch that cannot be sliced and is
-larger than ``max_bytes`` is refused (:class:`StagingLimitError`).
+larger than ``max_bytes`` is refused (:class:`~arrow_ipc_bridge.errors.LimitError`,
+``limit="staging_bytes"``).
 """
 
 from __future__ import annotations
@@ -14,29 +15,19 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from arrow_ipc_bridge.errors import BridgeError
+from arrow_ipc_bridge.errors import ClosedError, LimitError, PeerClosedError
 from arrow_ipc_bridge.flight.copier import Copier
 
 __all__ = [
     "CHUNK_BYTES",
     "MAX_STAGING_BYTES",
     "Loan",
-    "StagingCancelledError",
-    "StagingLimitError",
     "StagingPool",
 ]
 
 CHUNK_BYTES = 64 << 20  # a chunk's size: large enough that per-chunk costs vanish, small enough to overlap
 MAX_STAGING_BYTES = 256 << 20  # pinned memory of one front per device: four chunks in flight
 _POLL_S = 0.25  # how often a chunk waiting for a buffer looks whether its client went away
-
-
-class StagingLimitError(BridgeError, MemoryError):
-    """A batch that cannot be sliced needs more pinned memory than the staging pool may hold."""
-
-
-class StagingCancelledError(BridgeError):
-    """The client went away while its chunk waited for a staging buffer."""
 
 
 class Loan:
@@ -104,23 +95,27 @@ class StagingPool:
 
         Raises
         ------
-        StagingLimitError
-            ``nbytes`` is more than ``max_bytes``.
-        StagingCancelledError
-            ``cancelled()`` turned true while waiting.
+        LimitError
+            ``nbytes`` is more than ``max_bytes`` (``limit="staging_bytes"``).
+        PeerClosedError
+            ``cancelled()`` turned true while waiting (``reason="client_gone"``).
+        ClosedError
+            The pool is closed.
         """
         if nbytes > self.max_bytes:
-            raise StagingLimitError(
+            raise LimitError(
                 f"a batch of {nbytes} bytes that cannot be sliced needs more than the staging pool "
                 f"may hold ({self.max_bytes} bytes): publish smaller record batches, or raise "
-                "serve(staging_bytes=...)"
+                "serve(staging_bytes=...)",
+                limit="staging_bytes",
+                value=self.max_bytes,
             )
         nbytes = max(nbytes, 1)
         to_free: list[int] = []
         with self._cond:
             while True:
                 if self._closed:
-                    raise BridgeError("the staging pool is closed")
+                    raise ClosedError("the staging pool is closed", what="staging pool")
                 fits = [entry for entry in self._idle if entry[0] >= nbytes]
                 if fits:
                     entry = min(fits)
@@ -140,7 +135,9 @@ class StagingPool:
                     self._lent += 1
                     break
                 if cancelled():
-                    raise StagingCancelledError("the client went away while its chunk waited for a buffer")
+                    raise PeerClosedError(
+                        "the client went away while its chunk waited for a buffer", reason="client_gone"
+                    )
                 self._cond.wait(_POLL_S)
         try:
             for address in to_free:

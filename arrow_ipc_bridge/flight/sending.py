@@ -21,8 +21,7 @@ import pyarrow as pa
 from pyarrow import flight
 
 from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream
-from arrow_ipc_bridge.errors import BridgeError, BridgeTimeoutError
-from arrow_ipc_bridge.flight.pinned_pool import StagingCancelledError
+from arrow_ipc_bridge.errors import BridgeError, BridgeTimeoutError, PeerClosedError
 from arrow_ipc_bridge.flight.prefetch import Prefetcher
 from arrow_ipc_bridge.flight.staging import StagedPublication
 from arrow_ipc_bridge.flight.tables import host_table
@@ -173,7 +172,7 @@ def flight_error(exc: BaseException, what: str = "staging the GPU data") -> Base
     """A failure while sending (``what``), as a Flight error (one line, no traceback) for the
     client."""
     error: BaseException = exc
-    if isinstance(exc, StagingCancelledError):
+    if isinstance(exc, PeerClosedError) and exc.reason == "client_gone":  # the staging pool's
         error = flight.FlightCancelledError(str(exc))
     elif isinstance(exc, BridgeError):
         error = flight.FlightServerError(f"{what} failed: {exc}")

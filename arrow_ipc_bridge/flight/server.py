@@ -43,7 +43,7 @@ from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
     NotPublishedError,
-    PeerClosedError,
+    ProtocolError,
     TransportError,
 )
 from arrow_ipc_bridge.flight.auth import TokenAuthMiddlewareFactory
@@ -147,7 +147,7 @@ class FlightFront:
         session = self._current_session()
         try:
             return work(session)
-        except (PeerClosedError, TransportError, BridgeTimeoutError) as exc:
+        except (TransportError, ProtocolError, BridgeTimeoutError) as exc:  # PeerClosedError included
             session.close()
             raise flight.FlightUnavailableError(f"the publisher is not reachable: {exc}") from None
 

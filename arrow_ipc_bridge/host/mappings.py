@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.errors import RegionError
+from arrow_ipc_bridge.errors import ProtocolError, RegionError
 from arrow_ipc_bridge.host.counters import _count
 from arrow_ipc_bridge.wire.metadata import REGION_FLAG_SEALED, Region
 
@@ -44,7 +44,7 @@ def _file_key(fd: int, region: Region) -> tuple[int, int, int, int]:
     try:
         st = os.fstat(fd)
     except OSError as exc:
-        raise RegionError(f"received file descriptor {fd} is unusable: {exc}") from exc
+        raise ProtocolError(f"received file descriptor {fd} is unusable: {exc}") from exc
     return (st.st_dev, st.st_ino, region.file_offset, region.size)
 
 
@@ -55,15 +55,19 @@ def map_host_region(fd: int, region: Region) -> MappedRegion:
     a region that claims to be sealed is not, or when mmap fails.
     """
     if region.file_offset % _PAGE:
-        raise RegionError(f"region file offset {region.file_offset} is not page aligned", field="file_offset")
+        raise ProtocolError(
+            f"region file offset {region.file_offset} is not page aligned", field="file_offset"
+        )
     try:
         st = os.fstat(fd)
     except OSError as exc:
-        raise RegionError(f"received file descriptor {fd} is unusable: {exc}") from exc
+        raise ProtocolError(f"received file descriptor {fd} is unusable: {exc}") from exc
     if not stat.S_ISREG(st.st_mode):
-        raise RegionError("a host region must be a regular file (memfd or /dev/shm), not another kind of fd")
+        raise ProtocolError(
+            "a host region must be a regular file (memfd or /dev/shm), not another kind of fd"
+        )
     if region.file_offset + region.size > st.st_size:
-        raise RegionError(
+        raise ProtocolError(
             f"region [{region.file_offset}, +{region.size}) reaches past the end of its "
             f"{st.st_size}-byte file; "
             "mapping it would fault (SIGBUS) on access"
@@ -74,7 +78,7 @@ def map_host_region(fd: int, region: Region) -> MappedRegion:
         except OSError:
             seals = 0
         if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
-            raise RegionError(
+            raise ProtocolError(
                 "the region claims a sealed memfd but the file is not sealed against shrink/grow/write"
             )
     address = ffi.new("void **")

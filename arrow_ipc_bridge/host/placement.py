@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, NoReturn
 
-from arrow_ipc_bridge.errors import CopyRequiredError, RegionError, ReleasedError
+from arrow_ipc_bridge.errors import ClosedError, CopyRequiredError, InvalidArgumentError
 from arrow_ipc_bridge.host._system import _PAGE, _close_fds
 from arrow_ipc_bridge.host.counters import _count
 from arrow_ipc_bridge.host.proc_maps import (
@@ -115,7 +115,7 @@ class HostExport:
     def fds(self) -> list[int]:
         """The region fds in region order (borrowed: they stay owned by this export)."""
         if self.closed:
-            raise ReleasedError("the HostExport is closed: its fds are no longer valid")
+            raise ClosedError("the HostExport is closed: its fds are no longer valid", what="HostExport")
         return [r.fd for r in self.regions]
 
     def close(self) -> None:
@@ -164,20 +164,22 @@ def _validate(buffers: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
             raw_address, raw_nbytes = item
             address, nbytes = operator.index(raw_address), operator.index(raw_nbytes)
         except (TypeError, ValueError) as exc:
-            raise RegionError(
+            raise InvalidArgumentError(
                 f"buffer {i} must be an (address, nbytes) pair of integers, got {item!r}", index=i
             ) from exc
         if nbytes < 0:
-            raise RegionError(f"buffer {i} has a negative size ({nbytes})", index=i, nbytes=nbytes)
+            raise InvalidArgumentError(f"buffer {i} has a negative size ({nbytes})", index=i, nbytes=nbytes)
         if address < 0 or address + nbytes > _ADDRESS_LIMIT:
-            raise RegionError(
+            raise InvalidArgumentError(
                 f"buffer {i} at address {address:#x} with {nbytes} bytes is outside the 64-bit address space",
                 index=i,
                 address=address,
                 nbytes=nbytes,
             )
         if address == 0 and nbytes > 0:
-            raise RegionError(f"buffer {i} has a NULL address but {nbytes} bytes", index=i, nbytes=nbytes)
+            raise InvalidArgumentError(
+                f"buffer {i} has a NULL address but {nbytes} bytes", index=i, nbytes=nbytes
+            )
     raise AssertionError("unreachable: the fast check failed but no pair is invalid")  # pragma: no cover
 
 
@@ -207,7 +209,9 @@ def export_host_buffers(buffers: Sequence[tuple[int, int]], *, copy: str = "if_n
     On any failure every fd opened so far is closed.
     """
     if copy not in COPY_POLICIES:
-        raise RegionError(f"copy must be one of {', '.join(COPY_POLICIES)}, got {copy!r}", field="copy")
+        raise InvalidArgumentError(
+            f"copy must be one of {', '.join(COPY_POLICIES)}, got {copy!r}", argument="copy"
+        )
     items = _validate(buffers)
     placements: list[Placement | None] = [None] * len(items)
     regions: list[HostRegion] = []

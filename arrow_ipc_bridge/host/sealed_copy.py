@@ -15,7 +15,7 @@ import os
 from typing import Final
 
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.errors import RegionError
+from arrow_ipc_bridge.errors import InvalidArgumentError, RegionError
 from arrow_ipc_bridge.host._system import reopen_read_only
 
 __all__ = ["BUFFER_ALIGNMENT", "FULL_SEALS"]
@@ -92,7 +92,7 @@ def _pwrite_all(fd: int, address: int, nbytes: int, offset: int) -> None:
             done += os.pwrite(fd, view[done:], offset + done)
     except OSError as exc:
         if exc.errno == errno.EFAULT:
-            raise RegionError(
+            raise InvalidArgumentError(
                 f"buffer at {address:#x} ({nbytes} bytes) is not readable memory of this process "
                 f"(EFAULT at byte {done})",
                 address=address,

@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 from arrow_ipc_bridge._ffi import ffi, lib
-from arrow_ipc_bridge.errors import RegionError, ReleasedError
+from arrow_ipc_bridge.errors import ClosedError, RegionError
 from arrow_ipc_bridge.host._system import _PAGE, _align_up
 from arrow_ipc_bridge.host.counters import _count
 from arrow_ipc_bridge.runtime import arguments
@@ -111,7 +111,7 @@ class SharedHostBuffer:
 
     def _live(self) -> Any:
         if self._keeper is None:
-            raise ReleasedError("the SharedHostBuffer is closed")
+            raise ClosedError("the SharedHostBuffer is closed", what="SharedHostBuffer")
         return self._keeper
 
     @property
@@ -187,10 +187,10 @@ def allocate_shared(nbytes: int, *, name: str = "aib") -> SharedHostBuffer:
     in the same allocation). Give data that must not reach a consumer an allocation of its own, or export
     with ``copy="always"``, which sends a sealed copy of the published bytes alone.
 
-    Raises :class:`~arrow_ipc_bridge.errors.ArgumentTypeError` /
-    :class:`~arrow_ipc_bridge.errors.InvalidArgumentError` for a size that is not a positive int or a
-    name that is not a str of 1 to 249 bytes without NUL, :class:`FileLimitError` when no descriptor
-    is left, and :class:`RegionError` for a kernel without ``F_SEAL_FUTURE_WRITE`` (before Linux
+    Raises :class:`~arrow_ipc_bridge.errors.InvalidArgumentError` /
+    :class:`~arrow_ipc_bridge.errors.InvalidArgumentError` for a size that is not a positive int or a name
+    that is not a str of 1 to 249 bytes without NUL, :class:`LimitError` (``limit="file_descriptors"``) when
+    no descriptor is left, and :class:`RegionError` for a kernel without ``F_SEAL_FUTURE_WRITE`` (before Linux
     5.1): memory that consumers could write is never handed out.
     """
     nbytes = arguments.count(nbytes, "nbytes", least=1)

@@ -153,12 +153,13 @@ class ArrowPayload:
 
     def __init__(self, data: Any, *, copy: str = "if_needed") -> None:
         if not any(hasattr(data, method) for method in _CAPSULE_METHODS - {"__arrow_c_schema__"}):
-            raise aib.CapsuleError(
+            raise aib.InvalidArgumentError(
                 f"ArrowPayload needs an Arrow PyCapsule producer (__arrow_c_array__, __arrow_c_stream__ or "
-                f"their device forms), not {type(data).__name__}"
+                f"their device forms), not {type(data).__name__}",
+                argument="data",
             )
         if not isinstance(copy, str):
-            raise aib.ArgumentTypeError(
+            raise aib.InvalidArgumentError(
                 f"copy must be one of {', '.join(_COPY_CHOICES)}, not {type(copy).__name__}", argument="copy"
             )
         if copy not in _COPY_CHOICES:
@@ -424,7 +425,7 @@ def close() -> None:
     As a sender: publications not yet received then raise :class:`SourceGoneError` at their
     receivers, while what receivers hold stays valid; the next send makes a new publisher. As a
     receiver: the payloads this process received are released (``payload.data`` raises
-    ``ReleasedError``; pyarrow objects already made from them stay valid). Runs at exit by itself.
+    ``ClosedError``; pyarrow objects already made from them stay valid). Runs at exit by itself.
     """
     global _sender
     with _lock:
@@ -668,9 +669,9 @@ def _session_for(meta: BridgeTransportMetadata) -> Any:
             return session
     try:
         session = aib.connect(meta.socket_path, **_SESSION_OPTIONS)
-    except (aib.PublisherLimitError, aib.PeerRejectedError):
-        raise  # a publisher answered: it is there, and said why not
     except aib.TransportError as exc:
+        if exc.reason == "rejected":
+            raise  # a publisher answered: it is there, and said why not (a LimitError is not caught here)
         raise SourceGoneError(
             f"no publisher answers at {meta.socket_path} for {meta.names[0]!r}: the sending process (pid "
             f"{meta.pid} on {meta.hostname}) exited, was killed or closed its transport, or its socket is "
@@ -709,7 +710,9 @@ def _get_by_socket(meta: BridgeTransportMetadata, index: int) -> Any:
         # carries the version and publisher id: the receiver checks it got the very publication the
         # metadata names (a plain get of a name not got before knows neither).
         imported = session.get(name, wait=0)
-    except (aib.NotPublishedError, aib.WaitTimeoutError) as exc:
+    except (aib.NotPublishedError, aib.BridgeTimeoutError) as exc:
+        if isinstance(exc, aib.BridgeTimeoutError) and exc.waiting_for not in ("name", "version"):
+            raise  # the publisher did not answer at all: not a freed publication
         raise SourceGoneError(
             f"{name!r} is no longer published by the sender (pid {meta.pid} on {meta.hostname}): Ray freed "
             "its ObjectRef, or the sending process closed its transport",

@@ -170,7 +170,8 @@ def export_captured(
 ) -> Exported:
     """Export data already captured (takes ownership of ``captured``); ``previous`` and
     ``share_event`` as for :func:`export_again`. Running out of descriptors is a
-    :class:`~arrow_ipc_bridge.errors.FileLimitError` whose message starts with ``doing``."""
+    :class:`~arrow_ipc_bridge.errors.LimitError` (``limit="file_descriptors"``) whose message
+    starts with ``doing``."""
     try:
         if captured.device_type == DEVICE_CPU:
             return _export_host(captured, copy)
@@ -322,7 +323,7 @@ def _send_again(
 
 
 def copy_policy(value: object, what: str = "copy") -> CopyPolicy:
-    """``value`` checked as a copy policy (``ArgumentTypeError`` / ``InvalidArgumentError``)."""
+    """``value`` checked as a copy policy (``InvalidArgumentError`` / ``InvalidArgumentError``)."""
     return cast(CopyPolicy, arguments.choice(value, what, COPY_POLICIES))
 
 

@@ -30,13 +30,10 @@ from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.errors import (
     BridgeError,
     ClosedError,
-    DescriptorsInFlightError,
-    LeaseLimitError,
+    LimitError,
     NotPublishedError,
     ProtocolError,
-    PublisherLimitError,
     RegionError,
-    UnreadAnswersError,
     not_published_message,
 )
 from arrow_ipc_bridge.producer.exporter import (
@@ -105,54 +102,53 @@ class Publisher:
     Parameters
     ----------
     path
-        Socket file to create. A stale one is replaced; a live publisher's is refused. Its mode is
-        0600, or 0666 when ``allowed_uids`` names uids other than this process's: every connection's
-        ``SO_PEERCRED`` uid is then the gate, and a peer not allowed gets ERROR
-        :class:`~arrow_ipc_bridge.errors.PeerRejectedError` before it is disconnected. The
-        directory must be searchable by those uids.
+        Socket file to create. A stale one is replaced; a live publisher's is refused. Its mode is 0600, or
+        0666 when ``allowed_uids`` names uids other than this process's: every connection's ``SO_PEERCRED``
+        uid is then the gate, and a peer not allowed gets ERROR
+        :class:`~arrow_ipc_bridge.errors.TransportError` (``reason="rejected"``) before it is disconnected.
+        The directory must be searchable by those uids.
     allowed_uids
         Extra uids allowed to connect (this process's uid always is).
     copy
         Default copy policy for :meth:`publish` (see :func:`~arrow_ipc_bridge.export`).
     max_connections
-        Connections served at once (512). When all are taken, a new connection takes the slot of
-        an idle one that holds nothing (parked, no lease, no held wait; or silent before HELLO) of
-        the client process holding the most connections, if that process holds at least two more
-        than the new one's; the closed connection gets ERROR
-        :class:`~arrow_ipc_bridge.errors.ConnectionLimitError`. With none to close, the new
-        connection gets ConnectionLimitError and is closed.
+        Connections served at once (512). When all are taken, a new connection takes the slot of an idle one
+        that holds nothing (parked, no lease, no held wait; or silent before HELLO) of the client process
+        holding the most connections, if that process holds at least two more than the new one's; the closed
+        connection gets ERROR :class:`~arrow_ipc_bridge.errors.LimitError` (``limit="max_connections"``). With
+        none to close, the new connection gets LimitError and is closed.
     max_connections_per_process
         Connections one client process may hold at once (256; each session and each
-        subscription is one); one more gets ConnectionLimitError and is closed.
+        subscription is one); one more gets LimitError and is closed.
     max_connections_per_uid
         Connections the processes of one uid other than the publisher's (``allowed_uids``) may
-        hold at once (256); one more gets ConnectionLimitError and is closed.
+        hold at once (256); one more gets LimitError and is closed.
     handshake_timeout
         Seconds a new connection has to say HELLO (10); later it gets ERROR
-        :class:`~arrow_ipc_bridge.errors.HandshakeTimeoutError` and is closed. Any other frame
-        before HELLO is a :class:`~arrow_ipc_bridge.errors.ProtocolError` and closes it.
+        :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` (``waiting_for="handshake"``) and is closed. Any
+        other frame before HELLO is a :class:`~arrow_ipc_bridge.errors.ProtocolError` and closes it.
     max_leases_per_connection
         Leases one connection may hold (4096); a GET past it gets ERROR
-        :class:`~arrow_ipc_bridge.errors.LeaseLimitError` and the session goes on.
+        :class:`~arrow_ipc_bridge.errors.LimitError` (``limit="max_leases_per_connection"``) and the session
+        goes on.
     max_unread_fds
-        Descriptors in answers one connection has not read yet (256, at least 253): a client that
-        sends GETs without reading the ITEMs gets ERROR
-        :class:`~arrow_ipc_bridge.errors.UnreadAnswersError` instead of more descriptors (the
-        kernel limits descriptors in flight per user; an unread client would otherwise make the
-        answers to every other client fail). All connections together may have half of
-        ``RLIMIT_NOFILE`` unread; a client that read everything is always answered.
+        Descriptors in answers one connection has not read yet (256, at least 253): a client that sends GETs
+        without reading the ITEMs gets ERROR :class:`~arrow_ipc_bridge.errors.LimitError`
+        (``limit="max_unread_fds"``) instead of more descriptors (the kernel limits descriptors in flight per
+        user; an unread client would otherwise make the answers to every other client fail). All connections
+        together may have half of ``RLIMIT_NOFILE`` unread; a client that read everything is always answered.
     park_after
         Seconds a connection may stay silent before its thread is given back (5); it keeps its
         leases and gets a thread again when it sends.
     max_waits_per_connection
-        Waits (``get(wait=)``, ``get_next``: WAIT frames) one connection may have held at once
-        (16); one more gets ERROR :class:`~arrow_ipc_bridge.errors.WaitLimitError`, nothing is
-        held and the connection goes on. A session waits for one thing at a time, so only a client
+        Waits (``get(wait=)``, ``get_next``: WAIT frames) one connection may have held at once (16); one more
+        gets ERROR :class:`~arrow_ipc_bridge.errors.LimitError` (``limit="max_waits_per_connection"``),
+        nothing is held and the connection goes on. A session waits for one thing at a time, so only a client
         that sends WAITs without reading the answers meets it.
     max_subscriptions
-        Live-stream subscriptions served at once (128). Each holds one publisher thread and one
-        connection (counted in ``max_connections`` too) for its whole life and is never parked;
-        one more gets ERROR :class:`~arrow_ipc_bridge.errors.SubscriptionLimitError` and is closed.
+        Live-stream subscriptions served at once (128). Each holds one publisher thread and one connection
+        (counted in ``max_connections`` too) for its whole life and is never parked; one more gets ERROR
+        :class:`~arrow_ipc_bridge.errors.LimitError` (``limit="max_subscriptions"``) and is closed.
 
     Examples
     --------
@@ -269,8 +265,8 @@ class Publisher:
         version of the same entry; nothing placed or encoded: :meth:`_renew`).
 
         Raises :class:`~arrow_ipc_bridge.errors.ClosedError` after :meth:`close`, and
-        :class:`~arrow_ipc_bridge.errors.FileLimitError` when the process has no file descriptor
-        left for the publication's region (each host publication holds one while published or
+        :class:`~arrow_ipc_bridge.errors.LimitError` (``limit="file_descriptors"``) when the process has no
+        file descriptor left for the publication's region (each host publication holds one while published or
         leased): nothing is published then, and the name keeps what it had.
         """
         self._check_open()
@@ -282,7 +278,7 @@ class Publisher:
             if renewed is not None:
                 return renewed
         # Pool fds stay out of the message: a session asks for each pool's fd once (POOL_FD), so
-        # the hot answers carry no descriptor for pool data. Out of descriptors: FileLimitError,
+        # the hot answers carry no descriptor for pool data. Out of descriptors: LimitError,
         # and nothing below has happened (the entry, the version and the waits are as they were).
         exported = export_again(obj, current, copy=copy, pool_fds=False, doing=f"publishing {name!r}")
         # The entry's keeper: when the last of (publication, leases) lets go, the reaper closes it.
@@ -406,7 +402,7 @@ class Publisher:
         return self._server.serving_connections()
 
     def _check_open(self) -> None:
-        """Every method's first step: ForeignProcessError in a child of fork, then ClosedError."""
+        """Every method's first step: ClosedError (reason "forked") in a child of fork, then ClosedError."""
         self._check_process()
         if self._server.closed:
             raise _closed_error()
@@ -428,15 +424,15 @@ class Publisher:
     ) -> StreamWriter:
         """Open the live stream ``name`` and return its writer.
 
-        Subscribers (``Session.subscribe``) get every batch written after they subscribed, in
-        order. ``max_in_flight``: batches one consumer may hold unreleased (it may ask for fewer);
-        ``on_slow``: what a write does when a consumer holds that many: ``"block"`` waits up to
-        ``block_timeout`` seconds (None: forever) and then raises
-        :class:`~arrow_ipc_bridge.errors.StreamBlockedError`, sending nothing; ``"drop_oldest"``
-        queues up to ``max_in_flight`` more for that consumer and drops the oldest queued one past
-        that; ``"error"`` ends that consumer's subscription with
-        :class:`~arrow_ipc_bridge.errors.SlowConsumerError`. ``slots``: reserve batch memory
-        that ``StreamWriter.reserve`` hands out to fill in place. ``copy``: as for :meth:`publish`.
+        Subscribers (``Session.subscribe``) get every batch written after they subscribed, in order.
+        ``max_in_flight``: batches one consumer may hold unreleased (it may ask for fewer); ``on_slow``: what
+        a write does when a consumer holds that many: ``"block"`` waits up to ``block_timeout`` seconds (None:
+        forever) and then raises :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError`
+        (``waiting_for="credit"``), sending nothing; ``"drop_oldest"`` queues up to ``max_in_flight`` more for
+        that consumer and drops the oldest queued one past that; ``"error"`` ends that consumer's subscription
+        with :class:`~arrow_ipc_bridge.errors.StreamError` (``reason="slow_consumer"``). ``slots``: reserve
+        batch memory that ``StreamWriter.reserve`` hands out to fill in place. ``copy``: as for
+        :meth:`publish`.
         """
         self._check_open()
         protocol.encode_name(name)
@@ -534,31 +530,34 @@ class Publisher:
                 self._answer(state, frame)
                 if frame.kind == protocol.HELLO:
                     self._server.established(conn)
-            except (NotPublishedError, RegionError, PublisherLimitError) as exc:  # the session may go on
+            except (NotPublishedError, RegionError, LimitError) as exc:  # the session may go on
                 channel.send(protocol.ERROR, protocol.encode_error(exc), timeout=SEND_TIMEOUT)
             except ProtocolError as exc:
                 _log.warning("arrow_ipc_bridge: closing session pid %s: %s", conn.peer_pid, str(exc))
                 channel.send(protocol.ERROR, protocol.encode_error(exc), timeout=SEND_TIMEOUT)
                 return None
 
-    def _limit_error(self, rc: int, raw_name: bytes) -> PublisherLimitError:
+    def _limit_error(self, rc: int, raw_name: bytes) -> LimitError:
         """The error for a GET the C loop refused at a limit (nothing was leased or sent)."""
         name = raw_name.decode("utf-8", "replace")
         if rc == lib.AIB_SERVE_LEASE_LIMIT:
-            return LeaseLimitError(
+            return LimitError(
                 f"GET {name!r} refused: this connection holds {self._max_leases} leases "
                 "(the publisher's max_leases_per_connection); release some and get again",
-                limit=self._max_leases,
+                limit="max_leases_per_connection",
+                value=self._max_leases,
             )
         if rc == lib.AIB_SERVE_UNREAD_LIMIT:
-            return UnreadAnswersError(
+            return LimitError(
                 f"GET {name!r} refused: this connection has not read answers carrying descriptors "
                 f"(the publisher's max_unread_fds is {self._max_unread_fds}); read the answers first",
-                limit=self._max_unread_fds,
+                limit="max_unread_fds",
+                value=self._max_unread_fds,
             )
-        return DescriptorsInFlightError(
+        return LimitError(
             f"GET {name!r} failed: the kernel refused to pass its descriptors (ETOOMANYREFS: too "
-            "many in flight to peers that do not read); nothing was leased, retry"
+            "many in flight to peers that do not read); nothing was leased, retry",
+            limit="descriptors_in_flight",
         )
 
     def _message_bytes(self, raw_name: bytes) -> int:
@@ -634,7 +633,7 @@ class Publisher:
         leave pool fds out (see publish), so each session process asks once per pool."""
         from arrow_ipc_bridge.cuda import placer as cuda_regions  # loads no CUDA until a pool is named
 
-        fd = cuda_regions.pool_fd_for(identity)  # RegionError for anything else
+        fd = cuda_regions.pool_fd_for(identity)  # NotPublishedError for a pool not (or no longer) here
         try:
             channel.send(protocol.POOL, identity, [fd], timeout=SEND_TIMEOUT)
         finally:

@@ -28,12 +28,11 @@ from collections.abc import Callable, Collection
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
+    ClosedError,
+    LimitError,
     NotPublishedError,
     PeerClosedError,
     ProtocolError,
-    StreamBlockedError,
-    StreamError,
-    SubscriptionLimitError,
     TransportError,
     no_stream_message,
 )
@@ -194,7 +193,7 @@ class LiveStreamState:
         with self.cond:
             try:
                 if self.closed:
-                    raise StreamError(f"the stream {self.name!r} is closed")
+                    raise ClosedError(f"the stream {self.name!r} is closed", what="stream")
                 self.last_write = time.monotonic()
                 # Credit the serving threads have not read (they stay off the sockets while the
                 # writer is active): read here what a subscriber short of room has sent back, so a
@@ -227,16 +226,17 @@ class LiveStreamState:
             if not slow:
                 return
             if self.closed:
-                raise StreamError(f"the stream {self.name!r} was closed while a write waited")
+                raise ClosedError(f"the stream {self.name!r} was closed while a write waited", what="stream")
             if [s for s in slow if self._collect(s)]:
                 continue
             now = time.monotonic()
             remaining = None if deadline is None else deadline - now
             if remaining is not None and remaining <= 0:
-                raise StreamBlockedError(
+                raise BridgeTimeoutError(
                     f"write to stream {self.name!r} waited {self.block_timeout} s for "
                     f"{len(slow)} slow consumer(s) holding {slow[0].window} unreleased batches "
                     "(policy 'block'); nothing was sent",
+                    waiting_for="credit",
                     timeout=self.block_timeout,
                 )
             sleep = (
@@ -295,7 +295,7 @@ class LiveStreamState:
             self._end(
                 sub,
                 stream_frames.StreamEnd(
-                    "SlowConsumerError",
+                    stream_frames.END_SLOW_CONSUMER,
                     f"this consumer held {sub.window} unreleased batches of stream {self.name!r} "
                     "when another was committed (policy 'error'): its subscription ended",
                     sub.dropped,
@@ -496,11 +496,11 @@ class StreamHub:
             return sorted(self._streams)
 
     def close(self, message: str) -> None:
-        """End every open stream (consumers raise StreamInterruptedError with ``message``)."""
+        """End every open stream (consumers raise PeerClosedError with ``message``)."""
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
-            stream.finish("StreamInterruptedError", message)
+            stream.finish(stream_frames.END_INTERRUPTED, message)
 
     def serve_subscription(self, channel: Channel, payload: bytes, peer_pid: int) -> None:
         """Serve one subscription for its whole life (the connection's serving thread). Returns when
@@ -511,9 +511,11 @@ class StreamHub:
             with self._lock:
                 stream = self._streams.get(name)
                 if stream is not None and self._subscriptions >= self._max_subscriptions:
-                    raise SubscriptionLimitError(
+                    raise LimitError(
                         f"the publisher serves {self._subscriptions} subscriptions already (its "
-                        f"max_subscriptions): subscribing to {name!r} was refused"
+                        f"max_subscriptions): subscribing to {name!r} was refused",
+                        limit="max_subscriptions",
+                        value=self._max_subscriptions,
                     )
                 if stream is not None:
                     self._subscriptions += 1
@@ -522,10 +524,10 @@ class StreamHub:
             if stream is None:
                 raise NotPublishedError(no_stream_message(name, self.names(), self._publications()))
             sub = stream.attach(channel, asked)
-        except (NotPublishedError, ProtocolError, SubscriptionLimitError) as exc:
+        except (NotPublishedError, ProtocolError, LimitError) as exc:
             if counted:
                 self._uncount()
-            if isinstance(exc, SubscriptionLimitError):
+            if isinstance(exc, LimitError):
                 next(stream_counters.subscriptions_refused)
             with contextlib.suppress(BridgeError):
                 channel.send(protocol.ERROR, protocol.encode_error(exc), timeout=SEND_TIMEOUT)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from arrow_ipc_bridge.errors import InvalidArgumentError, StreamError, StreamSchemaError
+from arrow_ipc_bridge.errors import InvalidArgumentError, StreamError
 from arrow_ipc_bridge.producer.exporter import Exported, export
 from arrow_ipc_bridge.runtime import arguments
 
@@ -55,7 +55,7 @@ class SlotLayout:
     device_id: int = 0
 
     def check(self) -> None:
-        """Check every field (``Publisher.open_stream`` calls it): ``ArgumentTypeError`` or
+        """Check every field (``Publisher.open_stream`` calls it): ``InvalidArgumentError`` or
         ``InvalidArgumentError`` naming the field."""
         if not isinstance(self.schema, pa.Schema):
             arguments.fail_type("SlotLayout.schema", "a pyarrow.Schema", self.schema)
@@ -100,17 +100,18 @@ class StreamSlot:
     def commit(self, rows: int | None = None, *, stream: Any = None) -> int:
         """Send the batch to every subscriber; returns its sequence number. ``rows``: how many of
         the rows to send (default all); more than the slot holds is a
-        :class:`~arrow_ipc_bridge.errors.StreamSchemaError` (the slot is not resized or copied).
-        ``stream`` (CUDA): the stream the columns were written on (default: CuPy's current
-        stream); consumers wait for the work queued on it so far."""
+        :class:`~arrow_ipc_bridge.errors.StreamError` (``reason="schema"``; the slot is not resized or
+        copied). ``stream`` (CUDA): the stream the columns were written on (default: CuPy's current stream);
+        consumers wait for the work queued on it so far."""
         if not self.reserved or self._writer is None:
             raise ValueError("commit of a slot that is not reserved (reserve() it again)")
         if rows is not None:
             rows = arguments.count(rows, "rows", least=0)
         if rows is not None and rows > self.layout.rows:
-            raise StreamSchemaError(
+            raise StreamError(
                 f"commit of {rows} rows into a slot reserved for {self.layout.rows}: a batch larger than "
-                "the reserved memory is refused (write() it instead, or reserve larger slots)"
+                "the reserved memory is refused (write() it instead, or reserve larger slots)",
+                reason="schema",
             )
         result: int = self._writer._commit_slot(self, self.layout.rows if rows is None else rows, stream)
         return result

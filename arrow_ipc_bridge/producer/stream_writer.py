@@ -14,18 +14,13 @@ from typing import Any
 import pyarrow as pa
 
 from arrow_ipc_bridge._ffi import ffi, lib, new_error
-from arrow_ipc_bridge.errors import (
-    BridgeError,
-    ReleasedError,
-    StreamBlockedError,
-    StreamError,
-    StreamSchemaError,
-)
+from arrow_ipc_bridge.errors import BridgeError, BridgeTimeoutError, ClosedError, StreamError
 from arrow_ipc_bridge.producer.exporter import CopyPolicy, export_captured
 from arrow_ipc_bridge.producer.stream_hub import Batch, LiveStreamState, StreamHub
 from arrow_ipc_bridge.producer.stream_ring import HostRing, RingSegment
 from arrow_ipc_bridge.producer.stream_slots import SlotLayout, StreamSlot, make_slot
 from arrow_ipc_bridge.runtime import arguments
+from arrow_ipc_bridge.wire import stream_frames
 from arrow_ipc_bridge.wire.capsules import (
     DEVICE_CPU,
     ArrowInput,
@@ -118,10 +113,11 @@ class StreamWriter:
         """Export ``obj`` (an array or record batch, any Arrow PyCapsule producer) and send it to
         every subscriber; returns its sequence number.
 
-        Raises :class:`~arrow_ipc_bridge.errors.StreamSchemaError` when its schema differs from
-        the stream's (the first batch's), :class:`~arrow_ipc_bridge.errors.StreamBlockedError`
-        when policy ``"block"`` waited ``block_timeout`` for a slow consumer (nothing sent), and
-        :class:`~arrow_ipc_bridge.errors.StreamError` once the stream is closed.
+        Raises :class:`~arrow_ipc_bridge.errors.StreamError` (``reason="schema"``) when its
+        schema differs from the stream's (the first batch's),
+        :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` (``waiting_for="credit"``) when policy
+        ``"block"`` waited ``block_timeout`` for a slow consumer (nothing sent), and
+        :class:`~arrow_ipc_bridge.errors.ClosedError` once the stream is closed.
         """
         try:
             self._check_writable()
@@ -178,7 +174,9 @@ class StreamWriter:
                 return None
             array = ffi.addressof(device_array, "array")
         if ffi.NULL in (schema.release, array.release):
-            raise ReleasedError("the producer's schema or array capsule was already consumed or released")
+            raise ClosedError(
+                "the producer's schema or array capsule was already consumed or released", reason="released"
+            )
         return self._ring.place_structs(schema, array)
 
     def _commit_ring(self, message: bytes, segment: RingSegment) -> int:
@@ -201,30 +199,33 @@ class StreamWriter:
     def _check_writable(self) -> None:
         self._check_open()
         if self._state.closed:
-            raise StreamError(f"the stream {self.name!r} is closed")
+            raise ClosedError(f"the stream {self.name!r} is closed", what="stream")
 
     def _check_schema(self, message: bytes, n_fds: int) -> None:
         if message in self._checked:
             return
         field, is_stream = _message_field(message, n_fds)
         if is_stream:
-            raise StreamSchemaError(
+            raise StreamError(
                 "a stream's batch is one array or record batch, not a table or stream (write its "
-                "batches one by one, or publish_stream it)"
+                "batches one by one, or publish_stream it)",
+                reason="schema",
             )
         if self._schema is None:
             self._schema = field
         elif not field.equals(self._schema, check_metadata=True):
             if field.equals(self._schema, check_metadata=False):
                 # The types print alike: name what differs, or the message reads "x differs from x".
-                raise StreamSchemaError(
+                raise StreamError(
                     f"batch schema metadata {_metadata_of(field)} differs from the stream {self.name!r}'s "
                     f"{_metadata_of(self._schema)} (the types are the same): a stream has one schema, "
-                    "its metadata included (open another stream for the new one); nothing was sent"
+                    "its metadata included (open another stream for the new one); nothing was sent",
+                    reason="schema",
                 )
-            raise StreamSchemaError(
+            raise StreamError(
                 f"batch schema {field.type} differs from the stream {self.name!r}'s {self._schema.type}: "
-                "a stream has one schema (open another stream for the new one); nothing was sent"
+                "a stream has one schema (open another stream for the new one); nothing was sent",
+                reason="schema",
             )
         if len(self._checked) >= _CHECKED_MESSAGES:
             self._checked.clear()
@@ -234,7 +235,7 @@ class StreamWriter:
     def reserve(self, timeout: float | None = None) -> StreamSlot:
         """A free slot to fill in place (streams opened with ``slots=``). Waits up to ``timeout``
         seconds (None: the stream's ``block_timeout``) until consumers released one; then
-        :class:`~arrow_ipc_bridge.errors.StreamBlockedError`."""
+        :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` (``waiting_for="credit"``)."""
         self._check_writable()
         timeout = arguments.optional_seconds(timeout, "timeout")
         layout = self._layout
@@ -248,14 +249,17 @@ class StreamWriter:
             while not self._free and len(self._slots) >= count:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise StreamBlockedError(
+                    raise BridgeTimeoutError(
                         f"reserve on stream {self.name!r}: all {count} slots are held by consumers "
                         f"after {wait} s",
+                        waiting_for="credit",
                         timeout=wait,
                     )
                 cond.wait(remaining)
                 if self._state.closed:
-                    raise StreamError(f"the stream {self.name!r} was closed while reserve waited")
+                    raise ClosedError(
+                        f"the stream {self.name!r} was closed while reserve waited", what="stream"
+                    )
             slot = self._free.pop() if self._free else None
         if slot is None:
             slot = self._new_slot(layout)
@@ -316,14 +320,14 @@ class StreamWriter:
 
     def fail(self, error: BaseException | str) -> None:
         """End the stream with an error: subscribers raise
-        :class:`~arrow_ipc_bridge.errors.StreamFailedError` naming it, after the batches they
+        :class:`~arrow_ipc_bridge.errors.StreamError` (``reason="failed"``) naming it, after the batches they
         already received."""
         if not isinstance(error, BaseException | str):
             arguments.fail_type("error", "an exception or a str", error)
         if isinstance(error, BaseException):
             self._end(type(error).__name__, str(error) or type(error).__name__)
         else:
-            self._end("StreamFailedError", str(error))
+            self._end(stream_frames.END_FAILED, str(error))
 
     def _end(self, error_type: str | None, message: str) -> None:
         self._hub.remove(self._state)
@@ -469,7 +473,7 @@ def pump(
             return False
         try:
             writer.write(batch)
-        except StreamError as exc:
+        except (StreamError, ClosedError, BridgeTimeoutError) as exc:  # the write's: logged
             if not writer.closed:
                 _log.warning("arrow_ipc_bridge: stream %r: %s", name, exc)
                 writer.fail(exc)

@@ -10,7 +10,7 @@ answers it. :class:`Watch` is that book:
 - ``publish`` (on the producer's thread) tells it the new version and answers every wait on the
   name at once (:meth:`Watch.published` then :meth:`Watch.deliver`);
 - a clock thread, alive only while some held wait has a deadline, answers ERROR
-  :class:`~arrow_ipc_bridge.errors.WaitTimeoutError` when one runs out;
+  :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` when one runs out;
 - ``close`` answers every held wait with ERROR :class:`~arrow_ipc_bridge.errors.PeerClosedError`;
 - a connection that closes drops its waits (:meth:`Watch.forget`) before its lease table is freed.
 
@@ -46,12 +46,9 @@ from typing import Any
 from arrow_ipc_bridge._ffi import ffi, lib, new_error
 from arrow_ipc_bridge.errors import (
     BridgeError,
-    DescriptorsInFlightError,
-    LeaseLimitError,
+    BridgeTimeoutError,
+    LimitError,
     PeerClosedError,
-    UnreadAnswersError,
-    WaitLimitError,
-    WaitTimeoutError,
 )
 from arrow_ipc_bridge.process_stats import wait_counters
 from arrow_ipc_bridge.transport import protocol
@@ -182,7 +179,9 @@ class WaitingConnection:
                         err = new_error()
                         rc = int(send(err))
                         if rc not in _ANSWER_RETURNS:
-                            failure = error_for(rc, err, "answering a held wait", ANSWER_SEND_TIMEOUT)
+                            failure = error_for(
+                                rc, err, "answering a held wait", ANSWER_SEND_TIMEOUT, waiting_for="send"
+                            )
                             rc = None
                 finally:
                     send_lock.release()
@@ -200,18 +199,21 @@ class WaitingConnection:
 def _limit_error(rc: int, name: str) -> BridgeError | None:
     """The error for an answer the C core refused at a limit (nothing leased or sent), else None."""
     if rc == lib.AIB_SERVE_LEASE_LIMIT:
-        return LeaseLimitError(
+        return LimitError(
             f"the wait for {name!r} ended: this connection holds as many leases as the publisher's "
-            "max_leases_per_connection; release some and wait again"
+            "max_leases_per_connection; release some and wait again",
+            limit="max_leases_per_connection",
         )
     if rc == lib.AIB_SERVE_UNREAD_LIMIT:
-        return UnreadAnswersError(
-            f"the wait for {name!r} ended: this connection has not read answers carrying descriptors"
+        return LimitError(
+            f"the wait for {name!r} ended: this connection has not read answers carrying descriptors",
+            limit="max_unread_fds",
         )
     if rc == lib.AIB_SERVE_FDS_BUSY:
-        return DescriptorsInFlightError(
+        return LimitError(
             f"the wait for {name!r} ended: the kernel refused to pass its descriptors (ETOOMANYREFS); "
-            "nothing was leased, wait again"
+            "nothing was leased, wait again",
+            limit="descriptors_in_flight",
         )
     return None
 
@@ -242,11 +244,12 @@ class HeldWait:
         self.deadline = None if timeout_ms == protocol.WAIT_FOREVER else time.monotonic() + timeout_ms / 1000
         self.held = False  # registered in the Watch (under its lock)
 
-    def timed_out(self) -> WaitTimeoutError:
+    def timed_out(self) -> BridgeTimeoutError:
         name = self.raw_name.decode("utf-8", "replace")
         what = f"a version of {name!r} newer than {self.after}" if self.after else f"{name!r} to be published"
         seconds = self.timeout_ms / 1000
-        return WaitTimeoutError(f"waited {seconds} s for {what}", timeout=seconds)
+        waiting_for = "version" if self.after else "name"
+        return BridgeTimeoutError(f"waited {seconds} s for {what}", waiting_for=waiting_for, timeout=seconds)
 
 
 class Watch:
@@ -256,7 +259,7 @@ class Watch:
         self, name: str, message_bytes: Callable[[bytes], int] | None = None, max_waits: int | None = None
     ) -> None:
         self._name = name
-        # Waits one connection may have held at once (None: no limit); one more gets WaitLimitError.
+        # Waits one connection may have held at once (None: no limit); one more gets LimitError.
         self._max_waits = max_waits
         # The size of the message a name's answer carries now (its current publication's), so that
         # the publishing thread leaves large answers to the answering thread; None: every answer
@@ -501,14 +504,15 @@ class Watch:
             clock.join()
 
 
-def _wait_limit(wait: HeldWait, limit: int) -> WaitLimitError:
+def _wait_limit(wait: HeldWait, limit: int) -> LimitError:
     name = wait.raw_name.decode("utf-8", "replace")
     if len(name) > 64:
         name = name[:61] + "..."
-    return WaitLimitError(
+    return LimitError(
         f"WAIT for {name!r} refused: this connection holds {limit} waits already (the publisher's "
         "max_waits_per_connection); a session waits for one thing at a time",
-        limit=limit,
+        limit="max_waits_per_connection",
+        value=limit,
     )
 
 

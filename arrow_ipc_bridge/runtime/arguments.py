@@ -3,7 +3,7 @@
 Every public function checks its arguments here before it does anything, so that a bad value is a
 clear error naming the argument and what it allows instead of a failure deep inside (``'int' object
 has no attribute 'encode'``) or, worse, a silent misreading. A value of the wrong type raises
-:class:`~arrow_ipc_bridge.errors.ArgumentTypeError` (a ``TypeError``), a value of the right type that
+:class:`~arrow_ipc_bridge.errors.InvalidArgumentError` (a ``TypeError``), a value of the right type that
 is not allowed :class:`~arrow_ipc_bridge.errors.InvalidArgumentError` (a ``ValueError``); both are
 :class:`~arrow_ipc_bridge.errors.BridgeError` with ``argument`` set.
 
@@ -28,7 +28,7 @@ import os
 from collections.abc import Sequence
 from typing import NoReturn, SupportsIndex, cast
 
-from arrow_ipc_bridge.errors import ArgumentTypeError, InvalidArgumentError
+from arrow_ipc_bridge.errors import InvalidArgumentError
 
 __all__ = [
     "boolean",
@@ -49,7 +49,7 @@ __all__ = [
 
 def fail_type(what: str, allowed: str, value: object) -> NoReturn:
     """Raise the type error for argument ``what``: ``allowed`` says what it takes."""
-    raise ArgumentTypeError(f"{what} must be {allowed}, not {type(value).__name__}", argument=what)
+    raise InvalidArgumentError(f"{what} must be {allowed}, not {type(value).__name__}", argument=what)
 
 
 def fail_value(what: str, allowed: str, value: object) -> NoReturn:

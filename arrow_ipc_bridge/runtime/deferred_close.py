@@ -3,7 +3,7 @@
 Objects that hold a C owner (a decoded message, captured data) are used by C calls that release the
 GIL. Without a guard, ``close()`` on another thread during such a call drops the owner under it. A
 caller borrows the object around those calls; ``close()`` then marks it closed at once (new
-borrows raise :class:`~arrow_ipc_bridge.errors.ReleasedError`) and the owner goes when the last
+borrows raise :class:`~arrow_ipc_bridge.errors.ClosedError`) and the owner goes when the last
 borrower is done.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 
-from arrow_ipc_bridge.errors import ReleasedError
+from arrow_ipc_bridge.errors import ClosedError
 
 __all__ = ["DeferredClose"]
 
@@ -53,10 +53,10 @@ class DeferredClose:
 
     def borrow(self) -> None:
         """Keep what the object holds valid until :meth:`unborrow`, even if another thread closes it
-        meanwhile. ReleasedError when it is closed already."""
+        meanwhile. ClosedError when it is closed already."""
         with _lock:
             if self._closed:
-                raise ReleasedError(self._closed_message)
+                raise ClosedError(self._closed_message, reason="released")
             self._borrowers += 1
 
     def unborrow(self) -> None:

@@ -19,12 +19,12 @@ Errors
 * cannot connect or bind (no such path, refused, path held by a live server, not a socket):
   :class:`~arrow_ipc_bridge.errors.TransportError`; a server that does not take the connection in
   time: :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError`;
-* an invalid limit: :class:`~arrow_ipc_bridge.errors.WireFormatError` (a ``ValueError``);
+* an invalid limit: :class:`~arrow_ipc_bridge.errors.ProtocolError` (a ``ValueError``);
 * the frame errors are the channel's (:mod:`arrow_ipc_bridge.transport.channel`).
 
 A client whose uid a :class:`Server` does not allow is disconnected right after ``accept``, after the
 server's ``farewell`` (the publisher's: an ERROR frame naming
-:class:`~arrow_ipc_bridge.errors.PeerRejectedError`); without a farewell it sees
+:class:`~arrow_ipc_bridge.errors.TransportError` (``reason="rejected"``)); without a farewell it sees
 :class:`~arrow_ipc_bridge.errors.PeerClosedError` on its first :meth:`Connection.recv`.
 """
 

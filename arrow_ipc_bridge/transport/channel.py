@@ -16,7 +16,7 @@ here: :class:`~arrow_ipc_bridge.errors.PeerClosedError`; a malformed frame:
 :class:`~arrow_ipc_bridge.errors.ProtocolError` (the channel closes); a wait past its timeout:
 :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` (the channel closes only when part of a frame
 had moved); an invalid frame handed to :meth:`Channel.send`:
-:class:`~arrow_ipc_bridge.errors.WireFormatError` (nothing sent).
+:class:`~arrow_ipc_bridge.errors.ProtocolError` (nothing sent).
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ from arrow_ipc_bridge._ffi import ffi, lib, new_error
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
-    DescriptorsInFlightError,
+    LimitError,
     PeerClosedError,
     ProtocolError,
     TransportError,
-    WireFormatError,
 )
 from arrow_ipc_bridge.runtime import process
 
@@ -71,16 +70,26 @@ def millis(timeout: float | None) -> int:
 
 
 def error_for(
-    code: int, err: Any, what: str, timeout: float | None = None, *, peer_closed_hint: str = ""
+    code: int,
+    err: Any,
+    what: str,
+    timeout: float | None = None,
+    *,
+    peer_closed_hint: str = "",
+    waiting_for: str = "receive",
 ) -> BridgeError:
     """The package exception for a failed channel call; ``peer_closed_hint`` ends the message of a
-    :class:`~arrow_ipc_bridge.errors.PeerClosedError` (what to do now that the peer is gone)."""
+    :class:`~arrow_ipc_bridge.errors.PeerClosedError` (what to do now that the peer is gone),
+    ``waiting_for`` is the :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError`'s (``"send"``,
+    ``"receive"`` or ``"answer"``: a request's reply)."""
     message = ffi.string(err.message).decode("utf-8", "replace")
     text = f"{what}: {message}"
     if code == lib.AIB_E_PEER_CLOSED:
         return PeerClosedError(f"{text}: {peer_closed_hint}" if peer_closed_hint else text)
     if code == lib.AIB_E_TIMEOUT:
-        return BridgeTimeoutError(f"{what} timed out after {timeout} s", timeout=timeout)
+        return BridgeTimeoutError(
+            f"{what} timed out after {timeout} s", waiting_for=waiting_for, timeout=timeout
+        )
     if code == lib.AIB_E_PROTOCOL:
         where = ffi.string(err.field).decode("utf-8", "replace")
         return ProtocolError(text, field=where) if where else ProtocolError(text)
@@ -142,17 +151,17 @@ def frame_from(raw: Any) -> Frame:
 def _check_kind(kind: object) -> int:
     # Int subclasses (an IntEnum of message kinds) are fine; bool is an int subclass but surely a mistake.
     if isinstance(kind, bool) or not isinstance(kind, int) or not 0 <= kind <= _U16_MAX:
-        raise WireFormatError(f"frame kind must be an int in 0..{_U16_MAX}, got {kind!r}", field="kind")
+        raise ProtocolError(f"frame kind must be an int in 0..{_U16_MAX}, got {kind!r}", field="kind")
     return int(kind)
 
 
 def _fd_array(fds: Sequence[int]) -> Any:
     if len(fds) > MAX_FDS:
-        raise WireFormatError(f"{len(fds)} descriptors in one frame, at most {MAX_FDS}", field="fds")
+        raise ProtocolError(f"{len(fds)} descriptors in one frame, at most {MAX_FDS}", field="fds")
     if not all(type(fd) is int or (isinstance(fd, int) and not isinstance(fd, bool)) for fd in fds):
-        raise WireFormatError(f"fds must be descriptor numbers, got {list(fds)!r}", field="fds")
+        raise ProtocolError(f"fds must be descriptor numbers, got {list(fds)!r}", field="fds")
     if min(fds) < 0 or max(fds) > 0x7FFFFFFF:
-        raise WireFormatError(f"not a descriptor number in {list(fds)!r}", field="fds")
+        raise ProtocolError(f"not a descriptor number in {list(fds)!r}", field="fds")
     return ffi.new("int[]", list(fds))
 
 
@@ -223,11 +232,11 @@ class Channel:
         else:
             view = memoryview(payload)
             if not view.c_contiguous:
-                raise WireFormatError("the payload must be a C-contiguous buffer", field="payload")
+                raise ProtocolError("the payload must be a C-contiguous buffer", field="payload")
             data = ffi.from_buffer(view)
             size = view.nbytes
         if size > self.max_payload:
-            raise WireFormatError(
+            raise ProtocolError(
                 f"payload of {size} bytes is over this connection's limit of {self.max_payload} bytes",
                 field="payload",
             )
@@ -240,7 +249,9 @@ class Channel:
                 lock.acquire()
             elif not lock.acquire(timeout=max(timeout, 0.0)):
                 raise BridgeTimeoutError(
-                    f"send timed out after {timeout} s waiting for another sender", timeout=timeout
+                    f"send timed out after {timeout} s waiting for another sender",
+                    waiting_for="send",
+                    timeout=timeout,
                 )
         try:
             self.check_open()
@@ -259,27 +270,38 @@ class Channel:
         # sent nothing, as the C loop's GET answers rely on too). Anything else closes the
         # connection: closed after letting go of the send lock, because close() takes the receive
         # lock first and a request holds both in that order.
-        if rc not in _SEND_KEEPS_OPEN and not isinstance(exc, DescriptorsInFlightError):
+        if rc not in _SEND_KEEPS_OPEN and not (
+            isinstance(exc, LimitError) and exc.limit == "descriptors_in_flight"
+        ):
             self.close()
         raise exc
 
     def _send_failure(self, rc: int, err: Any, timeout: float | None, *, fds: bool) -> BridgeError:
         """The exception for a failed aib_channel_send (called holding the send lock)."""
         if fds and rc == lib.AIB_E_OS and err.errno_value == errno.ETOOMANYREFS and not self._closed:
-            return DescriptorsInFlightError(
+            return LimitError(
                 "the kernel refused to pass the frame's descriptors (ETOOMANYREFS: too many in "
-                "flight to peers that do not read); nothing was sent and the connection goes on"
+                "flight to peers that do not read); nothing was sent and the connection goes on",
+                limit="descriptors_in_flight",
             )
         if rc in _INVALID_FRAME:  # refused before anything went out
             message = ffi.string(err.message).decode("utf-8", "replace")
-            return WireFormatError(message, field=ffi.string(err.field).decode() or "frame")
+            return ProtocolError(message, field=ffi.string(err.field).decode() or "frame")
         if rc == lib.AIB_E_PROTOCOL:  # timed out with part of the frame on the wire
             return BridgeTimeoutError(
                 f"send timed out after {timeout} s in the middle of a frame (connection closed)",
+                waiting_for="send",
                 timeout=timeout,
             )
         return self._closed_or(
-            error_for(rc, err, "sending a frame", timeout, peer_closed_hint=self.peer_closed_hint)
+            error_for(
+                rc,
+                err,
+                "sending a frame",
+                timeout,
+                peer_closed_hint=self.peer_closed_hint,
+                waiting_for="send",
+            )
         )
 
     def recv(self, *, timeout: float | None = None) -> Frame:
@@ -295,7 +317,9 @@ class Channel:
             timeout = max(float(timeout), 0.0)
             if not self._recv_lock.acquire(timeout=timeout):
                 raise BridgeTimeoutError(
-                    f"recv timed out after {timeout} s waiting for another receiver", timeout=timeout
+                    f"recv timed out after {timeout} s waiting for another receiver",
+                    waiting_for="receive",
+                    timeout=timeout,
                 )
         try:
             self.check_open()
@@ -341,7 +365,7 @@ class Channel:
                 self.raw, kind, payload, len(payload), millis(timeout), self._frame, err
             )
             if rc:
-                raise self.failed(rc, err, "a request", timeout, holding="both")
+                raise self.failed(rc, err, "a request", timeout, holding="both", waiting_for="answer")
             return frame_from(self._frame)
 
     def get(
@@ -391,7 +415,7 @@ class Channel:
                 return imported, None if rc == _GET_IMPORTED else frame_from(self._frame)
             if rc:
                 timeout = None if timeout_ms < 0 else timeout_ms / 1000
-                raise self.failed(rc, err, "a request", timeout, holding="both")
+                raise self.failed(rc, err, "a request", timeout, holding="both", waiting_for="answer")
             return None, frame_from(self._frame)
 
     def quiet(self) -> bool:
@@ -405,12 +429,21 @@ class Channel:
         return self._recv_lock, self._send_lock
 
     def failed(
-        self, rc: int, err: Any, what: str, timeout: float | None = None, *, holding: str
+        self,
+        rc: int,
+        err: Any,
+        what: str,
+        timeout: float | None = None,
+        *,
+        holding: str,
+        waiting_for: str = "receive",
     ) -> BridgeError:
         """The exception for a failed call; the connection is closed (the stream position is unknown
         after a failed receive: a timed-out frame is not kept). Call it holding the lock(s) named:
         ``"recv"`` or ``"both"`` (never the send lock alone: the locks are taken receive first)."""
-        exc = self._closed_or(error_for(rc, err, what, timeout, peer_closed_hint=self.peer_closed_hint))
+        exc = self._closed_or(
+            error_for(rc, err, what, timeout, peer_closed_hint=self.peer_closed_hint, waiting_for=waiting_for)
+        )
         farewell = self.farewell
         refused = holding == "recv" and not self._closed and lib.aib_channel_refused(self.raw)
         if farewell is not None and refused:
@@ -444,7 +477,8 @@ class Channel:
 
     def check_open(self) -> None:
         """Raise :class:`~arrow_ipc_bridge.errors.PeerClosedError` when the channel is closed,
-        :class:`~arrow_ipc_bridge.errors.ForeignProcessError` in a process other than its own."""
+        :class:`~arrow_ipc_bridge.errors.ClosedError` (``reason="forked"``) in a process other than
+        its own."""
         if self._pid != process.pid:
             raise process.foreign("connection", self._pid, "connect again here")
         if self._closed:

@@ -20,9 +20,8 @@ from types import TracebackType
 from arrow_ipc_bridge.errors import (
     PUBLISHER_GONE_HINT,
     BridgeTimeoutError,
+    ProtocolError,
     TransportError,
-    WaitTimeoutError,
-    WireFormatError,
 )
 from arrow_ipc_bridge.transport.channel import MAX_PAYLOAD, U32_MAX, Channel, Frame
 
@@ -32,9 +31,9 @@ _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
 
 
 def check_max_payload(max_payload: int) -> int:
-    """``max_payload`` when it is a valid payload limit, else :class:`WireFormatError`."""
+    """``max_payload`` when it is a valid payload limit, else :class:`ProtocolError`."""
     if isinstance(max_payload, bool) or not isinstance(max_payload, int) or not 0 <= max_payload <= U32_MAX:
-        raise WireFormatError(
+        raise ProtocolError(
             f"max_payload must be an int in 0..{U32_MAX} (the u32 length field), got {max_payload!r}",
             field="max_payload",
         )
@@ -135,7 +134,8 @@ class Connection:
 
     def check_open(self) -> None:
         """Raise :class:`~arrow_ipc_bridge.errors.PeerClosedError` when the connection is closed,
-        :class:`~arrow_ipc_bridge.errors.ForeignProcessError` in a process other than its own."""
+        :class:`~arrow_ipc_bridge.errors.ClosedError` (``reason="forked"``) in a process other than
+        its own."""
         self.channel.check_open()
 
     def close(self) -> None:
@@ -179,8 +179,8 @@ def connect(
         a stale socket left by a dead server), or access is denied.
     BridgeTimeoutError
         The server did not take the connection within ``timeout``;
-        :class:`~arrow_ipc_bridge.errors.WaitTimeoutError` when ``wait_for_server`` and no server
-        appeared within it.
+        :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` (``waiting_for="publisher"``) when
+        ``wait_for_server`` and no server appeared within it.
     """
     max_payload = check_max_payload(max_payload)
     if not timeout >= 0:  # also refuses NaN
@@ -203,8 +203,9 @@ def connect(
                 raise
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise WaitTimeoutError(
+                raise BridgeTimeoutError(
                     f"no server appeared at {spath!r} within {round(timeout, 3)} s (last: {exc.message})",
+                    waiting_for="publisher",
                     path=spath,
                     timeout=timeout,
                 ) from exc
@@ -230,6 +231,7 @@ def _connect_once(spath: str, timeout: float, deadline: float, max_payload: int)
                     raise BridgeTimeoutError(
                         f"connect to {spath!r} timed out after {timeout} s: a publisher is listening there "
                         "but does not accept connections (backlog full or stuck)",
+                        waiting_for="publisher",
                         path=spath,
                         timeout=timeout,
                     ) from exc

@@ -12,27 +12,20 @@ import struct
 from typing import Any
 
 from arrow_ipc_bridge.errors import (
+    RETIRED,
     BridgeError,
-    ConnectionLimitError,
+    BridgeTimeoutError,
+    ClosedError,
     CopyRequiredError,
-    DescriptorsInFlightError,
-    HandshakeTimeoutError,
-    LeaseLimitError,
+    InvalidArgumentError,
+    LimitError,
     NotPublishedError,
     PeerClosedError,
-    PeerRejectedError,
     ProtocolError,
-    PublisherLimitError,
     RegionError,
-    SlowConsumerError,
     StreamError,
-    StreamFailedError,
-    StreamInterruptedError,
-    SubscriptionLimitError,
-    UnreadAnswersError,
-    WaitLimitError,
-    WaitTimeoutError,
-    WireFormatError,
+    TransportError,
+    UnsupportedFormatError,
 )
 from arrow_ipc_bridge.runtime import arguments
 
@@ -140,30 +133,44 @@ _BOARD_ITEM = struct.Struct("<QQQII")  # lease id, version, serial, slot, 0
 WAIT_FOREVER = 0xFFFFFFFF
 """A WAIT's timeout field for a wait without a limit (any other value is milliseconds)."""
 
-# Errors a publisher may report, by name; anything else arrives as BridgeError.
+# Errors a publisher may report: an ERROR frame names the family ("type") and carries the family's
+# attributes beside the message; anything else arrives as BridgeError. A name of a class retired
+# into a family (what older publishers send) arrives as its family with the attributes that say
+# the same (errors.RETIRED).
 _ERROR_TYPES: dict[str, type[BridgeError]] = {
-    "NotPublishedError": NotPublishedError,
-    "ProtocolError": ProtocolError,
-    "CopyRequiredError": CopyRequiredError,
-    "RegionError": RegionError,
-    "WireFormatError": WireFormatError,
-    "PeerRejectedError": PeerRejectedError,
-    "PeerClosedError": PeerClosedError,
-    "WaitTimeoutError": WaitTimeoutError,
-    "PublisherLimitError": PublisherLimitError,
-    "ConnectionLimitError": ConnectionLimitError,
-    "LeaseLimitError": LeaseLimitError,
-    "UnreadAnswersError": UnreadAnswersError,
-    "WaitLimitError": WaitLimitError,
-    "DescriptorsInFlightError": DescriptorsInFlightError,
-    "HandshakeTimeoutError": HandshakeTimeoutError,
-    "StreamError": StreamError,
-    "StreamFailedError": StreamFailedError,
-    "StreamInterruptedError": StreamInterruptedError,
-    "SlowConsumerError": SlowConsumerError,
-    "SubscriptionLimitError": SubscriptionLimitError,
-    "BridgeError": BridgeError,
+    cls.__name__: cls
+    for cls in (
+        BridgeError,
+        BridgeTimeoutError,
+        ClosedError,
+        CopyRequiredError,
+        InvalidArgumentError,
+        LimitError,
+        NotPublishedError,
+        PeerClosedError,
+        ProtocolError,
+        RegionError,
+        StreamError,
+        TransportError,
+        UnsupportedFormatError,
+    )
 }
+# The attributes an ERROR frame carries, each with the types a value may have (checked on receipt:
+# the frame comes from another process).
+_ERROR_ATTRIBUTES: dict[str, tuple[type, ...]] = {
+    "limit": (str,),
+    "value": (int,),
+    "waiting_for": (str,),
+    "timeout": (int, float),
+    "reason": (str,),
+    "what": (str,),
+    "field": (str,),
+    "path": (str,),
+    "stream": (str,),
+    "received": (int,),
+    "producer_error": (str,),
+}
+_MAX_ATTRIBUTE_CHARS = 200
 
 
 def encode_hello() -> bytes:
@@ -190,7 +197,7 @@ def decode_json(payload: bytes, what: str) -> Any:
 
 
 def encode_name(name: str, what: str = "name") -> bytes:
-    """``name``'s bytes for a frame; :class:`~arrow_ipc_bridge.errors.ArgumentTypeError` for a
+    """``name``'s bytes for a frame; :class:`~arrow_ipc_bridge.errors.InvalidArgumentError` for a
     non-str, :class:`~arrow_ipc_bridge.errors.InvalidArgumentError` outside 1 to MAX_NAME UTF-8 bytes
     (``what``: the argument's name in the message)."""
     if type(name) is str:  # the hot path (publish, get) without a call more
@@ -277,15 +284,38 @@ def answer_message(kind: int, payload: bytes) -> bytes:
 
 
 def encode_error(exc: BaseException) -> bytes:
-    name = type(exc).__name__ if type(exc).__name__ in _ERROR_TYPES else "BridgeError"
+    """An ERROR payload for ``exc``: its family's name, its message and the attributes of
+    :data:`_ERROR_ATTRIBUTES` it has (a family outside the table goes as BridgeError)."""
+    families = _ERROR_TYPES.values()
+    name = next((c.__name__ for c in type(exc).__mro__ if c in families), "BridgeError")
     message = exc.message if isinstance(exc, BridgeError) else str(exc)
-    return encode_json({"type": name, "message": message})
+    body: dict[str, object] = {"type": name, "message": message}
+    details = exc.details if isinstance(exc, BridgeError) else {}
+    for key, types in _ERROR_ATTRIBUTES.items():
+        value = details.get(key)
+        if isinstance(value, types) and not isinstance(value, bool):
+            body[key] = value
+    return encode_json(body)
 
 
 def raise_error(payload: bytes) -> None:
-    """Raise the error a publisher reported."""
+    """Raise the error a publisher reported: its family, with the attributes that came (each
+    checked; one of the wrong type or size is left out) or those of a retired name."""
     body = decode_json(payload, "ERROR")
     if not isinstance(body, dict) or not isinstance(body.get("message"), str):
         raise ProtocolError("ERROR payload is not {type, message}")
-    cls = _ERROR_TYPES.get(str(body.get("type")), BridgeError)
-    raise cls(f"publisher: {body['message']}")
+    name = str(body.get("type"))
+    details: dict[str, Any] = {}
+    retired = RETIRED.get(name)
+    if retired is not None:
+        cls, implied = retired
+        details.update(implied)
+    else:
+        cls = _ERROR_TYPES.get(name, BridgeError)
+    for key, types in _ERROR_ATTRIBUTES.items():
+        value = body.get(key)
+        if isinstance(value, types) and not isinstance(value, bool):
+            if isinstance(value, str) and len(value) > _MAX_ATTRIBUTE_CHARS:
+                continue
+            details[key] = value
+    raise cls(f"publisher: {body['message']}", **details)

@@ -26,10 +26,10 @@ from typing import Final
 
 from arrow_ipc_bridge.errors import (
     BridgeError,
-    ConnectionLimitError,
-    HandshakeTimeoutError,
+    BridgeTimeoutError,
+    LimitError,
     PeerClosedError,
-    PeerRejectedError,
+    TransportError,
 )
 from arrow_ipc_bridge.runtime import process
 from arrow_ipc_bridge.transport.channel import MAX_PAYLOAD
@@ -120,13 +120,13 @@ class Server:
     max_connections:
         Most connections served at once (``None``: no limit). When they are all taken, a new
         connection first makes room by closing an idle one (below); when none can go it gets the
-        ``farewell`` with :class:`~arrow_ipc_bridge.errors.ConnectionLimitError` and is closed.
+        ``farewell`` with :class:`~arrow_ipc_bridge.errors.LimitError` and is closed.
     max_connections_per_process:
         Most connections one process (the peer's ``SO_PEERCRED`` pid) may hold at once (``None``:
-        no limit); one more gets the ``farewell`` with ConnectionLimitError and is closed.
+        no limit); one more gets the ``farewell`` with LimitError and is closed.
     max_connections_per_uid:
         Most connections the processes of one uid other than this process's may hold at once
-        (``None``: no limit); one more gets the ``farewell`` with ConnectionLimitError. The
+        (``None``: no limit); one more gets the ``farewell`` with LimitError. The
         server's own uid is not capped: its processes have every power over the server anyway, and
         they are its usual clients (the per-process cap bounds each of them).
     evictable:
@@ -137,12 +137,12 @@ class Server:
         connections that have not completed their handshake are closed to make room. The server
         picks among the parked connections of the process holding the most connections, if that
         process holds at least two more than the new connection's process; the one parked longest
-        first. The closed connection gets the ``farewell`` with ConnectionLimitError.
+        first. The closed connection gets the ``farewell`` with LimitError.
     handshake_timeout:
-        Seconds a connection has from its accept until the handler calls :meth:`established`
-        (``None``: no limit). A parked connection past it gets the ``farewell`` with
-        :class:`~arrow_ipc_bridge.errors.HandshakeTimeoutError` and is closed; a handler running
-        meanwhile reads the deadline with :meth:`handshake_deadline` and enforces it itself.
+        Seconds a connection has from its accept until the handler calls :meth:`established` (``None``: no
+        limit). A parked connection past it gets the ``farewell`` with
+        :class:`~arrow_ipc_bridge.errors.BridgeTimeoutError` (``waiting_for="handshake"``) and is closed; a
+        handler running meanwhile reads the deadline with :meth:`handshake_deadline` and enforces it itself.
     park:
         Give threads only to connections with something to read (above).
     farewell:
@@ -462,8 +462,9 @@ class Server:
             )
             self._refuse(
                 conn,
-                PeerRejectedError(
+                TransportError(
                     f"uid {conn.peer_uid} is not allowed to connect (the publisher's allowed_uids)",
+                    reason="rejected",
                     uid=conn.peer_uid,
                 ),
             )
@@ -477,11 +478,12 @@ class Server:
         if refusal is None and self._full():
             victim = self._idle_victim(conn)
             if victim is None:
-                refusal = ConnectionLimitError(
+                refusal = LimitError(
                     f"the publisher serves its maximum of {self._max_connections} connections "
                     "(max_connections) and none is idle to close for this one: close unused sessions "
                     "or retry later",
-                    limit=self._max_connections,
+                    limit="max_connections",
+                    value=self._max_connections,
                 )
             else:
                 self._evict(victim)
@@ -510,23 +512,25 @@ class Server:
         with self._lock:
             return self._max_connections is not None and len(self._conns) >= self._max_connections
 
-    def _over_peer_cap(self, conn: Connection) -> ConnectionLimitError | None:
+    def _over_peer_cap(self, conn: Connection) -> LimitError | None:
         """The error for a connection whose process or uid holds its cap of connections already."""
         with self._lock:
             by_process = self._per_pid.get(conn.peer_pid, 0)
             by_uid = self._per_uid.get(conn.peer_uid, 0)
         if self._max_per_process is not None and by_process >= self._max_per_process:
-            return ConnectionLimitError(
+            return LimitError(
                 f"process {conn.peer_pid} holds {by_process} connections to the publisher, its "
                 f"max_connections_per_process: close unused sessions (each session and each "
                 "subscription is one) or retry later",
-                limit=self._max_per_process,
+                limit="max_connections_per_process",
+                value=self._max_per_process,
             )
         if self._max_per_uid is not None and conn.peer_uid != os.getuid() and by_uid >= self._max_per_uid:
-            return ConnectionLimitError(
+            return LimitError(
                 f"uid {conn.peer_uid} holds {by_uid} connections to the publisher, its "
                 "max_connections_per_uid: close unused sessions or retry later",
-                limit=self._max_per_uid,
+                limit="max_connections_per_uid",
+                value=self._max_per_uid,
             )
         return None
 
@@ -569,12 +573,13 @@ class Server:
         )
         self._refuse(
             conn,
-            ConnectionLimitError(
+            LimitError(
                 f"this connection was idle and was closed to make room for another client: the "
                 f"publisher serves its maximum of {self._max_connections} connections "
                 f"(max_connections) and process {conn.peer_pid} held {held} of them; connect again "
                 "when needed",
-                limit=self._max_connections,
+                limit="max_connections",
+                value=self._max_connections,
             ),
         )
         self._finish(conn)
@@ -654,10 +659,11 @@ class Server:
             self._refuse(conn, self.handshake_error())
             self._finish(conn)
 
-    def handshake_error(self) -> HandshakeTimeoutError:
+    def handshake_error(self) -> BridgeTimeoutError:
         """The error a connection that did not complete its handshake in time is closed with."""
-        return HandshakeTimeoutError(
+        return BridgeTimeoutError(
             f"no handshake within the publisher's handshake_timeout of {self._handshake_timeout} s",
+            waiting_for="handshake",
             timeout=self._handshake_timeout,
         )
 

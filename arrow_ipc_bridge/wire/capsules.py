@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast, runti
 
 from arrow_ipc_bridge import _ffi
 from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
-from arrow_ipc_bridge.errors import BridgeError, CapsuleError, ReleasedError
+from arrow_ipc_bridge.errors import BridgeError, ClosedError, InvalidArgumentError
 from arrow_ipc_bridge.runtime.deferred_close import DeferredClose
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ device_array_capsules = _ffi.device_array_capsules
 """``device_array_capsules(message, owner_address)``: the (schema, device array) capsule pair of batch
 0 of ``message`` (a :class:`~arrow_ipc_bridge.wire.metadata.Decoded`), built in one C call from its owner's
 view (``aib_owner_set_view``); ``None`` when the owner cannot build it (no view): the caller's
-regular path then does the work and reports errors. Raises :class:`ReleasedError` when ``message``
+regular path then does the work and reports errors. Raises :class:`ClosedError` when ``message``
 is closed — checked in the same call that uses the owner, which holds the GIL throughout, so
 another thread's release cannot come in between."""
 array_capsules = _ffi.array_capsules
@@ -139,7 +139,7 @@ def capsule_struct(capsule: object, kind: str) -> Any:
     """The struct a capsule of ``kind`` holds (borrowed), checking the capsule's name."""
     address = _CAPSULE_ADDRESS[kind](capsule)
     if not address:
-        raise CapsuleError(
+        raise InvalidArgumentError(
             f"expected a PyCapsule named {_NAMES[kind].decode()!r}, got {_capsule_name(capsule)}: pass "
             "the object that implements the Arrow PyCapsule interface, or its capsules in the order it "
             "returns them"
@@ -205,7 +205,7 @@ class CapturedData(DeferredClose):
     @classmethod
     def sharing(cls, other: CapturedData) -> CapturedData:
         """Another reference on ``other``'s record (the same structs, no copy, no capsule round):
-        the data lives until both are closed. ReleasedError when ``other`` is closed."""
+        the data lives until both are closed. ClosedError when ``other`` is closed."""
         other.borrow()
         try:
             lib.aib_owner_ref(other.owner)
@@ -242,7 +242,7 @@ class CapturedData(DeferredClose):
 def _move_schema(capsule: object) -> Any:
     source = capsule_struct(capsule, "schema")
     if source.release == ffi.NULL:
-        raise ReleasedError("the schema capsule was already consumed or released")
+        raise ClosedError("the schema capsule was already consumed or released", reason="released")
     schema = lib.aib_schema_alloc()
     lib.aib_schema_move(source, schema)
     return schema
@@ -258,7 +258,7 @@ def _move_device_array(capsule: object, *, host: bool) -> Any:
         rc = lib.aib_device_array_move(source, target)
     if rc != lib.AIB_OK:
         lib.aib_device_array_free(target)
-        raise ReleasedError("the array capsule was already consumed or released")
+        raise ClosedError("the array capsule was already consumed or released", reason="released")
     return target
 
 
@@ -267,7 +267,7 @@ def _drain_stream(capsule: object, *, device: bool) -> tuple[Any, list[Any]]:
     kind = "device_stream" if device else "stream"
     source = capsule_struct(capsule, kind)
     if source.release == ffi.NULL:
-        raise ReleasedError("the stream capsule was already consumed or released")
+        raise ClosedError("the stream capsule was already consumed or released", reason="released")
     # Take the stream over first (into a capsule of ours), so it is released exactly once, when
     # `owned` goes away, whatever happens below.
     owned, stream = new_capsule(kind)
@@ -357,7 +357,7 @@ def capture(obj: ArrowInput, *, requested_schema: object | None = None) -> Captu
             if _CAPSULE_ADDRESS[kind](obj) != 0:
                 schema, arrays = _drain_stream(obj, device=device)
                 return CapturedData(schema, arrays, is_stream=True)
-    raise CapsuleError(
+    raise InvalidArgumentError(
         f"{type(obj).__name__} does not implement the Arrow PyCapsule interface "
         "(__arrow_c_device_array__, __arrow_c_array__, __arrow_c_device_stream__ or __arrow_c_stream__)"
     )
@@ -374,7 +374,7 @@ def _capture_pair(schema_capsule: object, array_capsule: object, *, host: bool) 
     schema_source = capsule_struct(schema_capsule, "schema")
     capsule_struct(array_capsule, "array" if host else "device_array")
     if schema_source.release == ffi.NULL:
-        raise ReleasedError("the schema capsule was already consumed or released")
+        raise ClosedError("the schema capsule was already consumed or released", reason="released")
     array = _move_device_array(array_capsule, host=host)
     try:
         schema = _move_schema(schema_capsule)
@@ -440,7 +440,7 @@ class ArrowExporter:
             return
         requested = capsule_struct(requested_schema, "schema")
         if requested.release == ffi.NULL:
-            raise ReleasedError("the requested_schema capsule was already released")
+            raise ClosedError("the requested_schema capsule was already released", reason="released")
         own = ffi.new("struct ArrowSchema *")
         self._fill_schema(own)
         try:
@@ -552,14 +552,14 @@ class _CapturedSource(DeviceStreamExporter, HostStreamExporter):
 
     def _live(self) -> CapturedData:
         if self._captured.closed:
-            raise ReleasedError(CapturedData._closed_message)
+            raise ClosedError(CapturedData._closed_message, reason="released")
         return self._captured
 
     # Each C call below releases the GIL: the record is borrowed across it, so that a close() on
     # another thread meanwhile waits for the call instead of freeing what it reads.
     def _borrowed(self) -> CapturedData:
         captured = self._captured
-        captured.borrow()  # ReleasedError once closed
+        captured.borrow()  # ClosedError once closed
         return captured
 
     def _fill_schema(self, out: Any) -> None:

@@ -13,7 +13,7 @@ Producer::
 
 Consumer::
 
-    decoded = Decoded(message, n_fds)               # WireFormatError unless fully valid
+    decoded = Decoded(message, n_fds)               # ProtocolError unless fully valid
     decoded.rebuild_schema(out_schema)
     decoded.rebuild_array(0, region_bases, out_array)
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
-from arrow_ipc_bridge.errors import BridgeError, ReleasedError, WireFormatError
+from arrow_ipc_bridge.errors import BridgeError, ClosedError, ProtocolError
 from arrow_ipc_bridge.runtime.deferred_close import DeferredClose
 from arrow_ipc_bridge.wire.capsules import HOST_READABLE_DEVICES, CapturedData
 
@@ -130,7 +130,7 @@ class Described:
 
     def __init__(self, captured: CapturedData, *, host_readable: bool | None = None) -> None:
         if captured.closed:
-            raise ReleasedError("cannot describe closed captured data")
+            raise ClosedError("cannot describe closed captured data", what="captured data")
         if host_readable is None:
             host_readable = captured.device_type in HOST_READABLE_DEVICES
         d = lib.aib_describe_new()
@@ -233,7 +233,7 @@ class Described:
 
 
 class Decoded(DeferredClose):
-    """A message decoded and validated in full; raises :class:`WireFormatError` otherwise.
+    """A message decoded and validated in full; raises :class:`ProtocolError` otherwise.
 
     The decoded tree belongs to a C owner record (``owner``): every struct rebuilt from it holds a
     reference on that owner, so the tree, and whatever the owner depends on (region mappings), lives
@@ -262,7 +262,7 @@ class Decoded(DeferredClose):
         allow_process_regions: bool = False,
     ) -> None:
         if not isinstance(message, bytes | bytearray | memoryview):
-            raise WireFormatError(f"a message must be bytes, not {type(message).__name__}", field="message")
+            raise ProtocolError(f"a message must be bytes, not {type(message).__name__}", field="message")
         out = ffi.new("aib_decoded **")
         err = new_error()
         options = lib.AIB_DECODE_ALLOW_PROCESS_REGIONS if allow_process_regions else 0
@@ -379,7 +379,7 @@ class Decoded(DeferredClose):
 
     def _live(self) -> Any:
         if self._closed:
-            raise ReleasedError(self._closed_message)
+            raise ClosedError(self._closed_message, reason="released")
         return self._d
 
     @property

@@ -140,6 +140,15 @@ def decode_batch_header(payload: bytes) -> tuple[int, int, int, bool, bool]:
     return int(sequence), int(lease_id), int(slot), again, ring
 
 
+# A STREAM_END's type for an end with an error. They are tokens of the wire, spelled as the
+# exception classes that once had these names (every publisher sends them so): the consumer turns
+# them into StreamError(reason=...) or PeerClosedError. Any other type names the producer's own
+# exception (StreamWriter.fail).
+END_FAILED = "StreamFailedError"
+END_SLOW_CONSUMER = "SlowConsumerError"
+END_INTERRUPTED = "StreamInterruptedError"
+
+
 @dataclass(frozen=True)
 class StreamEnd:
     """How a stream ended for one consumer: ``error_type`` None for a clean end; ``dropped``: the

@@ -10,7 +10,7 @@ from __future__ import annotations
 from arrow_ipc_bridge.cuda._driver import _address, _api, _check, _lib, _nbytes
 from arrow_ipc_bridge.cuda.devices import device_context
 from arrow_ipc_bridge.cuda.pointers import _device_of, pointer_info
-from arrow_ipc_bridge.errors import RegionError
+from arrow_ipc_bridge.errors import InvalidArgumentError
 
 __all__ = ["current_context", "mem_get_info", "memset_d8", "pool_of_pointer", "write_device"]
 
@@ -76,7 +76,7 @@ def memset_d8(ptr: int, value: int, n: int, *, device: int | None = None) -> Non
     """
     ptr, n = _address(ptr, "ptr"), _nbytes(n)
     if not 0 <= value <= 255:
-        raise RegionError(f"value must be a byte (0-255), got {value!r}", field="value")
+        raise InvalidArgumentError(f"value must be a byte (0-255), got {value!r}", argument="value")
     if n == 0:
         return
     lib = _lib()

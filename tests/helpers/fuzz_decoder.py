@@ -8,7 +8,7 @@ Seeds are the golden messages and the libFuzzer corpus (``fuzz/decoder/corpus``:
 length, the message, then its regions' bytes); each iteration truncates, flips bits, splices,
 overwrites with random bytes or inserts huge varints, and fills the regions with zeros, small
 numbers or random bytes. The only exception allowed out of the decoder and the content check is
-WireFormatError. The oracle: every message that passes the full content check is imported into
+ProtocolError. The oracle: every message that passes the full content check is imported into
 pyarrow and read in full (validation, then every value), over regions that end at a guard page, so a
 read past a region's end kills this process.
 
@@ -34,7 +34,7 @@ import pyarrow as pa
 from arrow_ipc_bridge import Session
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.consumer.content_check import check_content
-from arrow_ipc_bridge.errors import BridgeError, WireFormatError
+from arrow_ipc_bridge.errors import BridgeError, ProtocolError
 from arrow_ipc_bridge.wire.metadata import Decoded
 
 GOLDEN = Path(__file__).parent.parent / "golden"
@@ -153,7 +153,7 @@ def exercise(message: bytes, contents: bytes, backing: GuardedBacking) -> str:
     """How far the message got: "refused", "large", "checked out" or "read"."""
     try:
         decoded = Decoded(message, n_fds=MAX_FDS)
-    except WireFormatError:
+    except ProtocolError:
         return "refused"
     try:
         regions = decoded.regions()
@@ -163,11 +163,11 @@ def exercise(message: bytes, contents: bytes, backing: GuardedBacking) -> str:
         try:
             check_content(decoded, bases, "bounds")
             bounds_ok = True
-        except WireFormatError:
+        except ProtocolError:
             bounds_ok = False
         try:
             check_content(decoded, bases, "full")
-        except WireFormatError:
+        except ProtocolError:
             return "checked out"
         if not bounds_ok:
             raise AssertionError("the bounds check refused what the full check accepted")
@@ -213,7 +213,7 @@ def replay(directory: Path) -> int:
             try:
                 try:
                     regions = Decoded(message, MAX_FDS).regions()
-                except WireFormatError:
+                except ProtocolError:
                     regions = []
                 if sum(r.size for r in regions) > 1 << 20:
                     continue

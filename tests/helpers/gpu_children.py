@@ -15,6 +15,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from helpers.counting import SessionCounts
+
 
 def _ipc_bytes(obj: Any) -> bytes:
     """Arrow IPC stream bytes of an array (as a one-column table), batch or table."""
@@ -37,6 +39,7 @@ def consumer_loop(socket_path: str, conn: Connection, pool_linger: float = 1.0) 
     answers ``("ok", cuda.cuda_stats() + {"pools_cached", "new_message_gets", "legacy_held",
     "kept_held"})``: the last two are what the process's region table holds open beyond their arrays
     (legacy handles, kept slabs)."""
+    counts = SessionCounts()
     import arrow_ipc_bridge as aib
     from arrow_ipc_bridge import cuda
     from arrow_ipc_bridge.cuda import opener as cuda_opener
@@ -54,7 +57,7 @@ def consumer_loop(socket_path: str, conn: Connection, pool_linger: float = 1.0) 
                 if name == ("stats",):
                     stats = cuda.cuda_stats()
                     stats["pools_cached"] = len(cuda_opener.opener()._pools)
-                    stats["new_message_gets"] = session.new_message_gets
+                    stats["new_message_gets"] = counts.new_message_gets
                     stats["legacy_held"] = len(list(cuda_opener.opener()._legacy))
                     stats["kept_held"] = len(list(cuda_opener.opener()._kept))
                     conn.send(("ok", stats))
@@ -62,9 +65,9 @@ def consumer_loop(socket_path: str, conn: Connection, pool_linger: float = 1.0) 
                 try:
                     with session.get(name) as imported:
                         host = imported.to_host()
-                        conn.send(("ok", _ipc_bytes(host), imported.device_id, session.remembered_gets))
+                        conn.send(("ok", _ipc_bytes(host), imported.device_id, counts.remembered_gets))
                 except Exception as exc:  # report, keep serving
-                    conn.send(("error", f"{type(exc).__name__}: {exc}", -1, session.remembered_gets))
+                    conn.send(("error", f"{type(exc).__name__}: {exc}", -1, counts.remembered_gets))
     except Exception:
         traceback.print_exc()
         sys.exit(1)
@@ -169,6 +172,7 @@ def cupy_step_consumer(socket_path: str, conn: Connection, steps: int, hold_ever
     CuPy arrays (column_arrays), read the first value of each, release the import; with
     ``hold_every`` > 0, keep the arrays of every such step until the next step (so the kept arrays
     are held then). Sends the values read per step, then the session's counts."""
+    counts = SessionCounts()
     try:
         import cupy
 
@@ -187,7 +191,7 @@ def cupy_step_consumer(socket_path: str, conn: Connection, steps: int, hold_ever
                 del arrays, firsts
                 conn.send(step)
             del held
-            conn.send({"read": read, "reused": session.reused_cupy_arrays, "local_gets": session.local_gets})
+            conn.send({"read": read, "reused": counts.reused_cupy_arrays, "local_gets": counts.local_gets})
     except BaseException:
         traceback.print_exc()
         sys.exit(1)
@@ -198,6 +202,7 @@ def get_next_step_consumer(socket_path: str, conn: Connection, steps: int) -> No
     instead of a "go": gets "t" once (sends "ready"), then per step waits for the version after the
     last one, waits on its event on the legacy default stream, reads the last column's first value
     and sends it. Sends the session's and the process's counts at the end."""
+    counts = SessionCounts()
     try:
         import arrow_ipc_bridge as aib
 
@@ -215,7 +220,7 @@ def get_next_step_consumer(socket_path: str, conn: Connection, steps: int) -> No
             waits = aib.stats().waits
             conn.send(
                 {
-                    "local_gets": session.local_gets,
+                    "local_gets": counts.local_gets,
                     "board_waits": waits.board_waits,
                     "waits_sent": waits.waits_sent,
                 }

@@ -21,7 +21,7 @@ def streaming_producer_main(path: str, ready: Any) -> None:
         while True:
             try:
                 slot = writer.reserve(timeout=60)
-            except aib.StreamBlockedError:
+            except aib.BridgeTimeoutError:
                 continue
             slot.columns[0][:] = i
             slot.commit()
