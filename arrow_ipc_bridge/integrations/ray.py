@@ -6,18 +6,18 @@ actor (or the driver) through a publisher of the sending process, not through Ra
     import ray
     from arrow_ipc_bridge.integrations import ray as aib_ray
 
-    aib_ray.register()                                   # in the driver, before the actors exist
+    aib_ray.register()                              # in the driver, before the classes below
 
     @ray.remote(enable_tensor_transport=True)
     class Producer:
         @ray.method(tensor_transport=aib_ray.TRANSPORT)
         def table(self):
-            return aib_ray.ArrowPayload(pa_table)        # host or GPU Arrow data
+            return aib_ray.ArrowPayload(pa_table)   # host or GPU Arrow data
 
-    @ray.remote
+    @ray.remote(enable_tensor_transport=True)      # receivers need it too
     class Consumer:
-        def total(self, payload):                        # an ArrowPayload over the import
-            return pa.table(payload)["x"].sum().as_py()  # zero-copy: the sender's shared memory
+        def last(self, payload):                    # an ArrowPayload over the import
+            return pa.table(payload)["x"][-1]       # zero-copy: the sender's shared memory
 
 How it works (``docs/consumers/ray.md``): Ray 2.60's pluggable transport
 (``ray.experimental.rdt.register_tensor_transport``) hands the manager the objects of its
