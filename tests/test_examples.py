@@ -288,6 +288,25 @@ def test_example_weight_sync() -> None:
     )
 
 
+def test_example_ray_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two Ray actors passed a shared-memory table (0 bytes copied) and a heap table through the
+    bridge's transport, by socket on one node; the consumer read both without allocating, and both
+    were unpublished once the refs went."""
+    pytest.importorskip("ray", reason="the Ray example needs ray (pip install 'arrow_ipc_bridge[ray]')")
+    # Ray's session files (sockets among them: a short path for AF_UNIX), outside the example's
+    # temporary directory, whose leftover files the harness checks.
+    ray_tmp = tempfile.mkdtemp(dir="/tmp", prefix="aibray-")
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
+    try:
+        run = run_example("ray_transport.py")
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    line_matching(run, r"prices published as \S+, 0 bytes copied")
+    line_matching(run, r"arrived by socket \(same Ray node\)")
+    line_matching(run, r"pyarrow allocated 0 bytes for both tables")
+    line_matching(run, r"both unpublished after the refs went, no lease left")
+
+
 def test_example_own_socket() -> None:
     run = run_example("own_socket.py")
     line_matching(run, r"^producer: exported \d+ bytes of metadata and 1 fd\(s\)")

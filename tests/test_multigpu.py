@@ -459,3 +459,71 @@ def test_a_thousand_cross_gpu_imports_hold_nothing() -> None:
         assert after["pending_copies"] <= 1
         for key in ("free_0", "free_1"):
             assert before[key] - after[key] < 64 << 20, (key, before, after)
+
+
+def grant_imported_pool_child(socket_path: str, conn: Connection) -> None:
+    """In a fresh process (a failed read must not poison the test process's contexts): get
+    "pool_on0" on a plain session (nothing granted), read the imported pool's access for the other
+    GPU, grant it with ``cuMemPoolSetAccess`` on the imported pool, read the access again, and copy
+    the column's bytes with a kernel on the other GPU. Sends what it saw."""
+    try:
+        import numpy as np
+
+        from arrow_ipc_bridge import cuda
+        from arrow_ipc_bridge.cuda._declarations import (
+            CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            CU_MEM_LOCATION_TYPE_DEVICE,
+        )
+        from arrow_ipc_bridge.cuda._driver import _api
+        from arrow_ipc_bridge.cuda.opener import opener
+        from arrow_ipc_bridge.wire.metadata import REGION_CUDA_POOL
+
+        seen: dict[str, Any] = {}
+        with aib.connect(socket_path, timeout=30.0) as session, session.get("pool_on0") as imported:
+            owner_gpu = imported.device_id
+            reader = 1 - owner_gpu
+            pools = [r for r in imported._decoded.regions() if r.kind == REGION_CUDA_POOL]
+            pool = opener().imported_pool(pools[0].handle[:24])
+            assert pool is not None, "the pool is imported by this process"
+            lib, driver_ffi = _api()
+            location = driver_ffi.new("CUmemLocation *")
+            location.type = CU_MEM_LOCATION_TYPE_DEVICE
+            location.id = reader
+            flags = driver_ffi.new("CUmemAccess_flags *")
+            seen["get_before"] = int(lib.cuMemPoolGetAccess(flags, pool.handle, location))
+            seen["access_before"] = int(flags[0])
+            desc = driver_ffi.new("CUmemAccessDesc *")
+            desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = reader
+            desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            with cuda.device_context(owner_gpu):
+                seen["set"] = int(lib.cuMemPoolSetAccess(pool.handle, desc, 1))
+            seen["get_after"] = int(lib.cuMemPoolGetAccess(flags, pool.handle, location))
+            seen["access_after"] = int(flags[0])
+            want = np.asarray(numeric_table(0).column("c_int64").to_numpy()).tobytes()
+            seen["read_ok"] = _read_in_place(imported, reader, "c_int64") == want
+        conn.send(("done", seen))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+
+
+def test_a_consumer_may_grant_its_own_gpu_access_to_an_imported_pool() -> None:
+    """The question of issue 31, answered: a consumer may give its own GPU access to an IPC memory
+    pool it imported from a producer on another GPU. ``cuMemPoolSetAccess`` on the imported pool
+    succeeds in the consumer's process, ``cuMemPoolGetAccess`` then reports read-write for that GPU,
+    and a kernel there reads the producer's bytes in place (what ``grant_in_place`` relies on)."""
+    from arrow_ipc_bridge.cuda._declarations import CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+
+    with _serving_both_gpus() as (path, _source, _reader):
+        parent, child = _CTX.Pipe()
+        process = _CTX.Process(target=grant_imported_pool_child, args=(path, child))
+        process.start()
+        assert parent.poll(120), "the consumer did not answer"
+        status, seen = parent.recv()
+        _join(process)
+    assert status == "done", seen
+    assert seen["get_before"] == 0
+    assert seen["set"] == 0, f"cuMemPoolSetAccess on the imported pool: CUresult {seen['set']}"
+    assert seen["get_after"] == 0
+    assert seen["access_after"] == CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    assert seen["read_ok"]
