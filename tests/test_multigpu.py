@@ -490,15 +490,16 @@ def grant_imported_pool_child(socket_path: str, conn: Connection) -> None:
             location.type = CU_MEM_LOCATION_TYPE_DEVICE
             location.id = reader
             flags = driver_ffi.new("CUmemAccess_flags *")
-            seen["get_before"] = int(lib.cuMemPoolGetAccess(flags, pool.handle, location))
+            handle = driver_ffi.cast("CUmemoryPool", pool.handle)
+            seen["get_before"] = int(lib.cuMemPoolGetAccess(flags, handle, location))
             seen["access_before"] = int(flags[0])
             desc = driver_ffi.new("CUmemAccessDesc *")
             desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE
             desc.location.id = reader
             desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
             with cuda.device_context(owner_gpu):
-                seen["set"] = int(lib.cuMemPoolSetAccess(pool.handle, desc, 1))
-            seen["get_after"] = int(lib.cuMemPoolGetAccess(flags, pool.handle, location))
+                seen["set"] = int(lib.cuMemPoolSetAccess(handle, desc, 1))
+            seen["get_after"] = int(lib.cuMemPoolGetAccess(flags, handle, location))
             seen["access_after"] = int(flags[0])
             want = np.asarray(numeric_table(0).column("c_int64").to_numpy()).tobytes()
             seen["read_ok"] = _read_in_place(imported, reader, "c_int64") == want

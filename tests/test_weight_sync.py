@@ -299,7 +299,9 @@ def test_many_fast_steps_every_version_whole(socket_path: str, slots: int) -> No
 
 
 def test_the_example_runs_as_a_user_runs_it() -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
     with tempfile.TemporaryDirectory() as tmp:
         env["TMPDIR"] = tmp
         done = subprocess.run(
@@ -435,7 +437,9 @@ def test_gpu_example_runs(cuda_device: int) -> None:
         capture_output=True,
         text=True,
         timeout=300,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=dict(
+            os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        ),
     )
     assert done.returncode == 0, done.stderr
     assert "parameters viewed in place on the GPU" in done.stdout, done.stdout
@@ -465,7 +469,9 @@ def test_the_benchmark_runs_on_the_host_and_reports_every_step(tmp_path: Path) -
         capture_output=True,
         text=True,
         timeout=180,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=dict(
+            os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        ),
     )
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
