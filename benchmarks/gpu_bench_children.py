@@ -944,9 +944,6 @@ class _BridgeConsumer:
         t0 = _perf()
         imported = self.session.get(name)
         t_got = _perf()
-        after = aib.stats().session
-        remembered = after.remembered_gets - remembered
-        new_in_c = after.new_message_gets - new_in_c
         capsules = imported.__arrow_c_device_array__()
         t_capsules = _perf()
         device_array = capsule_struct(capsules[1], "device_array")
@@ -969,6 +966,10 @@ class _BridgeConsumer:
         imported.release()
         reaper.drain()  # lease release + handle/pointer frees now, not during the next timed get
         t3 = _perf()
+        # Which path the get took, read after the timed part (aib.stats() builds a whole record).
+        after = aib.stats().session
+        remembered = after.remembered_gets - remembered
+        new_in_c = after.new_message_gets - new_in_c
         check_close(name, got, expected)
         return t_ready - t0, {
             "launched_s": t1 - t0,
