@@ -55,7 +55,13 @@ batch_columns: Callable[..., _BatchColumns | str]
 DLPackColumn: type  # what batch_columns hands out for DLPack consumers (columns.ColumnView wraps it)
 # py_columns.c (from_cuda_arrays): (values, n, cupy_type) -> (columns read, aib_cuda_column[n] as bytes)
 read_cuda_columns: Callable[[list[Any], int, type | None], tuple[int, bytes]]
-if lib.aib_py_install(__name__.encode()) != 0 or lib.aib_py_install_columns(__name__.encode()) != 0:
+# py_local_get.c: a session's local re-gets in one builtin call (consumer/session.py makes one per session).
+LocalGetter: type
+if (
+    lib.aib_py_install(__name__.encode()) != 0
+    or lib.aib_py_install_columns(__name__.encode()) != 0
+    or lib.aib_py_install_local_get(__name__.encode()) != 0
+):
     raise BuildMismatchError(  # pragma: no cover - only out of memory
         "the C core could not install its Python functions (the error is printed above)"
     )
@@ -75,6 +81,7 @@ __all__ = [
     "batch_columns",
     "DLPackColumn",
     "read_cuda_columns",
+    "LocalGetter",
 ]
 
 

@@ -622,6 +622,12 @@ int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64
                     aib_remembered *remembered, uint64_t lease_tokens, aib_owner *keeper,
                     const void *board, uint32_t board_slots, aib_get_result *out, aib_frame *frame,
                     aib_error *err);
+/* The local part of aib_session_get alone: the name's remembered message imported from the board
+ * when it holds a standing lease and the channel has nothing unread (AIB_GET_IMPORTED, out filled,
+ * flags AIB_GET_LOCAL); else AIB_OK and nothing sent or changed. Call it as aib_session_get is
+ * called (nothing else receiving on ch meanwhile); py_local_get.c's builtin does. */
+int aib_session_get_local(aib_channel *ch, aib_remembered *remembered, const void *board, uint32_t board_slots,
+                          const uint8_t *name, size_t name_len, aib_get_result *out);
 /* ---------- what this process has open: the region table (region_table.c) ---------------------
  * The one record of it, which aib_session_get reads and Python asks (it keeps no copy). Keys: a
  * legacy IPC handle (64 bytes; value: its base here; owner: what keeps it open, one reference held
@@ -731,6 +737,9 @@ typedef struct aib_cuda_column {
 } aib_cuda_column;
 /* Installs read_cuda_columns on the Python module module_name (py_columns.c); 0 or -1. */
 int aib_py_install_columns(const char *module_name);
+/* Installs LocalGetter on the Python module module_name (py_local_get.c): a session's local re-gets
+ * (aib_session_get_local) with the imported object built in C; 0 or -1. */
+int aib_py_install_local_get(const char *module_name);
 /* aib_columns_build: the schema and array (no device wrapper) of n columns of one length: a struct
  * "+s" record batch with children named names[i] when as_batch, else one plain array (n == 1, names
  * unused). One allocation per tree; the structs own no data (the caller keeps it alive). */

@@ -38,6 +38,8 @@ C_SOURCES = [
     "py_capsules.c",
     "host_system.c",
     "py_columns.c",
+    "py_hot.c",
+    "py_local_get.c",
 ]
 HEADERS = ["arrow_c_abi.h", "bridge.h"]
 _INTEGER_DEFINE = re.compile(r"^#define\s+\w+\s+-?\d+\s*(/\*.*\*/)?\s*$")

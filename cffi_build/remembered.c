@@ -506,8 +506,8 @@ static void fill(aib_get_result *out, aib_owner *owner) {
   out->sync_slot = *aib_owner_slot(owner) != 0 ? aib_owner_slot(owner) : NULL;
 }
 
-static int get_local(aib_channel *ch, aib_remembered *remembered, const void *board, uint32_t board_slots,
-                     const uint8_t *name, size_t name_len, aib_get_result *out) {
+int aib_session_get_local(aib_channel *ch, aib_remembered *remembered, const void *board, uint32_t board_slots,
+                          const uint8_t *name, size_t name_len, aib_get_result *out) {
   out->entry_id = 0;
   out->owner = NULL;
   out->owner_address = 0;
@@ -527,7 +527,7 @@ int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64
                     aib_remembered *remembered, uint64_t lease_tokens, aib_owner *keeper,
                     const void *board, uint32_t board_slots, aib_get_result *out, aib_frame *frame,
                     aib_error *err) {
-  if (get_local(ch, remembered, board, board_slots, name, name_len, out) == AIB_GET_IMPORTED)
+  if (aib_session_get_local(ch, remembered, board, board_slots, name, name_len, out) == AIB_GET_IMPORTED)
     return AIB_GET_IMPORTED;
   int rc = aib_channel_request(ch, FRAME_GET, name, name_len, timeout_ms, frame, err);
   if (rc) return rc;

@@ -1,8 +1,9 @@
 """Local re-gets: a standing-lease session's gets that the publisher's version board answers with no
-round trip (one C call, ``aib_session_get``, on the session's one get path) return the same data,
-version and name as a round trip, are counted in ``aib.stats().session.local_gets``, are released
-by ``Session.close``, and are never made after a close, in a forked child, for a bad name, or once
-the board shows another publication. docs/lifetime.md ("Standing leases") describes the path.
+round trip, made in one builtin call by the C core's local getter (``cffi_build/py_local_get.c``),
+return the same data, version and name as a round trip and objects indistinguishable from
+``Session._get_now``'s, are counted in ``aib.stats().session.local_gets``, are released by
+``Session.close``, and are never made after a close, in a forked child, for a bad name, or once the
+board shows another publication. docs/lifetime.md ("Standing leases") describes the path.
 
 Every test runs under the ``no_leaks`` fixture (tests/conftest.py): descriptors, the C core's live
 owners, struct nodes and mappings, the reaper's pending callbacks and threads return to what they
@@ -21,6 +22,7 @@ import pytest
 from helpers.session_rig import report_from_forked_child, wait_for
 
 import arrow_ipc_bridge as aib
+from arrow_ipc_bridge._ffi import ffi
 from arrow_ipc_bridge.errors import ClosedError, InvalidArgumentError, NotPublishedError
 from arrow_ipc_bridge.runtime import reaper
 
@@ -62,6 +64,49 @@ def test_local_gets_have_the_data_and_the_counts(
     after = aib.stats().session
     assert after.local_gets - before.local_gets == 6
     assert after.remembered_gets - before.remembered_gets == 6
+
+
+def test_a_c_made_import_has_the_python_paths_attributes(local_session: aib.Session) -> None:
+    """The getter's objects carry the same attributes as those the Python path makes for the same
+    local answer (with the getter set aside), so no code can tell them apart."""
+
+    def attributes(imported: Any) -> dict[str, Any]:
+        fields = dict(vars(imported))
+        decoded = fields.pop("_decoded")
+        fields["decoded"] = {k: v for k, v in vars(decoded).items() if k != "owner"}
+        fields["owner type"] = ffi.typeof(decoded.owner)
+        # Each import's own owner, and its slot for the producer's event (none for host data).
+        assert fields.pop("_owner_address") == int(ffi.cast("uintptr_t", decoded.owner))
+        fields["has sync"] = fields.pop("_sync") != ffi.NULL
+        return fields
+
+    with local_session.get("t") as from_c:
+        c_fields = attributes(from_c)
+    getter_get, local_session._local_get = local_session._local_get, None
+    try:
+        with local_session.get("t") as from_python:
+            python_fields = attributes(from_python)
+    finally:
+        local_session._local_get = getter_get
+    assert local_session._local_getter.gets == 1
+    assert c_fields.keys() == python_fields.keys()
+    assert c_fields == python_fields
+
+
+def test_a_get_waiting_for_the_request_lock_answers_nothing_once_closed(local_session: aib.Session) -> None:
+    """A get that waited for the request lock while the session closed (close marks the getter
+    first, then tears down under that lock) answers nothing: it looks again once it holds the lock."""
+    getter = local_session._local_getter
+    answers: list[object] = []
+    with local_session._request_lock:
+        thread = threading.Thread(target=lambda: answers.append(getter.get("t")))
+        thread.start()
+        thread.join(0.2)
+        assert thread.is_alive()  # held up by the request lock
+        getter.close()
+    thread.join(10)
+    assert answers == [None]
+    assert getter.gets == 0
 
 
 def test_closing_the_session_releases_local_imports(local_session: aib.Session) -> None:

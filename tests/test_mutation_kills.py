@@ -603,3 +603,44 @@ def test_the_same_bytes_published_again_move_the_standing_lease(publisher: aib.P
                 assert counts.local_gets == expected_local
         publisher.unpublish("t")  # before the shared memory under it is closed
         del data, batch
+
+
+# ---------- py_local_get.c: the C getter's locks ------------------------------------------------------------
+def test_the_c_getter_gives_its_locks_back_on_every_path(publisher: aib.Publisher) -> None:
+    """Kills ``local-getter-keeps-request-lock``, ``local-getter-miss-keeps-request-lock`` and
+    ``local-getter-keeps-receive-lock``: after a local get (answered), a get the board
+    cannot answer (asked of the publisher) and a get of a name nobody published, the session's
+    request lock and its channel's receive lock are free. A lock kept would make the next get wait
+    forever; the test fails at once instead and frees it, so that the session can close."""
+    publisher.publish("t", pa.record_batch({"x": pa.array([1, 2, 3], pa.int64())}))
+    publisher.publish("u", pa.record_batch({"y": pa.array([4], pa.int64())}))
+    with aib.connect(publisher.path, timeout=10.0) as session:
+        getter = session._local_getter
+        assert getter is not None
+        channel = session._channel
+        assert channel is not None
+        locks = {"request": session._request_lock, "receive": channel.locked()[0]}
+
+        def held() -> list[str]:
+            kept = [name for name, lock in locks.items() if lock.locked()]
+            for name in kept:
+                locks[name].release()
+            return kept
+
+        # Before any session.get: each one asks the C getter first, then (when it cannot answer)
+        # takes the same locks in Python, so a lock the getter kept would hang the first of them.
+        assert getter.get("t") is None  # nothing remembered yet
+        assert held() == [], "after a get the board could not answer (the session's first)"
+        for _ in range(2):
+            session.get("t").release()
+        local = getter.get("t")
+        assert local is not None
+        local.release()
+        assert held() == [], "after a local get"
+        assert getter.get("u") is None  # not remembered: the Python path asks the publisher
+        assert held() == [], "after a get the board could not answer"
+        assert getter.get("never") is None
+        assert held() == [], "after a get of a name nobody published"
+        with session.get("t") as imported:
+            assert pa.record_batch(imported).column(0).to_pylist() == [1, 2, 3]
+        assert getter.gets == 2

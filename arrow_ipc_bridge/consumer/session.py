@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from arrow_ipc_bridge import transport
-from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
+from arrow_ipc_bridge._ffi import WIRE_VERSION, LocalGetter, ffi, lib
 from arrow_ipc_bridge.consumer import linger, region_import, waiting
 from arrow_ipc_bridge.consumer.array_cache import KeptCupyArrays
 from arrow_ipc_bridge.consumer.content_check import check_level
@@ -212,8 +212,17 @@ class Session:
         self._waiting: set[int] = set()  # threads in get_next / get(wait=): close() wakes them
         self.publisher_info: dict[str, object] = {}
         # This session's gets answered from the board (get_next tells a local get from a round trip
-        # by it); the process-wide counts are aib.stats().session's.
-        self._local_gets = 0
+        # by it: _local_get_count); the process-wide counts are aib.stats().session's.
+        self._local_gets = 0  # by _get_now
+        # The C core's local re-gets (py_local_get.c) once connected with a version board: the
+        # getter (which counts its own gets), and its builtin get(name) -> import or None.
+        self._local_getter: Any = None
+        self._local_get: Any = None
+
+    def _local_get_count(self) -> int:
+        """This session's gets answered from the board, by either path."""
+        getter = self._local_getter
+        return self._local_gets + (0 if getter is None else int(getter.gets))
 
     # ---------- local import ------------------------------------------------------------------------
     def import_message(self, message: bytes, fds: Sequence[int] = (), *, name: str | None = None) -> Imported:
@@ -327,6 +336,32 @@ class Session:
         self._board_wanted = False
         if isinstance(features, list) and "board_wake" in features and "watch" in features:
             self._board_waits = waiting.BoardWaits(board, self._remembered)
+        self._local_getter = self._new_local_getter(channel, board)
+        self._local_get = self._local_getter.get
+
+    def _new_local_getter(self, channel: Channel, board: SessionBoard) -> Any:
+        """The C core's local getter over this session's state (``cffi_build/py_local_get.c``): a
+        re-get the board answers (a standing lease, the same publication), made in one builtin call,
+        objects included. It exists because the same steps in Python cost several times as much on
+        a consumer that slept between steps (cold caches; ``docs/benchmarks.md``). Anything else
+        answers None and the get takes :meth:`_get_now`."""
+        remembered = self._remembered
+        return LocalGetter(
+            int(ffi.cast("uintptr_t", channel.raw)),
+            int(ffi.cast("uintptr_t", remembered.table)),
+            int(ffi.cast("uintptr_t", board.address)),
+            board.n_slots,
+            (channel, remembered.table, board),  # what keeps the three pointers valid
+            channel,
+            self._request_lock,
+            channel.locked()[0],  # the receive lock
+            remembered._by_id,
+            Decoded,
+            _LOCAL_GETTER_KIT,
+            (import_counters.remembered_gets, import_counters.local_gets),
+            self._kept_arrays,
+            self._imported,
+        )
 
     def _ask_board_again(self, channel: Channel) -> None:
         """The board a ``LimitError`` (``limit="descriptors_in_flight"``) kept from this session at
@@ -422,6 +457,12 @@ class Session:
         name is got with other data, on :meth:`forget`, or on :meth:`close`; ``pool_linger=0``
         keeps none (``docs/lifetime.md``, 5a and 5b).
         """
+        if wait is None:
+            local_get = self._local_get
+            if local_get is not None:  # the steady state, in one C call (py_local_get.c)
+                imported = local_get(name)
+                if imported is not None:
+                    return imported if self._reader is None else self._place(imported)
         channel = self._connection()  # closed, not connected: before the arguments
         if wait is not None:
             imported = self._get_version(name, after=0, timeout=waiting.check_wait(wait, "wait"))
@@ -429,13 +470,18 @@ class Session:
             imported = self._get_now(channel, name)
         return imported if self._reader is None else self._place(imported)
 
+    def _get_local_first(self, channel: Channel, name: str) -> Imported:
+        """:meth:`_get_now`, through the C core's local getter first when there is one."""
+        local_get = self._local_get
+        imported = local_get(name) if local_get is not None else None
+        return imported if imported is not None else self._get_now(channel, name)
+
     def _get_now(self, channel: Channel, name: str) -> Imported:
-        """:meth:`get` without waiting, before the reader's placement (``cross_gpu.py``): every get's
-        one path. One C call (``aib_session_get``) answers from the publisher's version board with no
-        round trip when the name's remembered message holds a standing lease and the board shows
-        the same publication, or else asks the publisher; it imports a remembered message itself
-        (the steady state: what is left here is wrapping its owner), and a new message whose
-        regions are all open here. Any other answer is imported in Python."""
+        """:meth:`get` without waiting, before the reader's placement (``cross_gpu.py``), when the
+        local getter did not answer. One C call (``aib_session_get``) answers from the publisher's
+        version board when it can, or else asks the publisher; it imports a remembered message
+        itself (what is left here is wrapping its owner), and a new message whose regions are all
+        open here. Any other answer is imported in Python."""
         raw_name = protocol.encode_name(name)
         if self._board_wanted:
             self._ask_board_again(channel)
@@ -564,9 +610,9 @@ class Session:
                 timeout=timeout,
                 spin=spin,
                 channel=channel,
-                get=lambda: self._get_now(channel, name),
+                get=lambda: self._get_local_first(channel, name),
                 closed=lambda: self._closed,
-                local_gets=lambda: self._local_gets,
+                local_gets=self._local_get_count,
             )
             if imported is not None:
                 self._stamp_publisher(imported)
@@ -705,6 +751,9 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        if self._local_getter is not None:  # answers nothing from now on (before any teardown)
+            self._local_getter.close()
+            self._local_get = None
         if self._waiting and self._channel is not None and self._pid == process.pid:
             # A wait held by the publisher holds the request lock for its whole time: end it now
             # (it raises PeerClosedError). The publisher then ends this connection's leases at once.
@@ -744,6 +793,17 @@ class Session:
     ) -> None:
         self.close()
 
+
+# What the local getter makes cffi pointers with: ffi.cast, ffi.gc, the owner's unref, the owner's
+# and the sync slot's pointer types, and NULL (py_local_get.c).
+_LOCAL_GETTER_KIT = (
+    ffi.cast,
+    ffi.gc,
+    lib.aib_owner_unref,
+    ffi.typeof("aib_owner *"),
+    ffi.typeof("uint64_t *"),
+    ffi.NULL,
+)
 
 _GET_LOCAL = int(lib.AIB_GET_LOCAL)
 _GET_STANDING = int(lib.AIB_GET_STANDING)
