@@ -54,6 +54,10 @@ class CudaStats:
     # publishes of from_cuda_arrays columns naming the current version's memory (updated in place):
     # the publication's version renewed, its event re-recorded; no placement, encoding or new entry
     in_place_publishes: int = 0
+    # imports copied to another GPU (``to_device`` of imported data, ``cross_device="copy"``): the
+    # copies made and the device bytes they copied
+    device_copies: int = 0
+    device_copied_bytes: int = 0
 
 
 @dataclass(frozen=True)

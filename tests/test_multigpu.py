@@ -182,9 +182,19 @@ def _check_on_reader(socket_path: str, name: str, reader: int, here: int, expect
             got = _read_in_place(imported, reader, field.name)
             if got[: len(want)] != want:
                 problems.append(f"{name} read in place on GPU {reader}: {field.name}")
+        counted = aib.stats().cuda
         with cupy.cuda.Device(reader):
             stream = cupy.cuda.Stream(non_blocking=True)  # a stream of the reader's GPU
             copy = imported.to_device(reader, stream=stream.ptr)
+        after = aib.stats().cuda
+        if (
+            after.device_copies - counted.device_copies,
+            after.device_copied_bytes <= counted.device_copied_bytes,
+        ) != (
+            1,
+            False,
+        ):
+            problems.append(f"{name}: the copy to GPU {reader} was not counted in aib.stats().cuda")
         with copy:
             if copy.device_id != reader:
                 problems.append(f"{name}: copy on {copy.device_id}, expected {reader}")

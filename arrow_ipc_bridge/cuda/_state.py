@@ -29,6 +29,8 @@ counters = {
     "pool_fd_requests": 0,
     "pool_fds_served": 0,
     "same_process": 0,
+    "device_copies": 0,
+    "device_copied_bytes": 0,
 }
 LOCAL_MAX = 4096
 local_exports: OrderedDict[bytes, int] = OrderedDict()

@@ -382,6 +382,9 @@ def copy_to_device(imported: Any, device: int, stream: object = None) -> tuple[A
         pool = bridge_pool(device)
         events = _copy_events(device)
         base = pool.allocate(total, stream_value)
+        with _state.lock:  # aib.stats().cuda: copies of imports to a GPU, counted as they are made
+            _state.counters["device_copies"] += 1
+            _state.counters["device_copied_bytes"] += total
         event = events.acquire()
         try:
             if sync != ffi.NULL:
