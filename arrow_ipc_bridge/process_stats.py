@@ -44,6 +44,10 @@ class CudaStats:
     pool_fd_requests: int = 0  # pool fds asked of a producer (consumer side)
     pool_fds_served: int = 0  # pool fds sent to consumers that asked (producer side)
     same_process: int = 0  # regions and events resolved in the process that exported them
+    # imports copied to another GPU (``to_device`` of imported data, ``cross_device="copy"``): the
+    # copies made and the device bytes they copied
+    device_copies: int = 0
+    device_copied_bytes: int = 0
     c_imports: int = 0  # new messages the C core imported over handles already open here
     c_legacy_hits: int = 0  # open handles (legacy or kept pool slabs) those C imports used
     sync_events_pending: int = 0  # imported structs handed out with the producer's event still pending
@@ -54,10 +58,6 @@ class CudaStats:
     # publishes of from_cuda_arrays columns naming the current version's memory (updated in place):
     # the publication's version renewed, its event re-recorded; no placement, encoding or new entry
     in_place_publishes: int = 0
-    # imports copied to another GPU (``to_device`` of imported data, ``cross_device="copy"``): the
-    # copies made and the device bytes they copied
-    device_copies: int = 0
-    device_copied_bytes: int = 0
 
 
 @dataclass(frozen=True)
