@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pyarrow import flight
 
@@ -14,16 +14,29 @@ from arrow_ipc_bridge.flight.locations import LOCAL_ACTION
 from arrow_ipc_bridge.flight.refusals import answering, invalid
 from arrow_ipc_bridge.flight.tickets import name_of_descriptor, name_of_ticket
 
-if TYPE_CHECKING:
-    from arrow_ipc_bridge.flight.server import FlightFront
+__all__ = ["BridgeFlightServer", "Front"]
 
-__all__ = ["BridgeFlightServer"]
+
+class Front(Protocol):
+    """What the handlers ask of the front (``server.FlightFront``), which imports this module: the
+    handlers name the front by what they call, not by its module."""
+
+    local_location: Any
+
+    def publication_names(self) -> list[str]: ...
+    def stream_names(self) -> list[str]: ...
+    def facts(self, name: str) -> Any: ...
+    def stream_facts(self) -> Any: ...
+    def facts_or_stream(self, name: str) -> Any: ...
+    def flight_info(self, name: str, facts: Any) -> flight.FlightInfo: ...
+    def data_stream(self, name: str, is_cancelled: Any) -> flight.FlightDataStream: ...
+    def put(self, name: str, device: Any, reader: Any, is_cancelled: Any) -> None: ...
 
 
 class BridgeFlightServer(flight.FlightServerBase):  # type: ignore[misc]
     """The pyarrow Flight server whose handlers read through the front's session."""
 
-    def __init__(self, front: FlightFront, location: str, **kwargs: Any) -> None:
+    def __init__(self, front: Front, location: str, **kwargs: Any) -> None:
         self._front = front
         super().__init__(location, **kwargs)
 
