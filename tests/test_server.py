@@ -534,3 +534,35 @@ def test_server_limits_and_farewell(sock_path: str) -> None:
         assert srv.handshake_timeouts == 1
     finally:
         srv.close()
+
+
+def test_close_waits_for_an_on_close_already_running(sock_path: str) -> None:
+    """A connection whose peer left is being finished on its handler thread (on_close running: a
+    publisher giving its leases back) when close() is called: close() returns only after that
+    on_close is done, so a publisher's close() never leaves a lease counted."""
+    started = threading.Event()
+    release = threading.Event()
+    finished: list[Connection] = []
+
+    def slow_on_close(conn: Connection) -> None:
+        started.set()
+        release.wait(10)
+        finished.append(conn)
+
+    srv = Server(sock_path, echo_handler, on_close=slow_on_close)
+    try:
+        with connect(sock_path) as client:
+            client.send(1, b"x")
+            assert client.recv(timeout=5).payload == b"x"
+        assert started.wait(10)  # the handler thread is inside on_close now
+        closer = threading.Thread(target=srv.close, kwargs={"timeout": 10.0})
+        closer.start()
+        closer.join(0.3)
+        assert closer.is_alive(), "close() returned while on_close was still running"
+        release.set()
+        closer.join(10)
+        assert not closer.is_alive()
+        assert len(finished) == 1
+    finally:
+        release.set()
+        srv.close()

@@ -78,6 +78,7 @@ class _Slot:
     thread: threading.Thread | None = None  # None while parked
     deadline: float | None = None  # handshake deadline (time.monotonic()), None once established
     parked_at: float = 0.0  # when it last went to the parking lot (time.monotonic())
+    finishing: bool = False  # being finished (on_close running): close() waits for its thread
 
 
 class Server:
@@ -698,19 +699,27 @@ class Server:
         self._finish(conn)
 
     def _finish(self, conn: Connection) -> None:
-        """Close an admitted connection for good and tell ``on_close`` (once)."""
+        """Close an admitted connection for good and tell ``on_close`` (once). The connection stays
+        among the server's until ``on_close`` returned, so that :meth:`close` waits for the thread
+        finishing it (a publisher's close() then never returns with its leases still counted)."""
         conn.close()
         with self._lock:
-            slot = self._conns.pop(conn, None)
-            if slot is not None:
+            slot = self._conns.get(conn)
+            if slot is None or slot.finishing:
+                return
+            slot.finishing = True
+        try:
+            if self._on_close is not None:
+                try:
+                    self._on_close(conn)
+                except Exception:
+                    logger.exception("%r: on_close for pid %d raised", self, conn.peer_pid)
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
                 for counts, key in ((self._per_pid, conn.peer_pid), (self._per_uid, conn.peer_uid)):
                     left = counts[key] - 1
                     if left:
                         counts[key] = left
                     else:
                         del counts[key]
-        if slot is not None and self._on_close is not None:
-            try:
-                self._on_close(conn)
-            except Exception:
-                logger.exception("%r: on_close for pid %d raised", self, conn.peer_pid)
