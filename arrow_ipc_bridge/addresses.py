@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from arrow_ipc_bridge.consumer.session import Session, refuse_removed
+from arrow_ipc_bridge.consumer.session import Session
 from arrow_ipc_bridge.consumer.socket_connect import connect_socket
+from arrow_ipc_bridge.runtime import arguments
 
 __all__ = ["connect"]
 
@@ -68,7 +69,7 @@ def connect(
     ...     table = pa.table(session.get("trades"))
     """
     if "standing_leases" in flight_options:
-        refuse_removed({"standing_leases": flight_options["standing_leases"]}, "connect()")
+        arguments.refuse_removed({"standing_leases": flight_options["standing_leases"]}, "connect()")
     if isinstance(path, str) and path.startswith(("grpc://", "grpc+tcp://", "grpc+tls://")):
         from arrow_ipc_bridge.flight.client import connect as connect_flight
 

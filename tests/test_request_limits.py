@@ -19,9 +19,8 @@ import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import transport
 from arrow_ipc_bridge._ffi import lib
 from arrow_ipc_bridge.errors import BridgeTimeoutError, NotPublishedError, PeerClosedError, ProtocolError
-from arrow_ipc_bridge.transport import protocol
+from arrow_ipc_bridge.transport import protocol, stream_frames
 from arrow_ipc_bridge.transport.channel import MAX_PAYLOAD
-from arrow_ipc_bridge.wire import stream_frames
 
 # The most payload each request kind carries (docs/protocol.md, "Frame kinds").
 EXPECTED_LIMITS = {

@@ -16,8 +16,7 @@ from helpers.session_rig import wait_for
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import transport
 from arrow_ipc_bridge.producer import stream_hub
-from arrow_ipc_bridge.transport import protocol
-from arrow_ipc_bridge.wire import stream_frames
+from arrow_ipc_bridge.transport import protocol, stream_frames
 
 
 def batch(i: int) -> pa.RecordBatch:

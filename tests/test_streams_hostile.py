@@ -18,8 +18,7 @@ from helpers.session_rig import fd_count, wait_for
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge import transport
 from arrow_ipc_bridge._ffi import WIRE_VERSION
-from arrow_ipc_bridge.transport import protocol
-from arrow_ipc_bridge.wire import stream_frames
+from arrow_ipc_bridge.transport import protocol, stream_frames
 
 Reply = tuple[int, bytes] | tuple[int, bytes, list[int]]
 

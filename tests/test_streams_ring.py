@@ -16,8 +16,7 @@ from test_streams_hostile import ScriptedStreamPublisher, _end, scripted, sock_d
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge.producer.stream_ring import SMALL_BATCH_BYTES, HostRing
 from arrow_ipc_bridge.runtime import reaper
-from arrow_ipc_bridge.transport import protocol
-from arrow_ipc_bridge.wire import stream_frames
+from arrow_ipc_bridge.transport import protocol, stream_frames
 from arrow_ipc_bridge.wire.capsules import capture
 
 pytestmark = pytest.mark.usefixtures("no_leaks")

@@ -37,9 +37,8 @@ from arrow_ipc_bridge.errors import (
 from arrow_ipc_bridge.host.shared_alloc import F_SEAL_FUTURE_WRITE
 from arrow_ipc_bridge.process_stats import stream_counters
 from arrow_ipc_bridge.runtime import arguments, reaper
-from arrow_ipc_bridge.transport import protocol
+from arrow_ipc_bridge.transport import protocol, stream_frames
 from arrow_ipc_bridge.transport.channel import Channel, close_fds
-from arrow_ipc_bridge.wire import stream_frames
 from arrow_ipc_bridge.wire.capsules import DEVICE_CPU, _check_kwargs
 
 __all__ = ["LiveStream", "open_subscription"]

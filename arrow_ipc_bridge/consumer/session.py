@@ -23,17 +23,18 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from arrow_ipc_bridge import transport
-from arrow_ipc_bridge._ffi import WIRE_VERSION, LocalGetter, ffi, lib
+from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib
 from arrow_ipc_bridge.consumer import linger, region_import, waiting
 from arrow_ipc_bridge.consumer.array_cache import KeptCupyArrays
 from arrow_ipc_bridge.consumer.content_check import check_level
 from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream
 from arrow_ipc_bridge.consumer.live_stream import LiveStream, open_subscription
+from arrow_ipc_bridge.consumer.local_getter import new_local_getter
 from arrow_ipc_bridge.consumer.message_import import ImportedRefs, MessageImporter, track
 from arrow_ipc_bridge.consumer.remembered import RememberedMessages
 from arrow_ipc_bridge.errors import (
@@ -50,8 +51,8 @@ from arrow_ipc_bridge.runtime import arguments, process, reaper
 from arrow_ipc_bridge.transport import protocol
 from arrow_ipc_bridge.transport.board import SessionBoard, open_board
 from arrow_ipc_bridge.transport.channel import Channel, Frame, millis
+from arrow_ipc_bridge.transport.stream_frames import MAX_IN_FLIGHT
 from arrow_ipc_bridge.wire.metadata import Decoded
-from arrow_ipc_bridge.wire.stream_frames import MAX_IN_FLIGHT
 
 if TYPE_CHECKING:
     from arrow_ipc_bridge.cuda.cross_gpu import ReaderPlacement
@@ -160,7 +161,7 @@ class Session:
         copy_stream: object = None,
         **removed: NoReturn,
     ) -> None:
-        refuse_removed(removed, "Session()")
+        arguments.refuse_removed(removed, "Session()")
         self._reader: ReaderPlacement | None = None
         if reader_device is not None:
             from arrow_ipc_bridge.cuda.cross_gpu import ReaderPlacement
@@ -336,32 +337,15 @@ class Session:
         self._board_wanted = False
         if isinstance(features, list) and "board_wake" in features and "watch" in features:
             self._board_waits = waiting.BoardWaits(board, self._remembered)
-        self._local_getter = self._new_local_getter(channel, board)
-        self._local_get = self._local_getter.get
-
-    def _new_local_getter(self, channel: Channel, board: SessionBoard) -> Any:
-        """The C core's local getter over this session's state (``cffi_build/py_local_get.c``): a
-        re-get the board answers (a standing lease, the same publication), made in one builtin call,
-        objects included. It exists because the same steps in Python cost several times as much on
-        a consumer that slept between steps (cold caches; ``docs/benchmarks.md``). Anything else
-        answers None and the get takes :meth:`_get_now`."""
-        remembered = self._remembered
-        return LocalGetter(
-            int(ffi.cast("uintptr_t", channel.raw)),
-            int(ffi.cast("uintptr_t", remembered.table)),
-            int(ffi.cast("uintptr_t", board.address)),
-            board.n_slots,
-            (channel, remembered.table, board),  # what keeps the three pointers valid
+        self._local_getter = new_local_getter(
             channel,
-            self._request_lock,
-            channel.locked()[0],  # the receive lock
-            remembered._by_id,
-            Decoded,
-            _LOCAL_GETTER_KIT,
-            (import_counters.remembered_gets, import_counters.local_gets),
-            self._kept_arrays,
-            self._imported,
+            board,
+            self._remembered,
+            request_lock=self._request_lock,
+            kept_arrays=self._kept_arrays,
+            imported=self._imported,
         )
+        self._local_get = self._local_getter.get
 
     def _ask_board_again(self, channel: Channel) -> None:
         """The board a ``LimitError`` (``limit="descriptors_in_flight"``) kept from this session at
@@ -794,32 +778,8 @@ class Session:
         self.close()
 
 
-# What the local getter makes cffi pointers with: ffi.cast, ffi.gc, the owner's unref, the owner's
-# and the sync slot's pointer types, and NULL (py_local_get.c).
-_LOCAL_GETTER_KIT = (
-    ffi.cast,
-    ffi.gc,
-    lib.aib_owner_unref,
-    ffi.typeof("aib_owner *"),
-    ffi.typeof("uint64_t *"),
-    ffi.NULL,
-)
-
 _GET_LOCAL = int(lib.AIB_GET_LOCAL)
 _GET_STANDING = int(lib.AIB_GET_STANDING)
-
-
-def refuse_removed(options: Mapping[str, object], where: str) -> None:
-    """TypeError for keyword arguments ``where`` does not take, naming the replacement of a removed
-    one: a caller of the old surface learns what to do instead of meeting a bare unknown name."""
-    if "standing_leases" in options:
-        raise TypeError(
-            f"{where} no longer takes standing_leases: standing leases are the default "
-            "(docs/lifetime.md, 5b); pass pool_linger=0 to keep no lease (every get asks the "
-            "publisher, every release gives its lease back at once)"
-        )
-    if options:
-        raise TypeError(f"{where} got unexpected keyword arguments {sorted(options)}")
 
 
 def _send_release(channel: Channel, lease_id: int) -> None:

@@ -14,7 +14,7 @@ from arrow_ipc_bridge.consumer.session import Session
 from arrow_ipc_bridge.errors import BridgeTimeoutError, PeerClosedError
 from arrow_ipc_bridge.runtime import arguments
 from arrow_ipc_bridge.transport import protocol
-from arrow_ipc_bridge.wire.stream_frames import MAX_IN_FLIGHT
+from arrow_ipc_bridge.transport.stream_frames import MAX_IN_FLIGHT
 
 __all__ = ["connect_socket", "subscribe"]
 

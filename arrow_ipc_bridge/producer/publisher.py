@@ -49,10 +49,9 @@ from arrow_ipc_bridge.producer.stream_slots import SlotLayout
 from arrow_ipc_bridge.producer.stream_writer import StreamWriter, check_source, pump
 from arrow_ipc_bridge.producer.watch import HeldWait, WaitingConnection, Watch
 from arrow_ipc_bridge.runtime import arguments, process, reaper
-from arrow_ipc_bridge.transport import protocol
+from arrow_ipc_bridge.transport import protocol, stream_frames
 from arrow_ipc_bridge.transport.board import PublisherBoard, encode_board
 from arrow_ipc_bridge.transport.channel import MAX_FDS, Channel, Frame, frame_from, millis
-from arrow_ipc_bridge.wire import stream_frames
 from arrow_ipc_bridge.wire.capsules import ArrowInput
 
 __all__ = ["Publisher"]

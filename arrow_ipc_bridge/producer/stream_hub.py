@@ -37,9 +37,8 @@ from arrow_ipc_bridge.errors import (
     no_stream_message,
 )
 from arrow_ipc_bridge.process_stats import stream_counters
-from arrow_ipc_bridge.transport import protocol
+from arrow_ipc_bridge.transport import protocol, stream_frames
 from arrow_ipc_bridge.transport.channel import Channel, Frame
-from arrow_ipc_bridge.wire import stream_frames
 
 __all__ = ["MAX_SUBSCRIPTIONS", "Batch", "LiveStreamState", "StreamHub"]
 

@@ -20,7 +20,7 @@ from arrow_ipc_bridge.producer.stream_hub import Batch, LiveStreamState, StreamH
 from arrow_ipc_bridge.producer.stream_ring import HostRing, RingSegment
 from arrow_ipc_bridge.producer.stream_slots import SlotLayout, StreamSlot, make_slot
 from arrow_ipc_bridge.runtime import arguments
-from arrow_ipc_bridge.wire import stream_frames
+from arrow_ipc_bridge.transport import stream_frames
 from arrow_ipc_bridge.wire.capsules import (
     DEVICE_CPU,
     ArrowInput,

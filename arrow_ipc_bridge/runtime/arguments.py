@@ -25,7 +25,7 @@ import math
 import numbers
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NoReturn, SupportsIndex, cast
 
 from arrow_ipc_bridge.errors import InvalidArgumentError
@@ -44,6 +44,7 @@ __all__ = [
     "optional_seconds",
     "seconds",
     "stream_handle",
+    "refuse_removed",
 ]
 
 
@@ -184,3 +185,16 @@ def stream_handle(value: object, what: str = "stream") -> int | None:
     if value is None:
         return None
     return count(value, what, least=0)
+
+
+def refuse_removed(options: Mapping[str, object], where: str) -> None:
+    """TypeError for keyword arguments ``where`` does not take, naming the replacement of a removed
+    one: a caller of the old surface learns what to do instead of meeting a bare unknown name."""
+    if "standing_leases" in options:
+        raise TypeError(
+            f"{where} no longer takes standing_leases: standing leases are the default "
+            "(docs/lifetime.md, 5b); pass pool_linger=0 to keep no lease (every get asks the "
+            "publisher, every release gives its lease back at once)"
+        )
+    if options:
+        raise TypeError(f"{where} got unexpected keyword arguments {sorted(options)}")

@@ -1,10 +1,11 @@
 """Unix sockets between the processes of one host: connecting, serving, admitting.
 
-This is the bottom layer of the bridge. It makes and accepts connections; the frames that then go
-over them (a caller-defined ``kind``, a payload and optionally some file descriptors) are sent and
-received by each connection's C channel (:mod:`arrow_ipc_bridge.transport.channel`), and their format is
-specified in docs/protocol.md. What the kinds and payloads mean is the business of the
-session/publisher protocol on top.
+It makes and accepts connections; the frames that then go over them (a ``kind``, a payload and
+optionally some file descriptors) are sent and received by each connection's C channel
+(:mod:`arrow_ipc_bridge.transport.channel`), in the format docs/protocol.md specifies. What the
+kinds and payloads mean is the conversation's: :mod:`~arrow_ipc_bridge.transport.protocol` (the
+publisher/session frames), :mod:`~arrow_ipc_bridge.transport.stream_frames` (live streams' frames)
+and :mod:`~arrow_ipc_bridge.transport.board` (the version board sessions read without asking).
 
 * :mod:`~arrow_ipc_bridge.transport.connection`: :class:`Connection` (a connected socket, its peer's
   ``SO_PEERCRED``, its locks and close) and :func:`connect` (with a timeout while the server's

@@ -90,7 +90,7 @@ PING = 9  # session -> publisher: 0 to MAX_PING bytes, echoed (publishers advert
 PONG = 10  # publisher -> session: the PING's payload
 POOL_FD = 11  # session -> publisher: a 24-byte IPC-pool identity (publishers advertising "pool_fd")
 POOL = 12  # publisher -> session: the same identity, the pool's fd attached
-# Live streams (publishers advertising "stream"; payloads in arrow_ipc_bridge/wire/stream_frames.py).
+# Live streams (publishers advertising "stream"; payloads in arrow_ipc_bridge/transport/stream_frames.py).
 # A subscription has a connection of its own: after SUBSCRIBED the publisher pushes BATCH frames
 # and the session sends RELEASE (of a batch's lease: credit back) and nothing else.
 SUBSCRIBE = 13  # session -> publisher: u32 max_in_flight, then the stream's name, UTF-8
