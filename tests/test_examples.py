@@ -100,7 +100,11 @@ def run_script(
     marker = uuid.uuid4().hex
     tmpdir = tempfile.mkdtemp(dir="/tmp", prefix="aibx-")  # short: AF_UNIX paths are limited to ~107 bytes
     env = dict(os.environ)
-    env.update({MARKER: marker, "TMPDIR": tmpdir, "PYTHONUNBUFFERED": "1"})
+    # Buffered output, as a user's run has: a producer and its consumer share the output file, and
+    # unbuffered, print() writes a line's text and its newline apart, so two processes' lines can
+    # interleave mid-line. The examples flush each line they print.
+    env.pop("PYTHONUNBUFFERED", None)
+    env.update({MARKER: marker, "TMPDIR": tmpdir})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     # Output goes to files, not pipes: a stray that inherited a pipe would hold it open, and reading
     # it to its end would wait for the stray.
