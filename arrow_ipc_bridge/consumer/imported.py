@@ -431,12 +431,18 @@ class ImportedArray(_ImportedBase, DeviceArrayExporter):
     # The hand-off's hot path: both capsules made by one C call (py_capsules.c) from the owner's
     # view, the message borrowed around it; the generic path when the owner has no view.
     def _device_array_capsules(self) -> tuple[object, object]:
+        pair = self._pair_from_owner(device_array_capsules)
+        return pair if pair is not None else super()._device_array_capsules()
+
+    def _pair_from_owner(
+        self, build: Callable[[int], tuple[object, object] | None]
+    ) -> tuple[object, object] | None:
+        """``build(owner address)`` (a capsule-pair builtin) with the message borrowed around it."""
         decoded = self._borrow()
         try:
-            pair = device_array_capsules(self._owner_address)
+            return build(self._owner_address)
         finally:
             decoded.unborrow()
-        return pair if pair is not None else super()._device_array_capsules()
 
     def __enter__(self) -> ImportedArray:
         return self
@@ -449,11 +455,7 @@ class ImportedHostArray(ImportedArray, ArrowArrayExporter):
 
     def _array_capsules(self) -> tuple[object, object]:
         # The C call as for the device pair (ImportedArray._device_array_capsules).
-        decoded = self._borrow()
-        try:
-            pair = array_capsules(self._owner_address)
-        finally:
-            decoded.unborrow()
+        pair = self._pair_from_owner(array_capsules)
         return pair if pair is not None else super()._array_capsules()
 
     def __enter__(self) -> ImportedHostArray:
