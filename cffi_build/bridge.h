@@ -329,6 +329,17 @@ int aib_encode(const aib_described *d, uint32_t message_kind, const aib_device_i
                const aib_region *regions, size_t n_regions, uint32_t n_fds, uint8_t *out,
                size_t out_cap, size_t *out_len, aib_error *err);
 
+/* A small host batch copied into one host region the caller owns (a live stream's ring segment):
+ * describes schema and array, copies every buffer that is not null or empty to base + start + ...
+ * (each at a multiple of align, a power of two), places it in region 0 (`region`, fd 0) and encodes
+ * the message into out. *needed: the bytes the buffers take from start. AIB_E_LIMIT with nothing
+ * copied when *needed is over limit (not a small batch) or over capacity - start (too little room);
+ * AIB_E_LIMIT after the copy when *out_len (the size needed) is over out_cap: call again. */
+int aib_ring_place(const struct ArrowSchema *schema, const struct ArrowArray *array, uint64_t base,
+                   uint64_t start, uint64_t capacity, uint64_t limit, uint64_t align,
+                   const aib_region *region, const aib_device_info *device, uint8_t *out,
+                   size_t out_cap, size_t *out_len, uint64_t *needed, aib_error *err);
+
 /* ---------- decode + validate + rebuild (consumer) --------------------------------------------- */
 #define AIB_MAX_MESSAGE_BYTES 67108864
 #define AIB_MAX_DEPTH 64

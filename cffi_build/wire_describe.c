@@ -250,3 +250,51 @@ void aib_described_place_all(aib_described *d, uint64_t region_index, uint64_t b
     b->offset = b->address - base;
   }
 }
+
+/* A live stream's small written batch in one call (producer/stream_ring.py): the Python loop over
+ * the slots, a memmove per buffer and four other calls cost the writer more than the copy itself. */
+int aib_ring_place(const struct ArrowSchema *schema, const struct ArrowArray *array, uint64_t base,
+                   uint64_t start, uint64_t capacity, uint64_t limit, uint64_t align,
+                   const aib_region *region, const aib_device_info *device, uint8_t *out,
+                   size_t out_cap, size_t *out_len, uint64_t *needed, aib_error *err) {
+  *needed = 0;
+  *out_len = 0;
+  if (align == 0 || (align & (align - 1)) != 0)
+    return aib_fail(err, AIB_E_STATE, "align", "", "alignment %llu is not a power of two",
+                    (unsigned long long)align);
+  aib_described *d = aib_describe_new();
+  if (d == NULL) return aib_fail(err, AIB_E_NOMEM, "", "", "allocating a description");
+  int rc = aib_describe_schema(d, schema, err);
+  if (rc == AIB_OK) rc = aib_describe_batch(d, array, 1, err);
+  if (rc != AIB_OK) goto done;
+  /* What the unplaced buffers take, each rounded up to the alignment (as they are laid out). */
+  uint64_t total = 0;
+  for (size_t i = 0; i < d->m.n_slots; i++) {
+    const aib_buffer_slot *b = &d->m.slots[i];
+    if (b->region != REGION_UNASSIGNED) continue;
+    if (b->length > limit) {
+      total = limit + 1;
+      break;
+    }
+    total += (b->length + align - 1) & ~(align - 1);
+    if (total > limit) break;
+  }
+  *needed = total;
+  if (total > limit || start > capacity || total > capacity - start) {
+    rc = AIB_E_LIMIT; /* not small, or not room in this region: nothing copied */
+    goto done;
+  }
+  uint64_t offset = start;
+  for (size_t i = 0; i < d->m.n_slots; i++) {
+    aib_buffer_slot *b = &d->m.slots[i];
+    if (b->region != REGION_UNASSIGNED) continue;
+    if (b->length) memcpy((void *)(uintptr_t)(base + offset), (const void *)(uintptr_t)b->address, b->length);
+    b->region = AIB_REGION_FIRST;
+    b->offset = offset;
+    offset += (b->length + align - 1) & ~(align - 1);
+  }
+  rc = aib_encode(d, AIB_MESSAGE_ARRAY, device, region, 1, 1, out, out_cap, out_len, err);
+done:
+  aib_described_free(d);
+  return rc;
+}

@@ -14,7 +14,7 @@ from helpers.session_rig import wait_for
 from test_streams_hostile import ScriptedStreamPublisher, _end, scripted, sock_dir  # noqa: F401
 
 import arrow_ipc_bridge as aib
-from arrow_ipc_bridge.producer.stream_ring import SMALL_BATCH_BYTES, HostRing
+from arrow_ipc_bridge.producer.stream_ring import SMALL_BATCH_BYTES, HostRing, RingSegment
 from arrow_ipc_bridge.runtime import reaper
 from arrow_ipc_bridge.transport import protocol, stream_frames
 from arrow_ipc_bridge.wire.capsules import capture
@@ -223,5 +223,55 @@ def test_a_ring_batch_in_an_unsealed_file_is_refused(
                 live.next_batch()
             assert pub.releases.get(timeout=5) == 1  # the refused batch's lease goes back
             assert live.next_batch() is None
+    finally:
+        close_ring(ring)
+
+
+# ---------- the ring's one C call (aib_ring_place) ------------------------------------------------
+def _holds(message: bytes, segment: RingSegment, expected: pa.RecordBatch) -> bool:
+    """Whether the batch a placed message names, read from the segment by a session's import, is
+    ``expected``."""
+    with aib.Session() as session, session.import_message(message, [segment.buffer.fd]) as imported:
+        return bool(pa.record_batch(imported).equals(expected))
+
+
+def test_place_copies_the_buffers_and_replaces_a_segment_too_small() -> None:
+    ring = HostRing("t")
+    try:
+        first = pa.record_batch({"i": pa.array(range(100), pa.int64()), "s": pa.array(["ab", None] * 50)})
+        placed = ring.place(capture(first))
+        assert placed is not None
+        message, segment = placed
+        assert _holds(message, segment, first)
+        ring.free(segment)
+        # 20,000 int64 rows (160 KB) do not fit the 64 KiB segment: a larger file, same index.
+        second = pa.record_batch({"i": pa.array(range(20_000), pa.int64()), "s": pa.array(["x"] * 20_000)})
+        placed = ring.place(capture(second))
+        assert placed is not None
+        message, grown = placed
+        assert (grown.index, grown.generation) == (segment.index, segment.generation + 1)
+        assert grown.size >= 20_000 * 8
+        assert ring.segments == 1
+        assert _holds(message, grown, second)
+        ring.free(grown)
+    finally:
+        close_ring(ring)
+
+
+def test_a_batch_too_large_for_the_ring_makes_no_segment() -> None:
+    """A stream of large batches never creates a segment (the batch is measured first)."""
+    ring = HostRing("t")
+    try:
+        rows = SMALL_BATCH_BYTES // 8 + 1
+        assert ring.place(capture(pa.record_batch({"i": pa.array([1] * rows, pa.int64())}))) is None
+        assert ring.segments == 0
+        placed = ring.place(capture(pa.record_batch({"i": pa.array([1], pa.int64())})))
+        assert placed is not None
+        assert ring.segments == 1
+        ring.free(placed[1])
+        # With a free segment at hand the large batch is refused without copying, and it stays free.
+        assert ring.place(capture(pa.record_batch({"i": pa.array([1] * rows, pa.int64())}))) is None
+        assert ring.segments == 1
+        assert len(ring._free) == 1
     finally:
         close_ring(ring)

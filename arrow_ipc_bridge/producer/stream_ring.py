@@ -23,10 +23,7 @@ from arrow_ipc_bridge.host.shared_alloc import SharedHostBuffer
 from arrow_ipc_bridge.wire.capsules import DEVICE_CPU, CapturedData
 from arrow_ipc_bridge.wire.metadata import (
     MAX_MESSAGE_BYTES,
-    MESSAGE_ARRAY,
     REGION_HOST_FD,
-    SLOT_FIRST_REGION,
-    SLOT_UNPLACED,
 )
 
 __all__ = ["SMALL_BATCH_BYTES", "HostRing", "RingSegment"]
@@ -82,6 +79,8 @@ class HostRing:
         self._device.device_type = DEVICE_CPU
         self._out = ffi.new("uint8_t[]", 4096)
         self._out_len = ffi.new("size_t *")
+        self._needed = ffi.new("uint64_t *")
+        self._region = ffi.new("aib_region *")  # the measuring call's (nothing is placed in it)
 
     @property
     def segments(self) -> int:
@@ -100,79 +99,71 @@ class HostRing:
         """:meth:`place` for a host batch's borrowed ``struct ArrowSchema *`` and ``struct
         ArrowArray *`` (a producer's capsules, kept alive by the caller while this runs): the
         buffers are copied, so nothing of the producer's is moved or kept (no capture record, no
-        release to wait for: the capsules release the producer's structs when they go)."""
-        d = lib.aib_describe_new()
-        if d == ffi.NULL:
-            raise MemoryError("allocating a description")
+        release to wait for: the capsules release the producer's structs when they go).
+
+        One C call (``aib_ring_place``) describes, copies and encodes. It copies nothing when the
+        batch is not small or the segment is too small for it; with no segment at hand, a call
+        with no room only measures the batch, so a stream of large batches makes no segment."""
+        segment = self._free.pop() if self._free else None  # list.pop is atomic: free() appends
         try:
-            err = self._err
-            rc = lib.aib_describe_schema(d, schema, err)
-            if rc:
-                raise_for(rc, err, "describing the schema")
-            rc = lib.aib_describe_batch(d, array, 1, err)
-            if rc:
-                raise_for(rc, err, "describing a batch")
-            n = lib.aib_described_buffer_count(d)
-            slots = lib.aib_described_buffers(d)
-            wanted: list[tuple[Any, int]] = []
-            total = 0
-            for i in range(n):
-                slot = slots[i]
-                if slot.region == SLOT_UNPLACED:
-                    nbytes = slot.length
-                    wanted.append((slot, nbytes))
-                    total += -(-nbytes // _ALIGN) * _ALIGN
-                    if total > SMALL_BATCH_BYTES:
+            while True:
+                if segment is None:
+                    rc = self._call(schema, array, None)
+                    if rc != lib.AIB_E_LIMIT:
+                        raise_for(rc, self._err, "describing a batch")
+                    if self._needed[0] > SMALL_BATCH_BYTES:
                         return None
-            segment = self._take(total)
-            try:
-                base = segment.buffer.address
-                offset = segment.start
-                for slot, nbytes in wanted:
-                    if nbytes:
-                        ffi.memmove(
-                            ffi.cast("char *", base + offset), ffi.cast("char *", slot.address), nbytes
-                        )
-                    slot.region = SLOT_FIRST_REGION
-                    slot.offset = offset
-                    offset += -(-nbytes // _ALIGN) * _ALIGN
-                message = self._encode(d, segment)
-            except BaseException:
+                    segment = self._new_segment(len(self._segments), 0, int(self._needed[0]))
+                rc = self._call(schema, array, segment)
+                if rc == 0:
+                    return bytes(ffi.buffer(self._out, self._out_len[0])), segment
+                if rc != lib.AIB_E_LIMIT:
+                    raise_for(rc, self._err, "placing a batch in the stream's ring")
+                needed = int(self._needed[0])
+                if needed > SMALL_BATCH_BYTES:
+                    self.free(segment)  # not small: exported instead
+                    return None
+                if segment.start + needed > segment.size:
+                    # Too small for this batch: a larger file under the same index (a new
+                    # generation, so no subscriber reuses its descriptor of the old one).
+                    old, segment = segment, None
+                    self._segments.remove(old)
+                    old.close()
+                    segment = self._new_segment(old.index, old.generation + 1, needed)
+                    continue
+                wanted = int(self._out_len[0])
+                if not len(self._out) < wanted <= MAX_MESSAGE_BYTES:
+                    raise_for(rc, self._err, "encoding the message")
+                self._out = ffi.new("uint8_t[]", wanted)  # kept: the next batch is alike
+        except BaseException:
+            if segment is not None:
                 self.free(segment)
-                raise
-            return message, segment
-        finally:
-            lib.aib_described_free(d)
+            raise
 
-    def _encode(self, d: Any, segment: RingSegment) -> bytes:
-        """The message of a placed description: one host region, the segment's memfd (fd 0)."""
-        out_len = self._out_len
-        while True:
-            out = self._out
-            capacity = len(out)
-            rc = lib.aib_encode(
-                d, MESSAGE_ARRAY, self._device, segment.region, 1, 1, out, capacity, out_len, self._err
+    def _call(self, schema: Any, array: Any, segment: RingSegment | None) -> int:
+        """``aib_ring_place`` into ``segment``; None: no room at all (it measures the batch)."""
+        out = self._out
+        return int(
+            lib.aib_ring_place(
+                schema,
+                array,
+                0 if segment is None else segment.buffer.address,
+                1 if segment is None else segment.start,
+                0 if segment is None else segment.size,
+                SMALL_BATCH_BYTES,
+                _ALIGN,
+                self._region if segment is None else segment.region,
+                self._device,
+                out,
+                len(out),
+                self._out_len,
+                self._needed,
+                self._err,
             )
-            if rc == lib.AIB_E_LIMIT and capacity < out_len[0] <= MAX_MESSAGE_BYTES:
-                self._out = ffi.new("uint8_t[]", int(out_len[0]))  # kept: the next batch is alike
-                continue
-            if rc:
-                raise_for(rc, self._err, "encoding the message")
-            return bytes(ffi.buffer(out, out_len[0]))
+        )
 
-    def _take(self, nbytes: int) -> RingSegment:
-        """A free segment holding ``nbytes`` from its start (replaced by a larger one if too small),
-        or a new one."""
-        if self._free:
-            segment = self._free.pop()
-            if segment.start + nbytes <= segment.size:
-                return segment
-            # Too small for this batch: a larger file under the same index (a new generation).
-            self._segments.remove(segment)
-            segment.close()
-            index, generation = segment.index, segment.generation + 1
-        else:
-            index, generation = len(self._segments), 0
+    def _new_segment(self, index: int, generation: int, nbytes: int) -> RingSegment:
+        """A new segment holding ``nbytes`` from its start (the writer's thread only)."""
         size = max(_MIN_SEGMENT, -(-(((index * _ALIGN) % _PAGE) + nbytes) // _PAGE) * _PAGE)
         segment = RingSegment(index, size, self._name, generation)
         self._segments.append(segment)
