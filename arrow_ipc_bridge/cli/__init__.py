@@ -1,7 +1,8 @@
 """The command line: ``arrow-ipc-bridge`` (the console script) and ``python -m arrow_ipc_bridge``.
 
 Subcommands, one module each: ``demo`` (demo.py), ``list`` (listing.py), ``inspect``
-(inspect_message.py), ``doctor`` (doctor.py), ``bench`` (bench.py; its options in _bench_options.py).
+(inspect_message.py), ``doctor`` (doctor.py), ``bench`` (bench.py; its two processes in
+_bench_pair.py, its timed steps in _bench_steps.py).
 ``_producer`` and ``_consumer`` are ``demo``'s two processes, hidden from the help. A failure the
 user can act on (a missing file, a message the decoder refuses, a publisher that does not answer)
 prints one line on stderr and exits 1; bad arguments exit 2 (argparse's usage error). Output cut
@@ -15,9 +16,8 @@ import math
 import os
 import sys
 
-from arrow_ipc_bridge.cli import serve_flight
+from arrow_ipc_bridge.cli import bench, serve_flight
 from arrow_ipc_bridge.cli._argtypes import non_negative_int, positive_int
-from arrow_ipc_bridge.cli._bench_options import add_bench_arguments
 from arrow_ipc_bridge.cli._output import CommandError
 
 __all__ = ["main"]
@@ -113,16 +113,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     p_doctor.add_argument("--json", action="store_true", help="print JSON")
 
-    p_bench = sub.add_parser(
-        "bench",
-        help="time the bridge against torch.multiprocessing, Arrow IPC bytes and pickle",
-        description="Move the same float64 columns from a producer to a consumer process with the "
-        "bridge (first get, steady re-get, fresh data each step) and with each peer installed here, "
-        "on the host and, with --device cuda or a GPU found by auto, on the GPU (CuPy). Progress on "
-        "stderr; a table, or JSON, on stdout; --plot writes a PNG (pip install arrow_ipc_bridge[plot]). "
-        "Exit 2 for options this machine cannot honour, 1 when a case fails.",
-    )
-    add_bench_arguments(p_bench)
+    bench.register(sub)  # bench (bench.py)
     serve_flight.register(sub)  # serve-flight (serve_flight.py)
 
     p_prod = sub.add_parser("_producer")
@@ -187,9 +178,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             socket_dir=args.socket_dir, cuda_between_processes=not args.no_cuda_processes, as_json=args.json
         )
     if args.command == "bench":
-        from arrow_ipc_bridge.cli.bench import bench
-
-        return bench(args, prog=f"{_prog()} bench")
+        return bench.bench(args, prog=f"{_prog()} bench")
     if args.command == "_producer":
         from arrow_ipc_bridge.cli.demo import run_producer
 
