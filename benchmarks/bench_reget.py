@@ -12,7 +12,9 @@ own) publishes the table once with the default options (copied once into a seale
 
 Peer, in the same consumer process, interleaved get by get: the same table written once as an Arrow
 IPC file in ``/dev/shm``, read per step with ``pa.ipc.open_file(pa.memory_map(path)).read_all()``
-and the same value read.
+and the same value read (the two values must agree). Both steps are the ``bench`` command's
+(``arrow_ipc_bridge/cli/_bench_steps.py``, loaded by its path), so the script and the command time
+them with the same code.
 
 ``--tree LABEL=PATH`` (repeatable) measures the bridge of another checkout too (a built one: its C
 core compiled in place, e.g. ``python setup.py build_ext --inplace``), in the same run: each tree
@@ -26,6 +28,7 @@ percentiles of all rounds' samples.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -33,7 +36,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,41 +54,45 @@ def _producer(sock: str, sizes: list[int]) -> None:
         sys.stdin.read()  # until the orchestrator closes it
 
 
-def _consumer(sock: str, sizes: list[int], files: list[str], gets: int, opt_out: bool) -> None:
-    import pyarrow as pa
-    from bench_host import last_value
+def _steps() -> Any:
+    """The timed steps of the ``bench`` command, from this checkout's file, loaded by its path: a
+    consumer of another tree (``--tree``) imports that tree's ``arrow_ipc_bridge``, which may not
+    have the file, and both trees must be timed by the same code."""
+    path = os.path.join(os.path.dirname(HERE), "arrow_ipc_bridge", "cli", "_bench_steps.py")
+    spec = importlib.util.spec_from_file_location("aib_bench_steps", path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot load the timed steps from {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
+
+def _consumer(sock: str, sizes: list[int], files: list[str], gets: int, opt_out: bool) -> None:
     import arrow_ipc_bridge as aib
 
+    steps = _steps()
     out: dict[str, Any] = {"bridge": os.path.dirname(aib.__file__)}
     # The default options (what a newcomer gets), or the opt-out of standing leases.
     with aib.connect(sock, **({"pool_linger": 0.0} if opt_out else {})) as session:
 
-        def reget(name: str) -> float:
-            started = time.perf_counter()
-            imported = session.get(name)
-            table = pa.table(imported)
-            last_value(table)
-            elapsed = time.perf_counter() - started
-            imported.release()
-            return elapsed
-
-        def ipc_file(path: str) -> float:
-            started = time.perf_counter()
-            table = pa.ipc.open_file(pa.memory_map(path)).read_all()
-            last_value(table)
-            return time.perf_counter() - started
+        def step(name: str, path: str) -> tuple[float, float]:
+            """One get of each, the bridge first; both read the same table, so the same value."""
+            bridge, value = steps.bridge_reget_host(session, name)
+            peer, peer_value = steps.ipc_file_read(path)
+            if value != peer_value:
+                raise RuntimeError(f"{name}: the bridge read {value}, the IPC file {peer_value}")
+            return bridge, peer
 
         for size, path in zip(sizes, files, strict=True):
             name = f"t{size}"
             for _ in range(WARMUP):
-                reget(name)
-                ipc_file(path)
+                step(name, path)
             bridge: list[float] = []
             peer: list[float] = []
             for _ in range(gets):
-                bridge.append(reget(name))
-                peer.append(ipc_file(path))
+                b, p = step(name, path)
+                bridge.append(b)
+                peer.append(p)
             out[str(size)] = {"bridge": bridge, "ipc_file": peer}
         out["local_gets"] = aib.stats().session.local_gets  # this child process's, its one session
     print(json.dumps(out), flush=True)
