@@ -1,21 +1,25 @@
-"""Several GPUs: the cost of getting data that lives on the other GPU, and the bandwidth of using it.
+"""Several GPUs: the cost of getting data that lives on another GPU, and the bandwidth of using it.
 
-Needs two GPUs and CuPy; prints a message and exits 0 otherwise. Cases, all in one run:
+Needs two GPUs or more and CuPy; prints a message and exits 0 otherwise. Every ordered pair of the
+machine's GPUs (source, reader) is measured, in one run:
 
-- ``get_same`` / ``get_cross``: steady-state gets of 16 columns (1 MiB each, legacy memory) that a
-  producer process publishes on GPU 0; the same-GPU consumer asks for them plainly, the cross-GPU
-  one through ``Session(reader_device=1)`` (peer access, in place). Target: cross within 1.5x of same.
-- ``peer_memcpy``: ``cuMemcpyPeerAsync`` of 1 GiB from GPU 0 to GPU 1, GPU time by events: the pair's
-  bandwidth, measured in the same run as what follows.
-- ``read_in_place``: a kernel on GPU 1 summing an imported 1 GiB column living on GPU 0.
-- ``to_device``: ``imported.to_device(1, stream=s)`` of that column, GPU time by events around the
-  copies (the stream is held busy while the host queues them, so allocation and queueing are
+- ``get_same`` (per source GPU): steady-state gets of 16 columns (1 MiB each, legacy memory) that a
+  producer process publishes on the source GPU, by a plain session (the reader is the source GPU).
+- ``get_cross``: the same gets through ``Session(reader_device=reader)`` (peer access, read in
+  place). Target: median and 90th percentile <= 1.2x ``get_same``'s.
+- ``get_cross_copy``: the hand-off plus a copy of the 16 columns to the reader's GPU on a stream,
+  synchronised.
+- ``peer_memcpy``: ``cuMemcpyPeerAsync`` of 1 GiB from the source to the reader, GPU time by events:
+  the pair's bandwidth, measured in the same run as what follows.
+- ``read_in_place``: a kernel on the reader summing an imported 1 GiB column living on the source
+  (16-byte loads, four blocks per multiprocessor: a kernel written to read at the link's speed).
+  Target: >= 0.95x ``peer_memcpy``.
+- ``to_device``: ``imported.to_device(reader, stream=s)`` of that column, GPU time by events around
+  the copies (the stream is held busy while the host queues them, so allocation and queueing are
   not counted; ``to_device_wall`` is the whole call with its synchronisation).
-  Targets: both at >= 90% of ``peer_memcpy``.
-- ``nccl_sendrecv``: torch.distributed with NCCL, one process per GPU, the same 16 x 1 MiB tensors
-  sent from GPU 0 and received on GPU 1, per round (skipped without PyTorch). Compared with
-  ``get_cross`` (hand-off, data read in place) and ``get_cross_copy`` (hand-off plus a copy of
-  the 16 columns to GPU 1 on a stream, synchronised).
+- ``nccl_sendrecv``: torch.distributed with NCCL, one process on each GPU of the pair, the same
+  16 x 1 MiB tensors sent from the source and received on the reader, per round (skipped without
+  PyTorch).
 
 ``--quick`` runs fewer rounds; ``--json PATH`` writes the results.
 """
@@ -39,11 +43,12 @@ _BIG_BYTES = 1 << 30
 _CTX = mp.get_context("spawn")
 
 _SUM_KERNEL = r"""
-extern "C" __global__ void sum_int64(const long long* x, unsigned long long n, unsigned long long* out) {
+extern "C" __global__ void sum_int64(const longlong2* x, unsigned long long n2, unsigned long long* out) {
     unsigned long long acc = 0;
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n2;
          i += (unsigned long long)gridDim.x * blockDim.x) {
-        acc += (unsigned long long)x[i];
+        longlong2 v = x[i];
+        acc += (unsigned long long)v.x + (unsigned long long)v.y;
     }
     atomicAdd(out, acc);
 }
@@ -54,36 +59,43 @@ extern "C" __global__ void spin(unsigned long long cycles) {
 """
 
 
-def _two_gpus() -> str | None:
-    """None when the benchmark can run, else why not."""
+def _gpu_count() -> tuple[int, str | None]:
+    """(the GPUs this process sees, None) when the benchmark can run, else (0, why not)."""
     try:
         import cupy
     except ImportError:
-        return "CuPy is not installed"
+        return 0, "CuPy is not installed"
     try:
-        count = cupy.cuda.runtime.getDeviceCount()
+        count = int(cupy.cuda.runtime.getDeviceCount())
     except Exception as exc:
-        return f"no usable CUDA GPU ({exc})"
+        return 0, f"no usable CUDA GPU ({exc})"
     if count < 2:
-        return f"needs two GPUs; this machine shows {count}"
-    return None
+        return 0, f"needs two GPUs; this machine shows {count}"
+    return count, None
 
 
 # ---------- the producer ------------------------------------------------------------------------------
-def _producer(socket_path: str, conn: Any) -> None:
-    """Publish 16 columns of 1 MiB ("small") and one 1 GiB int64 column ("big"), both on GPU 0."""
+def _producer(socket_path: str, gpus: int, conn: Any) -> None:
+    """Publish, on every GPU g, 16 columns of 1 MiB ("small_on{g}") and one 1 GiB int64 column
+    ("big_on{g}")."""
     try:
         import cupy
 
         import arrow_ipc_bridge as aib
 
-        with cupy.cuda.Device(0):
-            small = {f"c{i}": cupy.arange(_COLUMN_BYTES // 8, dtype=cupy.int64) + i for i in range(_COLUMNS)}
-            big = cupy.arange(_BIG_BYTES // 8, dtype=cupy.int64)
-            cupy.cuda.Device(0).synchronize()
+        held = []
         with aib.Publisher(socket_path) as pub:
-            pub.publish("small", aib.from_cuda_arrays(small))
-            pub.publish("big", aib.from_cuda_arrays({"x": big}))
+            for gpu in range(gpus):
+                with cupy.cuda.Device(gpu):
+                    small = {
+                        f"c{i}": cupy.arange(_COLUMN_BYTES // 8, dtype=cupy.int64) + i
+                        for i in range(_COLUMNS)
+                    }
+                    big = cupy.arange(_BIG_BYTES // 8, dtype=cupy.int64)
+                    cupy.cuda.Device(gpu).synchronize()
+                held.append((small, big))
+                pub.publish(f"small_on{gpu}", aib.from_cuda_arrays(small))
+                pub.publish(f"big_on{gpu}", aib.from_cuda_arrays({"x": big}))
             conn.send(("ready", None))
             conn.recv()
     except Exception:
@@ -129,42 +141,45 @@ def _gpu_seconds(stream: Any, work: Any, spin: Any = None) -> float:
     return float(cupy.cuda.get_elapsed_time(start, end)) / 1e3
 
 
-def _bandwidths(session_cross: Any, repeats: int) -> dict[str, Any]:
+def _bandwidths(session_cross: Any, source_gpu: int, reader: int, repeats: int) -> dict[str, Any]:
     import cupy
 
+    import arrow_ipc_bridge as aib
     from arrow_ipc_bridge.cuda import peer
 
     results: dict[str, Any] = {}
-    peer.enable_peer_access(1, 0)
-    peer.enable_peer_access(0, 1)
-    with cupy.cuda.Device(0):
+    peer.enable_peer_access(reader, source_gpu)
+    peer.enable_peer_access(source_gpu, reader)
+    with cupy.cuda.Device(source_gpu):
         source = cupy.ones(_BIG_BYTES, dtype=cupy.uint8)
-    with cupy.cuda.Device(1):
+    with cupy.cuda.Device(reader):
         target = cupy.empty(_BIG_BYTES, dtype=cupy.uint8)
         stream = cupy.cuda.Stream(non_blocking=True)
         module = cupy.RawModule(code=_SUM_KERNEL)
         sum_kernel, spin = module.get_function("sum_int64"), module.get_function("spin")
         total = cupy.zeros(1, dtype=cupy.uint64)
+        blocks = 4 * cupy.cuda.Device(reader).attributes["MultiProcessorCount"]
 
     def peer_copy() -> None:
-        peer.copy_peer_async(target.data.ptr, 1, source.data.ptr, 0, _BIG_BYTES, stream=stream.ptr)
+        peer.copy_peer_async(
+            target.data.ptr, reader, source.data.ptr, source_gpu, _BIG_BYTES, stream=stream.ptr
+        )
 
-    with cupy.cuda.Device(1):
+    with cupy.cuda.Device(reader):
         seconds = [_gpu_seconds(stream, peer_copy) for _ in range(repeats)]
     results["peer_memcpy"] = {"gb_per_s": _BIG_BYTES / min(seconds) / 1e9, "seconds": seconds}
+    source = target = None  # 2 GiB back before the next cases
 
-    with session_cross.get("big") as imported:
-        import arrow_ipc_bridge as aib
-
+    with session_cross.get(f"big_on{source_gpu}") as imported:
         column = aib.column_view(imported, "x").__cuda_array_interface__
         pointer, n = column["data"][0], column["shape"][0]
         expected = n * (n - 1) // 2
 
         def read() -> None:
             total.fill(0)
-            sum_kernel((1024,), (512,), (cupy.uint64(pointer), cupy.uint64(n), total))
+            sum_kernel((blocks,), (512,), (cupy.uint64(pointer), cupy.uint64(n // 2), total))
 
-        with cupy.cuda.Device(1):
+        with cupy.cuda.Device(reader):
             seconds = [_gpu_seconds(stream, read) for _ in range(repeats)]
             if int(total.get()[0]) != expected % (1 << 64):
                 raise RuntimeError(f"the in-place sum is {int(total.get()[0])}, expected {expected}")
@@ -173,9 +188,9 @@ def _bandwidths(session_cross: Any, repeats: int) -> dict[str, Any]:
         copies: list[Any] = []
 
         def copy() -> None:
-            copies.append(imported.to_device(1, stream=stream.ptr))
+            copies.append(imported.to_device(reader, stream=stream.ptr))
 
-        with cupy.cuda.Device(1):
+        with cupy.cuda.Device(reader):
             seconds = []
             for _ in range(repeats):
                 seconds.append(_gpu_seconds(stream, copy, spin))
@@ -183,7 +198,7 @@ def _bandwidths(session_cross: Any, repeats: int) -> dict[str, Any]:
             walls = []
             for _ in range(repeats):
                 started = time.perf_counter()
-                made = imported.to_device(1, stream=stream.ptr)
+                made = imported.to_device(reader, stream=stream.ptr)
                 stream.synchronize()
                 walls.append(time.perf_counter() - started)
                 made.release()
@@ -192,21 +207,24 @@ def _bandwidths(session_cross: Any, repeats: int) -> dict[str, Any]:
     base = results["peer_memcpy"]["gb_per_s"]
     for key in ("read_in_place", "to_device", "to_device_wall"):
         results[key]["of_peer_memcpy"] = results[key]["gb_per_s"] / base
+    cupy.get_default_memory_pool().free_all_blocks()
     return results
 
 
 # ---------- torch.distributed with NCCL -----------------------------------------------------------------
-def _nccl_rank(rank: int, port: int, rounds: int, conn: Any) -> None:
+def _nccl_rank(rank: int, devices: tuple[int, int], port: int, rounds: int, conn: Any) -> None:
+    """Rank 0 on ``devices[0]`` sends, rank 1 on ``devices[1]`` receives."""
     try:
         import torch
         import torch.distributed as dist
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.cuda.set_device(rank)
+        device = devices[rank]
+        torch.cuda.set_device(device)
         dist.init_process_group("nccl", rank=rank, world_size=2)
         tensors = [
             torch.full(
-                (_COLUMN_BYTES // 8,), i if rank == 0 else -1, dtype=torch.int64, device=f"cuda:{rank}"
+                (_COLUMN_BYTES // 8,), i if rank == 0 else -1, dtype=torch.int64, device=f"cuda:{device}"
             )
             for i in range(_COLUMNS)
         ]
@@ -230,7 +248,7 @@ def _nccl_rank(rank: int, port: int, rounds: int, conn: Any) -> None:
         conn.send(("error", traceback.format_exc()))
 
 
-def _nccl(rounds: int) -> dict[str, Any]:
+def _nccl(devices: tuple[int, int], rounds: int) -> dict[str, Any]:
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -241,7 +259,10 @@ def _nccl(rounds: int) -> dict[str, Any]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     pipes = [_CTX.Pipe() for _ in range(2)]
-    ranks = [_CTX.Process(target=_nccl_rank, args=(rank, port, rounds, pipes[rank][1])) for rank in range(2)]
+    ranks = [
+        _CTX.Process(target=_nccl_rank, args=(rank, devices, port, rounds, pipes[rank][1]))
+        for rank in range(2)
+    ]
     for process in ranks:
         process.start()
     answers = []
@@ -261,17 +282,25 @@ def _nccl(rounds: int) -> dict[str, Any]:
 
 
 # ---------- the run -------------------------------------------------------------------------------------
-def run(quick: bool) -> dict[str, Any]:
+def run(quick: bool, gpus: int) -> dict[str, Any]:
     import cupy
 
     import arrow_ipc_bridge as aib
 
     rounds = 200 if quick else 2000
     repeats = 3 if quick else 10
-    results: dict[str, Any] = {"quick": quick, "columns": _COLUMNS, "column_bytes": _COLUMN_BYTES}
+    warm = max(20, rounds // 10)
+    results: dict[str, Any] = {
+        "quick": quick,
+        "gpus": gpus,
+        "columns": _COLUMNS,
+        "column_bytes": _COLUMN_BYTES,
+        "get_same": {},
+        "pairs": {},
+    }
     path = os.path.join(tempfile.mkdtemp(dir="/tmp"), "bench-multigpu.sock")
     parent, child = _CTX.Pipe()
-    producer = _CTX.Process(target=_producer, args=(path, child), daemon=True)
+    producer = _CTX.Process(target=_producer, args=(path, gpus, child), daemon=True)
     producer.start()
     try:
         if not parent.poll(300):
@@ -279,51 +308,83 @@ def run(quick: bool) -> dict[str, Any]:
         status, detail = parent.recv()
         if status != "ready":
             raise RuntimeError(f"the producer failed:\n{detail}")
-        with (
-            aib.connect(path, timeout=60.0) as same,
-            aib.connect(path, timeout=60.0, reader_device=1) as cross,
-        ):
-            warm = max(20, rounds // 10)
-            _time_gets(same, "small", warm)
-            _time_gets(cross, "small", warm)
-            results["get_same"] = _us(_time_gets(same, "small", rounds))
-            results["get_cross"] = _us(_time_gets(cross, "small", rounds))
-            results["get_cross"]["of_get_same"] = (
-                results["get_cross"]["median_us"] / results["get_same"]["median_us"]
-            )
-            with cupy.cuda.Device(1):
-                stream = cupy.cuda.Stream(non_blocking=True)
+        with aib.connect(path, timeout=60.0) as same:
+            for gpu in range(gpus):
+                _time_gets(same, f"small_on{gpu}", warm)
+                results["get_same"][str(gpu)] = _us(_time_gets(same, f"small_on{gpu}", rounds))
+            for reader in range(gpus):
+                with aib.connect(path, timeout=60.0, reader_device=reader) as cross:
+                    for source_gpu in range(gpus):
+                        if source_gpu == reader:
+                            continue
+                        name = f"small_on{source_gpu}"
+                        same_row = results["get_same"][str(source_gpu)]
+                        # the same-GPU get again, interleaved, so both rows see the same machine state
+                        _time_gets(same, name, warm)
+                        same_now = _us(_time_gets(same, name, rounds))
+                        _time_gets(cross, name, warm)
+                        row = _us(_time_gets(cross, name, rounds))
+                        row["same_median_us"] = same_now["median_us"]
+                        row["same_p90_us"] = same_now["p90_us"]
+                        row["of_get_same"] = row["median_us"] / same_now["median_us"]
+                        row["p90_of_get_same"] = row["p90_us"] / same_now["p90_us"]
+                        same_row.setdefault("again", []).append(same_now)
+                        pair: dict[str, Any] = {"get_cross": row}
+                        with cupy.cuda.Device(reader):
+                            stream = cupy.cuda.Stream(non_blocking=True)
 
-                def copy_and_wait(imported: Any) -> None:
-                    with imported.to_device(1, stream=stream.ptr):
-                        stream.synchronize()
+                            def copy_and_wait(
+                                imported: Any, stream: Any = stream, reader: int = reader
+                            ) -> None:
+                                with imported.to_device(reader, stream=stream.ptr):
+                                    stream.synchronize()
 
-                _time_gets(cross, "small", warm, copy_and_wait)
-                results["get_cross_copy"] = _us(_time_gets(cross, "small", rounds // 4, copy_and_wait))
-            results.update(_bandwidths(cross, repeats))
+                            _time_gets(cross, name, warm, copy_and_wait)
+                            pair["get_cross_copy"] = _us(_time_gets(cross, name, rounds // 4, copy_and_wait))
+                        pair.update(_bandwidths(cross, source_gpu, reader, repeats))
+                        results["pairs"][f"{source_gpu}->{reader}"] = pair
     finally:
         parent.send("stop")
         producer.join(60)
         if producer.is_alive():
             producer.kill()
-    results["nccl_sendrecv"] = _nccl(max(50, rounds // 4))
+    for key, pair in results["pairs"].items():
+        source_gpu, reader = (int(x) for x in key.split("->"))
+        pair["nccl_sendrecv"] = _nccl((source_gpu, reader), max(50, rounds // 4))
     return results
 
 
 def _print(results: dict[str, Any]) -> None:
-    print(f"{'case':18s} {'median':>12s} {'p10':>12s} {'p90':>12s}  note")
-    for key in ("get_same", "get_cross", "get_cross_copy", "nccl_sendrecv"):
-        row = results.get(key, {})
-        if "median_us" not in row:
-            print(f"{key:18s} {'-':>12s} {'-':>12s} {'-':>12s}  {row.get('skipped') or row.get('error', '')}")
-            continue
-        note = f"{row['of_get_same']:.2f}x same-GPU get (target <= 1.5x)" if "of_get_same" in row else ""
-        print(f"{key:18s} {row['median_us']:10.1f}us {row['p10_us']:10.1f}us {row['p90_us']:10.1f}us  {note}")
-    print(f"{'case (1 GiB)':18s} {'GB/s':>12s}  of cuMemcpyPeer (target >= 0.90)")
-    for key in ("peer_memcpy", "read_in_place", "to_device", "to_device_wall"):
-        row = results[key]
-        ratio = f"{row['of_peer_memcpy']:.2f}" if "of_peer_memcpy" in row else "1.00 (reference)"
-        print(f"{key:18s} {row['gb_per_s']:12.1f}  {ratio}")
+    print(f"16 x 1 MiB legacy columns; {results['gpus']} GPUs; medians / 90th percentiles in us")
+    print(
+        f"{'source->reader':15s} {'same-GPU get':>16s} {'cross get':>16s} {'ratio':>11s} "
+        f"{'cross+copy':>16s} {'NCCL':>16s}   (target: ratio <= 1.2 at both)"
+    )
+    for key, pair in results["pairs"].items():
+        row = pair["get_cross"]
+        copy = pair["get_cross_copy"]
+        nccl = pair.get("nccl_sendrecv", {})
+        nccl_text = (
+            f"{nccl['median_us']:7.1f}/{nccl['p90_us']:<8.1f}"
+            if "median_us" in nccl
+            else str(nccl.get("skipped") or nccl.get("error", "-"))[:16]
+        )
+        print(
+            f"{key:15s} {row['same_median_us']:7.1f}/{row['same_p90_us']:<8.1f} "
+            f"{row['median_us']:7.1f}/{row['p90_us']:<8.1f} "
+            f"{row['of_get_same']:5.2f}/{row['p90_of_get_same']:<5.2f} "
+            f"{copy['median_us']:7.1f}/{copy['p90_us']:<8.1f} {nccl_text}"
+        )
+    print(
+        f"{'1 GiB':15s} {'cuMemcpyPeer GB/s':>18s} {'read in place':>14s} {'to_device':>10s} {'(wall)':>8s}"
+    )
+    print(f"{'':15s} {'':>18s} {'(>= 0.95x)':>14s}")
+    for key, pair in results["pairs"].items():
+        print(
+            f"{key:15s} {pair['peer_memcpy']['gb_per_s']:18.1f} "
+            f"{pair['read_in_place']['of_peer_memcpy']:13.3f}x "
+            f"{pair['to_device']['of_peer_memcpy']:9.3f}x {pair['to_device_wall']['of_peer_memcpy']:7.3f}x"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,14 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
-    why_not = _two_gpus()
+    gpus, why_not = _gpu_count()
     if why_not is not None:
         print(f"bench_multigpu: skipped: {why_not}")
         if args.json:
             with open(args.json, "w", encoding="utf-8") as out:
                 json.dump({"skipped": why_not}, out, indent=2)
         return 0
-    results = run(args.quick)
+    results = run(args.quick, gpus)
     _print(results)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:

@@ -467,6 +467,52 @@ def test_a_thousand_cross_gpu_imports_hold_nothing() -> None:
             assert before[key] - after[key] < 64 << 20, (key, before, after)
 
 
+def test_re_gets_on_another_gpu_are_remembered_as_the_reader_reads_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session reading another GPU's data in place remembers each message as its reader reads it:
+    from the third get of a name on (the message remembered on its second, with its standing lease),
+    a re-get hands out the object the get made, already readable on the reader, with no placement
+    work (no reader_mappings call, no second import) and no copy; the bytes a kernel on the reader
+    reads are the producer's, for legacy (reopened in the reader's context) and pool memory."""
+    import numpy as np
+
+    from arrow_ipc_bridge.cuda import cross_gpu
+
+    calls = []
+    real = cross_gpu.reader_mappings
+
+    def counting(imported: Any, reader: int) -> Any:
+        calls.append(imported.name)
+        return real(imported, reader)
+
+    monkeypatch.setattr(cross_gpu, "reader_mappings", counting)
+    with _serving_both_gpus() as (path, source, reader):
+        want = numeric_table(0).column("c_int64").chunk(0).buffers()[1].to_pybytes()
+        with aib.connect(path, timeout=30.0, reader_device=reader) as session:
+            for name in ("legacy_on0", "pool_on0", "batch_on0"):
+                for _ in range(3):  # the first gets: imported, remembered, standing lease
+                    with session.get(name):
+                        pass
+                calls.clear()
+                before = aib.stats()
+                for _ in range(20):
+                    with session.get(name) as imported:
+                        assert imported.device_id == source, name
+                        assert imported._mapped_on is not None, name
+                        assert imported._mapped_on[0] == reader, name
+                        if name != "batch_on0":
+                            assert _read_in_place(imported, reader, "c_int64")[: len(want)] == want, name
+                        else:
+                            got = _read_in_place(imported, reader, "v")
+                            expected = (np.arange(_ROWS, dtype=np.int64) * 3).tobytes()
+                            assert got == expected, name
+                after = aib.stats()
+                assert calls == [], (name, calls)
+                assert after.session.local_gets - before.session.local_gets == 20, name
+                assert after.cuda.device_copies == before.cuda.device_copies, name
+
+
 def grant_imported_pool_child(socket_path: str, conn: Connection) -> None:
     """In a fresh process (a failed read must not poison the test process's contexts): get
     "pool_on0" on a plain session (nothing granted), read the imported pool's access for the other

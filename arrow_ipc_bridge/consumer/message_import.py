@@ -174,6 +174,8 @@ class MessageImporter:
         except BaseException:
             decoded.close()
             raise
+        if hit.mapped_on is not None:  # remembered as the session's reader GPU reads it
+            imported._mapped_on = hit.mapped_on
         track(self._imported_refs, imported)
         next(import_counters.python_remembered_imports)
         return imported

@@ -24,6 +24,8 @@ from typing import Any
 from arrow_ipc_bridge._ffi import ffi, lib
 from arrow_ipc_bridge.consumer import linger
 from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream, adopted_fields, imported_class
+from arrow_ipc_bridge.cuda.cross_gpu import reader_view
+from arrow_ipc_bridge.errors import BridgeError
 from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA
 from arrow_ipc_bridge.wire.metadata import (
     REGION_CUDA_LEGACY,
@@ -51,6 +53,10 @@ class RememberedMessage:
     device_type: int
     device_id: int
     imported_type: type[ImportedArray] | type[ImportedStream]
+    # (reader GPU, indexes of the regions opened again there) when ``bases`` are where a session's
+    # reader GPU reads the message in place (``cross_gpu.reader_view``); its imports carry it as
+    # ``_mapped_on``, so the session's placement hands them out as they are. None otherwise.
+    mapped_on: tuple[int, frozenset[int]] | None
     # (imported_type, the attributes of each import's Decoded but its owner, those every import
     # shares): what an import is made of, made once; Session._adopt_remembered builds from it.
     steady_fields: tuple[type[ImportedArray] | type[ImportedStream], dict[str, Any], dict[str, Any]] = field(
@@ -59,6 +65,8 @@ class RememberedMessage:
 
     def __post_init__(self) -> None:
         shared = adopted_fields(self.bases, self.device_type, self.device_id)
+        if self.mapped_on is not None:
+            shared["_mapped_on"] = self.mapped_on
         fields = (self.imported_type, self.template.sharing_fields(), shared)
         object.__setattr__(self, "steady_fields", fields)
 
@@ -71,8 +79,13 @@ class RememberedMessages:
     (``Session.get``); a lookup from Python takes this object's lock.
     """
 
-    def __init__(self, limit: int, pool_linger: float, request_lock: threading.Lock) -> None:
+    def __init__(
+        self, limit: int, pool_linger: float, request_lock: threading.Lock, *, reader: int | None = None
+    ) -> None:
         self._pool_linger = pool_linger
+        # The session's reader GPU when it reads other GPUs' data in place (cross_device="peer"):
+        # messages on another GPU are remembered as the reader reads them.
+        self._reader = reader
         self._request_lock = request_lock
         self._lock = threading.Lock()
         # The Python side of each message the C set holds, by its id there.
@@ -183,11 +196,12 @@ class RememberedMessages:
             return
         key = template.message
         imported_type = imported_class(template.is_stream, device_type)
+        bases, mapped_on = self._as_reader_reads(template, bases, device_type, device_id)
         # Leases of the message share the template's decode and this view: the C core builds their
         # capsules from their owner alone (capsules.device_array_capsules). Without it (out of
         # memory) they take the Python path.
         lib.aib_owner_set_view(template.owner, bases, len(bases), device_type, device_id)
-        remembered = RememberedMessage(template, bases, device_type, device_id, imported_type)
+        remembered = RememberedMessage(template, bases, device_type, device_id, imported_type, mapped_on)
         identities = ffi.new("aib_file_identity[]", max(len(files or ()), 1))
         for i, (dev, ino) in enumerate(files or ()):
             identities[i].dev = dev
@@ -221,6 +235,28 @@ class RememberedMessages:
             _close_templates(self._take_forgotten_locked())
         if lingers:
             linger.watch(self)
+
+    def _as_reader_reads(
+        self, template: Decoded, bases: Any, device_type: int, device_id: int
+    ) -> tuple[Any, tuple[int, frozenset[int]] | None]:
+        """``(bases, mapped_on)`` a message on GPU ``device_id`` is remembered with: where this
+        session's reader GPU reads it in place, when it has one (the template then holds the
+        reader's mappings), so every re-get hands out a readable object with no placement work;
+        ``(bases, None)`` otherwise. A grant the driver refuses leaves the message as it is: the
+        get's placement raises the documented error."""
+        reader = self._reader
+        if reader is None or device_type != DEVICE_CUDA or device_id == reader:
+            return bases, None
+        try:
+            view = reader_view(template, bases, device_id, reader)
+        except BridgeError:
+            return bases, None
+        if view is None:  # granted per get (a VMM region): placed per get
+            return bases, None
+        group, reader_bases, remapped = view
+        if group is not None:
+            template.depend_on(group)
+        return reader_bases, (reader, remapped)
 
     def remember_new(
         self, owner: Any, message: bytes, bases: Any, device_id: int, *, name: str, lease_keeper: Any

@@ -178,7 +178,13 @@ class Session:
         self._cache = HostMappingCache(mapping_cache_size)
         # Lock order: _request_lock, then the remembered set's own (see RememberedMessages).
         self._request_lock = threading.Lock()
-        self._remembered = RememberedMessages(remembered_messages, float(pool_linger), self._request_lock)
+        reads_in_place = self._reader is not None and self._reader.mode == "peer"
+        self._remembered = RememberedMessages(
+            remembered_messages,
+            float(pool_linger),
+            self._request_lock,
+            reader=self._reader.device if reads_in_place and self._reader is not None else None,
+        )
         self._pool_linger = float(pool_linger)
         # CuPy arrays column_arrays made for this session's re-gets, handed out again while unheld
         # (consumer/array_cache.py): a standing lease already keeps what they hold for pool_linger, so they

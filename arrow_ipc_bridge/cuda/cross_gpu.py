@@ -63,6 +63,7 @@ __all__ = [
     "copy_to_device",
     "grant_in_place",
     "reader_mappings",
+    "reader_view",
 ]
 
 _log = logging.getLogger("arrow_ipc_bridge")
@@ -120,35 +121,39 @@ def _grant(imported: Any, reader: int) -> bool:
     """:func:`grant_in_place`; True when the grant covers every later get of the same message on
     ``reader`` (no VMM mapping, which is made, and so granted, per get)."""
     _check_cuda(imported, "reading in place")
+    decoded = imported._borrow()
+    try:
+        return _grant_decoded(decoded, imported._bases, imported.device_id, reader)
+    finally:
+        decoded.unborrow()
+
+
+def _grant_decoded(decoded: Decoded, bases: Any, owner: int, reader: int) -> bool:
+    """:func:`_grant` for ``decoded``'s message with its regions at ``bases`` on GPU ``owner``."""
     reader = _check_reader(reader)
-    owner = imported.device_id
     if owner == reader:
         return True
     enable_peer_access(reader, owner)
-    decoded = imported._borrow()
-    try:
-        # A message granted before needs nothing more (a steady-state re-get must not pay a walk of
-        # its regions): its legacy regions are covered by the pair, its pools by their grants.
-        key = (decoded.message, reader)
-        if key in _granted:
-            return True
-        has_mapping = False
-        for index, region in enumerate(decoded.regions()):
-            if region.kind == REGION_CUDA_POOL:
-                pool = opener().imported_pool(region.handle[:24])
-                if pool is not None:  # None: this process's own pool (same-process export)
-                    _grant_pool(region.handle[:24], pool.handle, owner, reader)
-            elif region.kind == REGION_CUDA_VMM:
-                _grant_mapping(int(imported._bases[index]), region.size, owner, reader)
-                has_mapping = True
-        if not has_mapping:  # VMM regions are mapped per get: granted per get
-            with _pool_access_lock:
-                if len(_granted) >= _GRANTED_MAX:
-                    _granted.clear()
-                _granted[key] = None
-        return not has_mapping
-    finally:
-        decoded.unborrow()
+    # A message granted before needs nothing more (a steady-state re-get must not pay a walk of
+    # its regions): its legacy regions are covered by the pair, its pools by their grants.
+    key = (decoded.message, reader)
+    if key in _granted:
+        return True
+    has_mapping = False
+    for index, region in enumerate(decoded.regions()):
+        if region.kind == REGION_CUDA_POOL:
+            pool = opener().imported_pool(region.handle[:24])
+            if pool is not None:  # None: this process's own pool (same-process export)
+                _grant_pool(region.handle[:24], pool.handle, owner, reader)
+        elif region.kind == REGION_CUDA_VMM:
+            _grant_mapping(int(bases[index]), region.size, owner, reader)
+            has_mapping = True
+    if not has_mapping:  # VMM regions are mapped per get: granted per get
+        with _pool_access_lock:
+            if len(_granted) >= _GRANTED_MAX:
+                _granted.clear()
+            _granted[key] = None
+    return not has_mapping
 
 
 def reader_mappings(imported: Any, reader: int) -> tuple[Decoded, Any, frozenset[int]] | None:
@@ -182,31 +187,57 @@ def reader_mappings(imported: Any, reader: int) -> tuple[Decoded, Any, frozenset
         return None
     decoded = imported._borrow()
     try:
-        regions = decoded.regions()
-        with _state.lock:  # this process's own exports are its own allocations: peer access covers them
-            remap = [
-                index
-                for index, region in enumerate(regions)
-                if region.kind == REGION_CUDA_LEGACY and region.handle not in _state.local_exports
-            ]
         source = ffi.buffer(imported._bases, 8 * imported._n_bases)[:]
-        if not remap:
+        group, base_array, remapped = _remapped(decoded, imported._bases, imported._n_bases, reader)
+        if group is None:
             if lasting:
                 decoded.reader_maps.setdefault(reader, (None, source, None, frozenset()))
             return None
-        bases = [int(imported._bases[index]) for index in range(imported._n_bases)]
-        pointers, group = opener().open_legacy_for_reader([regions[index].handle for index in remap], reader)
-        group = ffi.gc(group, lib.aib_owner_unref)  # the kept entry's hold, or nobody's
-        for index, pointer in zip(remap, pointers, strict=True):
-            bases[index] = pointer
-        base_array = ffi.new("uint64_t[]", bases)
-        remapped = frozenset(remap)
         shared = _sharing(decoded, group)
         if lasting:
             decoded.reader_maps.setdefault(reader, (group, source, base_array, remapped))
     finally:
         decoded.unborrow()
     return shared, base_array, remapped
+
+
+def reader_view(
+    decoded: Decoded, bases: Any, owner: int, reader: int
+) -> tuple[Any, Any, frozenset[int]] | None:
+    """How GPU ``reader`` reads ``decoded``'s message, whose regions lie at ``bases`` (a
+    ``uint64_t[]``) on GPU ``owner``, in place on every get of it: access granted (as
+    :func:`grant_in_place`), and ``(an owner holding the legacy regions opened again in the reader's
+    context, or None where there are none; the bases the reader reads the regions at, a
+    ``uint64_t[]``; the indexes of the regions opened again)``. A remembered message is kept that
+    way for a session whose reader is another GPU (``consumer/remembered.py``), so its re-gets need
+    no placement. None when nothing needs doing (``owner`` is ``reader``) or the grant holds for
+    one get only (a VMM region). Raises as :func:`grant_in_place`."""
+    if owner == reader or not _grant_decoded(decoded, bases, owner, reader):
+        return None
+    group, base_array, remapped = _remapped(decoded, bases, len(bases), reader)
+    return group, bases if base_array is None else base_array, remapped
+
+
+def _remapped(decoded: Decoded, bases: Any, n_bases: int, reader: int) -> tuple[Any, Any, frozenset[int]]:
+    """The message's legacy regions of another process opened again in GPU ``reader``'s context:
+    ``(one owner holding them, the bases with their pointers there, their indexes)``, or
+    ``(None, None, frozenset())`` when it has none (this process's own exports are its own
+    allocations: peer access covers them)."""
+    regions = decoded.regions()
+    with _state.lock:
+        remap = [
+            index
+            for index, region in enumerate(regions)
+            if region.kind == REGION_CUDA_LEGACY and region.handle not in _state.local_exports
+        ]
+    if not remap:
+        return None, None, frozenset()
+    new_bases = [int(bases[index]) for index in range(n_bases)]
+    pointers, group = opener().open_legacy_for_reader([regions[index].handle for index in remap], reader)
+    group = ffi.gc(group, lib.aib_owner_unref)  # the caller's hold, or nobody's
+    for index, pointer in zip(remap, pointers, strict=True):
+        new_bases[index] = pointer
+    return group, ffi.new("uint64_t[]", new_bases), frozenset(remap)
 
 
 def _sharing(decoded: Decoded, group: Any) -> Decoded:
@@ -470,6 +501,9 @@ class ReaderPlacement:
         """What the session hands out for ``imported``."""
         if imported.device_type != _DEVICE_CUDA or imported.device_id == self.device:
             return imported
+        mapped_on = imported._mapped_on
+        if mapped_on is not None and mapped_on[0] == self.device and self.mode == "peer":
+            return imported  # a re-get of a message remembered as the reader reads it
         if self.mode == "peer":
             try:
                 readable = imported.readable_on(self.device)
