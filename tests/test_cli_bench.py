@@ -291,3 +291,20 @@ def test_bench_on_the_gpu_against_torch_multiprocessing(cuda_device: int) -> Non
         assert row["device"] == "cuda"
         assert row["n"] == 3
         assert 0 < row["min_us"] <= row["median_us"] <= row["max_us"]
+
+
+def test_rows_leave_the_warmups_out_and_interpolate_the_p90() -> None:
+    """The timed samples only (after the warm-ups), the p90 interpolated between ranks, each method's
+    median over the bridge's."""
+    warmups = [1.0] * bench_module.WARMUP  # seconds: far above every timed sample, so a leak shows
+    samples = {"bridge": [*warmups, 1e-6, 2e-6, 3e-6, 4e-6], "ipc_file": [*warmups, 8e-6, 4e-6, 6e-6, 2e-6]}
+    bridge, peer = bench_module._rows(Case("host", 1 << 20, ("bridge", "ipc_file")), samples)
+    assert bridge["n"] == peer["n"] == 4
+    assert bridge["samples_us"] == pytest.approx([1.0, 2.0, 3.0, 4.0])
+    assert (bridge["median_us"], bridge["p90_us"]) == pytest.approx((2.5, 3.7))
+    assert (bridge["min_us"], bridge["max_us"]) == pytest.approx((1.0, 4.0))
+    assert peer["samples_us"] == pytest.approx([8.0, 4.0, 6.0, 2.0])  # in the order taken
+    assert (peer["median_us"], peer["p90_us"]) == pytest.approx((5.0, 7.4))
+    assert (bridge["ratio_to_bridge"], peer["ratio_to_bridge"]) == pytest.approx((1.0, 2.0))
+    one = bench_module._rows(Case("host", 1024, ("bridge",)), {"bridge": [*warmups, 3e-6]})[0]
+    assert one["median_us"] == one["p90_us"] == pytest.approx(3.0)
