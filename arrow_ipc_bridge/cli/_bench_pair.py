@@ -140,7 +140,8 @@ def run_pair(
     # The peer's file lives in memory, as the bridge's data does, wherever the system has /dev/shm.
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with (
-        tempfile.TemporaryDirectory(prefix="aib-bench-") as sockets,
+        # /tmp, not $TMPDIR: a long TMPDIR could push the socket's path past AF_UNIX's 108 bytes
+        tempfile.TemporaryDirectory(prefix="aib-bench-", dir="/tmp") as sockets,
         tempfile.TemporaryDirectory(prefix="aib-bench-", dir=shm) as files,
     ):
         socket_path = os.path.join(sockets, "bench.sock")
@@ -176,6 +177,7 @@ def run_pair(
                 )
                 finished = True
             finally:
+                ours.close()
                 if consumer.pid is not None:
                     consumer.join(_JOIN_TIMEOUT_S if finished else 0)
                     if consumer.is_alive():
