@@ -51,9 +51,9 @@ _RING_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
 
 class _Credit:
     """Gives batches' leases back, a few at a time (RELEASE_MANY): under policy "block" a released
-    batch's lease waits until half the window is released or this consumer is about to wait for a
-    batch (then nothing may stay held back: the producer could be waiting for that credit). One
-    frame per few batches spares both processes a wake-up per batch. Runs on any thread (the
+    batch's lease waits until half the window is released, or until the producer may be waiting
+    for it (see :meth:`may_block`), or this consumer is about to sleep for a batch. One frame per
+    few batches spares both processes a frame and a wake-up per batch. Runs on any thread (the
     reaper's, a consumer's)."""
 
     def __init__(self, channel: Channel, window: int, policy: str, on_release: Callable[[int], None]) -> None:
@@ -61,10 +61,26 @@ class _Credit:
         self._on_release = on_release  # before its RELEASE can go: the ring segment is free here
         self._lock = threading.Lock()
         self._pending: list[int] = []
+        self._window = window
         # Only where the producer waits for credit: under "drop_oldest" and "error" a lease held
         # back here would make a consumer that keeps up look slow (dropped batches, ended).
         self._threshold = max(1, window // 2) if policy == "block" else 1
         self._receiving = False
+        # Leases received and leases whose RELEASE went out: the producer counts the difference
+        # against the window (it may count more, while RELEASEs are on their way).
+        self._got = 0
+        self._sent = 0
+
+    def got(self) -> None:
+        """A BATCH (with its lease) was received."""
+        self._got += 1
+
+    @property
+    def may_block(self) -> bool:
+        """Whether the producer may be out of credit for this consumer: every lease of the window
+        received and not given back (released and held back here, or still held). Otherwise the
+        producer has room, and a consumer waiting for a batch holds its releases back a while."""
+        return self._got - self._sent >= self._window and bool(self._pending)
 
     def released(self, lease_id: int) -> None:
         """A batch's owner died (the reaper family's callback)."""
@@ -77,7 +93,7 @@ class _Credit:
         self._send(ids)
 
     def waiting(self, waiting: bool) -> None:
-        """The consumer starts (True) or stops waiting for a batch; starting sends what is held back."""
+        """The consumer starts (True) or stops sleeping for a batch; starting sends what is held back."""
         with self._lock:
             self._receiving = waiting
             ids, self._pending = (self._pending, []) if waiting else ([], self._pending)
@@ -98,6 +114,7 @@ class _Credit:
         self._send(ids)
 
     def _send(self, ids: list[int]) -> None:
+        self._sent += len(ids)
         if self._channel.closed:
             return  # the publisher ended this connection's leases when it closed
         with contextlib.suppress(PeerClosedError, BridgeTimeoutError, OSError):
@@ -162,6 +179,7 @@ class LiveStream:
         weakref.finalize(self, reaper.unregister_family, self._lease_tokens)
         self._poll = select.poll()
         self._poll.register(self._channel.fileno(), select.POLLIN)
+        self._spinning = True  # whether the next wait for a batch spins first (see _spin)
 
     # ---------- receiving ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[ImportedArray]:
@@ -196,19 +214,29 @@ class LiveStream:
         self._session._check_open()
         channel = self._channel
         wait = self._timeout if isinstance(timeout, EllipsisType) else timeout
-        # Credit held back goes out before this consumer could wait (see _Credit); a frame already
-        # here (in the channel's buffer or the socket) is taken without that.
-        ready = lib.aib_channel_buffered(channel.raw) > 0 or bool(self._poll.poll(0))
+        # A frame already here (in the channel's buffer or the socket) is taken at once. Else the
+        # consumer looks for one a while without sleeping (see _spin), holding its released
+        # leases back unless the producer may be waiting for them, and sends them all before it
+        # sleeps (see _Credit).
         try:
-            if ready:
+            if lib.aib_channel_buffered(channel.raw) > 0 or self._poll.poll(0):
                 frame = channel.recv(timeout=wait)
             else:
-                self._credit.waiting(True)
-                try:
-                    self._spin(wait)
+                credit = self._credit
+                if credit.may_block:
+                    credit.flush()
+                if not self._spin(wait):
+                    credit.waiting(True)
+                    try:
+                        slept = time.monotonic()
+                        frame = channel.recv(timeout=wait)
+                        # Spin again before the next wait only if this one was short: a producer
+                        # that sends less often than SPIN_S is waited for asleep, without spinning.
+                        self._spinning = time.monotonic() - slept < SPIN_S
+                    finally:
+                        credit.waiting(False)
+                else:
                     frame = channel.recv(timeout=wait)
-                finally:
-                    self._credit.waiting(False)
         except ProtocolError as exc:  # a malformed frame: the channel closed itself
             self._broken = exc
             raise
@@ -253,19 +281,29 @@ class LiveStream:
         finally:
             del error  # no cycle through this frame: what the batch held goes with the last reference
 
-    def _spin(self, wait: float | None) -> None:
+    def _spin(self, wait: float | None) -> bool:
         """Look for the next frame without sleeping for up to ``SPIN_S`` (less when ``wait`` is
-        shorter): a producer in the middle of a run sends it within a batch's time, and a frame
-        sent to a process that is awake wakes nobody (a sleeping one is woken, and on a machine of
-        few cores that wake-up takes the producer's core from it). The blocking receive follows."""
+        shorter); whether one came. A producer in the middle of a run sends it within a batch's
+        time, and a frame sent to a process that is awake wakes nobody (a sleeping one is woken,
+        and on a machine of few cores that wake-up takes the producer's core from it). Bounded:
+        after a wait that took longer than ``SPIN_S`` (a producer slower than that, or idle) the
+        next wait does not spin, so a slow stream costs no CPU in looks; a short sleep turns the
+        spin on again. The blocking receive follows."""
+        if not self._spinning:
+            return False
         spin = SPIN_S if wait is None else min(SPIN_S, wait)
         until = time.monotonic() + spin
         poll = self._poll.poll
-        while not poll(0) and time.monotonic() < until:
+        while not poll(0):
+            if time.monotonic() >= until:
+                self._spinning = False
+                return False
             os.sched_yield()  # a producer runnable on this core (a busy machine) runs first
+        return True
 
     def _import(self, payload: bytes, fds: list[int]) -> ImportedArray:
         sequence, lease_id, slot, again, ring = stream_frames.decode_batch_header(payload)
+        self._credit.got()
         session = self._session
         if not 0 < lease_id < _LEASE_LIMIT:
             raise ProtocolError(f"BATCH lease id {lease_id} out of range")
