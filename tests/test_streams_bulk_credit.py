@@ -128,3 +128,36 @@ def test_a_slow_producer_is_waited_for_asleep_after_one_long_wait(
     assert cpu[0] > 0.1, cpu  # the first wait looked
     assert max(cpu[1:]) < 0.05, cpu  # the later ones did not
     assert wait_for(lambda: writer.leases == 0, 5)
+
+
+def test_a_write_waiting_for_a_slow_consumer_sleeps_at_once_after_one_long_wait(
+    publisher: aib.Publisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A window of 1 and a consumer that releases each batch 0.4 s after it came, a look of 0.2 s:
+    # the first write that waits looks (0.2 s of CPU), the later ones sleep at once.
+    monkeypatch.setattr(stream_hub, "SPIN_S", 0.2)
+    writer = publisher.open_stream("s", max_in_flight=1, block_timeout=10)
+    n = 4
+    with aib.subscribe(publisher.path, "s", max_in_flight=1, timeout=10) as live:
+        assert wait_for(lambda: writer.subscribers == 1, 5)
+
+        def consume() -> None:
+            for _ in range(n):
+                imported = live.next_batch()
+                assert imported is not None
+                time.sleep(0.4)
+                imported.release()
+
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        cpu: list[float] = []
+        for i in range(n):
+            before = time.thread_time()
+            writer.write(batch(i))
+            cpu.append(time.thread_time() - before)
+        consumer.join(10)
+        writer.close()
+        assert live.next_batch() is None
+    assert cpu[1] > 0.1, cpu  # the first write that waited looked
+    assert max(cpu[2:]) < 0.05, cpu  # the later ones did not
+    assert wait_for(lambda: writer.leases == 0, 5)

@@ -162,6 +162,7 @@ class LiveStreamState:
         """Called once when the stream ends (the writer frees its reserved slots)."""
         self.last_write = 0.0
         """``time.monotonic()`` of the last commit (the serving threads' cue, ``WRITER_ACTIVE_S``)."""
+        self._spinning = True  # whether a write short of credit looks before it sleeps
 
     @property
     def subscribers(self) -> int:
@@ -216,39 +217,54 @@ class LiveStreamState:
         itself: first without sleeping for up to ``SPIN_S`` (the consumer is working through its
         window, and a RELEASE to a thread that is awake wakes nobody), then asleep on the slow
         subscriber's socket, so its RELEASE wakes this thread and no other. A serving thread that
-        was receiving already takes the frame and notifies the condition instead."""
-        now = time.monotonic()
-        deadline = None if self.block_timeout is None else now + self.block_timeout
-        spin_until = now + SPIN_S
-        while True:
-            slow = [s for s in self._subscribers if not s.ended and not s.has_room]
-            if not slow:
-                return
-            if self.closed:
-                raise ClosedError(f"the stream {self.name!r} was closed while a write waited", what="stream")
-            if [s for s in slow if self._collect(s)]:
-                continue
-            now = time.monotonic()
-            remaining = None if deadline is None else deadline - now
-            if remaining is not None and remaining <= 0:
-                raise BridgeTimeoutError(
-                    f"write to stream {self.name!r} waited {self.block_timeout} s for "
-                    f"{len(slow)} slow consumer(s) holding {slow[0].window} unreleased batches "
-                    "(policy 'block'); nothing was sent",
-                    waiting_for="credit",
-                    timeout=self.block_timeout,
+        was receiving already takes the frame and notifies the condition instead. After a wait
+        longer than ``SPIN_S`` (a consumer slower than that) the next one sleeps at once, so a slow
+        consumer costs the producer no CPU in looks; a short wait turns the look on again."""
+        slow = [s for s in self._subscribers if not s.ended and not s.has_room]
+        if not slow:
+            return
+        started = time.monotonic()
+        deadline = None if self.block_timeout is None else started + self.block_timeout
+        spin_until = started + SPIN_S if self._spinning else started
+        try:
+            while True:
+                if self.closed:
+                    raise ClosedError(
+                        f"the stream {self.name!r} was closed while a write waited", what="stream"
+                    )
+                if [s for s in slow if self._collect(s)]:
+                    slow = [s for s in self._subscribers if not s.ended and not s.has_room]
+                    if not slow:
+                        return
+                    continue
+                now = time.monotonic()
+                remaining = None if deadline is None else deadline - now
+                if remaining is not None and remaining <= 0:
+                    raise BridgeTimeoutError(
+                        f"write to stream {self.name!r} waited {self.block_timeout} s for "
+                        f"{len(slow)} slow consumer(s) holding {slow[0].window} unreleased batches "
+                        "(policy 'block'); nothing was sent",
+                        waiting_for="credit",
+                        timeout=self.block_timeout,
+                    )
+                sleep = (
+                    0.0
+                    if now < spin_until
+                    else min(_SLEEP_S, remaining if remaining is not None else _SLEEP_S)
                 )
-            sleep = (
-                0.0 if now < spin_until else min(_SLEEP_S, remaining if remaining is not None else _SLEEP_S)
-            )
-            # The condition is let go while looking: releases, closes and new subscribers go on.
-            self.cond.release()
-            try:
-                if sleep == 0.0:
-                    os.sched_yield()  # a consumer runnable on this core (a busy machine) runs first
-                slow[0].poller.poll(int(sleep * 1000))
-            finally:
-                self.cond.acquire()
+                # The condition is let go while looking: releases, closes and new subscribers go on.
+                self.cond.release()
+                try:
+                    if sleep == 0.0:
+                        os.sched_yield()  # a consumer runnable on this core (a busy machine) runs first
+                    slow[0].poller.poll(int(sleep * 1000))
+                finally:
+                    self.cond.acquire()
+                slow = [s for s in self._subscribers if not s.ended and not s.has_room]
+                if not slow:
+                    return
+        finally:
+            self._spinning = time.monotonic() - started < SPIN_S
 
     def _collect(self, sub: _Subscriber) -> bool:
         """Read the RELEASEs ``sub`` has sent, without waiting (condition held); whether any
