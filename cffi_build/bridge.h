@@ -756,11 +756,12 @@ int aib_py_install_local_get(const char *module_name);
  * unused). One allocation per tree; the structs own no data (the caller keeps it alive). */
 int aib_columns_build(size_t n, const char *const *names, const aib_cuda_column *columns, int as_batch,
                       struct ArrowSchema *schema_out, struct ArrowArray *array_out, aib_error *err);
-/* The one device ordinal of the columns' memory, one cuPointerGetAttributes each (the caller's context
- * current). Returns 0; -2 when they live on several devices; or, with *failed the first column
- * unknown to the driver, in pinned host memory, or whose query failed, the CUresult (-1 for the kind
- * of memory). */
-int aib_cuda_devices_of(const aib_cuda_column *columns, size_t n, int32_t *device_out, size_t *failed);
+/* The one device ordinal of the columns' memory (*device_out), one cuPointerGetAttributes each (the
+ * caller's context current). Returns 0; -2 when they live on several devices (*failed the first
+ * column not on column 0's device, its device in *other_out); or, with *failed the first column
+ * unknown to the driver or in pinned host memory, -1; or the CUresult of a query that failed. */
+int aib_cuda_devices_of(const aib_cuda_column *columns, size_t n, int32_t *device_out, int32_t *other_out,
+                        size_t *failed);
 /* The producer's table of regions it made, keyed by CUDA buffer id (never reused in a process). */
 typedef struct aib_export_regions aib_export_regions;
 aib_export_regions *aib_export_regions_new(size_t capacity);

@@ -154,7 +154,8 @@ int aib_columns_build(size_t n, const char *const *names, const aib_cuda_column 
 }
 
 /* ---------- which device each column lives on --------------------------------------------------- */
-int aib_cuda_devices_of(const aib_cuda_column *columns, size_t n, int32_t *device_out, size_t *failed) {
+int aib_cuda_devices_of(const aib_cuda_column *columns, size_t n, int32_t *device_out, int32_t *other_out,
+                        size_t *failed) {
   get_attributes_fn fn = (get_attributes_fn)aib_cuda_pointer_get_attributes();
   static const int attributes[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
   *failed = n;
@@ -163,8 +164,9 @@ int aib_cuda_devices_of(const aib_cuda_column *columns, size_t n, int32_t *devic
     uint64_t slots[2] = {0, 0};
     void *data[2] = {&slots[0], &slots[1]};
     int rc = fn(2, attributes, data, columns[i].data);
-    /* Unknown to the driver, pinned host memory, or a refused query: the caller's pointer_info
-     * decides. Managed memory passes: the placer copies it or refuses it by the copy policy. */
+    /* Unknown to the driver (every attribute left at its default: no error), pinned host memory, or
+     * a refused query: the caller says which. Managed memory passes: the placer copies it or
+     * refuses it by the copy policy. */
     if (rc != 0 || (uint32_t)slots[0] == 0 || (uint32_t)slots[0] == CU_MEMORYTYPE_HOST) {
       *failed = i;
       return rc ? rc : -1;
@@ -173,6 +175,7 @@ int aib_cuda_devices_of(const aib_cuda_column *columns, size_t n, int32_t *devic
     if (i == 0) *device_out = device;
     if (device != *device_out) {
       *failed = i;
+      *other_out = device;
       return -2;
     }
   }

@@ -513,6 +513,23 @@ def test_re_gets_on_another_gpu_are_remembered_as_the_reader_reads_them(
                 assert after.cuda.device_copies == before.cuda.device_copies, name
 
 
+def test_columns_on_two_gpus_are_refused_naming_both() -> None:
+    """A batch has one device: columns on both GPUs are refused by the C query over all columns,
+    naming both ordinals; the same columns one GPU at a time are accepted."""
+    import cupy
+
+    with cupy.cuda.Device(0):
+        on0 = cupy.arange(16, dtype=cupy.int64)
+    with cupy.cuda.Device(1):
+        on1 = cupy.arange(16, dtype=cupy.int64)
+    with pytest.raises(aib.BridgeError, match=r"several devices \[0, 1\]"):
+        aib.from_cuda_arrays({"a": on0, "b": on1})
+    from arrow_ipc_bridge.wire.capsules import capsule_struct
+
+    _, array = aib.from_cuda_arrays({"a": on1, "b": on1}).__arrow_c_device_array__()
+    assert capsule_struct(array, "device_array").device_id == 1
+
+
 def grant_imported_pool_child(socket_path: str, conn: Connection) -> None:
     """In a fresh process (a failed read must not poison the test process's contexts): get
     "pool_on0" on a plain session (nothing granted), read the imported pool's access for the other

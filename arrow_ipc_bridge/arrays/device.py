@@ -205,37 +205,31 @@ def _facts_array(facts: bytes) -> Any:
 
 def _device_of(columns: Any, n: int, objects: list[Any]) -> int:
     """The one device all columns live on, in one C loop of attribute queries; raises
-    :class:`RegionError` for memory that is not CUDA device or managed memory (pinned host memory,
-    addresses unknown to the driver) and :class:`BridgeError` for columns on several devices."""
-    from arrow_ipc_bridge.cuda._driver import _api
+    :class:`InvalidArgumentError` for memory that is not CUDA device or managed memory (pinned host
+    memory, addresses unknown to the driver), :class:`BridgeError` for columns on several devices and
+    :class:`CudaError` for a query the driver refused."""
+    from arrow_ipc_bridge.cuda._driver import _DRIVER, _api
     from arrow_ipc_bridge.cuda.devices import _ctx
 
     if columns[0].length == 0:
         return 0  # no memory to ask about (a zero-length column's pointer may be anything)
     device = ffi.new("int32_t *")
+    other = ffi.new("int32_t *")
     failed = ffi.new("size_t *")
     _api()  # loads the driver, which hands its functions to the C core
     with _ctx(None):
-        rc = lib.aib_cuda_devices_of(columns, n, device, failed)
-    if rc != 0:
-        return _device_of_one_by_one(objects, [int(columns[i].data) for i in range(n)])
-    return int(device[0])
-
-
-def _device_of_one_by_one(objects: list[Any], pointers: list[int]) -> int:
-    """:func:`_device_of` where the C loop stopped: :func:`~arrow_ipc_bridge.cuda.pointer_info` per
-    column copes with memory for which the driver refuses an attribute, and says what the rest is."""
-    from arrow_ipc_bridge import cuda
-
-    devices: set[int] = set()
-    for obj, pointer in zip(objects, pointers, strict=True):
-        info = cuda.pointer_info(pointer)
-        if info is None or info.memory_type == "host":
-            raise InvalidArgumentError(f"{type(obj).__name__} data at {pointer:#x} is not CUDA device memory")
-        devices.add(info.device)
-    if len(devices) > 1:
-        raise BridgeError(f"columns live on several devices {sorted(devices)}; a batch has one device")
-    return devices.pop()
+        rc = lib.aib_cuda_devices_of(columns, n, device, other, failed)
+    if rc == 0:
+        return int(device[0])
+    index = int(failed[0])
+    if rc == -2:
+        devices = sorted({int(device[0]), int(other[0])})
+        raise BridgeError(f"columns live on several devices {devices}; a batch has one device")
+    if rc == -1:
+        raise InvalidArgumentError(
+            f"{type(objects[index]).__name__} data at {int(columns[index].data):#x} is not CUDA device memory"
+        )
+    raise _DRIVER.error("cuPointerGetAttributes", int(rc))
 
 
 def _c_names(names: tuple[str, ...]) -> Any:
