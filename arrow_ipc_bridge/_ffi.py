@@ -53,8 +53,9 @@ dlpack_capsule: Callable[[int, int, int, int, int, int, int], object]
 _BatchColumns = tuple[object, int, tuple[tuple[str, int, int, int, Any] | None, ...], bool]
 batch_columns: Callable[..., _BatchColumns | str]
 DLPackColumn: type  # what batch_columns hands out for DLPack consumers (columns.ColumnView wraps it)
-# py_columns.c (from_cuda_arrays): (values, n, cupy_type) -> (columns read, aib_cuda_column[n] as bytes)
-read_cuda_columns: Callable[[list[Any], int, type | None], tuple[int, bytes]]
+# py_columns.c (from_cuda_arrays): (values, n, cupy_type) -> (columns read, aib_cuda_column[n] as bytes,
+# why the next was not read (a READ_* code), the offending value or None)
+read_cuda_columns: Callable[[list[Any], int, type | None], tuple[int, bytes, int, Any]]
 # py_local_get.c: a session's local re-gets in one builtin call (consumer/session.py makes one per session).
 LocalGetter: type
 if (

@@ -2,10 +2,10 @@
  *
  * What a column needs (data pointer, length, numeric type, announced stream) is read from each
  * array's interface dict here, with the GIL held (a builtin function, installed like py_capsules.c's:
- * aib_py_install_columns), instead of a dozen dict look-ups per column in Python. A column this
- * reader cannot take — no interface (a DLPack-only producer), a shape, type, stride or mask a plain
- * Arrow column cannot show, a length different from the first column's — stops it: the caller's
- * Python path handles that column and every later one, and raises the documented errors. */
+ * aib_py_install_columns), instead of a dozen dict look-ups per column in Python. This is the only
+ * reader of the interface: at the first column it cannot take it stops and says why (a reason code
+ * and the offending value), and the caller raises the documented error from that, or views a
+ * DLPack-only producer through CuPy and calls again. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -44,36 +44,58 @@ static uint32_t code_of(PyObject *typestr) {
   return code != NULL ? (uint32_t)PyLong_AsLong(code) : N_TYPES;
 }
 
-/* 0 and *out filled, or -1 (with any Python exception cleared) when the dict is not a plain column. */
-static int read_one(PyObject *cai, aib_cuda_column *out) {
-  if (!PyDict_Check(cai)) return -1;
+/* Why a column was not read (arrays/device.py raises from these; keep the two lists equal). */
+enum {
+  READ_OK = 0,
+  READ_NO_INTERFACE = 1, /* no __cuda_array_interface__ */
+  READ_SHAPE = 2,        /* not 1-D: detail is the shape */
+  READ_TYPE = 3,         /* a typestr with no Arrow equivalent: detail is the typestr */
+  READ_STRIDES = 4,      /* not contiguous */
+  READ_MASK = 5,         /* masked */
+  READ_LENGTH = 6,       /* a length other than the first column's: detail is that length */
+  READ_MALFORMED = 7,    /* an interface that breaks the protocol (no data pointer, a negative length...) */
+};
+
+/* READ_OK and *out filled, or the reason (*detail borrowed, or NULL) with any Python exception
+ * cleared. */
+static int read_one(PyObject *cai, aib_cuda_column *out, PyObject **detail) {
+  *detail = NULL;
+  if (!PyDict_Check(cai)) return READ_MALFORMED;
   PyObject *shape = item(cai, K_SHAPE);
-  if (shape == NULL || !PyTuple_Check(shape) || PyTuple_Size(shape) != 1) return -1;
+  if (shape == NULL || !PyTuple_Check(shape)) return READ_MALFORMED;
+  if (PyTuple_Size(shape) != 1) {
+    *detail = shape;
+    return READ_SHAPE;
+  }
   long long length = PyLong_AsLongLong(PyTuple_GetItem(shape, 0));
-  if (length < 0) return -1;
-  uint32_t code = code_of(item(cai, K_TYPESTR));
-  if (code == N_TYPES) return -1;
+  if (length < 0) return READ_MALFORMED;
+  PyObject *typestr = item(cai, K_TYPESTR);
+  uint32_t code = code_of(typestr);
+  if (code == N_TYPES) {
+    *detail = typestr;
+    return typestr != NULL && PyUnicode_Check(typestr) ? READ_TYPE : READ_MALFORMED;
+  }
   PyObject *strides = item(cai, K_STRIDES);
   if (strides != NULL && strides != Py_None) {
-    if (!PyTuple_Check(strides) || PyTuple_Size(strides) != 1) return -1;
-    if (PyLong_AsLongLong(PyTuple_GetItem(strides, 0)) != itemsizes[code]) return -1;
+    if (!PyTuple_Check(strides) || PyTuple_Size(strides) != 1) return READ_STRIDES;
+    if (PyLong_AsLongLong(PyTuple_GetItem(strides, 0)) != itemsizes[code]) return READ_STRIDES;
   }
-  if (!absent_or_none(cai, K_MASK)) return -1;
+  if (!absent_or_none(cai, K_MASK)) return READ_MASK;
   PyObject *data = item(cai, K_DATA);
-  if (data == NULL || !PyTuple_Check(data) || PyTuple_Size(data) < 1) return -1;
+  if (data == NULL || !PyTuple_Check(data) || PyTuple_Size(data) < 1) return READ_MALFORMED;
   unsigned long long pointer = PyLong_AsUnsignedLongLong(PyTuple_GetItem(data, 0));
-  if (PyErr_Occurred()) return -1;
+  if (PyErr_Occurred()) return READ_MALFORMED;
   PyObject *stream = item(cai, K_STREAM);
   long long stream_value = 0;
   if (stream != NULL && stream != Py_None) {
     stream_value = PyLong_AsLongLong(stream);
-    if (PyErr_Occurred()) return -1;
+    if (PyErr_Occurred()) return READ_MALFORMED;
   }
   out->data = pointer;
   out->length = length;
   out->stream = stream_value;
   out->code = code;
-  return 0;
+  return READ_OK;
 }
 
 /* An attribute as a C integer; -1 (exception cleared) when absent or not an integer. */
@@ -140,12 +162,15 @@ static int read_cupy(PyObject *obj, int64_t stream, aib_cuda_column *out) {
   return 0;
 }
 
-/* read_cuda_columns(values, n, cupy_type) -> (done, facts): facts is a bytes object holding an
- * aib_cuda_column[n], zero-filled (its bytes are deterministic: they are the columns' signature),
- * whose first done entries were read from the columns (done == n: all of them). values: a list of
- * n arrays. cupy_type: CuPy's ndarray type when the caller found the first value to be one (its
- * later values of exactly that type are read by read_cupy), else None. The bytes object is new and
- * not shared while it is filled. */
+/* read_cuda_columns(values, n, cupy_type) -> (done, facts, reason, detail): facts is a bytes object
+ * holding an aib_cuda_column[n], zero-filled (its bytes are deterministic: they are the columns'
+ * signature), whose first done entries were read from the columns (done == n: all of them, reason
+ * READ_OK); otherwise reason says why column done was not read and detail is the offending value
+ * (its shape or typestr) or None. values: a list of n arrays. cupy_type: CuPy's ndarray type when
+ * the caller found the first value to be one (its later values of exactly that type are read by
+ * read_cupy, from what their interface is built from), else None. An exception raised by an
+ * array's interface other than AttributeError propagates. The bytes object is new and not shared
+ * while it is filled. */
 static PyObject *read_cuda_columns(PyObject *self, PyObject *args) {
   PyObject *values, *cupy_type;
   Py_ssize_t n;
@@ -160,29 +185,51 @@ static PyObject *read_cuda_columns(PyObject *self, PyObject *args) {
   aib_cuda_column *columns = (aib_cuda_column *)PyBytes_AsString(facts);
   memset(columns, 0, (size_t)n * sizeof(aib_cuda_column));
   Py_ssize_t i = 0;
+  int reason = READ_OK;
+  PyObject *detail = NULL; /* a new reference once set */
   for (; i < n; i++) {
     PyObject *value = PyList_GetItem(values, i);
     if (i > 0 && cupy_type != Py_None && (PyObject *)Py_TYPE(value) == cupy_type &&
         read_cupy(value, columns[0].stream, &columns[i]) == 0) {
-      if (columns[i].length != columns[0].length) break;
+      if (columns[i].length != columns[0].length) {
+        reason = READ_LENGTH;
+        detail = PyLong_FromLongLong(columns[i].length);
+        break;
+      }
       continue;
     }
-    if (PyErr_Occurred()) PyErr_Clear();
+    if (PyErr_Occurred()) PyErr_Clear(); /* read_cupy's: the interface says what the array is */
     PyObject *cai = PyObject_GetAttr(value, keys[K_CAI]);
-    if (cai == NULL) break;
-    int rc = read_one(cai, &columns[i]);
+    if (cai == NULL) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        Py_DECREF(facts);
+        return NULL;
+      }
+      PyErr_Clear();
+      reason = READ_NO_INTERFACE;
+      break;
+    }
+    PyObject *borrowed = NULL;
+    reason = read_one(cai, &columns[i], &borrowed);
+    if (PyErr_Occurred()) PyErr_Clear();
+    Py_XINCREF(borrowed);
+    detail = borrowed;
     Py_DECREF(cai);
-    if (rc != 0 || columns[i].length != columns[0].length) break;
+    if (reason == READ_OK && columns[i].length != columns[0].length) {
+      reason = READ_LENGTH;
+      detail = PyLong_FromLongLong(columns[i].length);
+    }
+    if (reason != READ_OK) break;
+    Py_CLEAR(detail);
   }
-  if (PyErr_Occurred()) PyErr_Clear(); /* the Python path meets the same problem and says what it is */
   if (i < n) memset(&columns[i], 0, (size_t)(n - i) * sizeof(aib_cuda_column)); /* a column half read */
-  PyObject *result = Py_BuildValue("(nN)", i, facts);
-  return result;
+  return Py_BuildValue("(nNiN)", i, facts, reason, detail != NULL ? detail : Py_NewRef(Py_None));
 }
 
 static PyMethodDef read_function = {
     "read_cuda_columns", read_cuda_columns, METH_VARARGS,
-    "read_cuda_columns(values, n, cupy_type) -> (how many leading columns were read, their facts)"};
+    "read_cuda_columns(values, n, cupy_type) -> (how many leading columns were read, their facts, why the "
+    "next was not, the offending value or None)"};
 
 /* The interned names and the typestr table; 0, or -1 with a Python exception set. */
 static int make_keys(void) {

@@ -16,6 +16,9 @@ from arrow_ipc_bridge.arrays import device
 from arrow_ipc_bridge.wire.capsules import DEVICE_CPU, CapturedArray, CapturedData, capture
 from arrow_ipc_bridge.wire.metadata import Described, DeviceInfo, process_region
 
+# A column's format code: its type's place in device._NUMERIC_TYPES (py_columns.c's order).
+_FORMAT_CODES = {typestr[1:]: code for code, (_, typestr, _) in enumerate(device._NUMERIC_TYPES)}
+
 
 class _FakeCudaArray:
     """An object announcing ``__cuda_array_interface__`` facts (never dereferenced by the checks)."""
@@ -68,7 +71,7 @@ def _columns(arrays: list[np.ndarray]) -> Any:
     for column, a in zip(columns, arrays, strict=True):
         column.data = a.ctypes.data
         column.length = len(a)
-        column.code = device._FORMAT_CODES[a.dtype.str[1:]]
+        column.code = _FORMAT_CODES[a.dtype.str[1:]]
     return columns
 
 
@@ -151,52 +154,86 @@ def test_the_builder_refuses_bad_arguments() -> None:
         lib.aib_device_array_free(array)
 
 
-def _read(values: Any, cupy_type: type | None = None) -> tuple[int, Any]:
-    """read_cuda_columns: how many leading columns it read, and the facts as an aib_cuda_column[]."""
+def _read(values: Any, cupy_type: type | None = None) -> tuple[int, Any, int, Any]:
+    """read_cuda_columns: how many leading columns it read, the facts as an aib_cuda_column[], why
+    it stopped (device._READ_OK when it did not) and the offending value."""
     from arrow_ipc_bridge._ffi import read_cuda_columns
 
-    done, facts = read_cuda_columns(values, len(values), cupy_type)
+    done, facts, reason, detail = read_cuda_columns(values, len(values), cupy_type)
     assert isinstance(facts, bytes)
     assert len(facts) == len(values) * ffi.sizeof("aib_cuda_column")
-    return done, device._facts_array(facts)
+    return done, device._facts_array(facts), reason, detail
 
 
-def test_the_c_reader_takes_what_the_python_reader_takes() -> None:
-    """read_cuda_columns reads the same facts as _column_facts, and stops at the first column it
-    cannot take (no interface, a shape/type/stride/mask to refuse, another length), leaving that
-    column to the Python path and its errors; the facts are zeros from there on."""
-    from arrow_ipc_bridge._ffi import read_cuda_columns
-
+def test_the_column_reader_reads_every_interface_fact() -> None:
+    """Pointer, length, format code (in device._NUMERIC_TYPES' order) and announced stream of
+    every numeric type, '|' and '<' typestrs, explicit contiguous strides and no stream."""
     good = [
         _FakeCudaArray(typestr=f"<{t}" if t[1] != "1" else f"|{t}", data=(0x1000 * (k + 1), False), stream=k)
         for k, t in enumerate(_DTYPES)
     ]
     good.append(_FakeCudaArray(strides=(4,), stream=None))
-    done, columns = _read(good)
-    assert done == len(good)
-    for column, value in zip(columns, good, strict=True):
-        _, pointer, length, code, stream = device._column_facts(value)
-        assert (column.data, column.length, column.code, column.stream, column.reserved) == (
-            pointer,
-            length,
-            code,
-            stream or 0,
-            0,
-        )
-    for bad in (
-        [1.0],
-        _FakeCudaArray(shape=(2, 2)),
-        _FakeCudaArray(typestr=">f4"),
-        _FakeCudaArray(typestr="<c8"),
-        _FakeCudaArray(strides=(8,)),
-        _FakeCudaArray(mask=object()),
-        _FakeCudaArray(shape=(5,)),
-        _FakeCudaArray(data=(-1, False)),
-    ):
-        done, columns = _read([_FakeCudaArray(), bad, _FakeCudaArray()])
-        assert done == 1, bad
-        size = ffi.sizeof("aib_cuda_column")
-        assert bytes(ffi.buffer(columns))[size:] == bytes(2 * size), bad
+    done, columns, reason, detail = _read(good)
+    assert (done, reason, detail) == (len(good), device._READ_OK, None)
+    expected = [(0x1000 * (k + 1), 4, _FORMAT_CODES[t], k) for k, t in enumerate(_DTYPES)]
+    expected.append((0x1000, 4, _FORMAT_CODES["f4"], 0))
+    got = [(c.data, c.length, c.code, c.stream) for c in columns]
+    assert got == expected
+    assert all(c.reserved == 0 for c in columns)
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason", "detail"),
+    [
+        ([1.0], device._NO_INTERFACE, None),
+        (_FakeCudaArray(shape=(2, 2)), device._SHAPE, (2, 2)),
+        (_FakeCudaArray(typestr=">f4"), device._TYPE, ">f4"),
+        (_FakeCudaArray(typestr="<c8"), device._TYPE, "<c8"),
+        (_FakeCudaArray(strides=(8,)), device._STRIDES, None),
+        (_FakeCudaArray(mask=object()), device._MASK, None),
+        (_FakeCudaArray(shape=(5,)), device._LENGTH, 5),
+        (_FakeCudaArray(data=(-1, False)), device._MALFORMED, None),
+        (_FakeCudaArray(shape=[4]), device._MALFORMED, None),
+        (_FakeCudaArray(typestr=4), device._MALFORMED, 4),
+    ],
+)
+def test_the_column_reader_stops_at_a_column_it_cannot_take_and_says_why(
+    bad: Any, reason: int, detail: Any
+) -> None:
+    """The first column it cannot take stops it: the reason and the offending value come back,
+    the facts are zeros from that column on, and from_cuda_arrays raises the documented error."""
+    done, columns, got_reason, got_detail = _read([_FakeCudaArray(), bad, _FakeCudaArray()])
+    assert (done, got_reason, got_detail) == (1, reason, detail)
+    size = ffi.sizeof("aib_cuda_column")
+    assert bytes(ffi.buffer(columns))[size:] == bytes(2 * size)
+    messages = {
+        device._NO_INTERFACE: "neither __cuda_array_interface__ nor __dlpack__",
+        device._SHAPE: r"only 1-D arrays become Arrow columns \(got shape \(2, 2\)\)",
+        device._TYPE: f"array type '{detail}' has no zero-copy Arrow equivalent",
+        device._STRIDES: "not contiguous",
+        device._MASK: "masked GPU arrays",
+        device._LENGTH: r"different lengths \(4 and 5\)",
+        device._MALFORMED: "does not follow the protocol",
+    }
+    with pytest.raises(aib.BridgeError, match=messages[reason]):
+        aib.from_cuda_arrays({"a": _FakeCudaArray(), "b": bad})
+
+
+def test_the_column_reader_lets_an_interface_error_through() -> None:
+    """An array whose interface raises something other than AttributeError: that exception, not a
+    refusal in the array's name."""
+
+    class Broken:
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            raise RuntimeError("the stream was destroyed")
+
+    with pytest.raises(RuntimeError, match="the stream was destroyed"):
+        _read([_FakeCudaArray(), Broken()])
+    with pytest.raises(aib.BridgeError, match="does not follow the protocol"):
+        aib.from_cuda_arrays({"a": _FakeCudaArray(data=None)})
+    from arrow_ipc_bridge._ffi import read_cuda_columns
+
     for values in ((_FakeCudaArray(),), []):
         with pytest.raises(ValueError, match="list of n >= 1 values"):
             read_cuda_columns(values, len(values), None)  # type: ignore[arg-type]
@@ -235,26 +272,27 @@ def test_the_c_reader_reads_cupy_arrays_after_the_first_from_their_attributes() 
     read through its interface, and so stops there."""
 
     values = [ndarray(8, t, 0x1000 * (k + 1)) for k, t in enumerate(_DTYPES)]
-    done, columns = _read(values, ndarray)
+    done, columns, _, _ = _read(values, ndarray)
     assert done == len(values)
     read = [(c.data, c.length, c.code, c.stream) for c in columns]
-    done, columns = _read(values)  # interfaces only
+    done, columns, _, _ = _read(values)  # interfaces only
     assert done == len(values)
     assert read == [(c.data, c.length, c.code, c.stream) for c in columns]
     # Attributes, not interfaces, after the first: an interface that lies is not read.
     liar = ndarray(8, "float32", 0x9000, interface={"shape": (8,), "typestr": "<f8", "data": (0x1, False)})
-    done, columns = _read([values[0], liar], ndarray)
+    done, columns, _, _ = _read([values[0], liar], ndarray)
     assert done == 2
     assert (columns[1].data, columns[1].code, columns[1].stream) == (0x9000, _DTYPES.index("f4"), 7)
     # One dtype after another (the reader keeps the last dtype it saw): each column its own code.
     mixed = [ndarray(8, t, 0x1000) for t in ("float32", "float32", "int8", "float32", "float64", "float64")]
-    done, columns = _read(mixed, ndarray)
+    done, columns, _, _ = _read(mixed, ndarray)
     assert done == len(mixed)
     assert [c.code for c in columns] == [_DTYPES.index(t) for t in ("f4", "f4", "i1", "f4", "f8", "f8")]
     strided = ndarray(8, "float32", 0x9000, contiguous=False)
-    assert _read([values[0], strided], ndarray)[0] == 1
+    done, _, reason, _ = _read([values[0], strided], ndarray)
+    assert (done, reason) == (1, device._STRIDES)
     empty = [ndarray(0, "float32", 0x1000), ndarray(0, "float32", 0x2000)]
-    done, columns = _read(empty, ndarray)
+    done, columns, _, _ = _read(empty, ndarray)
     assert done == 2
     assert columns[1].data == 0  # as the interface says of an empty array
 

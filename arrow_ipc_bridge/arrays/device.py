@@ -126,40 +126,13 @@ def to_device(
     return imported_from(decoded, [0], device_type=DEVICE_CUDA, device_id=device)
 
 
-_FORMAT_CODES = {typestr[1:]: code for code, (_, typestr, _) in enumerate(_NUMERIC_TYPES)}  # "f4" -> 9
 # Column names as C strings, per tuple of names: a step loop publishes the same columns each step.
 _C_NAMES: dict[tuple[str, ...], Any] = {}
 _C_NAMES_MAX = 64
 
 
-def _column_facts(obj: Any) -> tuple[Any, int, int, int, int | None]:
-    """What a column needs from a 1-D GPU array, read once from its ``__cuda_array_interface__``
-    (a DLPack producer is viewed through CuPy first): ``(array to keep alive, data pointer, length,
-    format code, announced stream)``. The pointer is checked later, for all columns at once."""
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is None and hasattr(obj, "__dlpack__"):
-        import cupy
-
-        obj = cupy.from_dlpack(obj)  # zero-copy view; keeps the producer alive
-        cai = obj.__cuda_array_interface__
-    if cai is None:
-        raise BridgeError(f"{type(obj).__name__} has neither __cuda_array_interface__ nor __dlpack__")
-    shape = cai["shape"]
-    typestr = cai["typestr"]
-    if len(shape) != 1:
-        raise BridgeError(f"only 1-D arrays become Arrow columns (got shape {tuple(shape)})")
-    code = _FORMAT_CODES.get(typestr[1:])
-    if code is None or typestr[0] not in "<|":
-        raise BridgeError(
-            f"array type {typestr!r} has no zero-copy Arrow equivalent (little-endian numbers only)"
-        )
-    strides = cai.get("strides")
-    if strides is not None and (len(strides) != 1 or strides[0] != int(typestr[2:])):
-        raise BridgeError("the array is not contiguous: make it so (e.g. cupy.ascontiguousarray) first")
-    if cai.get("mask") is not None:
-        raise BridgeError("masked GPU arrays are not supported; build the validity bitmap yourself")
-    return obj, cai["data"][0], shape[0], code, cai.get("stream")
-
+# Why read_cuda_columns stopped before a column (py_columns.c's READ_* codes).
+_READ_OK, _NO_INTERFACE, _SHAPE, _TYPE, _STRIDES, _MASK, _LENGTH, _MALFORMED = range(8)
 
 # type -> whether it is CuPy's ndarray (a step loop wraps arrays of the same type each step)
 _IS_CUPY: dict[type, bool] = {}
@@ -167,9 +140,9 @@ _IS_CUPY: dict[type, bool] = {}
 
 def _read_columns(values: list[Any]) -> tuple[bytes, list[Any]]:
     """Every column's facts as the bytes of an ``aib_cuda_column[]`` (zero-filled: deterministic),
-    and the objects to keep alive: read in one C call (``read_cuda_columns``); from the first column
-    it cannot take (a DLPack-only producer, or one to refuse) on, by :func:`_column_facts`, which
-    views or raises."""
+    and the objects to keep alive: read in one C call (``read_cuda_columns``, the one reader of
+    ``__cuda_array_interface__``). A DLPack-only producer is viewed through CuPy and the columns
+    read again; any other column the call could not take raises the documented error."""
     n = len(values)
     first_type = type(values[0])
     # CuPy arrays after the first are read from their own attributes (py_columns.c says why).
@@ -178,24 +151,40 @@ def _read_columns(values: list[Any]) -> tuple[bytes, list[Any]]:
         is_cupy = first_type.__name__ == "ndarray" and first_type.__module__.partition(".")[0] == "cupy"
         if len(_IS_CUPY) < 64:
             _IS_CUPY[first_type] = is_cupy
-    done, facts = read_cuda_columns(values, n, first_type if is_cupy else None)
-    if done == n:
-        return facts, values
-    columns = ffi.new("aib_cuda_column[]", n)
-    ffi.memmove(columns, facts, len(facts))  # the columns read (the rest is zeros)
-    keep = values[:done]
-    for i in range(done, n):
-        obj, pointer, length, code, stream = _column_facts(values[i])
-        if i and length != columns[0].length:
-            raise BridgeError(
-                f"columns have different lengths ({columns[0].length} and {length}); a batch has one"
-            )
-        columns[i].data = pointer
-        columns[i].length = length
-        columns[i].code = code
-        columns[i].stream = stream or 0
-        keep.append(obj)
-    return bytes(ffi.buffer(columns)), keep
+    while True:
+        done, facts, reason, detail = read_cuda_columns(values, n, first_type if is_cupy else None)
+        if reason == _READ_OK:
+            return facts, values
+        obj = values[done]
+        if reason == _NO_INTERFACE and hasattr(obj, "__dlpack__"):
+            import cupy
+
+            values = list(values)
+            values[done] = cupy.from_dlpack(obj)  # zero-copy view; keeps the producer alive
+            continue
+        raise _refusal(reason, obj, detail, ffi.from_buffer("aib_cuda_column[]", facts))
+
+
+def _refusal(reason: int, obj: Any, detail: Any, columns: Any) -> BridgeError:
+    """The error for a column ``read_cuda_columns`` stopped at."""
+    name = type(obj).__name__
+    if reason == _NO_INTERFACE:
+        return BridgeError(f"{name} has neither __cuda_array_interface__ nor __dlpack__")
+    if reason == _SHAPE:
+        return BridgeError(f"only 1-D arrays become Arrow columns (got shape {tuple(detail)})")
+    if reason == _TYPE:
+        return BridgeError(
+            f"array type {detail!r} has no zero-copy Arrow equivalent (little-endian numbers only)"
+        )
+    if reason == _STRIDES:
+        return BridgeError("the array is not contiguous: make it so (e.g. cupy.ascontiguousarray) first")
+    if reason == _MASK:
+        return BridgeError("masked GPU arrays are not supported; build the validity bitmap yourself")
+    if reason == _LENGTH:
+        return BridgeError(
+            f"columns have different lengths ({columns[0].length} and {detail}); a batch has one"
+        )
+    return BridgeError(f"{name}'s __cuda_array_interface__ does not follow the protocol (version 3)")
 
 
 def _facts_array(facts: bytes) -> Any:
