@@ -10,6 +10,7 @@ import sys
 import pyarrow as pa
 import pytest
 from helpers.cli_runner import run_cli
+from helpers.session_rig import wait_for
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge.cli import main
@@ -45,7 +46,8 @@ def test_list_prints_each_publication(publisher: aib.Publisher) -> None:
     assert lines[2].split()[:6] == ["batch", "record", "batch", "1000", "2", "cpu"]
     assert lines[3].split()[:5] == ["table", "table", "1000", "2", "cpu"]
     assert f"{table.nbytes / 1024:.1f} KiB" in lines[3]
-    assert publisher.active_leases == 0  # each get was released
+    # each get was released; the publisher reads the exited process's releases on its own thread
+    assert wait_for(lambda: publisher.active_leases == 0, 10.0)
 
 
 def test_list_json(publisher: aib.Publisher, capsys: pytest.CaptureFixture[str]) -> None:
