@@ -517,8 +517,8 @@ class Session:
 
     def _adopt_remembered(self, name: str, imported_now: tuple[int, Any, int, Any, int, int]) -> Imported:
         """The steady state's import: a remembered message the C core imported already (from the
-        board, or from the answer), wrapped with the message's attributes made once
-        (``RememberedMessage.steady_fields``). The owner's token, or the standing lease it holds,
+        board, or from the answer), wrapped with what the remembered message holds (the slots
+        ``py_local_get.c`` fills the same way). The owner's token, or the standing lease it holds,
         ends the lease when it dies. Called holding ``_request_lock``."""
         entry_id, owner, address, sync_slot, version, flags = imported_now
         hit = self._remembered.used_by_c_core(entry_id)
@@ -526,13 +526,16 @@ class Session:
             lib.aib_owner_unref(owner)
             reaper.drain()
             raise BridgeError("a remembered message vanished during a get")
-        imported_type, decoded_fields, fields = hit.steady_fields
-        imported = imported_type.adopt(
-            Decoded.adopt(owner, decoded_fields),
-            fields,
+        imported = hit.imported_type.adopt(
+            Decoded.adopt(owner, hit.template),
+            hit.bases,
+            n_bases=hit.n_bases,
+            device_type=hit.device_type,
+            device_id=hit.device_id,
             sync_event=sync_slot or None,
             name=name,
             owner_address=address,
+            mapped_on=hit.mapped_on,
         )
         next(import_counters.remembered_gets)
         if flags & _GET_LOCAL:
