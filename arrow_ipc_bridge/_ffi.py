@@ -69,6 +69,10 @@ if TYPE_CHECKING:
     class RememberedState:
         def __init__(self, *args: Any) -> None: ...
 
+        # A new import of the message: a Decoded sharing its template over owner, and an object of
+        # its imported class over that (py_state.c, aib_py_remembered_import).
+        def adopt(self, owner: Any, sync: Any, name: str, owner_address: int) -> Any: ...
+
 
 if (
     lib.aib_py_install(__name__.encode()) != 0

@@ -13,9 +13,9 @@
  * else (a closed session or channel, another process, a name not remembered with a standing lease,
  * bytes on the channel, a str that is not a name) returns None having sent and changed nothing,
  * and the caller takes the Python path, which asks the publisher and raises the documented errors.
- * The objects it makes are those Python makes: a Decoded sharing the remembered template's decode
- * and an ImportedArray or ImportedStream, each made with its type's tp_new, as cls.__new__(cls)
- * makes them. Their state, and the remembered message's, lives in the C base types of py_state.c:
+ * The objects it makes are those Python makes, by the same C function (aib_py_remembered_import,
+ * py_state.c): a Decoded sharing the remembered template's decode and an ImportedArray or
+ * ImportedStream. Their state, and the remembered message's, lives in the C base types of py_state.c:
  * it is read and filled by offset, never by attribute name, and the channel's closed state is the
  * C channel's own. The Python objects the getter calls (the locks' methods, ffi.cast, ffi.gc, the
  * counters, the set's discard) are handed to its constructor one by one.
@@ -49,7 +49,6 @@ typedef struct {
   PyObject *keep_alive;    /* (channel, remembered table, board): the owners of the three pointers */
   PyObject *request_acquire, *request_release, *recv_acquire, *recv_release; /* the locks' bound methods */
   PyObject *by_id;        /* RememberedMessages._by_id: entry id -> RememberedMessage (a RememberedState) */
-  PyObject *decoded_type; /* metadata.Decoded (a subclass of DecodedState) */
   PyObject *cast, *gc, *unref, *owner_ctype, *slot_ctype, *null; /* ffi.cast, ffi.gc, lib.aib_owner_unref, ... */
   PyObject *remembered_gets, *local_gets; /* process-wide counters: itertools.count objects */
   PyObject *kept_arrays;  /* the session's KeptCupyArrays, or None */
@@ -60,25 +59,16 @@ typedef struct {
 /* The getter's object references, in one list for dealloc. */
 #define GETTER_OBJECTS(g)                                                                               \
   {&(g)->keep_alive,   &(g)->request_acquire, &(g)->request_release, &(g)->recv_acquire, &(g)->recv_release, \
-   &(g)->by_id,        &(g)->decoded_type,    &(g)->cast,            &(g)->gc,           &(g)->unref,        \
-   &(g)->owner_ctype,  &(g)->slot_ctype,      &(g)->null,            &(g)->remembered_gets,                  \
-   &(g)->local_gets,   &(g)->kept_arrays,     &(g)->tracked,         &(g)->untrack}
-#define N_GETTER_OBJECTS 18
+   &(g)->by_id,        &(g)->cast,            &(g)->gc,              &(g)->unref,        &(g)->owner_ctype,  \
+   &(g)->slot_ctype,   &(g)->null,            &(g)->remembered_gets, &(g)->local_gets,   &(g)->kept_arrays,  \
+   &(g)->tracked,      &(g)->untrack}
+#define N_GETTER_OBJECTS 17
 
 static void local_getter_dealloc(PyObject *self) {
   local_getter *g = (local_getter *)self;
   PyObject **objects[N_GETTER_OBJECTS] = GETTER_OBJECTS(g);
   for (int i = 0; i < N_GETTER_OBJECTS; i++) Py_CLEAR(*objects[i]);
   aib_py_free_instance(self);
-}
-
-/* cls.__new__(cls) for a Python class (what the adopt constructors do). */
-static PyObject *new_instance(PyObject *type) {
-  newfunc make = (newfunc)PyType_GetSlot((PyTypeObject *)type, Py_tp_new);
-  PyObject *empty = PyTuple_New(0);
-  PyObject *obj = empty != NULL ? make((PyTypeObject *)type, empty, NULL) : NULL;
-  Py_XDECREF(empty);
-  return obj;
 }
 
 /* The owner the C core gave us as a cffi pointer whose collection drops the reference
@@ -92,14 +82,12 @@ static PyObject *owned_pointer(local_getter *g, aib_owner *owner, PyObject *addr
   return held;
 }
 
-/* The imported object of a local answer (out) of the remembered message hit: the objects
- * Session._adopt_remembered makes (Decoded.adopt, then the imported class's adopt), their slots
- * filled here by offset (py_state.h). Takes over the owner's reference. */
+/* The imported object of a local answer (out) of the remembered message hit: what
+ * Session._adopt_remembered makes (aib_py_remembered_import, py_state.c), with the answer's version
+ * and the session's kept arrays, tracked in the session's set. Takes over the owner's reference. */
 static PyObject *build_imported(local_getter *g, PyObject *name, const aib_get_result *out,
                                 aib_py_remembered_state *hit) {
-  aib_py_decoded_state *template = (aib_py_decoded_state *)hit->slot[RS_TEMPLATE];
-  PyObject *address = NULL, *owner = NULL, *decoded = NULL, *sync = NULL, *imported = NULL, *ref = NULL;
-  PyObject *result = NULL;
+  PyObject *address = NULL, *owner = NULL, *sync = NULL, *imported = NULL, *ref = NULL, *result = NULL;
   address = PyLong_FromUnsignedLongLong((unsigned long long)out->owner_address);
   if (address == NULL) {
     aib_owner_unref(out->owner);
@@ -107,16 +95,6 @@ static PyObject *build_imported(local_getter *g, PyObject *name, const aib_get_r
   }
   owner = owned_pointer(g, out->owner, address); /* from here the owner's reference is owner's */
   if (owner == NULL) goto done;
-  /* One dict of reader maps shared by every decode of the message, made on first need (as
-   * Decoded.reader_maps makes it). */
-  if (template->slot[DS_READER_MAPS] == NULL && (template->slot[DS_READER_MAPS] = PyDict_New()) == NULL) goto done;
-  decoded = new_instance(g->decoded_type);
-  if (decoded == NULL) goto done;
-  aib_py_decoded_state *d = (aib_py_decoded_state *)decoded;
-  d->slot[DS_OWNER] = owner;
-  owner = NULL;
-  for (int i = 0; i < DS_COUNT; i++)
-    if (i != DS_OWNER) d->slot[i] = Py_XNewRef(template->slot[i]);
   if (out->sync_slot != NULL) {
     PyObject *slot = PyLong_FromVoidPtr(out->sync_slot);
     sync = slot != NULL ? PyObject_CallFunctionObjArgs(g->cast, g->slot_ctype, slot, NULL) : NULL;
@@ -125,21 +103,9 @@ static PyObject *build_imported(local_getter *g, PyObject *name, const aib_get_r
   } else {
     sync = Py_NewRef(g->null);
   }
-  imported = new_instance(hit->slot[RS_IMPORTED_TYPE]);
+  imported = aib_py_remembered_import(hit, owner, sync, name, address);
   if (imported == NULL) goto done;
   PyObject **slots = ((aib_py_import_state *)imported)->slot;
-  slots[IS_DECODED] = decoded;
-  decoded = NULL;
-  slots[IS_BASES] = Py_NewRef(hit->slot[RS_BASES]);
-  slots[IS_N_BASES] = Py_NewRef(hit->slot[RS_N_BASES]);
-  slots[IS_DEVICE_TYPE] = Py_NewRef(hit->slot[RS_DEVICE_TYPE]);
-  slots[IS_DEVICE_ID] = Py_NewRef(hit->slot[RS_DEVICE_ID]);
-  slots[IS_MAPPED_ON] = Py_NewRef(hit->slot[RS_MAPPED_ON]);
-  slots[IS_SYNC] = sync;
-  sync = NULL;
-  slots[IS_NAME] = Py_NewRef(name);
-  slots[IS_OWNER_ADDRESS] = address;
-  address = NULL;
   if (out->version != 0 && (slots[IS_VERSION] = PyLong_FromUnsignedLongLong((unsigned long long)out->version)) == NULL)
     goto done;
   if (g->kept_arrays != Py_None && (slots[IS_KEPT_ARRAYS] = PyTuple_Pack(2, g->kept_arrays, hit)) == NULL) goto done;
@@ -154,7 +120,6 @@ done:
   Py_XDECREF(ref);
   Py_XDECREF(imported);
   Py_XDECREF(sync);
-  Py_XDECREF(decoded);
   Py_XDECREF(owner);
   Py_XDECREF(address);
   return result;
@@ -235,32 +200,27 @@ static PyObject *local_getter_close(PyObject *self, PyObject *unused) {
 }
 
 /* LocalGetter(channel, remembered, board, board_slots, keep_alive, request_acquire, request_release,
- *             recv_acquire, recv_release, by_id, decoded_type, cast, gc, unref, owner_ctype,
+ *             recv_acquire, recv_release, by_id, cast, gc, unref, owner_ctype,
  *             slot_ctype, null, remembered_gets, local_gets, kept_arrays, tracked, untrack)
  * (consumer/local_getter.py says what each is; by keyword or position). */
 static PyObject *local_getter_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
   static char *names[] = {"channel",         "remembered",   "board",      "board_slots",     "keep_alive",
                           "request_acquire", "request_release", "recv_acquire", "recv_release", "by_id",
-                          "decoded_type",    "cast",         "gc",         "unref",           "owner_ctype",
+                          "cast",         "gc",         "unref",           "owner_ctype",
                           "slot_ctype",      "null",         "remembered_gets", "local_gets", "kept_arrays",
                           "tracked",         "untrack",      NULL};
   unsigned long long channel, remembered, board;
   unsigned int board_slots;
   local_getter parsed = {0};
   if (!PyArg_ParseTupleAndKeywords(
-          args, kwargs, "KKKIOOOOOO!O!OOOOOOOOOO!O:LocalGetter", names, &channel, &remembered, &board, &board_slots,
+          args, kwargs, "KKKIOOOOOO!OOOOOOOOOO!O:LocalGetter", names, &channel, &remembered, &board, &board_slots,
           &parsed.keep_alive, &parsed.request_acquire, &parsed.request_release, &parsed.recv_acquire,
-          &parsed.recv_release, &PyDict_Type, &parsed.by_id, &PyType_Type, &parsed.decoded_type, &parsed.cast,
+          &parsed.recv_release, &PyDict_Type, &parsed.by_id, &parsed.cast,
           &parsed.gc, &parsed.unref, &parsed.owner_ctype, &parsed.slot_ctype, &parsed.null, &parsed.remembered_gets,
           &parsed.local_gets, &parsed.kept_arrays, &PySet_Type, &parsed.tracked, &parsed.untrack))
     return NULL;
   if (channel == 0 || remembered == 0 || board == 0) {
     PyErr_SetString(PyExc_ValueError, "LocalGetter needs a channel, a remembered set and a board");
-    return NULL;
-  }
-  if (aib_py_decoded_state_type == NULL ||
-      !PyType_IsSubtype((PyTypeObject *)parsed.decoded_type, aib_py_decoded_state_type)) {
-    PyErr_SetString(PyExc_TypeError, "LocalGetter's decoded_type must be a subclass of DecodedState");
     return NULL;
   }
   local_getter *g = (local_getter *)PyType_GenericAlloc(type, 0);

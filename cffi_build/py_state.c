@@ -77,12 +77,19 @@ static PyObject *copy_state(PyObject *self, PyObject **slots, size_t offset, int
   }                                                                                                \
   static PyMethodDef prefix##_methods[] = {                                                        \
       {"__copy__", prefix##_copy, METH_NOARGS, "a shallow copy: the same slot values and __dict__"}, \
-      {NULL, NULL, 0, NULL},                                                                       \
+      STATE_METHODS_##prefix{NULL, NULL, 0, NULL},                                                 \
   };
+#define STATE_METHODS_decoded_state
+#define STATE_METHODS_import_state
+#define STATE_METHODS_remembered_state                                                                 \
+  {"adopt", (PyCFunction)(void (*)(void))remembered_state_adopt, METH_FASTCALL,                        \
+   "adopt(owner, sync, name, owner_address) -> a new import of this message: a Decoded sharing the "  \
+   "template over owner (a cffi aib_owner *, held), and an object of imported_type over it"},
 
 STATE_GC(decoded_state, aib_py_decoded_state, DS_COUNT)
 STATE_GC(import_state, aib_py_import_state, IS_COUNT)
 STATE_GC(remembered_state, aib_py_remembered_state, RS_COUNT)
+static PyObject *remembered_state_adopt(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 STATE_COPY(decoded_state, aib_py_decoded_state, DS_COUNT)
 STATE_COPY(import_state, aib_py_import_state, IS_COUNT)
 STATE_COPY(remembered_state, aib_py_remembered_state, RS_COUNT)
@@ -132,6 +139,48 @@ static PyMemberDef remembered_state_members[] = {
          "(reader GPU, regions opened again there) when bases are where the reader reads; else None"),
     {NULL, 0, 0, 0, NULL},
 };
+
+PyObject *aib_py_remembered_import(aib_py_remembered_state *hit, PyObject *owner, PyObject *sync, PyObject *name,
+                                   PyObject *owner_address) {
+  aib_py_decoded_state *template = (aib_py_decoded_state *)hit->slot[RS_TEMPLATE];
+  PyTypeObject *decoded_type = Py_TYPE(template);
+  /* One dict of reader maps shared by every decode of the message, made on first need (as
+   * Decoded.reader_maps makes it). */
+  if (template->slot[DS_READER_MAPS] == NULL && (template->slot[DS_READER_MAPS] = PyDict_New()) == NULL) return NULL;
+  /* cls.__new__(cls), as the adopt constructors make them: these classes define no __new__ */
+  aib_py_decoded_state *decoded = (aib_py_decoded_state *)decoded_type->tp_alloc(decoded_type, 0);
+  if (decoded == NULL) return NULL;
+  decoded->slot[DS_OWNER] = Py_NewRef(owner);
+  for (int i = 0; i < DS_COUNT; i++)
+    if (i != DS_OWNER) decoded->slot[i] = Py_XNewRef(template->slot[i]);
+  PyTypeObject *imported_type = (PyTypeObject *)hit->slot[RS_IMPORTED_TYPE];
+  aib_py_import_state *imported = (aib_py_import_state *)imported_type->tp_alloc(imported_type, 0);
+  if (imported == NULL) {
+    Py_DECREF(decoded);
+    return NULL;
+  }
+  PyObject **slots = imported->slot;
+  slots[IS_DECODED] = (PyObject *)decoded;
+  slots[IS_BASES] = Py_NewRef(hit->slot[RS_BASES]);
+  slots[IS_N_BASES] = Py_NewRef(hit->slot[RS_N_BASES]);
+  slots[IS_DEVICE_TYPE] = Py_NewRef(hit->slot[RS_DEVICE_TYPE]);
+  slots[IS_DEVICE_ID] = Py_NewRef(hit->slot[RS_DEVICE_ID]);
+  slots[IS_MAPPED_ON] = Py_NewRef(hit->slot[RS_MAPPED_ON]);
+  slots[IS_SYNC] = Py_NewRef(sync);
+  slots[IS_NAME] = Py_NewRef(name);
+  slots[IS_OWNER_ADDRESS] = Py_NewRef(owner_address);
+  return (PyObject *)imported;
+}
+
+/* adopt(owner, sync, name, owner_address): aib_py_remembered_import for Python's path
+ * (Session._adopt_remembered). */
+static PyObject *remembered_state_adopt(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_Format(PyExc_TypeError, "adopt takes 4 arguments (owner, sync, name, owner_address), not %zd", nargs);
+    return NULL;
+  }
+  return aib_py_remembered_import((aib_py_remembered_state *)self, args[0], args[1], args[2], args[3]);
+}
 
 /* RememberedState(template, bases, device_type, device_id, imported_type, mapped_on): checks what
  * the local getter relies on (a Decoded template, an imported class) once, here. */

@@ -61,6 +61,14 @@ typedef struct {
   PyObject *slot[RS_COUNT];
 } aib_py_remembered_state;
 
+/* A new import of the remembered message hit (a new reference, or NULL with an exception set): a
+ * Decoded of the template's class sharing its decode over owner (the cffi aib_owner * the import
+ * holds), and an object of hit's imported_type over it with its bases, device and mapped_on, and
+ * sync, name and owner_address. version, _kept_arrays and the rest stay unset (None). What
+ * Session._adopt_remembered (through RememberedState.adopt) and the local getter both build with. */
+PyObject *aib_py_remembered_import(aib_py_remembered_state *hit, PyObject *owner, PyObject *sync, PyObject *name,
+                                   PyObject *owner_address);
+
 /* The three types once installed (aib_py_install_state); NULL before. */
 extern PyTypeObject *aib_py_decoded_state_type, *aib_py_import_state_type, *aib_py_remembered_state_type;
 

@@ -326,3 +326,5 @@ def test_a_remembered_message_takes_only_a_decode_and_an_imported_class(local_se
         RememberedMessage(**{**args, "imported_type": dict})
     with pytest.raises(AttributeError):
         again.bases = None  # type: ignore[misc]
+    with pytest.raises(TypeError, match="adopt takes 4 arguments"):
+        again.adopt(remembered.template.owner)  # type: ignore[call-arg]

@@ -141,19 +141,18 @@ class _ImportedBase(ImportState, DeviceStreamExporter):
         sync_event: Any,
         name: str | None,
         owner_address: int,
-        mapped_on: tuple[int, frozenset[int]] | None = None,
     ) -> Self:
         """The steady-state constructor: ``bases`` is the ``uint64_t[]`` every import of the message
         shares (``n_bases`` long), made once; nothing needs checking (a get per hand-off makes every
         call count). ``owner_address`` is ``decoded``'s owner as a number (the C core returns it).
-        The same slots the C core's local getter fills (``py_local_get.c``)."""
+        For a message the C core imported new (``MessageImporter.adopt_new``); a remembered
+        message's imports are made by ``RememberedMessage.adopt``."""
         self = cls.__new__(cls)
         self._decoded = decoded
         self._bases = bases
         self._n_bases = n_bases
         self._device_type = device_type
         self._device_id = device_id
-        self._mapped_on = mapped_on
         self._owner_address = owner_address
         self._sync = sync_event if sync_event is not None else ffi.NULL
         self.name = name

@@ -18,7 +18,6 @@ from arrow_ipc_bridge.consumer.remembered import RememberedMessages
 from arrow_ipc_bridge.process_stats import import_counters
 from arrow_ipc_bridge.transport.board import SessionBoard
 from arrow_ipc_bridge.transport.channel import Channel
-from arrow_ipc_bridge.wire.metadata import Decoded
 
 __all__ = ["new_local_getter"]
 
@@ -53,7 +52,6 @@ def new_local_getter(
         recv_acquire=recv_lock.acquire,
         recv_release=recv_lock.release,
         by_id=remembered._by_id,  # entry id -> RememberedMessage
-        decoded_type=Decoded,
         # What the getter makes cffi pointers with: the owner as Decoded holds it
         # (ffi.gc(ffi.cast("aib_owner *", address), lib.aib_owner_unref)) and the event slot.
         cast=ffi.cast,
