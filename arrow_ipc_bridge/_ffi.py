@@ -13,7 +13,7 @@ that the core installs here at import as builtin functions (``aib_py_install``);
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from arrow_ipc_bridge._version import __version__
 from arrow_ipc_bridge.errors import (
@@ -58,9 +58,27 @@ DLPackColumn: type  # what batch_columns hands out for DLPack consumers (columns
 read_cuda_columns: Callable[[list[Any], int, type | None], tuple[int, bytes, int, Any]]
 # py_local_get.c: a session's local re-gets in one builtin call (consumer/session.py makes one per session).
 LocalGetter: type
+# py_state.c: the C base types whose slots hold a Decoded's, an imported object's and a remembered
+# message's attributes (C fills them by offset). Their subclasses annotate the slots they use; to
+# the type checker the bases are plain classes.
+if TYPE_CHECKING:
+
+    class DecodedState: ...
+
+    class ImportState: ...
+
+    class RememberedState:
+        def __init__(self, *args: Any) -> None: ...
+
+        # A new import of the message: a Decoded sharing its template over owner, and an object of
+        # its imported class over that (py_state.c, aib_py_remembered_import).
+        def adopt(self, owner: Any, sync: Any, name: str, owner_address: int) -> Any: ...
+
+
 if (
     lib.aib_py_install(__name__.encode()) != 0
     or lib.aib_py_install_columns(__name__.encode()) != 0
+    or lib.aib_py_install_state(__name__.encode()) != 0
     or lib.aib_py_install_local_get(__name__.encode()) != 0
 ):
     raise BuildMismatchError(  # pragma: no cover - only out of memory
@@ -83,6 +101,9 @@ __all__ = [
     "DLPackColumn",
     "read_cuda_columns",
     "LocalGetter",
+    "DecodedState",
+    "ImportState",
+    "RememberedState",
 ]
 
 

@@ -453,8 +453,13 @@ void aib_channel_limit_kinds(aib_channel *ch, const uint32_t *limits, uint32_t n
 int aib_channel_refused(const aib_channel *ch);
 /* Bytes (kernel accounting) sent on the socket that the peer has not read; 0 when it read all. */
 int64_t aib_channel_peer_unread(const aib_channel *ch);
-/* Whether nothing waits to be read on the channel: no bytes or descriptors buffered, and the socket
- * neither readable nor closed (one poll). A session's get without a round trip needs it, and so does
+/* The connection's closed state, which the channel owns: mark_closed sets it (and returns 1 when it
+ * was set already), closed reads it. Nothing else changes: the caller shuts the socket down and
+ * closes its descriptor (channel.py). */
+int aib_channel_mark_closed(aib_channel *ch);
+int aib_channel_closed(const aib_channel *ch);
+/* Whether the channel is open and nothing waits to be read on it: not marked closed, no bytes or
+ * descriptors buffered, and the socket neither readable nor closed (one poll). A session's get without a round trip needs it, and so does
  * get_next between its sleeps on the board: anything there (a farewell ERROR, an end of file) must be
  * met by a request (channel.c). */
 int aib_channel_quiet(aib_channel *ch);
@@ -748,6 +753,10 @@ typedef struct aib_cuda_column {
 } aib_cuda_column;
 /* Installs read_cuda_columns on the Python module module_name (py_columns.c); 0 or -1. */
 int aib_py_install_columns(const char *module_name);
+/* Installs DecodedState, ImportState and RememberedState on the Python module module_name
+ * (py_state.c): the base types whose slots hold what a get makes, which C fills by offset; 0 or -1.
+ * Before aib_py_install_local_get. */
+int aib_py_install_state(const char *module_name);
 /* Installs LocalGetter on the Python module module_name (py_local_get.c): a session's local re-gets
  * (aib_session_get_local) with the imported object built in C; 0 or -1. */
 int aib_py_install_local_get(const char *module_name);

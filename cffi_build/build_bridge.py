@@ -39,6 +39,7 @@ C_SOURCES = [
     "host_system.c",
     "py_columns.c",
     "py_hot.c",
+    "py_state.c",
     "py_local_get.c",
 ]
 HEADERS = ["arrow_c_abi.h", "bridge.h"]

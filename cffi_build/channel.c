@@ -53,6 +53,10 @@ struct aib_channel {
   const uint32_t *kind_limits;
   uint32_t n_kind_limits;
   const char *limits_note;
+  /* Set once by aib_channel_mark_closed (the Python Channel's close, or a failure that ends it);
+   * the one record of whether the connection is closed, which channel.py and aib_channel_quiet
+   * read. Atomic: the Python side writes it holding the GIL, a call may read it without. */
+  atomic_int closed;
 };
 
 static void close_all(const int *fds, int n) {
@@ -106,7 +110,14 @@ void aib_channel_drop(aib_channel *ch) {
   ch->out_of_sync = 1;
 }
 
+int aib_channel_mark_closed(aib_channel *ch) { return atomic_exchange(&ch->closed, 1); }
+
+int aib_channel_closed(const aib_channel *ch) { return atomic_load(&ch->closed); }
+
 int aib_channel_quiet(aib_channel *ch) {
+  /* A closed channel's descriptor may be closed (and its number reused) once nobody holds its
+   * locks: it is never polled. */
+  if (atomic_load(&ch->closed)) return 0;
   if (ch->start != ch->end || ch->n_pending != 0 || ch->out_of_sync) return 0;
   struct pollfd p = {.fd = ch->fd, .events = POLLIN, .revents = 0};
   return poll(&p, 1, 0) == 0; /* a frame, an end of file or an error all make it ready */

@@ -1,4 +1,4 @@
-/* What the hot-path builtin over prepared Python state leans on (py_local_get.c): the
+/* What the hot-path builtin over prepared Python state leans on (py_local_get.c, py_state.c): the
  * fork generation, the calls of a threading.Lock's bound methods, and making and installing their
  * types. Declared in py_hot.h. */
 #ifndef _GNU_SOURCE
@@ -52,20 +52,17 @@ void aib_py_free_instance(PyObject *self) {
   Py_DECREF(type); /* instances of heap types hold a reference on their type */
 }
 
-int aib_py_install_type(const char *module_name, PyType_Spec *spec, PyObject **keys, const char *const *key_names,
-                        int n_keys) {
+int aib_py_install_type(const char *module_name, PyType_Spec *spec, PyObject *base, PyTypeObject **type_out) {
   PyGILState_STATE gil = PyGILState_Ensure();
   int rc = -1;
   PyObject *module = NULL, *type = NULL;
-  for (int k = 0; k < n_keys; k++)
-    if (keys[k] == NULL && (keys[k] = PyUnicode_InternFromString(key_names[k])) == NULL) goto done;
   module = PyImport_ImportModule(module_name);
-  type = module != NULL ? PyType_FromSpec(spec) : NULL;
+  type = module != NULL ? PyType_FromSpecWithBases(spec, base) : NULL;
   if (type != NULL) {
     const char *dot = strrchr(spec->name, '.');
     rc = PyObject_SetAttrString(module, dot != NULL ? dot + 1 : spec->name, type);
   }
-done:
+  if (rc == 0 && type_out != NULL) *type_out = (PyTypeObject *)Py_NewRef(type); /* held for good */
   if (rc < 0) PyErr_WriteUnraisable(NULL);
   Py_XDECREF(type);
   Py_XDECREF(module);

@@ -1,5 +1,5 @@
-/* What the hot-path builtin over prepared Python state leans on (py_local_get.c),
- * defined in py_hot.c. Needs <Python.h> first. Not part of the cffi surface. */
+/* What the hot-path builtin over prepared Python state leans on (py_local_get.c,
+ * py_state.c), defined in py_hot.c. Needs <Python.h> first. Not part of the cffi surface. */
 #ifndef AIB_PY_HOT_H
 #define AIB_PY_HOT_H
 
@@ -18,10 +18,10 @@ void aib_py_release_lock(PyObject *release);
 /* The end of a dealloc of a heap type's instance: tp_free, then the instance's reference on its type. */
 void aib_py_free_instance(PyObject *self);
 
-/* Interns key_names[0..n_keys) into keys (once), makes the type of spec and sets it on the module
- * module_name under the last part of spec's name; 0, or -1 after reporting the error as
- * unraisable. Takes the GIL (called from Python through cffi, which released it). */
-int aib_py_install_type(const char *module_name, PyType_Spec *spec, PyObject **keys, const char *const *key_names,
-                        int n_keys);
+/* Makes the type of spec (base: its base type, or NULL for object) and sets it on the module
+ * module_name under the last part of spec's name; with type_out, a reference to it is kept there for
+ * good. 0, or -1 after reporting the error as unraisable. Takes the GIL (called from Python through
+ * cffi, which released it). */
+int aib_py_install_type(const char *module_name, PyType_Spec *spec, PyObject *base, PyTypeObject **type_out);
 
 #endif

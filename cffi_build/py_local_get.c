@@ -13,9 +13,12 @@
  * else (a closed session or channel, another process, a name not remembered with a standing lease,
  * bytes on the channel, a str that is not a name) returns None having sent and changed nothing,
  * and the caller takes the Python path, which asks the publisher and raises the documented errors.
- * The objects it makes are those Python makes: a Decoded sharing the remembered template's decode
- * (its attributes copied from a dict the remembered message prepared) and an ImportedArray or
- * ImportedStream, each made with its type's tp_new, as cls.__new__(cls) makes them.
+ * The objects it makes are those Python makes, by the same C function (aib_py_remembered_import,
+ * py_state.c): a Decoded sharing the remembered template's decode and an ImportedArray or
+ * ImportedStream. Their state, and the remembered message's, lives in the C base types of py_state.c:
+ * it is read and filled by offset, never by attribute name, and the channel's closed state is the
+ * C channel's own. The Python objects the getter calls (the locks' methods, ffi.cast, ffi.gc, the
+ * counters, the set's discard) are handed to its constructor one by one.
  *
  * Everything here runs with the GIL held: the board read and the remembered set's lookup are a
  * memory read and a hash lookup and never block (the set's mutex is held only inside C calls that need
@@ -31,12 +34,7 @@
 
 #include "internal.h"
 #include "py_hot.h"
-
-/* Attribute names, interned once at install (a lookup by an interned str hashes nothing). */
-enum { K_DECODED, K_OWNER_ADDRESS, K_SYNC, K_NAME, K_VERSION, K_KEPT, K_OWNER, K_DICT, K_CLOSED, K_STEADY, N_KEYS };
-static const char *const key_names[N_KEYS] = {"_decoded", "_owner_address", "_sync", "name", "version",
-                                              "_kept_arrays", "owner", "__dict__", "_closed", "steady_fields"};
-static PyObject *keys[N_KEYS];
+#include "py_state.h"
 
 typedef struct {
   PyObject_HEAD
@@ -49,58 +47,28 @@ typedef struct {
   int closed;
   unsigned long long gets; /* local gets answered here */
   PyObject *keep_alive;    /* (channel, remembered table, board): the owners of the three pointers */
-  PyObject *channel_obj;   /* the Python Channel: its _closed is read under its receive lock */
-  PyObject *request_acquire, *request_release, *recv_acquire, *recv_release;
-  PyObject *by_id;        /* RememberedMessages._by_id: entry id -> RememberedMessage */
-  PyObject *decoded_type; /* metadata.Decoded */
+  PyObject *request_acquire, *request_release, *recv_acquire, *recv_release; /* the locks' bound methods */
+  PyObject *by_id;        /* RememberedMessages._by_id: entry id -> RememberedMessage (a RememberedState) */
   PyObject *cast, *gc, *unref, *owner_ctype, *slot_ctype, *null; /* ffi.cast, ffi.gc, lib.aib_owner_unref, ... */
-  PyObject *counters;     /* (process-wide remembered gets, local gets): itertools.count objects */
+  PyObject *remembered_gets, *local_gets; /* process-wide counters: itertools.count objects */
   PyObject *kept_arrays;  /* the session's KeptCupyArrays, or None */
   PyObject *tracked;      /* the session's set of weak references to its live imports */
   PyObject *untrack;      /* tracked.discard: each reference's callback */
 } local_getter;
 
+/* The getter's object references, in one list for dealloc. */
+#define GETTER_OBJECTS(g)                                                                               \
+  {&(g)->keep_alive,   &(g)->request_acquire, &(g)->request_release, &(g)->recv_acquire, &(g)->recv_release, \
+   &(g)->by_id,        &(g)->cast,            &(g)->gc,              &(g)->unref,        &(g)->owner_ctype,  \
+   &(g)->slot_ctype,   &(g)->null,            &(g)->remembered_gets, &(g)->local_gets,   &(g)->kept_arrays,  \
+   &(g)->tracked,      &(g)->untrack}
+#define N_GETTER_OBJECTS 17
+
 static void local_getter_dealloc(PyObject *self) {
   local_getter *g = (local_getter *)self;
-  Py_XDECREF(g->keep_alive);
-  Py_XDECREF(g->channel_obj);
-  Py_XDECREF(g->request_acquire);
-  Py_XDECREF(g->request_release);
-  Py_XDECREF(g->recv_acquire);
-  Py_XDECREF(g->recv_release);
-  Py_XDECREF(g->by_id);
-  Py_XDECREF(g->decoded_type);
-  Py_XDECREF(g->cast);
-  Py_XDECREF(g->gc);
-  Py_XDECREF(g->unref);
-  Py_XDECREF(g->owner_ctype);
-  Py_XDECREF(g->slot_ctype);
-  Py_XDECREF(g->null);
-  Py_XDECREF(g->counters);
-  Py_XDECREF(g->kept_arrays);
-  Py_XDECREF(g->tracked);
-  Py_XDECREF(g->untrack);
+  PyObject **objects[N_GETTER_OBJECTS] = GETTER_OBJECTS(g);
+  for (int i = 0; i < N_GETTER_OBJECTS; i++) Py_CLEAR(*objects[i]);
   aib_py_free_instance(self);
-}
-
-/* cls.__new__(cls) for a Python class (what the adopt constructors do). */
-static PyObject *new_instance(PyObject *type) {
-  newfunc make = (newfunc)PyType_GetSlot((PyTypeObject *)type, Py_tp_new);
-  PyObject *empty = PyTuple_New(0);
-  PyObject *obj = empty != NULL ? make((PyTypeObject *)type, empty, NULL) : NULL;
-  Py_XDECREF(empty);
-  return obj;
-}
-
-/* A new instance of type whose attributes are a copy of fields; NULL with an exception set. */
-static PyObject *instance_with(PyObject *type, PyObject *fields) {
-  PyObject *obj = new_instance(type);
-  if (obj == NULL) return NULL;
-  if (PyObject_SetAttr(obj, keys[K_DICT], fields) < 0) {
-    Py_DECREF(obj);
-    return NULL;
-  }
-  return obj;
 }
 
 /* The owner the C core gave us as a cffi pointer whose collection drops the reference
@@ -114,19 +82,12 @@ static PyObject *owned_pointer(local_getter *g, aib_owner *owner, PyObject *addr
   return held;
 }
 
-/* The imported object of a local answer (out): the Python side of the message, as
- * Session._get_unplaced builds it. Takes over the owner's reference. */
-static PyObject *build_imported(local_getter *g, PyObject *name, const aib_get_result *out, PyObject *hit,
-                                PyObject *steady) {
-  PyObject *address = NULL, *owner = NULL, *decoded_fields = NULL, *decoded = NULL;
-  PyObject *imported_fields = NULL, *imported = NULL, *sync = NULL, *version = NULL, *kept = NULL;
-  PyObject *ref = NULL, *result = NULL;
-  /* steady_fields: (imported type, the Decoded's attributes, the imported object's attributes) */
-  if (!PyTuple_Check(steady) || PyTuple_GET_SIZE(steady) != 3) {
-    aib_owner_unref(out->owner);
-    PyErr_SetString(PyExc_TypeError, "a remembered message's steady_fields is not a 3-tuple");
-    return NULL;
-  }
+/* The imported object of a local answer (out) of the remembered message hit: what
+ * Session._adopt_remembered makes (aib_py_remembered_import, py_state.c), with the answer's version
+ * and the session's kept arrays, tracked in the session's set. Takes over the owner's reference. */
+static PyObject *build_imported(local_getter *g, PyObject *name, const aib_get_result *out,
+                                aib_py_remembered_state *hit) {
+  PyObject *address = NULL, *owner = NULL, *sync = NULL, *imported = NULL, *ref = NULL, *result = NULL;
   address = PyLong_FromUnsignedLongLong((unsigned long long)out->owner_address);
   if (address == NULL) {
     aib_owner_unref(out->owner);
@@ -134,10 +95,6 @@ static PyObject *build_imported(local_getter *g, PyObject *name, const aib_get_r
   }
   owner = owned_pointer(g, out->owner, address); /* from here the owner's reference is owner's */
   if (owner == NULL) goto done;
-  decoded_fields = PyDict_Copy(PyTuple_GET_ITEM(steady, 1));
-  if (decoded_fields == NULL || PyDict_SetItem(decoded_fields, keys[K_OWNER], owner) < 0) goto done;
-  decoded = instance_with(g->decoded_type, decoded_fields);
-  if (decoded == NULL) goto done;
   if (out->sync_slot != NULL) {
     PyObject *slot = PyLong_FromVoidPtr(out->sync_slot);
     sync = slot != NULL ? PyObject_CallFunctionObjArgs(g->cast, g->slot_ctype, slot, NULL) : NULL;
@@ -146,21 +103,12 @@ static PyObject *build_imported(local_getter *g, PyObject *name, const aib_get_r
   } else {
     sync = Py_NewRef(g->null);
   }
-  imported_fields = PyDict_Copy(PyTuple_GET_ITEM(steady, 2));
-  if (imported_fields == NULL || PyDict_SetItem(imported_fields, keys[K_DECODED], decoded) < 0 ||
-      PyDict_SetItem(imported_fields, keys[K_OWNER_ADDRESS], address) < 0 ||
-      PyDict_SetItem(imported_fields, keys[K_SYNC], sync) < 0 || PyDict_SetItem(imported_fields, keys[K_NAME], name) < 0)
-    goto done;
-  if (out->version != 0) {
-    version = PyLong_FromUnsignedLongLong((unsigned long long)out->version);
-    if (version == NULL || PyDict_SetItem(imported_fields, keys[K_VERSION], version) < 0) goto done;
-  }
-  if (g->kept_arrays != Py_None) {
-    kept = PyTuple_Pack(2, g->kept_arrays, hit);
-    if (kept == NULL || PyDict_SetItem(imported_fields, keys[K_KEPT], kept) < 0) goto done;
-  }
-  imported = instance_with(PyTuple_GET_ITEM(steady, 0), imported_fields);
+  imported = aib_py_remembered_import(hit, owner, sync, name, address);
   if (imported == NULL) goto done;
+  PyObject **slots = ((aib_py_import_state *)imported)->slot;
+  if (out->version != 0 && (slots[IS_VERSION] = PyLong_FromUnsignedLongLong((unsigned long long)out->version)) == NULL)
+    goto done;
+  if (g->kept_arrays != Py_None && (slots[IS_KEPT_ARRAYS] = PyTuple_Pack(2, g->kept_arrays, hit)) == NULL) goto done;
   /* The session's live imports (Session.close releases them): a weak reference that removes
    * itself, as a WeakSet holds them. */
   ref = PyWeakref_NewRef(imported, g->untrack);
@@ -171,12 +119,7 @@ done:
    * here, ending the lease's hold as Python's path does on an error. */
   Py_XDECREF(ref);
   Py_XDECREF(imported);
-  Py_XDECREF(kept);
-  Py_XDECREF(version);
-  Py_XDECREF(imported_fields);
   Py_XDECREF(sync);
-  Py_XDECREF(decoded);
-  Py_XDECREF(decoded_fields);
   Py_XDECREF(owner);
   Py_XDECREF(address);
   return result;
@@ -186,8 +129,9 @@ done:
  * process-wide counters (process_stats.import_counters). */
 static int count_get(local_getter *g) {
   g->gets++;
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g->counters); i++) {
-    PyObject *n = PyIter_Next(PyTuple_GET_ITEM(g->counters, i));
+  PyObject *counters[2] = {g->remembered_gets, g->local_gets};
+  for (int i = 0; i < 2; i++) {
+    PyObject *n = PyIter_Next(counters[i]);
     if (n == NULL) return PyErr_Occurred() ? -1 : 0;
     Py_DECREF(n);
   }
@@ -213,19 +157,16 @@ static PyObject *local_get(PyObject *self, PyObject *name) {
     aib_py_release_lock(g->request_release);
     return NULL;
   }
-  /* A closed channel's descriptor may be closed (and its number reused) once nobody holds its locks:
-   * read its state under the receive lock, as Channel.get does. */
-  PyObject *channel_closed = PyObject_GetAttr(g->channel_obj, keys[K_CLOSED]);
-  int usable = channel_closed != NULL && channel_closed == Py_False;
-  Py_XDECREF(channel_closed);
+  /* The channel's closed state is the C channel's own: aib_session_get_local answers nothing for a
+   * closed channel (aib_channel_quiet), read under the receive lock as Channel.get reads it, since
+   * a closed channel's descriptor may be closed (and its number reused) once nobody holds its
+   * locks. */
   aib_get_result out;
-  int rc = usable ? aib_session_get_local(g->channel, g->remembered, g->board, g->board_slots, (const uint8_t *)raw,
-                                          (size_t)name_len, &out)
-                  : AIB_OK;
+  int rc = aib_session_get_local(g->channel, g->remembered, g->board, g->board_slots, (const uint8_t *)raw,
+                                 (size_t)name_len, &out);
   aib_py_release_lock(g->recv_release);
   if (rc != AIB_GET_IMPORTED) {
     aib_py_release_lock(g->request_release);
-    if (channel_closed == NULL) return NULL;
     Py_RETURN_NONE;
   }
   /* Changes to the remembered set wait for the request lock, so the message's Python side is here. */
@@ -239,13 +180,13 @@ static PyObject *local_get(PyObject *self, PyObject *name) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "a remembered message vanished during a get");
     return NULL;
   }
-  PyObject *steady = PyObject_GetAttr(hit, keys[K_STEADY]);
   PyObject *imported = NULL;
-  if (steady == NULL)
+  if (!PyObject_TypeCheck(hit, aib_py_remembered_state_type)) { /* RememberedMessages keeps only these */
     aib_owner_unref(out.owner);
-  else
-    imported = build_imported(g, name, &out, hit, steady);
-  Py_XDECREF(steady);
+    PyErr_Format(PyExc_TypeError, "a remembered message is a %.100s, not a RememberedState", Py_TYPE(hit)->tp_name);
+  } else {
+    imported = build_imported(g, name, &out, (aib_py_remembered_state *)hit);
+  }
   Py_DECREF(hit);
   if (imported != NULL && count_get(g) < 0) Py_CLEAR(imported);
   return imported;
@@ -258,25 +199,28 @@ static PyObject *local_getter_close(PyObject *self, PyObject *unused) {
   Py_RETURN_NONE;
 }
 
-/* LocalGetter(channel address, remembered address, board address, board slots, keep_alive,
- *             channel, request lock, receive lock, by_id, Decoded, kit, counters, kept arrays,
- *             tracked)
- * kit: (ffi.cast, ffi.gc, lib.aib_owner_unref, ffi.typeof("aib_owner *"),
- *       ffi.typeof("uint64_t *"), ffi.NULL) */
+/* LocalGetter(channel, remembered, board, board_slots, keep_alive, request_acquire, request_release,
+ *             recv_acquire, recv_release, by_id, cast, gc, unref, owner_ctype,
+ *             slot_ctype, null, remembered_gets, local_gets, kept_arrays, tracked, untrack)
+ * (consumer/local_getter.py says what each is; by keyword or position). */
 static PyObject *local_getter_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+  static char *names[] = {"channel",         "remembered",   "board",      "board_slots",     "keep_alive",
+                          "request_acquire", "request_release", "recv_acquire", "recv_release", "by_id",
+                          "cast",         "gc",         "unref",           "owner_ctype",
+                          "slot_ctype",      "null",         "remembered_gets", "local_gets", "kept_arrays",
+                          "tracked",         "untrack",      NULL};
   unsigned long long channel, remembered, board;
   unsigned int board_slots;
-  PyObject *keep_alive, *channel_obj, *request_lock, *recv_lock, *by_id, *decoded_type, *kit, *counters, *kept, *tracked;
-  if (kwargs != NULL && PyDict_Size(kwargs) != 0) {
-    PyErr_SetString(PyExc_TypeError, "LocalGetter takes positional arguments only");
+  local_getter parsed = {0};
+  if (!PyArg_ParseTupleAndKeywords(
+          args, kwargs, "KKKIOOOOOO!OOOOOOOOOO!O:LocalGetter", names, &channel, &remembered, &board, &board_slots,
+          &parsed.keep_alive, &parsed.request_acquire, &parsed.request_release, &parsed.recv_acquire,
+          &parsed.recv_release, &PyDict_Type, &parsed.by_id, &parsed.cast,
+          &parsed.gc, &parsed.unref, &parsed.owner_ctype, &parsed.slot_ctype, &parsed.null, &parsed.remembered_gets,
+          &parsed.local_gets, &parsed.kept_arrays, &PySet_Type, &parsed.tracked, &parsed.untrack))
     return NULL;
-  }
-  if (!PyArg_ParseTuple(args, "KKKIOOOOO!OO!O!OO!:LocalGetter", &channel, &remembered, &board, &board_slots,
-                        &keep_alive, &channel_obj, &request_lock, &recv_lock, &PyDict_Type, &by_id, &decoded_type,
-                        &PyTuple_Type, &kit, &PyTuple_Type, &counters, &kept, &PySet_Type, &tracked))
-    return NULL;
-  if (channel == 0 || remembered == 0 || board == 0 || PyTuple_GET_SIZE(kit) != 6 || !PyType_Check(decoded_type)) {
-    PyErr_SetString(PyExc_ValueError, "LocalGetter needs a channel, a remembered set, a board and a 6-item kit");
+  if (channel == 0 || remembered == 0 || board == 0) {
+    PyErr_SetString(PyExc_ValueError, "LocalGetter needs a channel, a remembered set and a board");
     return NULL;
   }
   local_getter *g = (local_getter *)PyType_GenericAlloc(type, 0);
@@ -286,25 +230,9 @@ static PyObject *local_getter_new(PyTypeObject *type, PyObject *args, PyObject *
   g->board = (const void *)(uintptr_t)board;
   g->board_slots = board_slots;
   g->generation = aib_py_fork_generation();
-  g->keep_alive = Py_NewRef(keep_alive);
-  g->channel_obj = Py_NewRef(channel_obj);
-  g->by_id = Py_NewRef(by_id);
-  g->decoded_type = Py_NewRef(decoded_type);
-  g->counters = Py_NewRef(counters);
-  g->kept_arrays = Py_NewRef(kept);
-  g->tracked = Py_NewRef(tracked);
-  PyObject **kit_items[6] = {&g->cast, &g->gc, &g->unref, &g->owner_ctype, &g->slot_ctype, &g->null};
-  for (int i = 0; i < 6; i++) *kit_items[i] = Py_NewRef(PyTuple_GET_ITEM(kit, i));
-  g->request_acquire = PyObject_GetAttrString(request_lock, "acquire");
-  g->request_release = PyObject_GetAttrString(request_lock, "release");
-  g->recv_acquire = PyObject_GetAttrString(recv_lock, "acquire");
-  g->recv_release = PyObject_GetAttrString(recv_lock, "release");
-  g->untrack = PyObject_GetAttrString(tracked, "discard");
-  if (g->request_acquire == NULL || g->request_release == NULL || g->recv_acquire == NULL ||
-      g->recv_release == NULL || g->untrack == NULL) {
-    Py_DECREF(g);
-    return NULL;
-  }
+  PyObject **from[N_GETTER_OBJECTS] = GETTER_OBJECTS(&parsed);
+  PyObject **to[N_GETTER_OBJECTS] = GETTER_OBJECTS(g);
+  for (int i = 0; i < N_GETTER_OBJECTS; i++) *to[i] = Py_NewRef(*from[i]);
   return (PyObject *)g;
 }
 
@@ -336,5 +264,5 @@ static PyType_Spec local_getter_spec = {
 };
 
 int aib_py_install_local_get(const char *module_name) {
-  return aib_py_install_type(module_name, &local_getter_spec, keys, key_names, N_KEYS);
+  return aib_py_install_type(module_name, &local_getter_spec, NULL, NULL);
 }

@@ -12,8 +12,12 @@ were before the test.
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import threading
+import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +27,7 @@ from helpers.session_rig import report_from_forked_child, wait_for
 
 import arrow_ipc_bridge as aib
 from arrow_ipc_bridge._ffi import ffi
+from arrow_ipc_bridge.consumer.remembered import RememberedMessage
 from arrow_ipc_bridge.errors import ClosedError, InvalidArgumentError, NotPublishedError
 from arrow_ipc_bridge.runtime import reaper
 
@@ -70,10 +75,21 @@ def test_a_c_made_import_has_the_python_paths_attributes(local_session: aib.Sess
     """The getter's objects carry the same attributes as those the Python path makes for the same
     local answer (with the getter set aside), so no code can tell them apart."""
 
+    def state(obj: Any) -> dict[str, Any]:
+        """Every attribute the object holds: the slots of its C base type (the getter fills them
+        by offset; an unset one reads as None) and anything in its __dict__."""
+        slots = {
+            name: getattr(obj, name)
+            for klass in type(obj).__mro__
+            for name, value in vars(klass).items()
+            if isinstance(value, types.MemberDescriptorType)
+        }
+        return {**slots, **getattr(obj, "__dict__", {})}
+
     def attributes(imported: Any) -> dict[str, Any]:
-        fields = dict(vars(imported))
+        fields = state(imported)
         decoded = fields.pop("_decoded")
-        fields["decoded"] = {k: v for k, v in vars(decoded).items() if k != "owner"}
+        fields["decoded"] = {k: v for k, v in state(decoded).items() if k != "owner"}
         fields["owner type"] = ffi.typeof(decoded.owner)
         # Each import's own owner, and its slot for the producer's event (none for host data).
         assert fields.pop("_owner_address") == int(ffi.cast("uintptr_t", decoded.owner))
@@ -90,6 +106,9 @@ def test_a_c_made_import_has_the_python_paths_attributes(local_session: aib.Sess
         local_session._local_get = getter_get
     assert local_session._local_getter.gets == 1
     assert c_fields.keys() == python_fields.keys()
+    assert {"_bases", "_n_bases", "_device_type", "name", "version"} <= c_fields.keys()
+    assert {"_d", "_message", "_reader_maps"} <= c_fields["decoded"].keys()
+    assert c_fields["version"] is not None  # a board answer carries the version
     assert c_fields == python_fields
 
 
@@ -236,3 +255,76 @@ def test_a_session_without_standing_leases_makes_no_local_get(publisher: aib.Pub
             with plain.get("t") as imported:
                 assert pa.table(imported).num_rows == 1
     assert local_gets() == before
+
+
+def test_a_closed_channel_answers_nothing_locally(local_session: aib.Session) -> None:
+    """The channel's closed state is the C channel's own: once the channel is closed, the getter
+    answers nothing (the board still shows the publication) and the get raises the session's
+    error."""
+    channel = local_session._connection()
+    getter = local_session._local_getter
+    before = local_gets()
+    channel.close()
+    assert channel.closed
+    assert getter.get("t") is None
+    with pytest.raises(aib.PeerClosedError):
+        local_session.get("t")
+    assert local_gets() == before
+    assert getter.gets == 0
+
+
+def test_local_imports_are_ordinary_objects(local_session: aib.Session) -> None:
+    """What the getter makes behaves as the Python classes' objects did before their state moved
+    into C slots: weak references, attributes of one's own, copy.copy (the same state), and a
+    clear TypeError from pickle (its cffi pointers cannot travel)."""
+    with local_session.get("t") as imported:
+        assert weakref.ref(imported)() is imported
+        imported.note = "mine"
+        twin = copy.copy(imported)
+        assert type(twin) is type(imported)
+        assert (twin._decoded, twin._bases, twin.name, twin.version, twin.note) == (
+            imported._decoded,
+            imported._bases,
+            "t",
+            imported.version,
+            "mine",
+        )
+        with pytest.raises(TypeError, match="pickle"):
+            pickle.dumps(imported)
+        del twin
+
+
+def test_a_cycle_through_the_c_slots_is_collected(local_session: aib.Session) -> None:
+    """An import referring to itself through a slot of its C base type is found by the garbage
+    collector (the base type traverses its slots) and its lease ends."""
+    imported = local_session.get("t")
+    imported.publisher_id = imported  # any object fits a slot: a cycle through C-owned state
+    alive = weakref.ref(imported)
+    del imported
+    gc.collect()
+    reaper.settle()
+    assert alive() is None
+
+
+def test_a_remembered_message_takes_only_a_decode_and_an_imported_class(local_session: aib.Session) -> None:
+    """The getter reads a remembered message's slots without looking: its constructor refuses a
+    template that is not a Decoded and a class that is not an imported one."""
+    remembered = next(iter(local_session._remembered._by_id.values()))
+    args = {
+        "template": remembered.template,
+        "bases": remembered.bases,
+        "device_type": remembered.device_type,
+        "device_id": remembered.device_id,
+        "imported_type": remembered.imported_type,
+        "mapped_on": None,
+    }
+    again = RememberedMessage(**args)
+    assert (again.n_bases, again.imported_type) == (len(remembered.bases), remembered.imported_type)
+    with pytest.raises(TypeError, match="template must be a Decoded"):
+        RememberedMessage(**{**args, "template": object()})
+    with pytest.raises(TypeError, match="imported_type must be an imported class"):
+        RememberedMessage(**{**args, "imported_type": dict})
+    with pytest.raises(AttributeError):
+        again.bases = None  # type: ignore[misc]
+    with pytest.raises(TypeError, match="adopt takes 4 arguments"):
+        again.adopt(remembered.template.owner)  # type: ignore[call-arg]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Self, cast
 
 import pyarrow as pa
 
-from arrow_ipc_bridge._ffi import ffi, lib
+from arrow_ipc_bridge._ffi import ImportState, ffi, lib
 from arrow_ipc_bridge.errors import BridgeError, ClosedError
 from arrow_ipc_bridge.runtime import arguments, reaper
 from arrow_ipc_bridge.wire.capsules import (
@@ -65,40 +65,39 @@ __all__ = [
 ]
 
 
-def adopted_fields(bases: Any, device_type: int, device_id: int) -> dict[str, Any]:
-    """The attributes :meth:`_ImportedBase.adopt` sets that are the same for every import of a
-    remembered message (``bases``: its shared ``uint64_t[]``). The others are each import's own:
-    ``_decoded``, ``_owner_address``, ``_sync`` and ``name`` (and ``version``, ``_kept_arrays``
-    when set)."""
-    return {
-        "_bases": bases,
-        "_n_bases": len(bases),
-        "_device_type": device_type,
-        "_device_id": device_id,
-        "_on_release": None,
-    }
+class _ImportedBase(ImportState, DeviceStreamExporter):
+    # The state of each import is in the slots of the C base type (ImportState,
+    # cffi_build/py_state.c), which the C core's local getter fills by offset: no class default may
+    # shadow one of them (an unset slot reads as None).
+    _decoded: Decoded
+    _bases: Any  # uint64_t[] of region bases (shared with the session's remembered message)
+    _n_bases: int
+    _device_type: int
+    _device_id: int
+    _sync: Any  # the owner's slot for the producer's event, or ffi.NULL
+    name: str | None
+    _on_release: Callable[[], None] | None
+    _owner_address: int  # the owner as a number (arrays, whose capsules C builds from it)
+    # Set on objects got by waiting (Session.get(wait=...), Session.get_next) or from the version
+    # board: the publication's version and the publisher it came from (versions are per
+    # publisher); None otherwise.
+    version: int | None
+    publisher_id: str | None
+    # Set on a standing-lease session's re-gets of a remembered message: (the session's
+    # KeptCupyArrays, the remembered message), so column_arrays may hand out the CuPy arrays it made
+    # for that message before (consumer/array_cache.py); None otherwise.
+    _kept_arrays: tuple[KeptCupyArrays, object] | None
+    # Set on objects from readable_on whose legacy regions were opened in another GPU's context:
+    # (that GPU's ordinal, the indexes of those regions), for copies, which read each region
+    # through the context its pointer is mapped in; None otherwise.
+    _mapped_on: tuple[int, frozenset[int]] | None
+    # The row count, worked out on first use (the message never changes); None before.
+    _num_rows: int | None
 
-
-class _ImportedBase(DeviceStreamExporter):
     # Arrays build their capsule pairs in C from the owner's view; streams are rebuilt from the
     # bases they are given and need no view.
     _capsules_from_owner = False
     _kind_name: str  # the kind's public name, for repr
-    # Set on objects got by waiting (Session.get(wait=...), Session.get_next): the publication's
-    # version and the publisher it came from (versions are per publisher); None otherwise.
-    version: int | None = None
-    publisher_id: str | None = None
-    # The row count, worked out on first use (the message never changes); a class default so that
-    # the hot-path constructor (adopt) sets nothing more.
-    _num_rows: int | None = None
-    # Set on a standing-lease session's re-gets of a remembered message: (the session's
-    # KeptCupyArrays, the remembered message), so column_arrays may hand out the CuPy arrays it made
-    # for that message before (consumer/array_cache.py); None otherwise.
-    _kept_arrays: tuple[KeptCupyArrays, object] | None = None
-    # Set on objects from readable_on whose legacy regions were opened in another GPU's context:
-    # (that GPU's ordinal, the indexes of those regions), for copies, which read each region
-    # through the context its pointer is mapped in; None otherwise.
-    _mapped_on: tuple[int, frozenset[int]] | None = None
 
     def __init__(
         self,
@@ -134,19 +133,26 @@ class _ImportedBase(DeviceStreamExporter):
     def adopt(
         cls,
         decoded: Decoded,
-        fields: dict[str, Any],
+        bases: Any,
         *,
+        n_bases: int,
+        device_type: int,
+        device_id: int,
         sync_event: Any,
         name: str | None,
         owner_address: int,
     ) -> Self:
-        """The steady-state constructor: ``fields`` are the attributes every import of the message
-        shares (:func:`adopted_fields`: the session's shared ``uint64_t[]`` of bases, the device),
-        made once; nothing needs checking (a get per hand-off makes every call count).
-        ``owner_address`` is ``decoded``'s owner as a number (the C core returns it)."""
+        """The steady-state constructor: ``bases`` is the ``uint64_t[]`` every import of the message
+        shares (``n_bases`` long), made once; nothing needs checking (a get per hand-off makes every
+        call count). ``owner_address`` is ``decoded``'s owner as a number (the C core returns it).
+        For a message the C core imported new (``MessageImporter.adopt_new``); a remembered
+        message's imports are made by ``RememberedMessage.adopt``."""
         self = cls.__new__(cls)
-        self.__dict__.update(fields)
         self._decoded = decoded
+        self._bases = bases
+        self._n_bases = n_bases
+        self._device_type = device_type
+        self._device_id = device_id
         self._owner_address = owner_address
         self._sync = sync_event if sync_event is not None else ffi.NULL
         self.name = name

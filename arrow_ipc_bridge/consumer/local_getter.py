@@ -18,20 +18,8 @@ from arrow_ipc_bridge.consumer.remembered import RememberedMessages
 from arrow_ipc_bridge.process_stats import import_counters
 from arrow_ipc_bridge.transport.board import SessionBoard
 from arrow_ipc_bridge.transport.channel import Channel
-from arrow_ipc_bridge.wire.metadata import Decoded
 
 __all__ = ["new_local_getter"]
-
-# What the getter makes cffi pointers with: ffi.cast, ffi.gc, the owner's unref, the owner's and the
-# sync slot's pointer types, and NULL.
-_KIT = (
-    ffi.cast,
-    ffi.gc,
-    lib.aib_owner_unref,
-    ffi.typeof("aib_owner *"),
-    ffi.typeof("uint64_t *"),
-    ffi.NULL,
-)
 
 
 def new_local_getter(
@@ -46,20 +34,35 @@ def new_local_getter(
     """A session's getter: its ``get(name)`` returns the imported object of a local answer, or None
     (nothing sent or changed); ``close()`` makes it answer None from then on; ``gets`` counts its
     answers. ``request_lock`` is the session's; the channel's receive lock is taken too, in that
-    order, as ``Session._get_now`` takes them. ``imported``: the session's set of live imports."""
+    order, as ``Session._get_now`` takes them. ``imported``: the session's set of live imports.
+
+    The getter reads no Python attribute: the remembered messages (``RememberedMessage``) and the
+    objects it makes keep their state in the slots of the C core's base types
+    (``cffi_build/py_state.c``), the channel's closed state is the C channel's, and each callable
+    it uses is handed over here."""
+    recv_lock = channel.locked()[0]
     return LocalGetter(
-        int(ffi.cast("uintptr_t", channel.raw)),
-        int(ffi.cast("uintptr_t", remembered.table)),
-        int(ffi.cast("uintptr_t", board.address)),
-        board.n_slots,
-        (channel, remembered.table, board),  # what keeps the three pointers valid
-        channel,
-        request_lock,
-        channel.locked()[0],  # the receive lock
-        remembered._by_id,
-        Decoded,
-        _KIT,
-        (import_counters.remembered_gets, import_counters.local_gets),
-        kept_arrays,
-        imported,
+        channel=int(ffi.cast("uintptr_t", channel.raw)),
+        remembered=int(ffi.cast("uintptr_t", remembered.table)),
+        board=int(ffi.cast("uintptr_t", board.address)),
+        board_slots=board.n_slots,
+        keep_alive=(channel, remembered.table, board),  # what keeps the three pointers valid
+        request_acquire=request_lock.acquire,
+        request_release=request_lock.release,
+        recv_acquire=recv_lock.acquire,
+        recv_release=recv_lock.release,
+        by_id=remembered._by_id,  # entry id -> RememberedMessage
+        # What the getter makes cffi pointers with: the owner as Decoded holds it
+        # (ffi.gc(ffi.cast("aib_owner *", address), lib.aib_owner_unref)) and the event slot.
+        cast=ffi.cast,
+        gc=ffi.gc,
+        unref=lib.aib_owner_unref,
+        owner_ctype=ffi.typeof("aib_owner *"),
+        slot_ctype=ffi.typeof("uint64_t *"),
+        null=ffi.NULL,
+        remembered_gets=import_counters.remembered_gets,
+        local_gets=import_counters.local_gets,
+        kept_arrays=kept_arrays,
+        tracked=imported,
+        untrack=imported.discard,
     )

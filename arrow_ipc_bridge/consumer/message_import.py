@@ -20,7 +20,6 @@ from arrow_ipc_bridge.consumer.content_check import check_content, cuda_reader
 from arrow_ipc_bridge.consumer.imported import (
     ImportedArray,
     ImportedStream,
-    adopted_fields,
     imported_class,
     imported_from,
 )
@@ -203,7 +202,10 @@ class MessageImporter:
         imported_type = imported_class(decoded.is_stream, DEVICE_CUDA)
         imported: Imported = imported_type.adopt(
             decoded,
-            adopted_fields(bases, DEVICE_CUDA, int(device_id[0])),
+            bases,
+            n_bases=n,
+            device_type=DEVICE_CUDA,
+            device_id=int(device_id[0]),
             sync_event=sync_slot or None,
             name=name,
             owner_address=address,

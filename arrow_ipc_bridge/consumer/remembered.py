@@ -18,12 +18,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from arrow_ipc_bridge._ffi import ffi, lib
+from arrow_ipc_bridge._ffi import RememberedState, ffi, lib
 from arrow_ipc_bridge.consumer import linger
-from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream, adopted_fields, imported_class
+from arrow_ipc_bridge.consumer.imported import ImportedArray, ImportedStream, imported_class
 from arrow_ipc_bridge.cuda.cross_gpu import reader_view
 from arrow_ipc_bridge.errors import BridgeError
 from arrow_ipc_bridge.wire.capsules import DEVICE_CUDA
@@ -43,13 +42,19 @@ _GOT_ONCE_NAMES_MAX = 256
 _LIMIT_MAX = 2**62
 
 
-@dataclass(frozen=True)
-class RememberedMessage:
+class RememberedMessage(RememberedState):
     """The Python side of a remembered message (the C set holds the rest): what an import of it
-    is built from."""
+    is built from, set once. ``RememberedMessage(template, bases, device_type, device_id,
+    imported_type, mapped_on)``; a ``TypeError`` when ``template`` is not a
+    :class:`~arrow_ipc_bridge.wire.metadata.Decoded` or ``imported_type`` not an imported class.
+
+    Its attributes are the read-only slots of the C base type (``RememberedState``,
+    ``cffi_build/py_state.c``), which the C core's local getter reads by offset
+    (``Session._adopt_remembered`` reads them here)."""
 
     template: Decoded  # the validated message; its owner holds every region's owner open
     bases: Any  # uint64_t[] of region bases, shared read-only by every import of the message
+    n_bases: int  # len(bases)
     device_type: int
     device_id: int
     imported_type: type[ImportedArray] | type[ImportedStream]
@@ -57,18 +62,12 @@ class RememberedMessage:
     # reader GPU reads the message in place (``cross_gpu.reader_view``); its imports carry it as
     # ``_mapped_on``, so the session's placement hands them out as they are. None otherwise.
     mapped_on: tuple[int, frozenset[int]] | None
-    # (imported_type, the attributes of each import's Decoded but its owner, those every import
-    # shares): what an import is made of, made once; Session._adopt_remembered builds from it.
-    steady_fields: tuple[type[ImportedArray] | type[ImportedStream], dict[str, Any], dict[str, Any]] = field(
-        init=False, repr=False, compare=False
-    )
 
-    def __post_init__(self) -> None:
-        shared = adopted_fields(self.bases, self.device_type, self.device_id)
-        if self.mapped_on is not None:
-            shared["_mapped_on"] = self.mapped_on
-        fields = (self.imported_type, self.template.sharing_fields(), shared)
-        object.__setattr__(self, "steady_fields", fields)
+    def __repr__(self) -> str:
+        return (
+            f"<RememberedMessage {self.imported_type.__name__} device_type={self.device_type} "
+            f"device_id={self.device_id} mapped_on={self.mapped_on}>"
+        )
 
 
 class RememberedMessages:

@@ -52,7 +52,6 @@ from arrow_ipc_bridge.transport import protocol
 from arrow_ipc_bridge.transport.board import SessionBoard, open_board
 from arrow_ipc_bridge.transport.channel import Channel, Frame, millis
 from arrow_ipc_bridge.transport.stream_frames import MAX_IN_FLIGHT
-from arrow_ipc_bridge.wire.metadata import Decoded
 
 if TYPE_CHECKING:
     from arrow_ipc_bridge.cuda.cross_gpu import ReaderPlacement
@@ -517,22 +516,19 @@ class Session:
 
     def _adopt_remembered(self, name: str, imported_now: tuple[int, Any, int, Any, int, int]) -> Imported:
         """The steady state's import: a remembered message the C core imported already (from the
-        board, or from the answer), wrapped with the message's attributes made once
-        (``RememberedMessage.steady_fields``). The owner's token, or the standing lease it holds,
-        ends the lease when it dies. Called holding ``_request_lock``."""
+        board, or from the answer), wrapped by the remembered message (``RememberedMessage.adopt``,
+        the C function ``py_local_get.c`` builds with too). The owner's token, or the standing
+        lease it holds, ends the lease when it dies. Called holding ``_request_lock``."""
         entry_id, owner, address, sync_slot, version, flags = imported_now
         hit = self._remembered.used_by_c_core(entry_id)
         if hit is None:  # cannot happen; if it did, the lease ends here
             lib.aib_owner_unref(owner)
             reaper.drain()
             raise BridgeError("a remembered message vanished during a get")
-        imported_type, decoded_fields, fields = hit.steady_fields
-        imported = imported_type.adopt(
-            Decoded.adopt(owner, decoded_fields),
-            fields,
-            sync_event=sync_slot or None,
-            name=name,
-            owner_address=address,
+        # The C function the local getter builds with (py_state.c): the owner held as Decoded
+        # holds it, the event's slot or NULL.
+        imported: Imported = hit.adopt(
+            ffi.gc(owner, lib.aib_owner_unref), sync_slot or ffi.NULL, name, address
         )
         next(import_counters.remembered_gets)
         if flags & _GET_LOCAL:

@@ -195,7 +195,6 @@ class Channel:
         # A forked child inherits this object and the socket, but the conversation is the parent's.
         self._pid = process.pid
         self._state_lock = threading.Lock()
-        self._closed = False
         self._close_reason = ""
         # What a PeerClosedError tells the user to do, set by whoever knows the peer (a session's
         # connection: connect to the publisher again); kept in the close reason later calls show.
@@ -422,7 +421,7 @@ class Channel:
         """Whether the channel is open and nothing waits to be read on it: no buffered bytes, the
         socket neither readable nor closed by the peer (``aib_channel_quiet``: one ``poll``)."""
         with self._recv_lock:
-            return not self._closed and bool(lib.aib_channel_quiet(self.raw))
+            return bool(lib.aib_channel_quiet(self.raw))  # False once closed
 
     def locked(self) -> tuple[threading.Lock, threading.Lock]:
         """Both locks, for a C call that receives and sends on this channel (the serve loop)."""
@@ -467,6 +466,12 @@ class Channel:
     # -- the socket's lifetime -------------------------------------------------------------------------
 
     @property
+    def _closed(self) -> bool:
+        # The C channel owns the state (aib_channel_mark_closed): the C core's local getter reads it
+        # there, under the receive lock, through aib_channel_quiet.
+        return bool(lib.aib_channel_closed(self.raw))
+
+    @property
     def closed(self) -> bool:
         """Whether the channel was closed (by :meth:`close`, or after a failure)."""
         return self._closed
@@ -500,14 +505,13 @@ class Channel:
         if self._pid != process.pid:
             # A fork child's copy: shutdown() would end the parent's conversation and the locks may
             # have been held by parent threads at the fork. Only our descriptor goes.
-            self._closed = True
+            lib.aib_channel_mark_closed(self.raw)
             self._close_reason = "closed in a forked child"
             self._sock.close()
             return
         with self._state_lock:
-            already = self._closed
+            already = bool(lib.aib_channel_mark_closed(self.raw))
             if not already:
-                self._closed = True
                 self._close_reason = reason
         if not already:
             # Fails only when the peer is gone already (ENOTCONN): then there is nothing to wake.

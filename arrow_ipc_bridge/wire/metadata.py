@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from arrow_ipc_bridge._ffi import WIRE_VERSION, ffi, lib, new_error, raise_for
+from arrow_ipc_bridge._ffi import WIRE_VERSION, DecodedState, ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.errors import BridgeError, ClosedError, ProtocolError
 from arrow_ipc_bridge.runtime.deferred_close import DeferredClose
 from arrow_ipc_bridge.wire.capsules import HOST_READABLE_DEVICES, CapturedData
@@ -232,7 +232,7 @@ class Described:
             return bytes(ffi.buffer(out, out_len[0]))
 
 
-class Decoded(DeferredClose):
+class Decoded(DecodedState, DeferredClose):
     """A message decoded and validated in full; raises :class:`ProtocolError` otherwise.
 
     The decoded tree belongs to a C owner record (``owner``): every struct rebuilt from it holds a
@@ -251,7 +251,17 @@ class Decoded(DeferredClose):
     allow_process_regions
         Accept same-process regions (raw addresses of this process). Only for messages this process
         encoded itself: the in-process fast path. Never for anything that came from a peer.
+
+    Its state is in the slots of the C base type (``DecodedState``, ``cffi_build/py_state.c``), which
+    the C core's local getter fills by offset when it shares a remembered template.
     """
+
+    owner: Any  # the import owner, a cffi ``aib_owner *`` (ffi.gc)
+    _d: Any  # the ``aib_decoded *``
+    _message: bytes
+    _n_fds: int
+    _allow_process_regions: bool
+    _reader_maps: dict[int, Any] | None  # see reader_maps; None until first needed
 
     def __init__(
         self,
@@ -297,42 +307,36 @@ class Decoded(DeferredClose):
         if share(owner, decoded.owner):
             lib.aib_owner_unref(owner)
             raise MemoryError("adding an owner dependency")
-        return cls.adopt(owner, decoded.sharing_fields())
+        return cls.adopt(owner, decoded)
 
     @classmethod
-    def adopt(cls, owner: Any, fields: dict[str, Any]) -> Decoded:
-        """A handle over ``owner``, a fresh owner the C core already made to share the message whose
-        :meth:`sharing_fields` are ``fields`` (``aib_session_get``; a remembered message keeps its
-        template's, made once); this object takes over the caller's reference."""
+    def adopt(cls, owner: Any, template: Decoded) -> Decoded:
+        """A handle over ``owner``, a fresh owner the C core already made to share ``template``'s
+        message (``aib_session_get``; a remembered message's template); this object takes over the
+        caller's reference. The same slots the C core's local getter fills (``py_local_get.c``)."""
         self = cls.__new__(cls)
-        self.__dict__.update(fields)
+        self._d = template._d
+        self._message = template._message
+        self._n_fds = template._n_fds
+        self._allow_process_regions = template._allow_process_regions
+        self._reader_maps = template.reader_maps
         self.owner = ffi.gc(owner, lib.aib_owner_unref)
         return self
-
-    def sharing_fields(self) -> dict[str, Any]:
-        """The attributes :meth:`adopt` copies from the message it shares (all but ``owner``)."""
-        return {
-            "_d": self._d,
-            "_message": self._message,
-            "_n_fds": self._n_fds,
-            "_allow_process_regions": self._allow_process_regions,
-            "_reader_maps": self.reader_maps,
-        }
 
     @property
     def reader_maps(self) -> dict[int, Any]:
         """What reading this message in place from another GPU worked out, per reader ordinal
         (``cuda/cross_gpu.reader_mappings`` fills it): one dict shared by every decode sharing this
         one, so a re-get of a remembered message reuses it. :meth:`drop_reader_maps` empties it."""
-        maps: dict[int, Any] | None = self.__dict__.get("_reader_maps")
-        if maps is None:
-            maps = self.__dict__.setdefault("_reader_maps", {})
+        maps = self._reader_maps
+        if maps is None:  # made on first need: most messages are never read from another GPU
+            maps = self._reader_maps = {}
         return maps
 
     def drop_reader_maps(self) -> None:
         """Forget :attr:`reader_maps` (the message is forgotten): each entry's hold on the reader's
         mappings (its first item, an owner, or None) ends now; objects handed out keep their own."""
-        maps = self.__dict__.get("_reader_maps")
+        maps = self._reader_maps
         if maps:
             entries = list(maps.values())
             maps.clear()
