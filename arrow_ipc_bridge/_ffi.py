@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
         # A new import of the message: a Decoded sharing its template over owner, and an object of
         # its imported class over that (py_state.c, aib_py_remembered_import).
-        def adopt(self, owner: Any, sync: Any, name: str, owner_address: int) -> Any: ...
+        def adopt(self, owner: Any, sync: Any, name: str | None, owner_address: int) -> Any: ...
 
 
 if (

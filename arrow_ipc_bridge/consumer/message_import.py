@@ -27,7 +27,7 @@ from arrow_ipc_bridge.consumer.remembered import RememberedMessage, RememberedMe
 from arrow_ipc_bridge.errors import UnsupportedFormatError
 from arrow_ipc_bridge.host.mappings import HostMappingCache
 from arrow_ipc_bridge.process_stats import import_counters
-from arrow_ipc_bridge.wire.capsules import DEVICE_CPU, DEVICE_CUDA
+from arrow_ipc_bridge.wire.capsules import DEVICE_CPU, DEVICE_CUDA, owner_address
 from arrow_ipc_bridge.wire.metadata import Decoded
 
 __all__ = ["ImportedRefs", "MessageImporter", "track"]
@@ -77,8 +77,8 @@ class MessageImporter:
         pool's descriptor (None: not connected)."""
         found = self._remembered.lookup(message, fds, token)
         if found is not None:
-            hit, decoded, event = found
-            return self._import_remembered(decoded, hit, event, name)
+            hit, owner, event = found
+            return self._import_remembered(owner, hit, event, name)
         files = region_import.file_identities(fds)  # what a remembered message will be matched by (in C)
         template = Decoded(message, len(fds))
         lease_owner: Any = None
@@ -153,28 +153,16 @@ class MessageImporter:
         return imported
 
     def _import_remembered(
-        self, decoded: Decoded, hit: RememberedMessage, event: int, name: str | None
+        self, owner: Any, hit: RememberedMessage, event: int, name: str | None
     ) -> Imported:
-        """The same message again (same publication), its regions already open; ``event``: its
-        opened producer event (0: none)."""
-        try:
-            sync = None
-            if event:
-                sync = lib.aib_owner_slot(decoded.owner)
-                sync[0] = event
-            imported = imported_from(
-                decoded,
-                hit.bases,
-                device_type=hit.device_type,
-                device_id=hit.device_id,
-                sync_event=sync,
-                name=name,
-            )
-        except BaseException:
-            decoded.close()
-            raise
-        if hit.mapped_on is not None:  # remembered as the session's reader GPU reads it
-            imported._mapped_on = hit.mapped_on
+        """The same message again (same publication), its regions already open: ``owner`` (this
+        import's, sharing the template) wrapped by the remembered message, as the C core's gets
+        are (``RememberedMessage.adopt``); ``event``: its opened producer event (0: none)."""
+        sync = ffi.NULL
+        if event:
+            sync = lib.aib_owner_slot(owner)
+            sync[0] = event
+        imported: Imported = hit.adopt(owner, sync, name, owner_address(owner))
         track(self._imported_refs, imported)
         next(import_counters.python_remembered_imports)
         return imported

@@ -119,9 +119,10 @@ class RememberedMessages:
     # ---------- lookup ------------------------------------------------------------------------------
     def lookup(
         self, message: bytes, fds: Sequence[int], token: int
-    ) -> tuple[RememberedMessage, Decoded, int] | None:
-        """The remembered message these bytes arriving with ``fds`` are, an import sharing its
-        template (owner token ``token``) and its event (0: none); None when not remembered.
+    ) -> tuple[RememberedMessage, Any, int] | None:
+        """The remembered message these bytes arriving with ``fds`` are, an owner for an import of
+        it (token ``token``, sharing its template: ``RememberedMessage.adopt`` builds the import)
+        and its event (0: none); None when not remembered.
 
         The same bytes describe other data when they arrive with other files (a host region's
         message names no file): the set matches the files the template mapped, as in C gets."""
@@ -133,7 +134,7 @@ class RememberedMessages:
                 return None
             hit = self._by_id[found]
             # Share under the lock: another thread may forget the message next.
-            return hit, Decoded.sharing(hit.template, token), int(event[0])
+            return hit, hit.template.sharing_owner(token), int(event[0])
 
     def board_place(self, raw_name: bytes) -> tuple[int, int] | None:
         """``(board slot, entry serial)`` of the message remembered as ``raw_name`` while it holds a

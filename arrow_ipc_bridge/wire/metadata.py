@@ -299,15 +299,13 @@ class Decoded(DecodedState, DeferredClose):
         each lease still ends on its own. ``own_view``: the new owner does not take ``decoded``'s
         view (where the regions are in this process): its object sets one of its own, for regions
         mapped elsewhere (``ImportedArray.readable_on``)."""
-        decoded._live()  # refuses a closed message before anything is allocated
-        owner = lib.aib_owner_new(token)
-        if owner == ffi.NULL:
-            raise MemoryError("allocating an import owner")
-        share = lib.aib_owner_share_decoded_only if own_view else lib.aib_owner_share_decoded
-        if share(owner, decoded.owner):
-            lib.aib_owner_unref(owner)
-            raise MemoryError("adding an owner dependency")
-        return cls.adopt(owner, decoded)
+        return cls.adopt(_sharing_owner(decoded, token, own_view), decoded)
+
+    def sharing_owner(self, token: int = 0) -> Any:
+        """A fresh owner (``token``) that shares this message and its view and keeps this object's
+        owner alive: what :meth:`sharing` wraps, for a caller that builds the handle in C
+        (``RememberedMessage.adopt``). The caller's, held as ``ffi.gc`` holds it."""
+        return ffi.gc(_sharing_owner(self, token, False), lib.aib_owner_unref)
 
     @classmethod
     def adopt(cls, owner: Any, template: Decoded) -> Decoded:
@@ -478,3 +476,17 @@ def process_region() -> Region:
     Only the in-process fast path uses it; a session refuses it from a peer.
     """
     return Region(kind=REGION_PROCESS, size=_PROCESS_SPAN)
+
+
+def _sharing_owner(decoded: Decoded, token: int, own_view: bool) -> Any:
+    """A new owner (``token``, one reference: the caller's) sharing ``decoded``'s message, and its
+    view unless ``own_view``; it keeps ``decoded``'s owner alive."""
+    decoded._live()  # refuses a closed message before anything is allocated
+    owner = lib.aib_owner_new(token)
+    if owner == ffi.NULL:
+        raise MemoryError("allocating an import owner")
+    share = lib.aib_owner_share_decoded_only if own_view else lib.aib_owner_share_decoded
+    if share(owner, decoded.owner):
+        lib.aib_owner_unref(owner)
+        raise MemoryError("adding an owner dependency")
+    return owner
