@@ -162,7 +162,7 @@ def _read_columns(values: list[Any]) -> tuple[bytes, list[Any]]:
             values = list(values)
             values[done] = cupy.from_dlpack(obj)  # zero-copy view; keeps the producer alive
             continue
-        raise _refusal(reason, obj, detail, ffi.from_buffer("aib_cuda_column[]", facts))
+        raise _refusal(reason, obj, detail, _facts_array(facts))
 
 
 def _refusal(reason: int, obj: Any, detail: Any, columns: Any) -> BridgeError:

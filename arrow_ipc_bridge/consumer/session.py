@@ -177,12 +177,13 @@ class Session:
         self._cache = HostMappingCache(mapping_cache_size)
         # Lock order: _request_lock, then the remembered set's own (see RememberedMessages).
         self._request_lock = threading.Lock()
-        reads_in_place = self._reader is not None and self._reader.mode == "peer"
+        reader = self._reader
         self._remembered = RememberedMessages(
             remembered_messages,
             float(pool_linger),
             self._request_lock,
-            reader=self._reader.device if reads_in_place and self._reader is not None else None,
+            # messages on another GPU are remembered as the reader reads them in place
+            reader=reader.device if reader is not None and reader.mode == "peer" else None,
         )
         self._pool_linger = float(pool_linger)
         # CuPy arrays column_arrays made for this session's re-gets, handed out again while unheld
