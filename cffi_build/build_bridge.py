@@ -42,7 +42,7 @@ C_SOURCES = [
     "py_state.c",
     "py_local_get.c",
 ]
-HEADERS = ["arrow_c_abi.h", "bridge.h"]
+HEADERS = ["arrow_c_abi.h", "bridge.h", "bridge_cuda.h"]
 _INTEGER_DEFINE = re.compile(r"^#define\s+\w+\s+-?\d+\s*(/\*.*\*/)?\s*$")
 
 
