@@ -15,7 +15,9 @@ from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-C_SOURCES = [
+# The core: plain C with no Python.h (it decodes, maps and owns memory; it could be built as a library
+# of its own, which tests/test_c_core_standalone.py does). Order: each file after what it uses.
+CORE_SOURCES = [
     "base.c",
     "owner.c",
     "struct_trees.c",
@@ -35,13 +37,17 @@ C_SOURCES = [
     "region_table.c",
     "sync_event.c",
     "columns.c",
-    "py_capsules.c",
     "host_system.c",
+]
+# The binding: Python objects made, read and destroyed in C (capsules, builtins, C-typed state).
+PYTHON_SOURCES = [
+    "py_capsules.c",
     "py_columns.c",
     "py_hot.c",
     "py_state.c",
     "py_local_get.c",
 ]
+C_SOURCES = CORE_SOURCES + PYTHON_SOURCES
 HEADERS = ["arrow_c_abi.h", "bridge.h", "bridge_cuda.h"]
 _INTEGER_DEFINE = re.compile(r"^#define\s+\w+\s+-?\d+\s*(/\*.*\*/)?\s*$")
 
