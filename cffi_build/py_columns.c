@@ -22,11 +22,11 @@ static const int64_t itemsizes[] = {1, 2, 4, 8, 1, 2, 4, 8, 2, 4, 8};
 
 /* Names and typestrs made once, at install: a lookup by an interned str hashes nothing and allocates
  * nothing, where one by a C string makes a str each time (many times per column). */
-enum { K_SHAPE, K_TYPESTR, K_STRIDES, K_MASK, K_DATA, K_STREAM, K_CAI, K_NDIM, K_SIZE, K_CONTIGUOUS, K_DTYPE,
-       K_STR, K_PTR, N_KEYS };
+enum { K_SHAPE, K_TYPESTR, K_STRIDES, K_MASK, K_DATA, K_STREAM, K_CAI, K_NDIM, K_SIZE, K_DTYPE, K_STR, K_PTR,
+       N_KEYS };
 static const char *const key_names[N_KEYS] = {
     "shape", "typestr", "strides", "mask", "data", "stream", "__cuda_array_interface__", "ndim", "size",
-    "_c_contiguous", "dtype", "str", "ptr"};
+    "dtype", "str", "ptr"};
 static PyObject *keys[N_KEYS];
 static PyObject *codes_by_typestr; /* "<f4", "|f4", "<i1", "|i1"... -> the column code */
 
@@ -129,23 +129,33 @@ static uint32_t code_of_dtype(PyObject *dtype) {
   return code;
 }
 
-/* A CuPy ndarray's column facts from its own attributes, what its __cuda_array_interface__ is
- * built from (ndim, size, _c_contiguous, dtype.str, data.ptr; ptr 0 when empty) without building
- * the interface dict and its dtype description for every array. The stream is not a fact
- * of the array: CuPy's interface reports the current stream, which is the first column's (read
- * through its interface in the same call). 0, or -1 (exception cleared) to take the interface. */
+/* Whether a 1-D array of `length` items of `itemsize` bytes is contiguous, from its public
+ * `strides` (a tuple of one byte stride): an array of at most one item always is. */
+static int contiguous_1d(PyObject *obj, long long length, int64_t itemsize) {
+  if (length <= 1) return 1;
+  PyObject *strides = PyObject_GetAttr(obj, keys[K_STRIDES]);
+  int contiguous = 0;
+  if (strides != NULL && PyTuple_Check(strides) && PyTuple_GET_SIZE(strides) == 1) {
+    PyObject *stride = PyTuple_GET_ITEM(strides, 0);
+    contiguous = PyLong_Check(stride) && PyLong_AsLongLong(stride) == itemsize;
+  }
+  Py_XDECREF(strides);
+  return contiguous;
+}
+
+/* A CuPy ndarray's column facts from its own public attributes, what its __cuda_array_interface__
+ * is built from (ndim, size, dtype.str, strides, data.ptr; ptr 0 when empty) without building the
+ * interface dict and its dtype description for every array. The stream is not a fact of the array:
+ * CuPy's interface reports the current stream, which is the first column's (read through its
+ * interface in the same call). 0, or -1 (exception cleared by the caller) to take the interface. */
 static int read_cupy(PyObject *obj, int64_t stream, aib_cuda_column *out) {
   if (int_attr(obj, K_NDIM) != 1) return -1;
   long long length = int_attr(obj, K_SIZE);
   if (length < 0) return -1;
-  PyObject *contiguous = PyObject_GetAttr(obj, keys[K_CONTIGUOUS]);
-  int is_contiguous = contiguous == Py_True;
-  Py_XDECREF(contiguous);
-  if (!is_contiguous) return -1;
   PyObject *dtype = PyObject_GetAttr(obj, keys[K_DTYPE]);
   uint32_t code = dtype ? code_of_dtype(dtype) : N_TYPES;
   Py_XDECREF(dtype);
-  if (code == N_TYPES) return -1;
+  if (code == N_TYPES || !contiguous_1d(obj, length, itemsizes[code])) return -1;
   unsigned long long pointer = 0;
   if (length > 0) {
     PyObject *data = PyObject_GetAttr(obj, keys[K_DATA]);

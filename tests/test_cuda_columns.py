@@ -253,8 +253,9 @@ class ndarray:  # named as CuPy's array type, which the reader recognises
     def __init__(
         self, length: int, dtype: str, ptr: int, *, contiguous: bool = True, interface: Any = None
     ) -> None:
-        self.ndim, self.size, self._c_contiguous = 1, length, contiguous
-        self.dtype, self.data = np.dtype(dtype), _Pointer(ptr)
+        self.ndim, self.size, self.dtype, self.data = 1, length, np.dtype(dtype), _Pointer(ptr)
+        # CuPy's public strides (bytes, always a tuple): every other item when not contiguous
+        self.strides = ((1 if contiguous else 2) * self.dtype.itemsize,)
         self.__cuda_array_interface__ = interface or {
             "shape": (length,),
             "typestr": np.dtype(dtype).str,
@@ -291,6 +292,11 @@ def test_the_c_reader_reads_cupy_arrays_after_the_first_from_their_attributes() 
     strided = ndarray(8, "float32", 0x9000, contiguous=False)
     done, _, reason, _ = _read([values[0], strided], ndarray)
     assert (done, reason) == (1, device._STRIDES)
+    # One item, whatever its stride (CuPy gives a sliced single item the parent's): contiguous.
+    single = ndarray(1, "float32", 0x9000, contiguous=False)
+    single.__cuda_array_interface__ = {"shape": (1,), "typestr": "<f8", "data": (0x1, False)}  # not read
+    done, columns, _, _ = _read([ndarray(1, "float32", 0x1000), single], ndarray)
+    assert (done, columns[1].data, columns[1].length) == (2, 0x9000, 1)
     empty = [ndarray(0, "float32", 0x1000), ndarray(0, "float32", 0x2000)]
     done, columns, _, _ = _read(empty, ndarray)
     assert done == 2
