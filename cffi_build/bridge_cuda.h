@@ -90,15 +90,6 @@ int aib_cuda_import_pool_pointers(uintptr_t pool, const uint8_t *export_data, si
 /* Calls cuMemFree_v2 for each pointer, all of them even after a failure; returns 0 or the first
  * failing CUresult. */
 int aib_cuda_free_pointers(const uint64_t *pointers, size_t n);
-#define AIB_MAX_POINTER_ATTRIBUTES 16
-/* For n buffers sorted by address: calls cuPointerGetAttributes once per allocation — a buffer lying
- * inside the previous buffer's allocation is not asked about — writing n_attributes 8-byte slots per
- * allocation to infos (the allocation's base and size are slots base_slot and size_slot) and each
- * buffer's allocation index to allocation_of. Returns 0, -1 for bad arguments, or the failing CUresult
- * with *n_infos the allocations described before it. */
-int aib_cuda_describe_buffers(const int *attributes, unsigned n_attributes, unsigned base_slot,
-                              unsigned size_slot, const uint64_t *addresses, const uint64_t *lengths, size_t n,
-                              uint64_t *infos, uint32_t *allocation_of, size_t *n_infos);
 /* Calls cuMemPoolExportPointer for each pointer, writing 64 bytes each to out. Returns 0, or the
  * first failing CUresult with *done the number exported before it. */
 int aib_cuda_export_pool_pointers(const uint64_t *pointers, size_t n, uint8_t *out, size_t *done);
@@ -142,13 +133,20 @@ void aib_export_regions_clear(aib_export_regions *t);
  * cleared first. AIB_E_FORMAT for buffer id 0 or an over-long handle. */
 int aib_export_regions_put(aib_export_regions *t, uint64_t buffer_id, int32_t device, const aib_region *region);
 void aib_export_regions_stats(aib_export_regions *t, uint64_t *entries, uint64_t *hits, uint64_t *misses);
-/* Places every unplaced buffer of d when each lies in device memory of `device` whose allocation is in
- * the table (pool regions only when pool_regions_allowed): one attribute query per allocation, the
- * regions written to regions_out in order of first use (at most max_regions). Returns 0 with the slots
- * placed, *n_regions and *n_buffers (buffers placed) set; 1 when any buffer misses, leaving d as it was
- * (the caller's full placement path decides, and raises for memory it cannot share). */
-int aib_cuda_place_known(aib_export_regions *t, aib_described *d, int32_t device, int pool_regions_allowed,
-                         aib_region *regions_out, size_t max_regions, size_t *n_regions, size_t *n_buffers);
+/* The placement of d's unplaced buffers: one walk over them, one attribute query per allocation. An
+ * allocation's region is the one the caller made for this message (made[k] for buffer id made_ids[k],
+ * n_made of them) or else the table's (t NULL: none; its pool regions only when pool_regions_allowed),
+ * and only for device memory of `device` that is not managed. Returns 0, or -1 when max_regions <
+ * the buffer slots (regions_out holds max_regions regions, missing_out 3 * max_regions words) or
+ * memory runs out. When every allocation has its region: the slots are placed, regions_out holds the
+ * *n_regions regions in the order of their allocations' addresses, *n_buffers the buffers placed,
+ * *n_missing 0. Otherwise nothing is placed and missing_out holds *n_missing triples: the address of an
+ * allocation's first unplaced buffer, the allocation's base and size (0 0: the driver could not say);
+ * the caller makes their regions (or raises) and calls again. */
+int aib_cuda_place(aib_export_regions *t, aib_described *d, int32_t device, int pool_regions_allowed,
+                   const uint64_t *made_ids, const aib_region *made, size_t n_made, aib_region *regions_out,
+                   uint64_t *missing_out, size_t max_regions, size_t *n_regions, size_t *n_buffers,
+                   size_t *n_missing);
 /* ---------- sync events handed out only while pending (sync_event.c) -----------------------------
  * For the bridge's own imported data: sync_event (a pointer to a CUevent, as the C Device interface
  * has it) unless the driver says its recording completed, then NULL. Unchanged when no query

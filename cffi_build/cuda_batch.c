@@ -92,42 +92,6 @@ int aib_cuda_free_pointers(const uint64_t *pointers, size_t n) {
   return first;
 }
 
-/* CUresult cuPointerGetAttributes(unsigned n, CUpointer_attribute *attributes, void **data, CUdeviceptr ptr) */
-typedef int (*get_attributes_fn)(unsigned n, const int *attributes, void **data, uint64_t ptr);
-
-int aib_cuda_describe_buffers(const int *attributes, unsigned n_attributes, unsigned base_slot,
-                              unsigned size_slot, const uint64_t *addresses, const uint64_t *lengths, size_t n,
-                              uint64_t *infos, uint32_t *allocation_of, size_t *n_infos) {
-  get_attributes_fn fn = (get_attributes_fn)atomic_load(&pointer_get_attributes);
-  void *data[AIB_MAX_POINTER_ATTRIBUTES];
-  *n_infos = 0;
-  if (n_attributes > AIB_MAX_POINTER_ATTRIBUTES || base_slot >= n_attributes || size_slot >= n_attributes) return -1;
-  if (fn == NULL) return CUDA_ERROR_NOT_INITIALIZED;
-  size_t count = 0;
-  uint64_t base = 0, size = 0;
-  for (size_t i = 0; i < n; i++) {
-    uint64_t address = addresses[i];
-    /* Inside the previous buffer's allocation: no query (written to avoid overflow). */
-    int inside = count > 0 && address >= base && address - base <= size && lengths[i] <= size - (address - base);
-    if (!inside) {
-      uint64_t *slots = infos + count * n_attributes;
-      memset(slots, 0, n_attributes * sizeof(uint64_t));
-      for (unsigned k = 0; k < n_attributes; k++) data[k] = slots + k;
-      int rc = fn(n_attributes, attributes, data, address);
-      if (rc != 0) {
-        *n_infos = count;
-        return rc;
-      }
-      base = slots[base_slot];
-      size = slots[size_slot];
-      count++;
-    }
-    allocation_of[i] = (uint32_t)(count - 1);
-  }
-  *n_infos = count;
-  return 0;
-}
-
 /* CUresult cuMemPoolExportPointer(CUmemPoolPtrExportData *out, CUdeviceptr ptr) */
 typedef int (*pool_export_fn)(void *share_out, uint64_t ptr);
 

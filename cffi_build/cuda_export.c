@@ -6,15 +6,19 @@
  *    instead of a pyarrow buffer, array and record batch per column and an export;
  *  - aib_cuda_devices_of: which device each column lives on, one attribute query per column;
  *  - the export region table: the region (kind, handle, size, identity, flags) the placer made for an
- *    allocation, keyed by the allocation's buffer id, so that placing a message whose allocations
- *    were placed before is one attribute query per allocation and a table look-up, all in one C call
- *    (aib_cuda_place_known). Buffer ids are never reused in a process, so an entry can never name
- *    another allocation; an entry for a freed allocation is dead weight until the table is cleared.
+ *    allocation, keyed by the allocation's buffer id. Buffer ids are never reused in a process, so an
+ *    entry can never name another allocation; an entry for a freed allocation is dead weight until the
+ *    table is cleared;
+ *  - aib_cuda_place: the one placement of a message's CUDA buffers. One walk, one attribute query per
+ *    allocation, each allocation's region from the regions the caller made for this message or from
+ *    the table; the allocations with neither are handed back, the caller (cuda/placer.py) makes their
+ *    regions — exports, or copies under the copy policy — and calls again, which then places all.
  *
- * The table holds only what the placer (cuda/placer.py) approved: shareable device memory, placed
- * without a copy and without a per-message fd. Anything else — a new allocation, managed or pinned
- * memory, another device, a VMM allocation, a pool region when the message must carry the pool's fd —
- * is a miss, and the caller takes the placer's full path, which makes the checks and raises. */
+ * The table holds only what the placer approved: shareable device memory, placed without a copy and
+ * without a per-message fd. Anything else — a new allocation, managed or pinned memory, another
+ * device, a VMM allocation, a pool region when the message must carry the pool's fd — is missing
+ * until the caller made its region for the message, with the checks that raise for what it cannot
+ * share. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdlib.h>
@@ -262,71 +266,96 @@ void aib_export_regions_stats(aib_export_regions *t, uint64_t *entries, uint64_t
   pthread_mutex_unlock(&t->lock);
 }
 
-int aib_cuda_place_known(aib_export_regions *t, aib_described *d, int32_t device, int pool_regions_allowed,
-                         aib_region *regions_out, size_t max_regions, size_t *n_regions, size_t *n_buffers) {
+/* The region of allocation buffer_id: one the caller made for this message, else the table's (NULL:
+ * none; the table's pool regions only when pool_regions_allowed). Counts the table's answers. */
+static int region_of(aib_export_regions *t, uint64_t buffer_id, int32_t device, int pool_regions_allowed,
+                     const uint64_t *made_ids, const aib_region *made, size_t n_made, aib_region *out) {
+  for (size_t k = 0; k < n_made; k++)
+    if (made_ids[k] == buffer_id) {
+      *out = made[k];
+      return 1;
+    }
+  if (t == NULL) return 0;
+  pthread_mutex_lock(&t->lock);
+  export_entry *e = find_entry(t, buffer_id);
+  int usable = e->buffer_id == buffer_id && e->device == device &&
+               (e->region.kind != AIB_REGION_KIND_CUDA_POOL || pool_regions_allowed);
+  if (usable) *out = e->region;
+  if (usable) t->hits++; else t->misses++;
+  pthread_mutex_unlock(&t->lock);
+  return usable;
+}
+
+static int inside(uint64_t address, uint64_t length, uint64_t base, uint64_t size) {
+  return address >= base && address - base <= size && length <= size - (address - base); /* no overflow */
+}
+
+int aib_cuda_place(aib_export_regions *t, aib_described *d, int32_t device, int pool_regions_allowed,
+                   const uint64_t *made_ids, const aib_region *made, size_t n_made, aib_region *regions_out,
+                   uint64_t *missing_out, size_t max_regions, size_t *n_regions, size_t *n_buffers,
+                   size_t *n_missing) {
   get_attributes_fn fn = (get_attributes_fn)aib_cuda_pointer_get_attributes();
   static const int attributes[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE,      CU_POINTER_ATTRIBUTE_IS_MANAGED,
                                    CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,   CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
                                    CU_POINTER_ATTRIBUTE_RANGE_SIZE,       CU_POINTER_ATTRIBUTE_BUFFER_ID};
   *n_regions = 0;
   *n_buffers = 0;
-  if (fn == NULL) return 1;
+  *n_missing = 0;
   size_t n_slots = aib_described_buffer_count(d);
   aib_buffer_slot *slots = aib_described_buffers(d);
-  /* The allocations met so far in this message: base, size, buffer id (region k of regions_out). */
+  /* The allocations met so far (base, size), those with a region (region k of regions_out) and those
+   * without (missing_out: the first buffer's address, the allocation's base and size, 0 0 when the
+   * driver could not say). At most one allocation per unplaced buffer, so max_regions >= n_slots
+   * always suffices. */
   uint64_t stack_bases[64], stack_sizes[64];
   uint64_t *bases = stack_bases, *sizes = stack_sizes;
-  if (max_regions > 64) {
-    bases = malloc(max_regions * sizeof(uint64_t));
-    sizes = malloc(max_regions * sizeof(uint64_t));
+  if (max_regions < n_slots) return -1;
+  if (n_slots > 64) {
+    bases = malloc(n_slots * sizeof(uint64_t));
+    sizes = malloc(n_slots * sizeof(uint64_t));
     if (bases == NULL || sizes == NULL) {
       free(bases == stack_bases ? NULL : bases);
       free(sizes == stack_sizes ? NULL : sizes);
-      return 1;
+      return -1;
     }
   }
-  size_t count = 0, buffers = 0;
-  int miss = 0;
-  /* First pass: find every unplaced buffer's region (without writing slots, so a miss leaves the
-   * description as it was for the full path). */
-  for (size_t i = 0; i < n_slots && !miss; i++) {
+  size_t count = 0, missing = 0, buffers = 0;
+  /* First pass: every unplaced buffer's allocation and its region (slots untouched, so a message with
+   * missing regions is left as it was for the caller's second call). */
+  for (size_t i = 0; i < n_slots; i++) {
     aib_buffer_slot *s = &slots[i];
     if (s->region != UNPLACED) continue; /* placed already, absent or empty */
     buffers++;
     size_t k = 0;
     for (; k < count; k++)
-      if (s->address >= bases[k] && s->address - bases[k] <= sizes[k] && s->length <= sizes[k] - (s->address - bases[k]))
-        break;
+      if (inside(s->address, s->length, bases[k], sizes[k])) break;
     if (k < count) continue;
+    for (k = 0; k < missing; k++)
+      if (missing_out[3 * k + 2] != 0 && inside(s->address, s->length, missing_out[3 * k + 1], missing_out[3 * k + 2]))
+        break;
+    if (k < missing) continue;
     uint64_t v[6] = {0, 0, 0, 0, 0, 0};
     void *data[6] = {&v[0], &v[1], &v[2], &v[3], &v[4], &v[5]};
-    if (fn(6, attributes, data, s->address) != 0 || (uint32_t)v[0] != CU_MEMORYTYPE_DEVICE || v[1] != 0 ||
-        (int32_t)(uint32_t)v[2] != device || s->address < v[3] || s->address - v[3] > v[4] ||
-        s->length > v[4] - (s->address - v[3]) || count == max_regions) {
-      miss = 1;
-      break;
+    int known = fn != NULL && fn(6, attributes, data, s->address) == 0 && inside(s->address, s->length, v[3], v[4]);
+    aib_region region;
+    if (known && (uint32_t)v[0] == CU_MEMORYTYPE_DEVICE && v[1] == 0 && (int32_t)(uint32_t)v[2] == device &&
+        region_of(t, v[5], device, pool_regions_allowed, made_ids, made, n_made, &region)) {
+      regions_out[count] = region;
+      bases[count] = v[3];
+      sizes[count] = v[4];
+      count++;
+    } else {
+      missing_out[3 * missing] = s->address;
+      missing_out[3 * missing + 1] = known ? v[3] : 0;
+      missing_out[3 * missing + 2] = known ? v[4] : 0;
+      missing++;
     }
-    pthread_mutex_lock(&t->lock);
-    export_entry *e = find_entry(t, v[5]);
-    int usable = e->buffer_id == v[5] && e->device == device &&
-                 (e->region.kind != AIB_REGION_KIND_CUDA_POOL || pool_regions_allowed);
-    if (usable) regions_out[count] = e->region;
-    if (usable) t->hits++; else t->misses++;
-    pthread_mutex_unlock(&t->lock);
-    if (!usable) {
-      miss = 1;
-      break;
-    }
-    bases[count] = v[3];
-    sizes[count] = v[4];
-    count++;
   }
-  if (!miss) {
-    /* The regions in the order of their allocations' addresses, as the full path numbers them (it
-     * walks the buffers sorted by address): the same arrays give byte-identical messages whichever
-     * path placed them, so a consumer's remembered message matches either. Slot order differs
-     * from address order whenever the allocator hands out a lower address later (CuPy's pool
-     * reusing freed blocks). Insertion sort: a message has few allocations. */
+  if (missing == 0) {
+    /* The regions in the order of their allocations' addresses: the same arrays give byte-identical
+     * messages whichever regions were made this time, so a consumer's remembered message matches.
+     * Slot order differs from address order whenever the allocator hands out a lower address later
+     * (CuPy's pool reusing freed blocks). Insertion sort: a message has few allocations. */
     for (size_t k = 1; k < count; k++) {
       uint64_t base = bases[k], size = sizes[k];
       aib_region region = regions_out[k];
@@ -340,14 +369,12 @@ int aib_cuda_place_known(aib_export_regions *t, aib_described *d, int32_t device
       sizes[j] = size;
       regions_out[j] = region;
     }
-  }
-  if (!miss) { /* second pass: place */
+    /* Second pass: place. */
     for (size_t i = 0; i < n_slots; i++) {
       aib_buffer_slot *s = &slots[i];
       if (s->region != UNPLACED) continue;
       for (size_t k = 0; k < count; k++)
-        if (s->address >= bases[k] && s->address - bases[k] <= sizes[k] &&
-            s->length <= sizes[k] - (s->address - bases[k])) {
+        if (inside(s->address, s->length, bases[k], sizes[k])) {
           s->region = AIB_REGION_FIRST + k;
           s->offset = s->address - bases[k];
           break;
@@ -356,9 +383,10 @@ int aib_cuda_place_known(aib_export_regions *t, aib_described *d, int32_t device
     *n_regions = count;
     *n_buffers = buffers;
   }
+  *n_missing = missing;
   if (bases != stack_bases) {
     free(bases);
     free(sizes);
   }
-  return miss;
+  return 0;
 }

@@ -340,15 +340,56 @@ def test_column_names_that_are_not_str_are_refused_with_the_name() -> None:
         aib.from_cuda_arrays({"a": _FakeCudaArray(), 2: _FakeCudaArray()})
 
 
+def _place(
+    table: Any, described: Described, made: dict[int, Any] | None = None, pool_regions_allowed: int = 1
+) -> tuple[int, list[tuple[int, int, int]], Any]:
+    """aib_cuda_place on device 0: (buffers placed, missing allocations, the regions written)."""
+    n = max(described.buffer_count, 1)
+    made = made or {}
+    regions = ffi.new("aib_region[]", n)
+    missing = ffi.new("uint64_t[]", 3 * n)
+    counts = [ffi.new("size_t *") for _ in range(3)]
+    made_raw = ffi.new("aib_region[]", max(len(made), 1))
+    for k, region in enumerate(made.values()):
+        made_raw[k] = region[0]
+    rc = lib.aib_cuda_place(
+        table,
+        described.raw,
+        0,
+        pool_regions_allowed,
+        ffi.new("uint64_t[]", list(made) or [0]),
+        made_raw,
+        len(made),
+        regions,
+        missing,
+        n,
+        *counts,
+    )
+    assert rc == 0
+    n_regions, n_buffers, n_missing = (int(c[0]) for c in counts)
+    words = [int(missing[k]) for k in range(3 * n_missing)]
+    assert (n_buffers > 0) != (n_missing > 0) or described.buffer_count == 0
+    return n_buffers, [tuple(words[k : k + 3]) for k in range(0, len(words), 3)], (regions, n_regions)
+
+
 def test_the_export_region_table_places_nothing_it_was_not_told() -> None:
-    """Without a driver (or with an empty table) every message misses: the full path decides."""
+    """Without a driver (or with an empty table) every allocation is missing: the caller makes its
+    region; nothing is placed meanwhile."""
     table = ffi.gc(lib.aib_export_regions_new(4), lib.aib_export_regions_free)
-    described = Described(capture(pa.array(np.arange(4, dtype=np.float32))))
-    regions = ffi.new("aib_region[]", 4)
-    n_regions = ffi.new("size_t *")
-    n_buffers = ffi.new("size_t *")
-    assert lib.aib_cuda_place_known(table, described.raw, 0, 1, regions, 4, n_regions, n_buffers) == 1
-    assert n_regions[0] == 0
+    array = np.arange(4, dtype=np.float32)
+    described = Described(capture(pa.array(array)))
+    before = described.slots().tolist()
+    placed, missing, _ = _place(table, described)
+    assert placed == 0
+    assert missing == [(array.ctypes.data, 0, 0)]  # the buffer's address; the driver said nothing
+    assert described.slots().tolist() == before
+    n = described.buffer_count
+    too_few = lib.aib_cuda_place(
+        table, described.raw, 0, 1, ffi.new("uint64_t[]", 1), ffi.new("aib_region[]", 1), 0,
+        ffi.new("aib_region[]", n), ffi.new("uint64_t[]", 3 * n), n - 1,
+        ffi.new("size_t *"), ffi.new("size_t *"), ffi.new("size_t *"),
+    )  # fmt: skip
+    assert too_few == -1
     region = ffi.new("aib_region *")
     region.handle_len = 64
     assert lib.aib_export_regions_put(table, 0, 0, region) == lib.AIB_E_FORMAT  # buffer id 0 is no id
@@ -360,11 +401,11 @@ def test_the_export_region_table_places_nothing_it_was_not_told() -> None:
 
 
 def test_the_export_region_table_numbers_regions_by_address() -> None:
-    """The table's path numbers a message's regions in the order of their allocations' addresses,
-    as the full path does (it walks the buffers sorted by address), also when the columns come in
-    another order (an allocator that hands out a lower address later: CuPy's pool reusing a freed
-    block). Otherwise the same arrays give two different messages, depending on which path placed
-    them. No driver needed: a stand-in answers for host arrays posing as device allocations."""
+    """The placement walk numbers a message's regions in the order of their allocations'
+    addresses, also when the columns come in another order (an allocator that hands out a lower
+    address later: CuPy's pool reusing a freed block). Otherwise the same arrays would give two
+    different messages, depending on whether their regions came from the table or were made. No
+    driver needed: a stand-in answers for host arrays posing as device allocations."""
     from arrow_ipc_bridge.cuda import _driver
 
     arrays = [np.arange(64, dtype=np.float32) + k for k in range(3)]
@@ -389,21 +430,90 @@ def test_the_export_region_table_numbers_regions_by_address() -> None:
         region.handle_len = 64
         assert lib.aib_export_regions_put(table, buffer_id, 0, region) == 0
     described = Described(capture(pa.record_batch({name: pa.array(a) for name, a in columns.items()})))
-    regions = ffi.new("aib_region[]", 8)
-    n_regions = ffi.new("size_t *")
-    n_buffers = ffi.new("size_t *")
     real = _driver._DRIVER.lib
     lib.aib_cuda_set_driver(
         ffi.new("aib_cuda_driver *", {"pointer_get_attributes": int(ffi.cast("uintptr_t", get_attributes))})
     )
     try:
-        assert lib.aib_cuda_place_known(table, described.raw, 0, 1, regions, 8, n_regions, n_buffers) == 0
+        n_buffers, missing, (regions, n_regions) = _place(table, described)
     finally:  # the driver's own functions (or none) back
         restore = _driver.core_driver_table(real, _driver._DRIVER.ffi) if real is not None else None
         lib.aib_cuda_set_driver(restore if restore is not None else ffi.new("aib_cuda_driver *"))
-    assert (n_regions[0], n_buffers[0]) == (3, 3)
+    assert missing == []
+    assert (n_regions, n_buffers) == (3, 3)
     assert [regions[k].identity for k in range(3)] == [100, 101, 102]  # by address
     slots = described.slots()
     placed = {slots[i]: (slots[i + 2], slots[i + 3]) for i in range(0, len(slots), 4) if slots[i + 1]}
     for base, (_, buffer_id) in allocations.items():
         assert placed[base] == (lib.AIB_REGION_FIRST + buffer_id - 100, 0)
+
+
+def test_the_placement_walk_hands_back_what_it_cannot_place_and_then_places_all() -> None:
+    """aib_cuda_place, the one placement of CUDA buffers, with a stand-in driver over host arrays
+    posing as allocations: one attribute query per allocation; an allocation in the table is placed
+    from it, one the caller made a region for from that (before the table), and every other comes
+    back as missing — not in the table, managed, on another device, a pool region where the message
+    must carry the pool's fd, no table at all (copy="always") — with nothing placed until none is."""
+    from arrow_ipc_bridge.cuda import _driver
+
+    arrays = {name: np.arange(64, dtype=np.float32) + k for k, name in enumerate("abcde")}
+    # name -> (buffer id, managed, device); "a" and "e" are in the table, "e" as a pool region
+    kinds = {"a": (101, 0, 0), "b": (102, 0, 0), "c": (103, 1, 0), "d": (104, 0, 1), "e": (105, 0, 0)}
+    allocations = {int(arrays[n].ctypes.data): (int(arrays[n].nbytes), *kinds[n]) for n in arrays}
+    asked: list[int] = []
+
+    @ffi.callback("int(unsigned int, int *, void **, uint64_t)")
+    def get_attributes(n: int, attributes: Any, data: Any, address: int) -> int:
+        asked.append(address)
+        for base, (size, buffer_id, managed, device_ordinal) in allocations.items():
+            if base <= address < base + size:
+                answers = {2: 2, 8: managed, 9: device_ordinal, 11: base, 12: size, 7: buffer_id}
+                for k in range(n):
+                    ffi.cast("uint64_t *", data[k])[0] = answers[attributes[k]]
+                return 0
+        return 1
+
+    def region(kind: int, buffer_id: int) -> Any:
+        raw = ffi.new("aib_region *", {"kind": kind, "size": 256, "identity": buffer_id, "fd_index": -1})
+        raw.handle_len = 64
+        return raw
+
+    table = ffi.gc(lib.aib_export_regions_new(8), lib.aib_export_regions_free)
+    legacy, pool = lib.AIB_REGION_KIND_CUDA_LEGACY, lib.AIB_REGION_KIND_CUDA_POOL
+    assert lib.aib_export_regions_put(table, 101, 0, region(legacy, 101)) == 0
+    assert lib.aib_export_regions_put(table, 105, 0, region(pool, 105)) == 0
+    batch = pa.record_batch({n: pa.array(a) for n, a in arrays.items()})
+    described = Described(capture(batch))
+    before = described.slots().tolist()
+    base_of = {n: int(a.ctypes.data) for n, a in arrays.items()}
+    real = _driver._DRIVER.lib
+    lib.aib_cuda_set_driver(
+        ffi.new("aib_cuda_driver *", {"pointer_get_attributes": int(ffi.cast("uintptr_t", get_attributes))})
+    )
+    try:
+        placed, missing, _ = _place(table, described, pool_regions_allowed=0)
+        assert placed == 0
+        assert described.slots().tolist() == before  # nothing placed while anything is missing
+        assert sorted(asked) == sorted(base_of.values())  # one query per allocation
+        assert {m[0] for m in missing} == {base_of[n] for n in "bcde"}  # "a" from the table
+        assert all((m[1], m[2]) == (m[0], 256) for m in missing)  # each allocation's base and size
+        placed, missing, _ = _place(table, described, pool_regions_allowed=1)
+        assert {m[0] for m in missing} == {base_of[n] for n in "bcd"}  # the pool region may come now
+        placed, missing, _ = _place(ffi.NULL, described)
+        assert {m[0] for m in missing} == set(base_of.values())  # no table: everything is missing
+        # Regions made for b, c, d, e: managed and other-device memory is never placed from one.
+        made = {k: region(legacy, k) for k in (102, 103, 104, 105)}
+        placed, missing, _ = _place(table, described, made=made, pool_regions_allowed=0)
+        assert {m[0] for m in missing} == {base_of[n] for n in "cd"}
+        only = Described(capture(pa.record_batch({n: pa.array(arrays[n]) for n in "eab"})))
+        placed, missing, (regions, n_regions) = _place(table, only, made=made, pool_regions_allowed=0)
+    finally:
+        restore = _driver.core_driver_table(real, _driver._DRIVER.ffi) if real is not None else None
+        lib.aib_cuda_set_driver(restore if restore is not None else ffi.new("aib_cuda_driver *"))
+    assert (placed, missing, n_regions) == (3, [], 3)
+    by_address = sorted("abe", key=lambda n: base_of[n])
+    assert [regions[k].identity for k in range(3)] == [kinds[n][0] for n in by_address]
+    assert regions[by_address.index("e")].kind == legacy  # the one made for e, not the table's pool one
+    slots = only.slots()
+    placed_slots = {slots[i]: slots[i + 2] for i in range(0, len(slots), 4) if slots[i + 1]}
+    assert placed_slots == {base_of[n]: lib.AIB_REGION_FIRST + by_address.index(n) for n in "abe"}

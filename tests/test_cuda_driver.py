@@ -307,73 +307,6 @@ def test_versioned_symbols_are_declared(symbol: str) -> None:
     assert symbol.removesuffix("_v2") not in declared
 
 
-def test_buffer_description_asks_once_per_allocation() -> None:
-    """The C loop behind cuda.describe_buffers (no driver needed: a stand-in answers): buffers
-    sorted by address ask the driver only when they leave the previous allocation, a buffer
-    running past its allocation's end is asked about again, a refusal stops the loop with the
-    allocations described so far, and bad arguments are refused."""
-    from arrow_ipc_bridge._ffi import ffi, lib
-
-    allocations = [(0x1000, 0x1000), (0x3000, 0x100)]  # (base, size)
-    asked: list[int] = []
-
-    @ffi.callback("int(unsigned int, int *, void **, uint64_t)")
-    def get_attributes(n: int, attributes: Any, data: Any, address: int) -> int:
-        asked.append(address)
-        for base, size in allocations:
-            if base <= address < base + size:
-                ffi.cast("uint64_t *", data[3])[0] = base
-                ffi.cast("uint64_t *", data[4])[0] = size
-                ffi.cast("uint64_t *", data[0])[0] = 2  # device memory
-                return 0
-        return 1  # CUDA_ERROR_INVALID_VALUE
-
-    def describe(buffers: list[tuple[int, int]], n_attributes: int = 9) -> tuple[int, list[int], list[int]]:
-        n = len(buffers)
-        infos = ffi.new("uint64_t[]", max(n, 1) * n_attributes)
-        allocation_of = ffi.new("uint32_t[]", max(n, 1))
-        n_infos = ffi.new("size_t *")
-        attributes = ffi.new("int[]", n_attributes)
-        rc = lib.aib_cuda_describe_buffers(
-            attributes,
-            n_attributes,
-            3,
-            4,
-            ffi.new("uint64_t[]", [a for a, _ in buffers] or [0]),
-            ffi.new("uint64_t[]", [length for _, length in buffers] or [0]),
-            n,
-            infos,
-            allocation_of,
-            n_infos,
-        )
-        bases = [int(infos[k * n_attributes + 3]) for k in range(int(n_infos[0]))]
-        return rc, bases, [int(allocation_of[i]) for i in range(n)] if rc == 0 else []
-
-    real = _driver._DRIVER.lib
-    lib.aib_cuda_set_driver(ffi.new("aib_cuda_driver *"))  # no driver: the loop refuses to run
-    assert describe([(0x1000, 16)])[0] == 3  # CUDA_ERROR_NOT_INITIALIZED
-    lib.aib_cuda_set_driver(
-        ffi.new("aib_cuda_driver *", {"pointer_get_attributes": int(ffi.cast("uintptr_t", get_attributes))})
-    )
-    try:
-        _describe_with_stand_in(describe, asked)
-    finally:  # the driver's own functions (or none) back
-        restore = _driver.core_driver_table(real, _driver._DRIVER.ffi) if real is not None else None
-        lib.aib_cuda_set_driver(restore if restore is not None else ffi.new("aib_cuda_driver *"))
-
-
-def _describe_with_stand_in(describe: Any, asked: list[int]) -> None:
-    buffers = [(0x1000, 16), (0x1100, 16), (0x1FF0, 16), (0x3000, 0x80), (0x3080, 0x80)]
-    assert describe(buffers) == (0, [0x1000, 0x3000], [0, 0, 0, 1, 1])
-    assert asked == [0x1000, 0x3000]
-    asked.clear()
-    assert describe([(0x1000, 16), (0x1FF8, 16)])[:2] == (0, [0x1000, 0x1000])  # past the end: asked again
-    assert asked == [0x1000, 0x1FF8]
-    assert describe([(0x1000, 16), (0x2000, 16), (0x3000, 16)])[:2] == (1, [0x1000])  # refused at 0x2000
-    assert describe([(0x1000, 16)], n_attributes=17)[0] == -1
-    assert describe([]) == (0, [], [])
-
-
 def test_forked_child_forgets_the_driver_table() -> None:
     """The C core's driver functions do not survive fork: a child forked after they were handed over
     finds none (its loops answer CUDA_ERROR_NOT_INITIALIZED, sync events are not queried), while
@@ -382,23 +315,15 @@ def test_forked_child_forgets_the_driver_table() -> None:
 
     @ffi.callback("int(unsigned int, int *, void **, uint64_t)")
     def get_attributes(n: int, attributes: Any, data: Any, address: int) -> int:
-        ffi.cast("uint64_t *", data[4])[0] = 1 << 20  # the allocation's size: 1 MiB
+        ffi.cast("uint64_t *", data[0])[0] = 2  # device memory (on device 0: the slots start zeroed)
         return 0
 
     def describe() -> int:
-        out = ffi.new("uint64_t[]", 9)
+        """The device of one column (aib_cuda_devices_of): 0 when the driver table answers."""
+        column = ffi.new("aib_cuda_column *", {"data": 0x1000, "length": 4})
         return int(
-            lib.aib_cuda_describe_buffers(
-                ffi.new("int[]", 9),
-                9,
-                3,
-                4,
-                ffi.new("uint64_t[]", [0x1000]),
-                ffi.new("uint64_t[]", [16]),
-                1,
-                out,
-                ffi.new("uint32_t[]", 1),
-                ffi.new("size_t *"),
+            lib.aib_cuda_devices_of(
+                column, 1, ffi.new("int32_t *"), ffi.new("int32_t *"), ffi.new("size_t *")
             )
         )
 

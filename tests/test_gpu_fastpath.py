@@ -1,6 +1,7 @@
 """The producer's fast path for fresh device data (marker: gpu): from_cuda_array(s) built in C and
-messages placed from the export region table must say exactly what the full path says, keep the
-copy policy and the refusals, carry the producer's event, and leak nothing over many publishes."""
+messages placed from the export region table must say exactly what a placement that made the
+regions says, keep the copy policy and the refusals, carry the producer's event, and leak nothing
+over many publishes."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _table_stats() -> dict[str, int]:
 
 
 def _forget_regions() -> None:
-    """Empty the export table: the next export of any allocation takes the full path."""
+    """Empty the export table: the next export of any allocation makes its region again."""
     from arrow_ipc_bridge._ffi import lib
     from arrow_ipc_bridge.cuda import placer
 
@@ -60,7 +61,8 @@ def _normalized(exported: aib.Exported) -> tuple[bytes, list[Any], list[Any]]:
 
 
 def _export_twice(make: Any, *, pool_fds: bool = False) -> tuple[Any, Any, dict[str, int], dict[str, int]]:
-    """Export the same arrays with an empty table (full path), then again (the table's path)."""
+    """Export the same arrays with an empty table (their regions made), then again (the regions
+    from the table)."""
     _forget_regions()
     before = _table_stats()
     with aib.export(make(), pool_fds=pool_fds) as first:
@@ -73,8 +75,9 @@ def _export_twice(make: Any, *, pool_fds: bool = False) -> tuple[Any, Any, dict[
 
 
 def test_the_table_path_writes_the_full_paths_message(cupy: Any) -> None:
-    """Legacy (cudaMalloc) allocations: the second export of the same arrays is placed by the C
-    table and its message is byte for byte the full path's (the event handle aside)."""
+    """Legacy (cudaMalloc) allocations: the second export of the same arrays is placed from the
+    export table and its message is byte for byte the first's, whose regions were made (the event
+    handle aside)."""
     columns = {
         "f32": cupy.arange(1000, dtype=cupy.float32),
         "i64": cupy.arange(1000, dtype=cupy.int64),
@@ -91,8 +94,8 @@ def test_the_table_path_writes_the_full_paths_message(cupy: Any) -> None:
 
 def test_the_table_path_numbers_regions_as_the_full_path_does(cupy: Any) -> None:
     """Columns named in another order than their addresses (as after CuPy's pool reused freed
-    blocks): the table's path numbers the regions by address, as the full path does, so the two
-    messages are the same bytes."""
+    blocks): the regions are numbered by address whether they came from the table or were made,
+    so the two messages are the same bytes."""
     arrays = [cupy.arange(1 << 12, dtype=cupy.float32) + k for k in range(4)]
     columns = {f"c{k}": a for k, a in enumerate(sorted(arrays, key=lambda a: -a.data.ptr))}
     cupy.cuda.runtime.deviceSynchronize()
@@ -103,7 +106,7 @@ def test_the_table_path_numbers_regions_as_the_full_path_does(cupy: Any) -> None
 
 def test_pool_regions_come_from_the_table_only_without_pool_fds(cupy: Any) -> None:
     """IPC-pool allocations: placed by the table when the pool's fd stays out of the message (as a
-    publisher sends it); a message that must carry the fd takes the full path every time."""
+    publisher sends it); a message that must carry the fd has its region made every time."""
     from arrow_ipc_bridge import cuda
 
     allocator = cuda.cupy_allocator(0)
@@ -155,6 +158,38 @@ def test_memory_ipc_cannot_share_is_refused_every_time(publisher: aib.Publisher,
 
     with pytest.raises(aib.InvalidArgumentError, match="not CUDA device memory"):
         aib.from_cuda_arrays({"v": _Pinned()})
+
+
+def test_copy_always_copies_every_device_buffer(publisher: aib.Publisher, cupy: Any) -> None:
+    """copy="always" on CUDA data copies every buffer into the bridge's pool (counted), also memory
+    that could be shared as it is and allocations placed before: the message names the copies
+    alone (pool regions), and the consumer reads the published values after the producer changed
+    its arrays."""
+    a = cupy.arange(4096, dtype=cupy.float32)
+    block = cupy.arange(3000, dtype=cupy.int64)
+    columns = {"a": a, "b": block[:1000], "c": block[1000:2000]}  # b and c share one allocation
+    cupy.cuda.runtime.deviceSynchronize()
+    with aib.export(aib.from_cuda_arrays(columns)) as shared:  # zero copy: regions in the table now
+        assert shared.stats.copied_bytes == 0
+    copies = aib.stats().cuda.copies
+    with aib.export(aib.from_cuda_arrays(columns), copy="always") as copied:
+        assert copied.stats.copied_bytes == 4096 * 4 + 2 * 1000 * 8
+        assert copied.stats.zero_copy_regions == 0
+        assert aib.stats().cuda.copies - copies == 3  # one per buffer
+        decoded = Decoded(copied.message, len(copied.fds))
+        kinds = {region.kind for region in decoded.regions()}
+        decoded.close()
+        assert kinds == {REGION_CUDA_POOL}
+    stats = publisher.publish("copied", aib.from_cuda_arrays(columns), copy="always")
+    assert stats.copied_bytes == 4096 * 4 + 2 * 1000 * 8
+    a[:] = -1.0  # the published copies keep the values of publish time
+    block[:] = -1
+    cupy.cuda.runtime.deviceSynchronize()
+    with aib.connect(publisher.path, timeout=30.0) as session, session.get("copied") as imported:
+        table = imported.to_host()
+    assert table.column("a").to_pylist() == list(range(4096))
+    assert table.column("b").to_pylist() == list(range(1000))
+    assert table.column("c").to_pylist() == list(range(1000, 2000))
 
 
 def test_torch_tensors_and_a_device_capsule_producer(publisher: aib.Publisher, cupy: Any) -> None:

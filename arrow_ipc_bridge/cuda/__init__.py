@@ -49,7 +49,6 @@ from arrow_ipc_bridge.cuda.legacy_ipc import (
 )
 from arrow_ipc_bridge.cuda.pointers import (
     PointerInfo,
-    describe_buffers,
     mem_alloc,
     mem_free,
     memcpy_dtod,
@@ -87,7 +86,6 @@ __all__ = [
     # pointers and copies
     "PointerInfo",
     "pointer_info",
-    "describe_buffers",
     "mem_alloc",
     "mem_free",
     "memcpy_dtoh",

@@ -35,7 +35,6 @@ from arrow_ipc_bridge.cuda.events import Event, EventPool
 from arrow_ipc_bridge.cuda.legacy_ipc import LegacyHandleCache
 from arrow_ipc_bridge.cuda.pointers import (
     PointerInfo,
-    describe_buffers,
     memcpy_dtod,
     pointer_info,
     read_device,
@@ -48,6 +47,7 @@ from arrow_ipc_bridge.cuda.pools import (
 from arrow_ipc_bridge.cuda.slab import kept_slab
 from arrow_ipc_bridge.cuda.vmm import vmm_export_fd
 from arrow_ipc_bridge.errors import (
+    BridgeError,
     CopyRequiredError,
     CudaError,
     InvalidArgumentError,
@@ -58,10 +58,10 @@ from arrow_ipc_bridge.wire.metadata import (
     REGION_CUDA_POOL,
     REGION_CUDA_VMM,
     REGION_FLAG_KEPT,
-    SLOT_FIRST_REGION,
     SLOT_UNPLACED,
     Described,
     Region,
+    fill_region,
 )
 
 __all__ = [
@@ -84,7 +84,7 @@ _legacy_handles = LegacyHandleCache()
 # it hands to a session that asks (POOL_FD), and only while the pool object is alive.
 _named_pools: weakref.WeakValueDictionary[int, IpcMemoryPool] = weakref.WeakValueDictionary()
 # The regions this process made, by allocation (CUDA buffer id), in the C core: placing a message
-# whose allocations all have one is a single C call (see _place_known). Only regions that need no
+# whose allocations all have one is a single C walk (see CudaPlacer.place). Only regions that need no
 # per-message work go in: legacy handles, and pool export data (whose fd a session asks for once).
 _EXPORT_REGIONS_MAX = 1024
 _export_regions = _core_ffi.gc(
@@ -116,22 +116,17 @@ def _remember_local(handle: bytes, base: int) -> None:
 
 
 def _remember_region(info: PointerInfo, region: Region) -> None:
-    """Put a region the full path made into the export table, for the next messages over it."""
-    if len(region.handle) > 128:
-        return
+    """Put a region made for an allocation into the export table, for the next messages over it."""
     raw = _core_ffi.new("aib_region *")
-    raw.kind = region.kind
-    raw.flags = region.flags
-    raw.size = region.size
-    raw.identity = region.identity
-    raw.fd_index = -1  # a pool's fd is never in the table: messages that carry it take the full path
-    raw.handle_len = len(region.handle)
-    _core_ffi.memmove(raw.handle, region.handle, len(region.handle))
+    fill_region(raw, region)
+    # A pool's fd is never in the table: a message that carries it has the region made for it.
+    raw.fd_index = -1
     _core.aib_export_regions_put(_export_regions, info.buffer_id, info.device, raw)
 
 
 def export_region_stats() -> dict[str, int]:
-    """The export region table: entries, and placements it served (hits) or sent to the full path."""
+    """The export region table: entries, and allocations whose region a placement found there
+    (hits) or did not (misses: their region was made)."""
     out = _core_ffi.new("uint64_t[3]")
     _core.aib_export_regions_stats(_export_regions, out, out + 1, out + 2)
     return {"entries": int(out[0]), "hits": int(out[1]), "misses": int(out[2])}
@@ -206,16 +201,15 @@ def bridge_pool(device: int) -> IpcMemoryPool:
 
 @dataclass
 class CudaPlacement:
-    """What a producer must keep until the consumers are done: fds to send, copies it made."""
+    """A message's regions, as the C core's ``aib_region[]`` (``region_count`` of them, numbered in
+    the order of their allocations' addresses), and what the producer must keep until the consumers
+    are done: fds to send, copies it made."""
 
-    regions: list[Region]
-    fds: list[int]
-    copied_bytes: int = 0
-    buffers: int = 0
-    #: the regions as the C core's ``aib_region[]`` when the export table placed the message (then
-    #: ``regions`` is empty): ``region_count`` of them
-    region_array: Any = None
+    region_array: Any
     region_count: int = 0
+    buffers: int = 0
+    fds: list[int] = field(default_factory=list)
+    copied_bytes: int = 0
     copies: list[tuple[IpcMemoryPool, int]] = field(default_factory=list)
     pool_fd_indexes: dict[int, int] = field(default_factory=dict)  # pool serial -> its fd's index
 
@@ -228,6 +222,26 @@ class CudaPlacement:
         for pool, ptr in self.copies:
             pool.free(ptr)
         self.copies = []
+
+
+@dataclass
+class _Made:
+    """The regions made for one message's allocations that had none, by buffer id, in the C core's
+    form for :func:`_core.aib_cuda_place` (which looks them up before the export table)."""
+
+    ids: list[int] = field(default_factory=list)
+    regions: list[Region] = field(default_factory=list)
+
+    def add(self, buffer_id: int, region: Region) -> None:
+        self.ids.append(buffer_id)
+        self.regions.append(region)
+
+    def as_arrays(self) -> tuple[Any, Any]:
+        ids = _core_ffi.new("uint64_t[]", self.ids or [0])
+        raw = _core_ffi.new("aib_region[]", max(len(self.regions), 1))
+        for k, region in enumerate(self.regions):
+            fill_region(raw[k], region)
+        return ids, raw
 
 
 class CudaPlacer:
@@ -245,87 +259,121 @@ class CudaPlacer:
             described.set_length(slot, int.from_bytes(raw, "little", signed=True))
 
     def place(self, described: Described) -> CudaPlacement:
-        """Place every unplaced buffer: from the export table in one C call when every allocation
-        has a region there, else through the full path (which fills the table)."""
-        known = self._place_known(described)
-        if known is not None:
-            return known
-        return self._place_all(described)
-
-    def _place_known(self, described: Described) -> CudaPlacement | None:
+        """Place every unplaced buffer. One C walk finds each buffer's allocation and that
+        allocation's region in the export table; the allocations without one come back, get their
+        region made here (an export, or copies under the copy policy) and the walk runs again with
+        those, placing all. An allocation placed before costs the walk alone."""
         n_slots = described.buffer_count
-        if n_slots == 0 or self.copy == "always":
-            return None
-        regions = _core_ffi.new("aib_region[]", n_slots)
-        n_regions = _core_ffi.new("size_t *")
-        n_buffers = _core_ffi.new("size_t *")
-        with _ctx(None):
-            miss = _core.aib_cuda_place_known(
-                _export_regions,
-                described.raw,
-                self.device,
-                int(not self.pool_fds),
-                regions,
-                n_slots,
-                n_regions,
-                n_buffers,
-            )
-        if miss:
-            return None
-        return CudaPlacement(
-            regions=[],
-            fds=[],
-            buffers=int(n_buffers[0]),
-            region_array=regions,
-            region_count=int(n_regions[0]),
-        )
-
-    def _place_all(self, described: Described) -> CudaPlacement:
-        slots = described.slots()
-        wanted = sorted(
-            (i for i in range(0, len(slots), 4) if slots[i + 2] == SLOT_UNPLACED), key=lambda i: slots[i]
-        )
-        placement = CudaPlacement(regions=[], fds=[], buffers=len(wanted))
-        addresses = [slots[i] for i in wanted]
-        lengths = [slots[i + 1] for i in wanted]
+        placement = CudaPlacement(region_array=_core_ffi.new("aib_region[]", max(n_slots, 1)))
+        # copy="always": no region from the table, every allocation's buffers are copied.
+        table = _core_ffi.NULL if self.copy == "always" else _export_regions
+        made = _Made()
         try:
-            infos = _allocations_of(addresses, lengths)
-            allocations: dict[int, PointerInfo] = {}  # buffer id -> its info (one per allocation)
-            for info, address in zip(infos, addresses, strict=True):
-                if info is None or info.memory_type == "host":
-                    raise InvalidArgumentError(f"buffer at {address:#x} is not CUDA device memory")
-                allocations.setdefault(info.buffer_id, info)
-            # buffer id -> can be shared as it is
-            shareable = {
-                bid: not info.is_managed and self._shareable(info) for bid, info in allocations.items()
-            }
-            exports = self._export_pool_allocations(
-                [info for buffer_id, info in allocations.items() if shareable[buffer_id]]
-            )
-            by_allocation: dict[int, int] = {}  # buffer id -> region index
-            for i, address, length, info in zip(wanted, addresses, lengths, infos, strict=True):
-                assert info is not None
-                if not shareable[info.buffer_id]:
-                    if self.copy == "never":
-                        raise CopyRequiredError(
-                            f"a {length}-byte buffer at {address:#x} lives in {info.memory_type} memory that "
-                            "cannot be shared through CUDA IPC; pass copy='if_needed' to copy it (counted)"
-                        )
-                    region, offset = self._copy_region(placement, address, length)
-                    slots[i + 2] = SLOT_FIRST_REGION + region
-                    slots[i + 3] = offset
-                    continue
-                region_index = by_allocation.get(info.buffer_id)
-                if region_index is None:
-                    region_index = len(placement.regions)
-                    placement.regions.append(self._region_for(info, placement, exports))
-                    by_allocation[info.buffer_id] = region_index
-                slots[i + 2] = SLOT_FIRST_REGION + region_index
-                slots[i + 3] = address - info.base
+            for walk in range(2):
+                missing = self._walk(described, placement, table, made)
+                if not missing:
+                    return placement
+                if walk == 1:  # the regions made for them were not found: a fault of ours
+                    raise BridgeError(
+                        f"placing CUDA buffers: {len(missing)} allocation(s) still without a region "
+                        "after their regions were made"
+                    )
+                self._make_regions(described, missing, placement, made)
         except BaseException:
             placement.close()
             raise
-        return placement
+        raise AssertionError("unreachable")
+
+    def _walk(
+        self, described: Described, placement: CudaPlacement, table: Any, made: _Made
+    ) -> list[tuple[int, int, int]]:
+        """One ``aib_cuda_place``: ``[]`` when every buffer was placed (``placement`` filled), else
+        the allocations without a region: (first buffer's address, base, size; 0 0 unknown)."""
+        n_slots = max(described.buffer_count, 1)
+        made_ids, made_raw = made.as_arrays()
+        missing = _core_ffi.new("uint64_t[]", 3 * n_slots)
+        n_regions = _core_ffi.new("size_t *")
+        n_buffers = _core_ffi.new("size_t *")
+        n_missing = _core_ffi.new("size_t *")
+        with _ctx(None):
+            rc = _core.aib_cuda_place(
+                table,
+                described.raw,
+                self.device,
+                int(not self.pool_fds),
+                made_ids,
+                made_raw,
+                len(made.ids),
+                placement.region_array,
+                missing,
+                n_slots,
+                n_regions,
+                n_buffers,
+                n_missing,
+            )
+        if rc != 0:
+            raise MemoryError("placing CUDA buffers: out of memory")
+        if n_missing[0]:
+            words = _core_ffi.unpack(missing, 3 * int(n_missing[0]))
+            return [(words[k], words[k + 1], words[k + 2]) for k in range(0, len(words), 3)]
+        placement.region_count = int(n_regions[0])
+        placement.buffers = int(n_buffers[0])
+        return []
+
+    def _make_regions(
+        self,
+        described: Described,
+        missing: list[tuple[int, int, int]],
+        placement: CudaPlacement,
+        made: _Made,
+    ) -> None:
+        """The region of each allocation the walk found none for: an export of shareable device
+        memory (kept in the export table where no per-message fd is needed), or, under the copy
+        policy, one copy of each of its buffers into the bridge's pool (the buffer's slot then
+        names the copy, which the next walk places). Raises for what is not CUDA device memory of
+        this device, and for what cannot be shared under copy="never"."""
+        slots = described.slots()
+        unplaced = [i for i in range(0, len(slots), 4) if slots[i + 2] == SLOT_UNPLACED]
+        allocations: list[tuple[PointerInfo, list[int]]] = []  # info, its unplaced slots
+        for address, walk_base, walk_size in missing:
+            info = pointer_info(address)
+            if info is None or info.memory_type == "host":
+                raise InvalidArgumentError(f"buffer at {address:#x} is not CUDA device memory")
+            if info.device != self.device:
+                raise InvalidArgumentError(
+                    f"buffer at {address:#x} lives on CUDA device {info.device}, the data's device is "
+                    f"{self.device}"
+                )
+            # The walk's allocation, or (when it could not say) the one the driver names now.
+            base, size = (walk_base, walk_size) if walk_size else (info.base, info.size)
+            inside = [i for i in unplaced if base <= slots[i] and slots[i] + slots[i + 1] <= base + size]
+            if not any(slots[i] == address for i in inside):
+                length = next(slots[i + 1] for i in unplaced if slots[i] == address)
+                raise InvalidArgumentError(
+                    f"a {length}-byte buffer at {address:#x} runs past the end of its CUDA allocation "
+                    f"({info.size} bytes at {info.base:#x})"
+                )
+            allocations.append((info, inside))
+        copied = [
+            (info, inside)
+            for info, inside in allocations
+            if self.copy == "always" or info.is_managed or not self._shareable(info)
+        ]
+        copied_ids = {info.buffer_id for info, _ in copied}
+        shared = [info for info, _ in allocations if info.buffer_id not in copied_ids]
+        exports = self._export_pool_allocations(shared)
+        for info in shared:
+            made.add(info.buffer_id, self._region_for(info, placement, exports))
+        for info, inside in copied:
+            if self.copy == "never":
+                raise CopyRequiredError(
+                    f"a buffer at {slots[inside[0]]:#x} lives in {info.memory_type} memory that "
+                    "cannot be shared through CUDA IPC; pass copy='if_needed' to copy it (counted)"
+                )
+            for i in inside:
+                target, region = self._copy_region(placement, slots[i], slots[i + 1])
+                slots[i] = target  # the buffer's bytes are the copy's now: the next walk places it
+                made.add(region.identity, region)
 
     @staticmethod
     def _shareable(info: PointerInfo) -> bool:
@@ -391,7 +439,9 @@ class CudaPlacer:
             REGION_CUDA_VMM, size=info.size, identity=info.buffer_id, fd_index=fd_index, handle=handle
         )
 
-    def _copy_region(self, placement: CudaPlacement, address: int, length: int) -> tuple[int, int]:
+    def _copy_region(self, placement: CudaPlacement, address: int, length: int) -> tuple[int, Region]:
+        """One buffer copied into the bridge's IPC pool (counted): the copy's address and the
+        region of its allocation."""
         pool = bridge_pool(self.device)
         target = pool.allocate(length)
         placement.copies.append((pool, target))
@@ -410,12 +460,10 @@ class CudaPlacer:
         fd_index = self._pool_fd_index(pool, placement)
         handle = _pool_identity(pool) + pool.export_pointer(info.base)
         _remember_local(handle, info.base)
-        placement.regions.append(
-            Region(
-                REGION_CUDA_POOL, size=info.size, identity=info.buffer_id, fd_index=fd_index, handle=handle
-            )
+        region = Region(
+            REGION_CUDA_POOL, size=info.size, identity=info.buffer_id, fd_index=fd_index, handle=handle
         )
-        return len(placement.regions) - 1, target - info.base
+        return target, region
 
     def _pool_fd_index(self, pool: IpcMemoryPool, placement: CudaPlacement) -> int:
         """The fd index a region of ``pool`` names: its fd, attached once per message, or -1 when
@@ -455,25 +503,6 @@ def pool_fd_for(identity: bytes) -> int:
     with _state.lock:
         _state.counters["pool_fds_served"] += 1
     return fd
-
-
-def _allocations_of(addresses: list[int], lengths: list[int]) -> list[PointerInfo | None]:
-    """The allocation behind each buffer (sorted by address). Consecutive buffers often share an
-    allocation (CuPy's pool carves arrays out of big blocks), so one attribute query serves many;
-    the queries run in one C loop, or one by one where the driver refuses the batch's attribute set."""
-    described = describe_buffers(addresses, lengths)
-    if described is not None:
-        infos, allocation_of = described
-        return [infos[k] for k in allocation_of]
-    out: list[PointerInfo | None] = []
-    current: PointerInfo | None = None
-    for address, length in zip(addresses, lengths, strict=True):
-        if current is None or not (
-            current.base <= address and address + length <= current.base + current.size
-        ):
-            current = pointer_info(address)
-        out.append(current)
-    return out
 
 
 def _export_pool_pointers(pool: IpcMemoryPool, bases: list[int], device: int) -> list[bytes]:

@@ -1,8 +1,8 @@
 """Facts about CUDA pointers (which allocation, which kind of memory) and synchronous copies.
 
-:func:`pointer_info` asks for every attribute in one ``cuPointerGetAttributes`` call, and
-:func:`describe_buffers` loops those calls in the C core for a whole message. The copies serve the bridge's
-copy-if-needed path and ``to_host``/``to_device``.
+:func:`pointer_info` asks for every attribute in one ``cuPointerGetAttributes`` call (the C core's
+placement walk, ``aib_cuda_place``, makes its own calls for a whole message). The copies serve the
+bridge's copy-if-needed path and ``to_host``/``to_device``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Final, Literal
 
-from arrow_ipc_bridge._ffi import ffi as _core_ffi
-from arrow_ipc_bridge._ffi import lib as _core
 from arrow_ipc_bridge.cuda._declarations import (
     CU_MEMORYTYPE_ARRAY,
     CU_MEMORYTYPE_HOST,
@@ -42,7 +40,6 @@ from arrow_ipc_bridge.errors import InvalidArgumentError
 __all__ = [
     "MemoryType",
     "PointerInfo",
-    "describe_buffers",
     "mem_alloc",
     "mem_free",
     "memcpy_dtod",
@@ -170,51 +167,6 @@ def _info_from_slots(slots: Sequence[int]) -> PointerInfo | None:
         mempool=slots[7],
         allowed_handle_types=slots[8] & 0xFFFFFFFF,
     )
-
-
-def describe_buffers(
-    addresses: Sequence[int], lengths: Sequence[int]
-) -> tuple[list[PointerInfo | None], list[int]] | None:
-    """The allocations behind buffers sorted by address: ``(infos, index of each buffer's info)``.
-
-    One ``cuPointerGetAttributes`` per allocation (a buffer inside the previous buffer's allocation
-    asks nothing), looped in the C core: a message's attribute queries cost the driver's calls,
-    not a Python round per buffer. None when the driver refuses the attribute set for one of the
-    buffers (memory for which an attribute is undefined): :func:`pointer_info` copes with those, one
-    by one.
-    """
-    n = len(addresses)
-    if n == 0:
-        return [], []
-    global _POINTER_ATTRIBUTE_ARRAY
-    _, ffi = _api()
-    if _POINTER_ATTRIBUTE_ARRAY is None:
-        _POINTER_ATTRIBUTE_ARRAY = ffi.new("CUpointer_attribute[]", list(_POINTER_ATTRIBUTES))
-    n_attributes = len(_POINTER_ATTRIBUTES)
-    attributes = _core_ffi.cast("int *", int(ffi.cast("uintptr_t", _POINTER_ATTRIBUTE_ARRAY)))
-    infos = _core_ffi.new("uint64_t[]", n * n_attributes)
-    allocation_of = _core_ffi.new("uint32_t[]", n)
-    n_infos = _core_ffi.new("size_t *")
-    with _ctx(None):
-        rc = _core.aib_cuda_describe_buffers(
-            attributes,
-            n_attributes,
-            3,  # CU_POINTER_ATTRIBUTE_RANGE_START_ADDR's slot
-            4,  # CU_POINTER_ATTRIBUTE_RANGE_SIZE's slot
-            _core_ffi.new("uint64_t[]", list(addresses)),
-            _core_ffi.new("uint64_t[]", list(lengths)),
-            n,
-            infos,
-            allocation_of,
-            n_infos,
-        )
-    if rc == CUDA_ERROR_INVALID_VALUE:
-        return None
-    if rc != CUDA_SUCCESS:
-        raise _DRIVER.error("cuPointerGetAttributes", rc)
-    flat: list[int] = _core_ffi.unpack(infos, int(n_infos[0]) * n_attributes)
-    described = [_info_from_slots(flat[k : k + n_attributes]) for k in range(0, len(flat), n_attributes)]
-    return described, _core_ffi.unpack(allocation_of, n)
 
 
 def _device_of(ptr: int) -> int:

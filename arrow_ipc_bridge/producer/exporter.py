@@ -231,7 +231,7 @@ def _export_cuda(
     placer.resolve_pending_lengths(described)
     placement = placer.place(described)
     closers: list[Callable[[], None]] = [placement.close]
-    n_regions = placement.region_count if placement.region_array is not None else len(placement.regions)
+    n_regions = placement.region_count
     stats = ExportStats(
         regions=n_regions,
         zero_copy_regions=n_regions - len(placement.copies),
@@ -241,11 +241,9 @@ def _export_cuda(
 
     def encode(sync: bytes) -> bytes:
         info = DeviceInfo(device_type=DEVICE_CUDA, identity=cuda.device_uuid(device), sync=sync)
-        if placement.region_array is not None:
-            return described.encode_region_array(
-                info, placement.region_array, placement.region_count, n_fds=len(placement.fds)
-            )
-        return described.encode(info, placement.regions, n_fds=len(placement.fds))
+        return described.encode_region_array(
+            info, placement.region_array, placement.region_count, n_fds=len(placement.fds)
+        )
 
     try:
         producer_event = captured.arrays[0].sync_event if captured.arrays else None

@@ -31,6 +31,7 @@ from arrow_ipc_bridge.wire.capsules import HOST_READABLE_DEVICES, CapturedData
 
 __all__ = [
     "Described",
+    "fill_region",
     "Decoded",
     "Region",
     "DeviceInfo",
@@ -115,6 +116,20 @@ def _fill_device(device: DeviceInfo) -> Any:
     return info
 
 
+def fill_region(target: Any, region: Region) -> None:
+    """Write ``region`` into the C core's ``aib_region`` ``target``."""
+    if len(region.handle) > 128:
+        raise BridgeError("a region handle is over 128 bytes")
+    target.kind = region.kind
+    target.flags = region.flags
+    target.size = region.size
+    target.file_offset = region.file_offset
+    target.identity = region.identity
+    target.fd_index = region.fd_index
+    target.handle_len = len(region.handle)
+    ffi.memmove(target.handle, region.handle, len(region.handle))
+
+
 class Described:
     """The producer's metadata tree for one captured object (schema plus every batch).
 
@@ -197,17 +212,7 @@ class Described:
         """The wire message (see docs/wire-format.md)."""
         region_array = ffi.new("aib_region[]", max(len(regions), 1))
         for i, region in enumerate(regions):
-            target = region_array[i]
-            target.kind = region.kind
-            target.flags = region.flags
-            target.size = region.size
-            target.file_offset = region.file_offset
-            target.identity = region.identity
-            target.fd_index = region.fd_index
-            if len(region.handle) > 128:
-                raise BridgeError("a region handle is over 128 bytes")
-            target.handle_len = len(region.handle)
-            ffi.memmove(target.handle, region.handle, len(region.handle))
+            fill_region(region_array[i], region)
         return self.encode_region_array(device, region_array, len(regions), n_fds)
 
     def encode_region_array(
