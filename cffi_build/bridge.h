@@ -330,12 +330,14 @@ int aib_encode(const aib_described *d, uint32_t message_kind, const aib_device_i
                size_t out_cap, size_t *out_len, aib_error *err);
 
 /* A small host batch copied into one host region the caller owns (a live stream's ring segment):
- * describes schema and array, copies every buffer that is not null or empty to base + start + ...
+ * describes the schema and array at schema_address and array_address (an ArrowDeviceArray's when
+ * device_array is non-zero), copies every buffer that is not null or empty to base + start + ...
  * (each at a multiple of align, a power of two), places it in region 0 (`region`, fd 0) and encodes
  * the message into out. *needed: the bytes the buffers take from start. AIB_E_LIMIT with nothing
- * copied when *needed is over limit (not a small batch) or over capacity - start (too little room);
- * AIB_E_LIMIT after the copy when *out_len (the size needed) is over out_cap: call again. */
-int aib_ring_place(const struct ArrowSchema *schema, const struct ArrowArray *array, uint64_t base,
+ * copied when *needed is over limit (not a small batch; UINT64_MAX: a device array not on the CPU)
+ * or over capacity - start (too little room); AIB_E_LIMIT after the copy when *out_len (the size
+ * needed) is over out_cap: call again. AIB_E_RELEASED when either struct was released. */
+int aib_ring_place(uintptr_t schema_address, uintptr_t array_address, int device_array, uint64_t base,
                    uint64_t start, uint64_t capacity, uint64_t limit, uint64_t align,
                    const aib_region *region, const aib_device_info *device, uint8_t *out,
                    size_t out_cap, size_t *out_len, uint64_t *needed, aib_error *err);
@@ -432,9 +434,10 @@ int aib_channel_mid_frame(const aib_channel *ch);
 /* Drops what was received and not handed out (closing its descriptors); later receives fail. For a
  * connection being closed. */
 void aib_channel_drop(aib_channel *ch);
-/* One frame: header, part_a then part_b as its payload, fds attached. AIB_E_LIMIT (payload or fd
- * count over a limit) and AIB_E_STATE (kind over 65535, a descriptor not open) send nothing; a
- * timeout after part of the frame went out is AIB_E_PROTOCOL (the stream is broken). */
+/* One frame: header, part_a then part_b as its payload, fds attached. AIB_E_PEER_CLOSED on a
+ * channel marked closed, AIB_E_LIMIT (payload or fd count over a limit) and AIB_E_STATE (kind over
+ * 65535, a descriptor not open) send nothing; a timeout after part of the frame went out is
+ * AIB_E_PROTOCOL (the stream is broken). */
 int aib_channel_send(aib_channel *ch, uint32_t kind, const uint8_t *part_a, size_t len_a,
                      const uint8_t *part_b, size_t len_b, const int *fds, uint32_t n_fds,
                      int64_t timeout_ms, aib_error *err);

@@ -252,8 +252,10 @@ void aib_described_place_all(aib_described *d, uint64_t region_index, uint64_t b
 }
 
 /* A live stream's small written batch in one call (producer/stream_ring.py): the Python loop over
- * the slots, a memmove per buffer and four other calls cost the writer more than the copy itself. */
-int aib_ring_place(const struct ArrowSchema *schema, const struct ArrowArray *array, uint64_t base,
+ * the slots, a memmove per buffer and four other calls cost the writer more than the copy itself.
+ * The structs come as addresses (a producer's capsules' pointers, read by the caller): converting
+ * each to a typed pointer in Python cost the writer more than this call's own work. */
+int aib_ring_place(uintptr_t schema_address, uintptr_t array_address, int device_array, uint64_t base,
                    uint64_t start, uint64_t capacity, uint64_t limit, uint64_t align,
                    const aib_region *region, const aib_device_info *device, uint8_t *out,
                    size_t out_cap, size_t *out_len, uint64_t *needed, aib_error *err) {
@@ -262,6 +264,15 @@ int aib_ring_place(const struct ArrowSchema *schema, const struct ArrowArray *ar
   if (align == 0 || (align & (align - 1)) != 0)
     return aib_fail(err, AIB_E_STATE, "align", "", "alignment %llu is not a power of two",
                     (unsigned long long)align);
+  const struct ArrowSchema *schema = (const struct ArrowSchema *)schema_address;
+  /* An ArrowDeviceArray starts with its ArrowArray. Data on a device is not the ring's: answered
+   * as a batch too large for it (the caller exports it instead). */
+  const struct ArrowArray *array = (const struct ArrowArray *)array_address;
+  if (device_array && array != NULL && array->release != NULL &&
+      ((const struct ArrowDeviceArray *)array_address)->device_type != ARROW_DEVICE_CPU) {
+    *needed = UINT64_MAX;
+    return AIB_E_LIMIT;
+  }
   aib_described *d = aib_describe_new();
   if (d == NULL) return aib_fail(err, AIB_E_NOMEM, "", "", "allocating a description");
   int rc = aib_describe_schema(d, schema, err);
