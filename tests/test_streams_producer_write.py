@@ -49,8 +49,9 @@ def test_a_segment_is_its_batch_and_keeps_its_message_while_the_layout_stays() -
         first = pa.record_batch({"i": pa.array([1] * 100, pa.int64())})
         second = pa.record_batch({"i": pa.array([2] * 100, pa.int64())})
         third = pa.record_batch({"i": pa.array([3] * 7, pa.int64())})
+        fourth = pa.record_batch({"i": pa.array([4.0] * 7, pa.float64())})  # a message as long
         # Kept while placed: the capsules release the batches' structs when they go.
-        pairs = [rb.__arrow_c_device_array__() for rb in (first, second, third)]
+        pairs = [rb.__arrow_c_device_array__() for rb in (first, second, third, fourth)]
         segment = ring.place_at(*_addresses(pairs[0]), True)
         assert isinstance(segment, RingSegment)
         assert isinstance(segment, Batch)
@@ -71,6 +72,14 @@ def test_a_segment_is_its_batch_and_keeps_its_message_while_the_layout_stays() -
         assert changed.message != message
         assert _holds(changed, third)
         changed.unref()
+        # Another type, a message of the same length: its bytes are compared, not its length.
+        third_message = changed.message
+        retyped = ring.place_at(*_addresses(pairs[3]), True)
+        assert retyped is segment
+        assert len(retyped.message) == len(third_message)
+        assert retyped.message != third_message
+        assert _holds(retyped, fourth)
+        retyped.unref()
     finally:
         close_ring(ring)
 

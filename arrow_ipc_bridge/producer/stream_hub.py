@@ -157,7 +157,10 @@ class LiveStreamState:
         self.max_in_flight = max_in_flight
         self.policy = policy
         self.block_timeout = block_timeout
-        self.cond = threading.Condition()
+        # The condition's lock, entered directly where no wait follows (commit): a Condition's
+        # own __enter__ is a Python call around it.
+        self._mutex = threading.RLock()
+        self.cond = threading.Condition(self._mutex)
         self._subscribers: list[_Subscriber] = []
         self._next_sequence = 0
         self.closed = False
@@ -197,7 +200,7 @@ class LiveStreamState:
     def commit(self, batch: Batch) -> int:
         """Offer ``batch`` to every subscriber (under the stream's policy); returns its sequence.
         The writer's reference on ``batch`` is given up here, sent or not."""
-        with self.cond:
+        with self._mutex:  # self.cond's lock
             try:
                 if self.closed:
                     raise ClosedError(f"the stream {self.name!r} is closed", what="stream")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from typing import NoReturn
 
-from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
+from arrow_ipc_bridge._ffi import ffi, lib, raise_for
 from arrow_ipc_bridge.errors import ClosedError
 from arrow_ipc_bridge.host import allocate_shared
 from arrow_ipc_bridge.host.shared_alloc import SharedHostBuffer
@@ -36,6 +36,8 @@ one is exported as before (shared as it is when it lies in shareable memory, els
 _ALIGN = 64  # Arrow's recommended buffer alignment
 _PAGE = 4096
 _MIN_SEGMENT = 64 << 10
+_place = lib.aib_ring_place
+_E_LIMIT = int(lib.AIB_E_LIMIT)
 
 
 class RingSegment(Batch):
@@ -47,7 +49,7 @@ class RingSegment(Batch):
     hub's check of what a subscriber holds (and the writer's schema check) a comparison of one
     object with itself."""
 
-    __slots__ = ("buffer", "host_ring", "region", "size", "start")
+    __slots__ = ("buffer", "c", "host_ring", "kept", "size", "start")
 
     def __init__(self, ring: HostRing, index: int, size: int, name: str, generation: int) -> None:
         buffer: SharedHostBuffer = allocate_shared(size, name=f"aib-ring-{name}"[:200])
@@ -59,11 +61,23 @@ class RingSegment(Batch):
         # Where the segment's first buffer goes: each segment starts at its own offset, so that
         # two segments' messages differ (a consumer remembers one message per byte string).
         self.start = (index * _ALIGN) % _PAGE
-        # The message's one region, built once per segment (every batch in it names the same file).
-        self.region = ffi.new("aib_region *")
-        self.region.kind = REGION_HOST_FD
-        self.region.size = size
-        self.region.fd_index = 0
+        # What the C call reads of the segment, built once: its memory, and the message's one
+        # region (every batch in it names the same file).
+        self.c = ffi.new("aib_ring_segment *")
+        self.c.base = buffer.address
+        self.c.start = self.start
+        self.c.capacity = size
+        self.c.region.kind = REGION_HOST_FD
+        self.c.region.size = size
+        self.c.region.fd_index = 0
+        self.kept: object = None  # the view of ``message`` the C struct points to
+
+    def set_message(self, message: bytes) -> None:
+        """The segment's batch has a message of its own (another layout than the last one)."""
+        self.message = message
+        self.kept = view = ffi.from_buffer(message)
+        self.c.message = view
+        self.c.message_len = len(message)
 
     @property
     def index(self) -> int:
@@ -90,14 +104,18 @@ class HostRing:
         self._free: list[RingSegment] = []
         self._lock = threading.Lock()  # write() takes segments, any thread's release frees them
         self.closed = False
-        # Scratch of place(), which one writer thread calls at a time (StreamWriter's rule).
-        self._err = new_error()
-        self._device = ffi.new("aib_device_info *")
-        self._device.device_type = DEVICE_CPU
-        self._out = ffi.new("uint8_t[]", 4096)
-        self._out_len = ffi.new("size_t *")
-        self._needed = ffi.new("uint64_t *")
-        self._region = ffi.new("aib_region *")  # the measuring call's (nothing is placed in it)
+        # What place() shares with the C call, which one writer thread makes at a time
+        # (StreamWriter's rule): the limits, the device, the message's buffer, the answers.
+        self._c = ffi.new("aib_ring *")
+        self._c.limit = SMALL_BATCH_BYTES
+        self._c.align = _ALIGN
+        self._c.device.device_type = DEVICE_CPU
+        self._set_out(4096)
+
+    def _set_out(self, size: int) -> None:
+        self._out = ffi.new("uint8_t[]", size)
+        self._c.out = self._out
+        self._c.out_cap = size
 
     @property
     def segments(self) -> int:
@@ -121,34 +139,33 @@ class HostRing:
         the producer's is moved or kept (no capture record, no release to wait for: the capsules
         release the producer's structs when they go). None for data on a device, or not small.
 
-        One C call (``aib_ring_place``) describes, copies and encodes. It copies nothing when the
-        batch is not small or the segment is too small for it; with no segment at hand, a call
-        with no room only measures the batch, so a stream of large batches makes none. Raises
+        One C call (``aib_ring_place``) describes, copies, encodes and compares the message with
+        the segment's last one (kept when equal). It copies nothing when the batch is not small
+        or the segment is too small for it; with no segment at hand, a call only measures the
+        batch, so a stream of large batches makes none. Raises
         :class:`~arrow_ipc_bridge.errors.ClosedError` (``reason="released"``) when a struct was
         released (the producer's capsule consumed already)."""
+        ring = self._c
         segment = self._free.pop() if self._free else None  # list.pop is atomic: free() appends
         try:
             while True:
                 if segment is None:
-                    rc = self._call(schema, array, device_array, None)
-                    if rc != lib.AIB_E_LIMIT:
+                    rc = _place(ring, ffi.NULL, schema, array, device_array)
+                    if rc != _E_LIMIT:
                         self._raise(rc, "describing a batch")
-                    if self._needed[0] > SMALL_BATCH_BYTES:
+                    if ring.needed > SMALL_BATCH_BYTES:
                         return None
-                    segment = self._new_segment(len(self._segments), 0, int(self._needed[0]))
-                rc = self._call(schema, array, device_array, segment)
+                    segment = self._new_segment(len(self._segments), 0, int(ring.needed))
+                rc = _place(ring, segment.c, schema, array, device_array)
                 if rc == 0:
-                    size = self._out_len[0]
-                    message = segment.message
-                    # The same layout as the segment's last batch: keep its message object.
-                    if len(message) != size or ffi.buffer(self._out, size) != message:
-                        segment.message = ffi.buffer(self._out, size)[:]
+                    if ring.changed:
+                        segment.set_message(ffi.buffer(self._out, ring.out_len)[:])
                     segment.refs = 1
                     segment.sequence = -1
                     return segment
-                if rc != lib.AIB_E_LIMIT:
+                if rc != _E_LIMIT:
                     self._raise(rc, "placing a batch in the stream's ring")
-                needed = int(self._needed[0])
+                needed = int(ring.needed)
                 if needed > SMALL_BATCH_BYTES:
                     self.free(segment)  # not small: exported instead
                     return None
@@ -160,10 +177,10 @@ class HostRing:
                     old.close()
                     segment = self._new_segment(old.index, old.generation + 1, needed)
                     continue
-                wanted = int(self._out_len[0])
+                wanted = int(ring.out_len)
                 if not len(self._out) < wanted <= MAX_MESSAGE_BYTES:
                     self._raise(rc, "encoding the message")
-                self._out = ffi.new("uint8_t[]", wanted)  # kept: the next batch is alike
+                self._set_out(wanted)  # kept: the next batch is alike
         except BaseException:
             if segment is not None:
                 self.free(segment)
@@ -174,34 +191,7 @@ class HostRing:
             raise ClosedError(
                 "the producer's schema or array capsule was already consumed or released", reason="released"
             )
-        raise_for(rc, self._err, what)
-
-    def _call(self, schema: int, array: int, device_array: bool, segment: RingSegment | None) -> int:
-        """``aib_ring_place`` into ``segment``; None: no room at all (it measures the batch)."""
-        out = self._out
-        if segment is None:
-            base, start, size, region = 0, 1, 0, self._region
-        else:
-            base, start, size, region = segment.buffer.address, segment.start, segment.size, segment.region
-        return int(
-            lib.aib_ring_place(
-                schema,
-                array,
-                device_array,
-                base,
-                start,
-                size,
-                SMALL_BATCH_BYTES,
-                _ALIGN,
-                region,
-                self._device,
-                out,
-                len(out),
-                self._out_len,
-                self._needed,
-                self._err,
-            )
-        )
+        raise_for(rc, ffi.addressof(self._c, "err"), what)
 
     def _new_segment(self, index: int, generation: int, nbytes: int) -> RingSegment:
         """A new segment holding ``nbytes`` from its start (the writer's thread only)."""

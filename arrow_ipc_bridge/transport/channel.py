@@ -248,7 +248,7 @@ class Channel:
                 field="payload",
             )
         fd_array = _fd_array(fds) if fds else ffi.NULL
-        timeout_ms = -1 if timeout is None else millis(timeout)
+        timeout_ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))  # millis()
         lock = self._send_lock
         # Untimed first: a lock nobody holds (the usual case) costs no timed wait.
         if not lock.acquire(False):
