@@ -218,3 +218,29 @@ def test_a_subscriber_joining_mid_stream_gets_each_segment_in_full_first(publish
         finally:
             joined.set()
             thread.join()
+
+
+class _SwappedCapsules:
+    """A producer whose ``__arrow_c_array__`` answers its capsules in the wrong order."""
+
+    def __init__(self, batch: pa.RecordBatch) -> None:
+        self.batch = batch
+
+    def __arrow_c_array__(self, requested_schema: object = None) -> tuple[object, object]:
+        schema, array = self.batch.__arrow_c_array__()
+        return array, schema
+
+
+def test_a_write_of_misnamed_capsules_names_them_and_the_stream_goes_on(publisher: aib.Publisher) -> None:
+    writer = publisher.open_stream("s", max_in_flight=2)
+    batch = pa.record_batch({"i": pa.array([1, 2], pa.int64())})
+    with aib.subscribe(publisher.path, "s", timeout=10) as live:
+        with pytest.raises(aib.InvalidArgumentError, match="expected a PyCapsule named 'arrow_schema'"):
+            writer.write(_SwappedCapsules(batch))
+        assert writer.batches_written == 0  # nothing was sent
+        assert writer.write(batch) == 0
+        imported = live.next_batch(timeout=10)
+        assert imported is not None
+        with imported:
+            assert pa.record_batch(imported).equals(batch)
+        writer.close()

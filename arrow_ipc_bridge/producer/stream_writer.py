@@ -46,7 +46,8 @@ def _address_of(capsule: object, kind: str) -> int:
     address = _CAPSULE_ADDRESS[kind](capsule)
     if address:
         return address
-    capsule_struct(capsule, kind)  # raises, naming what the capsule is
+    # Not a capsule of that name: capsule_struct raises the error that names what it is.
+    return int(ffi.cast("uintptr_t", capsule_struct(capsule, kind)))
     raise AssertionError("unreachable: capsule_struct raises for a capsule it cannot read")
 
 
