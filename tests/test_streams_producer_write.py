@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 import pytest
+from helpers.session_rig import wait_for
 from test_streams_ring import close_ring, varied
 
 import arrow_ipc_bridge as aib
@@ -244,3 +245,36 @@ def test_a_write_of_misnamed_capsules_names_them_and_the_stream_goes_on(publishe
         with imported:
             assert pa.record_batch(imported).equals(batch)
         writer.close()
+
+
+def test_credit_coming_back_wakes_no_thread_waiting_on_the_stream(publisher: aib.Publisher) -> None:
+    """RELEASEs notify nobody: the serving thread waits on the stream's condition while the writer
+    is active, and a notify per RELEASE woke it only to wait again (a thread switch each time)."""
+    writer = publisher.open_stream("s", max_in_flight=4)
+    state = writer._state
+    notified: list[int] = []
+    with aib.subscribe(publisher.path, "s", timeout=30) as live:
+        original = state.cond.notify_all
+
+        def counting(n: int = 1) -> None:
+            notified.append(n)
+            original()
+
+        state.cond.notify_all = counting  # type: ignore[method-assign]
+        n = 100
+        thread = threading.Thread(target=lambda: [writer.write(varied(i % 4)) for i in range(n)])
+        thread.start()
+        for i in range(n):
+            imported = live.next_batch()
+            assert imported is not None
+            with imported:
+                assert pa.record_batch(imported).equals(varied(i % 4))
+        thread.join()
+        # 100 batches released, most of them back through the writer's credit reads (RELEASE_MANY
+        # frames every half window): no notify (the old code notified once per frame).
+        assert writer.leases <= 4  # at most one window held back by the consumer
+        assert notified == []
+        live.close()  # the rest of the releases, and the end of the subscription (its detach notifies)
+        assert wait_for(lambda: writer.leases == 0, 10)
+        state.cond.notify_all = original  # type: ignore[method-assign]
+    writer.close()

@@ -459,7 +459,10 @@ class LiveStreamState:
             queued.unref()  # the queue's reference (the lease holds its own now)
         if not sub.pending and sub.end is not None and not sub.ended:
             self._send_end(sub)
-        self.cond.notify_all()
+        # No notify here: nobody waits on the condition for credit (a blocked write looks at the
+        # subscriber's socket, a reserve() for a slot is woken by the slot's own free), and the
+        # subscriber's serving thread, which waits on it while the writer is active, would be woken
+        # by every RELEASE only to wait again (a thread switch per RELEASE on the writer's GIL).
 
     def _detach(self, sub: _Subscriber) -> None:
         """``sub``'s connection is gone: let go of everything it held. Condition held."""
