@@ -101,6 +101,11 @@ def test_a_device_array_off_the_cpu_is_not_placed() -> None:
         assert segment is not None
         assert _holds(segment, batch)
         segment.unref()
+        # With a free segment at hand: turned away too, and the segment stays free.
+        device_array.device_type = 2
+        assert ring.place_at(*_addresses(pair), True) is None
+        assert ring._free == [segment]
+        assert ring.segments == 1
     finally:
         device_array.device_type = DEVICE_CPU
         close_ring(ring)
