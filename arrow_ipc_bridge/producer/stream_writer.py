@@ -48,7 +48,6 @@ def _address_of(capsule: object, kind: str) -> int:
         return address
     # Not a capsule of that name: capsule_struct raises the error that names what it is.
     return int(ffi.cast("uintptr_t", capsule_struct(capsule, kind)))
-    raise AssertionError("unreachable: capsule_struct raises for a capsule it cannot read")
 
 
 class StreamWriter:
@@ -143,6 +142,7 @@ class StreamWriter:
         elif self._copy == "if_needed" and not isinstance(obj, TableExporter):
             # The default path: the producer's capsules, and a small host batch copied from them
             # into the ring (nothing of the producer's is moved or kept); else captured from them.
+            # Its capsules, tried as capture() tries them: the device array first.
             export = getattr(obj, "__arrow_c_device_array__", None)
             device = export is not None
             if not device:
