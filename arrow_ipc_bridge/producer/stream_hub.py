@@ -212,8 +212,8 @@ class LiveStreamState:
                 for sub in self._subscribers:
                     if not sub.ended and (sub.pending or len(sub.leases) >= sub.window):
                         self._collect(sub)
-                        short = True
-                if short and self.policy == "block":
+                        short = short or (not sub.ended and len(sub.leases) >= sub.window)
+                if short and self.policy == "block":  # still short after the look: wait
                     self._wait_for_room()
                 sequence = batch.sequence = self._next_sequence
                 self._next_sequence = sequence + 1
