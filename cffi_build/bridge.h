@@ -329,16 +329,38 @@ int aib_encode(const aib_described *d, uint32_t message_kind, const aib_device_i
                const aib_region *regions, size_t n_regions, uint32_t n_fds, uint8_t *out,
                size_t out_cap, size_t *out_len, aib_error *err);
 
-/* A small host batch copied into one host region the caller owns (a live stream's ring segment):
- * describes schema and array, copies every buffer that is not null or empty to base + start + ...
- * (each at a multiple of align, a power of two), places it in region 0 (`region`, fd 0) and encodes
- * the message into out. *needed: the bytes the buffers take from start. AIB_E_LIMIT with nothing
- * copied when *needed is over limit (not a small batch) or over capacity - start (too little room);
- * AIB_E_LIMIT after the copy when *out_len (the size needed) is over out_cap: call again. */
-int aib_ring_place(const struct ArrowSchema *schema, const struct ArrowArray *array, uint64_t base,
-                   uint64_t start, uint64_t capacity, uint64_t limit, uint64_t align,
-                   const aib_region *region, const aib_device_info *device, uint8_t *out,
-                   size_t out_cap, size_t *out_len, uint64_t *needed, aib_error *err);
+/* A live stream's ring (producer/stream_ring.py): what a writer's placements share, and one
+ * segment (a host region of the writer's own). The writer fills limit, align, device, out and
+ * out_cap; every call sets out_len, needed, changed and err. */
+typedef struct aib_ring {
+  uint64_t limit;             /* the most bytes of buffers a batch in the ring may take */
+  uint64_t align;             /* each buffer's alignment, a power of two */
+  aib_device_info device;     /* the messages' device (the CPU) */
+  uint8_t *out;               /* the encoded message (the caller's buffer of out_cap bytes) */
+  size_t out_cap;
+  size_t out_len;             /* the message's size (the size needed after AIB_E_LIMIT) */
+  uint64_t needed;            /* the bytes the batch's buffers take from the segment's start */
+  int changed;                /* the message differs from the segment's last one */
+  aib_error err;
+} aib_ring;
+typedef struct aib_ring_segment {
+  uint64_t base;              /* the region's address here */
+  uint64_t start;             /* where its first buffer goes */
+  uint64_t capacity;          /* the region's size */
+  aib_region region;          /* the message's one region (fd 0) */
+  const uint8_t *message;     /* the last message placed in it (the caller's, read only), or NULL */
+  size_t message_len;
+} aib_ring_segment;
+/* A small host batch copied into a ring segment: describes the schema and array at schema_address
+ * and array_address (an ArrowDeviceArray's when device_array is non-zero), copies every buffer that
+ * is not null or empty to base + start + ... (each at a multiple of align), places it in region 0
+ * and encodes the message into ring->out; ring->changed says whether it differs from
+ * segment->message. segment NULL: only measures (ring->needed). AIB_E_LIMIT with nothing copied
+ * when needed is over limit (not a small batch; UINT64_MAX: a device array not on the CPU) or over
+ * capacity - start (too little room); AIB_E_LIMIT after the copy when out_len (the size needed) is
+ * over out_cap: call again. AIB_E_RELEASED when either struct was released. */
+int aib_ring_place(aib_ring *ring, const aib_ring_segment *segment, uintptr_t schema_address,
+                   uintptr_t array_address, int device_array);
 
 /* ---------- decode + validate + rebuild (consumer) --------------------------------------------- */
 #define AIB_MAX_MESSAGE_BYTES 67108864
@@ -432,9 +454,10 @@ int aib_channel_mid_frame(const aib_channel *ch);
 /* Drops what was received and not handed out (closing its descriptors); later receives fail. For a
  * connection being closed. */
 void aib_channel_drop(aib_channel *ch);
-/* One frame: header, part_a then part_b as its payload, fds attached. AIB_E_LIMIT (payload or fd
- * count over a limit) and AIB_E_STATE (kind over 65535, a descriptor not open) send nothing; a
- * timeout after part of the frame went out is AIB_E_PROTOCOL (the stream is broken). */
+/* One frame: header, part_a then part_b as its payload, fds attached. AIB_E_PEER_CLOSED on a
+ * channel marked closed, AIB_E_LIMIT (payload or fd count over a limit) and AIB_E_STATE (kind over
+ * 65535, a descriptor not open) send nothing; a timeout after part of the frame went out is
+ * AIB_E_PROTOCOL (the stream is broken). */
 int aib_channel_send(aib_channel *ch, uint32_t kind, const uint8_t *part_a, size_t len_a,
                      const uint8_t *part_b, size_t len_b, const int *fds, uint32_t n_fds,
                      int64_t timeout_ms, aib_error *err);

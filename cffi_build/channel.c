@@ -168,6 +168,9 @@ static int os_failure(aib_error *err, int e, const char *op) {
 int aib_channel_send(aib_channel *ch, uint32_t kind, const uint8_t *part_a, size_t len_a,
                      const uint8_t *part_b, size_t len_b, const int *fds, uint32_t n_fds,
                      int64_t timeout_ms, aib_error *err) {
+  /* Closed here (channel.py's close, or a failure): nothing goes out, and the caller's wrapper
+   * names the close. Checked in this call so that a send costs its wrapper no call of its own. */
+  if (atomic_load(&ch->closed)) return aib_fail(err, AIB_E_PEER_CLOSED, "", "", "the channel is closed");
   if (kind > 0xffff) return aib_fail(err, AIB_E_STATE, "kind", "", "frame kind %u over 65535", kind);
   if (n_fds > AIB_MAX_FDS) return aib_fail(err, AIB_E_LIMIT, "fds", "", "%u descriptors, at most %d", n_fds, AIB_MAX_FDS);
   uint64_t total = (uint64_t)len_a + len_b;

@@ -252,23 +252,37 @@ void aib_described_place_all(aib_described *d, uint64_t region_index, uint64_t b
 }
 
 /* A live stream's small written batch in one call (producer/stream_ring.py): the Python loop over
- * the slots, a memmove per buffer and four other calls cost the writer more than the copy itself. */
-int aib_ring_place(const struct ArrowSchema *schema, const struct ArrowArray *array, uint64_t base,
-                   uint64_t start, uint64_t capacity, uint64_t limit, uint64_t align,
-                   const aib_region *region, const aib_device_info *device, uint8_t *out,
-                   size_t out_cap, size_t *out_len, uint64_t *needed, aib_error *err) {
-  *needed = 0;
-  *out_len = 0;
+ * the slots, a memmove per buffer and four other calls cost the writer more than the copy itself.
+ * The structs come as addresses (a producer's capsules' pointers, read by the caller), and the
+ * rest as two structs the writer keeps: converting each argument in Python cost the writer more
+ * than this call's own work. The comparison with the segment's last message lets the writer keep
+ * its message object while the layout stays (one object for its schema check and its sends). */
+int aib_ring_place(aib_ring *ring, const aib_ring_segment *segment, uintptr_t schema_address,
+                   uintptr_t array_address, int device_array) {
+  aib_error *err = &ring->err;
+  uint64_t align = ring->align;
+  ring->needed = 0;
+  ring->out_len = 0;
+  ring->changed = 0;
   if (align == 0 || (align & (align - 1)) != 0)
     return aib_fail(err, AIB_E_STATE, "align", "", "alignment %llu is not a power of two",
                     (unsigned long long)align);
+  const struct ArrowSchema *schema = (const struct ArrowSchema *)schema_address;
+  /* An ArrowDeviceArray starts with its ArrowArray. Data on a device is not the ring's: answered
+   * as a batch too large for it (the caller exports it instead). */
+  const struct ArrowArray *array = (const struct ArrowArray *)array_address;
+  if (device_array && array != NULL && array->release != NULL &&
+      ((const struct ArrowDeviceArray *)array_address)->device_type != ARROW_DEVICE_CPU) {
+    ring->needed = UINT64_MAX;
+    return AIB_E_LIMIT;
+  }
   aib_described *d = aib_describe_new();
   if (d == NULL) return aib_fail(err, AIB_E_NOMEM, "", "", "allocating a description");
   int rc = aib_describe_schema(d, schema, err);
   if (rc == AIB_OK) rc = aib_describe_batch(d, array, 1, err);
   if (rc != AIB_OK) goto done;
   /* What the unplaced buffers take, each rounded up to the alignment (as they are laid out). */
-  uint64_t total = 0;
+  uint64_t total = 0, limit = ring->limit;
   for (size_t i = 0; i < d->m.n_slots; i++) {
     const aib_buffer_slot *b = &d->m.slots[i];
     if (b->region != REGION_UNASSIGNED) continue;
@@ -279,21 +293,27 @@ int aib_ring_place(const struct ArrowSchema *schema, const struct ArrowArray *ar
     total += (b->length + align - 1) & ~(align - 1);
     if (total > limit) break;
   }
-  *needed = total;
-  if (total > limit || start > capacity || total > capacity - start) {
-    rc = AIB_E_LIMIT; /* not small, or not room in this region: nothing copied */
+  ring->needed = total;
+  if (total > limit || segment == NULL || segment->start > segment->capacity ||
+      total > segment->capacity - segment->start) {
+    rc = AIB_E_LIMIT; /* not small, or only measured, or not room in this region: nothing copied */
     goto done;
   }
-  uint64_t offset = start;
+  uint64_t offset = segment->start;
   for (size_t i = 0; i < d->m.n_slots; i++) {
     aib_buffer_slot *b = &d->m.slots[i];
     if (b->region != REGION_UNASSIGNED) continue;
-    if (b->length) memcpy((void *)(uintptr_t)(base + offset), (const void *)(uintptr_t)b->address, b->length);
+    if (b->length)
+      memcpy((void *)(uintptr_t)(segment->base + offset), (const void *)(uintptr_t)b->address, b->length);
     b->region = AIB_REGION_FIRST;
     b->offset = offset;
     offset += (b->length + align - 1) & ~(align - 1);
   }
-  rc = aib_encode(d, AIB_MESSAGE_ARRAY, device, region, 1, 1, out, out_cap, out_len, err);
+  rc = aib_encode(d, AIB_MESSAGE_ARRAY, &ring->device, &segment->region, 1, 1, ring->out, ring->out_cap,
+                  &ring->out_len, err);
+  if (rc == AIB_OK)
+    ring->changed = segment->message == NULL || segment->message_len != ring->out_len ||
+                    memcmp(segment->message, ring->out, ring->out_len) != 0;
 done:
   aib_described_free(d);
   return rc;

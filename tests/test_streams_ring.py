@@ -121,11 +121,10 @@ def test_drop_oldest_keeps_the_ring_bounded_by_what_the_consumer_holds(publisher
 
 # ---------- hostile ring frames -----------------------------------------------------------------
 def ring_batch(sequence: int, lease: int, ring: HostRing, rb: pa.RecordBatch) -> tuple[int, bytes, list[int]]:
-    placed = ring.place(capture(rb))
-    assert placed is not None
-    message, segment = placed
+    segment = ring.place(capture(rb))
+    assert segment is not None
     header = stream_frames.encode_batch_header(sequence, lease, segment.index, stream_frames.FLAG_RING)
-    return (protocol.BATCH, header + message, [os.dup(segment.buffer.fd)])
+    return (protocol.BATCH, header + segment.message, [os.dup(segment.buffer.fd)])
 
 
 def close_ring(ring: HostRing) -> None:
@@ -239,20 +238,18 @@ def test_place_copies_the_buffers_and_replaces_a_segment_too_small() -> None:
     ring = HostRing("t")
     try:
         first = pa.record_batch({"i": pa.array(range(100), pa.int64()), "s": pa.array(["ab", None] * 50)})
-        placed = ring.place(capture(first))
-        assert placed is not None
-        message, segment = placed
-        assert _holds(message, segment, first)
+        segment = ring.place(capture(first))
+        assert segment is not None
+        assert _holds(segment.message, segment, first)
         ring.free(segment)
         # 20,000 int64 rows (160 KB) do not fit the 64 KiB segment: a larger file, same index.
         second = pa.record_batch({"i": pa.array(range(20_000), pa.int64()), "s": pa.array(["x"] * 20_000)})
-        placed = ring.place(capture(second))
-        assert placed is not None
-        message, grown = placed
+        grown = ring.place(capture(second))
+        assert grown is not None
         assert (grown.index, grown.generation) == (segment.index, segment.generation + 1)
         assert grown.size >= 20_000 * 8
         assert ring.segments == 1
-        assert _holds(message, grown, second)
+        assert _holds(grown.message, grown, second)
         ring.free(grown)
     finally:
         close_ring(ring)
@@ -268,7 +265,7 @@ def test_a_batch_too_large_for_the_ring_makes_no_segment() -> None:
         placed = ring.place(capture(pa.record_batch({"i": pa.array([1], pa.int64())})))
         assert placed is not None
         assert ring.segments == 1
-        ring.free(placed[1])
+        ring.free(placed)
         # With a free segment at hand the large batch is refused without copying, and it stays free.
         assert ring.place(capture(pa.record_batch({"i": pa.array([1] * rows, pa.int64())}))) is None
         assert ring.segments == 1

@@ -58,6 +58,12 @@ SPIN_S = 0.0005
 """How long a write short of credit looks for it without sleeping (a RELEASE sent to a thread that
 is not asleep wakes nobody) before it sleeps on the slow subscriber's socket."""
 _SLEEP_S = 0.005  # the longest sleep of a write short of credit between two looks at the stream's state
+_monotonic = time.monotonic
+_batch_header = stream_frames.encode_batch_header
+_NO_SLOT = stream_frames.NO_SLOT
+_FLAG_RING = stream_frames.FLAG_RING
+_FLAG_SLOT_AGAIN = stream_frames.FLAG_SLOT_AGAIN
+_BATCH_KIND = int(protocol.BATCH)
 MAX_SUBSCRIPTIONS = 128
 """Default ``max_subscriptions``: live-stream subscriptions a publisher serves at once (each holds
 one of its threads and one of its ``max_connections``)."""
@@ -90,18 +96,19 @@ class Batch:
         self.refs = 1  # the writer's, until its commit returns
         self.sequence = -1
 
-    @property
-    def slot_key(self) -> tuple[bool, int]:
-        return (self.ring, self.slot)
-
     def unref(self) -> None:
         """Called with the stream's condition held."""
         self.refs -= 1
         if self.refs == 0:
             try:
-                self.on_free()
+                self.free()
             except Exception:  # a failing close must not break the stream for everyone else
                 _log.exception("arrow_ipc_bridge: freeing stream batch %d failed", self.sequence)
+
+    def free(self) -> None:
+        """The last holder let go (the stream's condition held): runs ``on_free``. A batch that
+        lives in reusable memory of its own (a ring segment) gives that memory back instead."""
+        self.on_free()
 
 
 class _Subscriber:
@@ -150,7 +157,10 @@ class LiveStreamState:
         self.max_in_flight = max_in_flight
         self.policy = policy
         self.block_timeout = block_timeout
-        self.cond = threading.Condition()
+        # The condition's lock, entered directly where no wait follows (commit): a Condition's
+        # own __enter__ is a Python call around it.
+        self._mutex = threading.RLock()
+        self.cond = threading.Condition(self._mutex)
         self._subscribers: list[_Subscriber] = []
         self._next_sequence = 0
         self.closed = False
@@ -190,25 +200,32 @@ class LiveStreamState:
     def commit(self, batch: Batch) -> int:
         """Offer ``batch`` to every subscriber (under the stream's policy); returns its sequence.
         The writer's reference on ``batch`` is given up here, sent or not."""
-        with self.cond:
+        with self._mutex:  # self.cond's lock
             try:
                 if self.closed:
                     raise ClosedError(f"the stream {self.name!r} is closed", what="stream")
-                self.last_write = time.monotonic()
+                self.last_write = _monotonic()
                 # Credit the serving threads have not read (they stay off the sockets while the
                 # writer is active): read here what a subscriber short of room has sent back, so a
                 # consumer that keeps up is never taken for slow.
+                short = False
                 for sub in self._subscribers:
-                    if not sub.ended and (sub.pending or not sub.has_room):
+                    if not sub.ended and (sub.pending or len(sub.leases) >= sub.window):
                         self._collect(sub)
-                if self.policy == "block":
+                        short = short or (not sub.ended and len(sub.leases) >= sub.window)
+                if short and self.policy == "block":  # still short after the look: wait
                     self._wait_for_room()
-                batch.sequence = self._next_sequence
-                self._next_sequence += 1
-                for sub in list(self._subscribers):
-                    if not sub.ended:
+                sequence = batch.sequence = self._next_sequence
+                self._next_sequence = sequence + 1
+                # A copy: _send may detach a subscriber (a connection gone), which removes it.
+                for sub in tuple(self._subscribers):
+                    if sub.ended:
+                        continue
+                    if not sub.pending and len(sub.leases) < sub.window:
+                        self._send(sub, batch)  # the usual case: it has credit
+                    else:
                         self._offer(sub, batch)
-                return batch.sequence
+                return sequence
             finally:
                 batch.unref()
 
@@ -321,25 +338,29 @@ class LiveStreamState:
 
     def _send(self, sub: _Subscriber, batch: Batch) -> None:
         lease_id = sub.next_lease
-        sub.next_lease += 1
-        flags = stream_frames.FLAG_RING if batch.ring else 0
-        fds: list[int] = []
-        if batch.slot == stream_frames.NO_SLOT:
-            payload = stream_frames.encode_batch_header(batch.sequence, lease_id) + batch.message
-            fds = batch.fds
-        elif sub.sent_slots.get(batch.slot_key) == (batch.generation, batch.message):
-            # The subscriber has this slot's message and descriptors: name the slot, send neither
-            # (no descriptor passing, no decode and no mapping for the consumer).
-            flags |= stream_frames.FLAG_SLOT_AGAIN
-            payload = stream_frames.encode_batch_header(batch.sequence, lease_id, batch.slot, flags)
+        sub.next_lease = lease_id + 1
+        slot = batch.slot
+        message = batch.message
+        fds: list[int] = batch.fds
+        if slot == _NO_SLOT:
+            header = _batch_header(batch.sequence, lease_id, slot, 0)
         else:
-            payload = (
-                stream_frames.encode_batch_header(batch.sequence, lease_id, batch.slot, flags) + batch.message
-            )
-            fds = batch.fds
-            sub.sent_slots[batch.slot_key] = (batch.generation, batch.message)
+            key = (batch.ring, slot)
+            flags = _FLAG_RING if batch.ring else 0
+            sent = sub.sent_slots.get(key)
+            # (A segment keeps one message object while its layout stays: mostly an identity test.)
+            if sent is not None and sent[0] == batch.generation and sent[1] == message:
+                # The subscriber has this slot's message and descriptors: name the slot, send
+                # neither (no descriptor passing, no decode and no mapping for the consumer).
+                flags |= _FLAG_SLOT_AGAIN
+                message = b""
+                fds = []
+            else:
+                sub.sent_slots[key] = (batch.generation, message)
+            header = _batch_header(batch.sequence, lease_id, slot, flags)
         try:
-            sub.channel.send(protocol.BATCH, payload, fds, timeout=SEND_TIMEOUT)
+            # The header and the message go as two parts of one frame (no joined copy).
+            sub.channel.send(_BATCH_KIND, header, fds, timeout=SEND_TIMEOUT, tail=message)
         except (TransportError, BridgeTimeoutError) as exc:
             # Gone, or not reading for SEND_TIMEOUT: it gets nothing more. Its serving thread sees
             # the connection end and lets go of what it held.
@@ -438,7 +459,10 @@ class LiveStreamState:
             queued.unref()  # the queue's reference (the lease holds its own now)
         if not sub.pending and sub.end is not None and not sub.ended:
             self._send_end(sub)
-        self.cond.notify_all()
+        # No notify here: nobody waits on the condition for credit (a blocked write looks at the
+        # subscriber's socket, a reserve() for a slot is woken by the slot's own free), and the
+        # subscriber's serving thread, which waits on it while the writer is active, would be woken
+        # by every RELEASE only to wait again (a thread switch per RELEASE on the writer's GIL).
 
     def _detach(self, sub: _Subscriber) -> None:
         """``sub``'s connection is gone: let go of everything it held. Condition held."""

@@ -22,6 +22,7 @@ from arrow_ipc_bridge.producer.stream_slots import SlotLayout, StreamSlot, make_
 from arrow_ipc_bridge.runtime import arguments
 from arrow_ipc_bridge.transport import stream_frames
 from arrow_ipc_bridge.wire.capsules import (
+    _CAPSULE_ADDRESS,
     DEVICE_CPU,
     ArrowInput,
     CapturedData,
@@ -38,6 +39,15 @@ __all__ = ["StreamWriter", "batches_of", "check_source", "pump"]
 
 _log = logging.getLogger("arrow_ipc_bridge")
 _CHECKED_MESSAGES = 256
+
+
+def _address_of(capsule: object, kind: str) -> int:
+    """The struct a producer's capsule of ``kind`` holds, by address (its name checked)."""
+    address = _CAPSULE_ADDRESS[kind](capsule)
+    if address:
+        return address
+    # Not a capsule of that name: capsule_struct raises the error that names what it is.
+    return int(ffi.cast("uintptr_t", capsule_struct(capsule, kind)))
 
 
 class StreamWriter:
@@ -132,25 +142,34 @@ class StreamWriter:
         elif self._copy == "if_needed" and not isinstance(obj, TableExporter):
             # The default path: the producer's capsules, and a small host batch copied from them
             # into the ring (nothing of the producer's is moved or kept); else captured from them.
-            pair, host = _capsules_of(obj)
-            if pair is None:
+            # Its capsules, tried as capture() tries them: the device array first.
+            export = getattr(obj, "__arrow_c_device_array__", None)
+            device = export is not None
+            if not device:
+                export = getattr(obj, "__arrow_c_array__", None)
+            if export is None:  # a stream, a capsule pair, ...: capture takes it as it is
                 captured = capture(obj)
             else:
-                placed = self._place(pair, host)
-                if placed is not None:
-                    return self._commit_ring(*placed)
-                captured = _capture_pair(pair[0], pair[1], host=host)
+                pair = export(None)
+                segment = self._ring.place_at(
+                    _address_of(pair[0], "schema"),
+                    _address_of(pair[1], "device_array" if device else "array"),
+                    device,
+                )
+                if segment is not None:
+                    return self._commit_ring(segment)
+                captured = _capture_pair(pair[0], pair[1], host=not device)
         else:
             captured = capture(obj)
         if captured.device_type == DEVICE_CPU and self._copy == "if_needed" and not captured.is_stream:
             try:
-                placed = self._ring.place(captured)
+                segment = self._ring.place(captured)
             except BaseException:
                 captured.close()
                 raise
-            if placed is not None:
+            if segment is not None:
                 captured.close()  # copied into the segment: the source's buffers go now
-                return self._commit_ring(*placed)
+                return self._commit_ring(segment)
         # Anything else is exported as aib.export does (CUDA data, a large host batch: shared as it
         # is or one sealed copy, copy="never"/"always"). Pool fds are attached (the default): a
         # subscription's connection carries nothing but batches.
@@ -162,39 +181,15 @@ class StreamWriter:
             raise
         return self._state.commit(Batch(exported.message, list(exported.fds), exported.close))
 
-    def _place(self, pair: tuple[object, object], host: bool) -> tuple[bytes, RingSegment] | None:
-        """A small host batch's capsules copied into the ring; None when the data is on a device
-        or not small (the caller captures the same capsules instead)."""
-        schema = capsule_struct(pair[0], "schema")
-        if host:
-            array = capsule_struct(pair[1], "array")
-        else:
-            device_array = capsule_struct(pair[1], "device_array")
-            if device_array.device_type != DEVICE_CPU:
-                return None
-            array = ffi.addressof(device_array, "array")
-        if ffi.NULL in (schema.release, array.release):
-            raise ClosedError(
-                "the producer's schema or array capsule was already consumed or released", reason="released"
-            )
-        return self._ring.place_structs(schema, array)
-
-    def _commit_ring(self, message: bytes, segment: RingSegment) -> int:
-        ring = self._ring
-        try:
-            self._check_schema(message, 1)
-        except BaseException:
-            ring.free(segment)
-            raise
-        batch = Batch(
-            message,
-            [segment.buffer.fd],
-            lambda: ring.free(segment),
-            segment.index,
-            ring=True,
-            generation=segment.generation,
-        )
-        return self._state.commit(batch)
+    def _commit_ring(self, segment: RingSegment) -> int:
+        """Send the batch placed in ``segment`` (the segment is the batch: no object per write)."""
+        if segment.message not in self._checked:
+            try:
+                self._check_schema(segment.message, 1)
+            except BaseException:
+                self._ring.free(segment)
+                raise
+        return self._state.commit(segment)
 
     def _check_writable(self) -> None:
         self._check_open()
@@ -352,19 +347,6 @@ class StreamWriter:
             self.fail(exc)
         else:
             self.close()
-
-
-def _capsules_of(obj: object) -> tuple[tuple[object, object] | None, bool]:
-    """The ``(schema, array)`` capsules of one array or record batch, tried as :func:`capture`
-    tries them (the device array first), and whether the array capsule is a host one; None for
-    anything else (a stream, a capsule pair, ...), which :func:`capture` takes as it is."""
-    export = getattr(obj, "__arrow_c_device_array__", None)
-    if export is not None:
-        return export(None), False
-    export = getattr(obj, "__arrow_c_array__", None)
-    if export is not None:
-        return export(None), True
-    return None, False
 
 
 def _metadata_of(field: pa.Field) -> str:

@@ -215,13 +215,16 @@ class Channel:
         fds: Sequence[int] = (),
         *,
         timeout: float | None = None,
+        tail: bytes = b"",
     ) -> None:
         """Send one frame.
 
-        ``payload`` is any C-contiguous buffer of at most :attr:`max_payload` bytes; ``fds`` are
-        duplicated into the peer (at most :data:`MAX_FDS`; the caller keeps its own copies).
-        ``timeout`` bounds the whole call, waiting for other senders included (``None``: no limit).
-        See the module docstring for the errors.
+        ``payload`` is any C-contiguous buffer; ``tail`` (bytes) follows it in the same frame, so a
+        caller that sends a header before a message it keeps needs no joined copy of the two.
+        Together they are at most :attr:`max_payload` bytes. ``fds`` are duplicated into the peer
+        (at most :data:`MAX_FDS`; the caller keeps its own copies). ``timeout`` bounds the whole
+        call, waiting for other senders included (``None``: no limit). See the module docstring
+        for the errors.
         """
         if kind.__class__ is not int or not 0 <= kind <= _U16_MAX:
             kind = _check_kind(kind)
@@ -234,13 +237,18 @@ class Channel:
                 raise ProtocolError("the payload must be a C-contiguous buffer", field="payload")
             data = ffi.from_buffer(view)
             size = view.nbytes
-        if size > self.max_payload:
+        if tail.__class__ is not bytes:
             raise ProtocolError(
-                f"payload of {size} bytes is over this connection's limit of {self.max_payload} bytes",
+                f"the payload's tail must be bytes, not {type(tail).__name__}", field="payload"
+            )
+        if size + len(tail) > self.max_payload:
+            raise ProtocolError(
+                f"payload of {size + len(tail)} bytes is over this connection's limit of "
+                f"{self.max_payload} bytes",
                 field="payload",
             )
         fd_array = _fd_array(fds) if fds else ffi.NULL
-        timeout_ms = -1 if timeout is None else millis(timeout)
+        timeout_ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))  # millis()
         lock = self._send_lock
         # Untimed first: a lock nobody holds (the usual case) costs no timed wait.
         if not lock.acquire(False):
@@ -253,10 +261,13 @@ class Channel:
                     timeout=timeout,
                 )
         try:
-            self.check_open()
+            if self._pid != process.pid:
+                self.check_open()  # raises: a forked child's copy
+            # A channel closed here is refused by the C call itself (nothing sent; the error below
+            # names the close), so an open channel's send makes one C call.
             err = self._send_err  # one per channel, used under the send lock
             rc = lib.aib_channel_send(
-                self.raw, kind, data, size, ffi.NULL, 0, fd_array, len(fds), timeout_ms, err
+                self.raw, kind, data, size, tail, len(tail), fd_array, len(fds), timeout_ms, err
             )
             if rc == 0:
                 return
