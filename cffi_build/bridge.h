@@ -683,5 +683,6 @@ int64_t aib_sys_pwritev(int fd, const uint64_t *pairs, int count, int64_t offset
 int aib_sys_procmap_query(int fd, aib_procmap_query *query, int *error);
 
 #include "bridge_cuda.h"
+#include "bridge_stream.h"
 
 #endif

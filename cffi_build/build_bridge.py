@@ -32,6 +32,7 @@ CORE_SOURCES = [
     "board.c",
     "serve.c",
     "remembered.c",
+    "stream_consume.c",
     "cuda_batch.c",
     "cuda_export.c",
     "region_table.c",
@@ -48,7 +49,7 @@ PYTHON_SOURCES = [
     "py_local_get.c",
 ]
 C_SOURCES = CORE_SOURCES + PYTHON_SOURCES
-HEADERS = ["arrow_c_abi.h", "bridge.h", "bridge_cuda.h"]
+HEADERS = ["arrow_c_abi.h", "bridge.h", "bridge_cuda.h", "bridge_stream.h"]
 _INTEGER_DEFINE = re.compile(r"^#define\s+\w+\s+-?\d+\s*(/\*.*\*/)?\s*$")
 
 

@@ -463,6 +463,13 @@ static aib_owner *import_remembered(aib_remembered *r, const uint8_t *message, s
   return owner;
 }
 
+aib_owner *aib_remembered_import(aib_remembered *r, const uint8_t *message, size_t length, const int *fds,
+                                 uint32_t n_fds, uint64_t token, aib_owner *keeper, uint64_t *id_out) {
+  const board_answer none = {0, 0, 0};
+  int standing = 0;
+  return import_remembered(r, message, length, fds, n_fds, token, keeper, &none, 0, id_out, &standing);
+}
+
 /* A get of name without a round trip: its remembered message holds a standing lease whose serial
  * the board still shows. The import's owner shares the template's decode and holds the standing
  * lease (token 0: its end releases nothing by itself). NULL when the get must ask the publisher. */

@@ -27,7 +27,7 @@ from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
 from arrow_ipc_bridge.runtime import arguments
 from arrow_ipc_bridge.wire.metadata import Decoded
 
-__all__ = ["CHECK_LEVELS", "check_level", "check_content", "ReadFunction"]
+__all__ = ["CHECK_LEVELS", "check_code", "check_level", "check_content", "ReadFunction"]
 
 CHECK_LEVELS = ("full", "bounds", "none")
 _LEVEL_CODES = {
@@ -46,6 +46,11 @@ def check_level(value: object, what: str = "check") -> str:
     return arguments.choice(value, what, CHECK_LEVELS)
 
 
+def check_code(level: str) -> int:
+    """The C core's code (``AIB_CHECK_*``) of a level :func:`check_level` accepted."""
+    return _LEVEL_CODES[check_level(level)]
+
+
 def check_content(decoded: Decoded, region_bases: Any, level: str, read: ReadFunction | None = None) -> None:
     """Check ``decoded``'s buffer contents over ``region_bases`` (a ``uint64_t[]`` cdata, as for
     ``rebuild_array``) at ``level``; raises :class:`~arrow_ipc_bridge.errors.ProtocolError`
@@ -54,7 +59,7 @@ def check_content(decoded: Decoded, region_bases: Any, level: str, read: ReadFun
     ``read`` is None for host mappings (read in place); for device memory it copies ``n`` bytes at
     an address to the host (a test may pass a stand-in over host memory).
     """
-    code = _LEVEL_CODES[check_level(level)]
+    code = check_code(level)
     if code == lib.AIB_CHECK_NONE:
         return
     err = new_error()

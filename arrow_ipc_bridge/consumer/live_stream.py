@@ -11,19 +11,17 @@ producer its credit and, for reserved slots, its memory back.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import os
-import select
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import EllipsisType, TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
-from arrow_ipc_bridge._ffi import lib
-from arrow_ipc_bridge.consumer.content_check import check_content
+from arrow_ipc_bridge._ffi import ffi, lib, new_error, raise_for
+from arrow_ipc_bridge.consumer.content_check import check_code
 from arrow_ipc_bridge.consumer.imported import ImportedArray
+from arrow_ipc_bridge.consumer.message_import import track
 from arrow_ipc_bridge.errors import (
     BridgeError,
     BridgeTimeoutError,
@@ -34,19 +32,22 @@ from arrow_ipc_bridge.errors import (
     RegionError,
     StreamError,
 )
-from arrow_ipc_bridge.host.shared_alloc import F_SEAL_FUTURE_WRITE
-from arrow_ipc_bridge.process_stats import stream_counters
+from arrow_ipc_bridge.process_stats import import_counters, stream_counters
 from arrow_ipc_bridge.runtime import arguments, reaper
 from arrow_ipc_bridge.transport import protocol, stream_frames
-from arrow_ipc_bridge.transport.channel import Channel, close_fds
+from arrow_ipc_bridge.transport.channel import Channel, Frame
 from arrow_ipc_bridge.wire.capsules import DEVICE_CPU, _check_kwargs
 
 __all__ = ["LiveStream", "open_subscription"]
 
 _LEASE_LIMIT = 1 << reaper.FAMILY_VALUE_BITS
 SPIN_S = 0.0005
-"""How long a consumer with no batch at hand looks for one without sleeping (see ``_spin``)."""
-_RING_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
+"""How long a consumer with no batch at hand looks for one without sleeping (see ``_spin_ns``)."""
+_NOTHING = int(lib.AIB_STREAM_NOTHING)
+_BATCH = int(lib.AIB_STREAM_BATCH)
+_NEW = int(lib.AIB_STREAM_NEW)
+_REFUSED = int(lib.AIB_STREAM_REFUSED)
+_BROKEN = int(lib.AIB_STREAM_BROKEN)
 
 
 class _Credit:
@@ -56,9 +57,12 @@ class _Credit:
     few batches spares both processes a frame and a wake-up per batch. Runs on any thread (the
     reaper's, a consumer's)."""
 
-    def __init__(self, channel: Channel, window: int, policy: str, on_release: Callable[[int], None]) -> None:
+    def __init__(self, channel: Channel, rx: Any, window: int, policy: str) -> None:
         self._channel = channel
-        self._on_release = on_release  # before its RELEASE can go: the ring segment is free here
+        # The stream's receive state (aib_stream_rx): a lease's ring segment is free there before
+        # its RELEASE can go, and it counts the leases received.
+        self._rx = rx
+        self._counts = ffi.new("aib_stream_counts *")
         self._lock = threading.Lock()
         self._pending: list[int] = []
         self._window = window
@@ -66,25 +70,24 @@ class _Credit:
         # back here would make a consumer that keeps up look slow (dropped batches, ended).
         self._threshold = max(1, window // 2) if policy == "block" else 1
         self._receiving = False
-        # Leases received and leases whose RELEASE went out: the producer counts the difference
-        # against the window (it may count more, while RELEASEs are on their way).
-        self._got = 0
+        # Leases whose RELEASE went out; the receive state counts those received: the producer
+        # counts the difference against the window (it may count more, while RELEASEs are on
+        # their way).
         self._sent = 0
-
-    def got(self) -> None:
-        """A BATCH (with its lease) was received."""
-        self._got += 1
 
     @property
     def may_block(self) -> bool:
         """Whether the producer may be out of credit for this consumer: every lease of the window
         received and not given back (released and held back here, or still held). Otherwise the
         producer has room, and a consumer waiting for a batch holds its releases back a while."""
-        return self._got - self._sent >= self._window and bool(self._pending)
+        if not self._pending:
+            return False
+        lib.aib_stream_rx_counts(self._rx, self._counts)
+        return int(self._counts.got) - self._sent >= self._window
 
     def released(self, lease_id: int) -> None:
         """A batch's owner died (the reaper family's callback)."""
-        self._on_release(lease_id)
+        lib.aib_stream_rx_released(self._rx, lease_id)
         with self._lock:
             self._pending.append(lease_id)
             if not self._receiving and len(self._pending) < self._threshold:
@@ -110,7 +113,7 @@ class _Credit:
     def give_back(self, ids: list[int]) -> None:
         """Send these leases' RELEASE now."""
         for lease_id in ids:
-            self._on_release(lease_id)
+            lib.aib_stream_rx_released(self._rx, lease_id)
         self._send(ids)
 
     def _send(self, ids: list[int]) -> None:
@@ -145,41 +148,39 @@ class LiveStream:
         self.name = name
         self.max_in_flight = subscribed.max_in_flight
         self.policy = subscribed.policy
-        self._expected = subscribed.next_sequence
         self._timeout = timeout
         self._end: stream_frames.StreamEnd | None = None
         # The ProtocolError that ended the subscription (its connection closed): raised again by
         # every later call, as the end's errors are (docs/streams.md), not a "closed" of its own.
         self._broken: ProtocolError | None = None
         self._peeked: ImportedArray | None = None
-        self.received = 0
-        """Batches received so far."""
-        self.dropped = 0
-        """Batches the producer dropped for this consumer (gaps in the sequence numbers; policy
-        ``"drop_oldest"``)."""
-        self.last_sequence = -1
-        """The sequence number of the last batch received (-1: none yet)."""
-        self.repeated = 0
-        """Batches that came as a reserved slot's message again, without message or descriptors."""
         self._slot_names = [f"{name}#batch"]
-        # Each reserved slot's last message and copies of its descriptors, for BATCH frames that
-        # repeat the slot without them; closed with the stream (or when it is collected).
-        self._slots: dict[tuple[bool, int], tuple[bytes, list[int]]] = {}
-        # Ring segments whose batch this consumer holds (segment -> lease) and back: a BATCH in a
-        # segment still held is refused (the producer must wait for its release).
-        self._ring_held: dict[int, int] = {}
-        self._lease_ring: dict[int, int] = {}
-        weakref.finalize(self, _close_kept, self._slots)
+        # The receive state in C (cffi_build/stream_consume.c): the next sequence expected, each
+        # reserved slot's and ring segment's last message with copies of its descriptors (for the
+        # BATCH frames that repeat them), the ring segments this consumer holds (a BATCH in one
+        # still held is refused: the producer must wait for its release), and the counts. Freed
+        # with the last of this stream and its credit (a release on another thread may come late).
+        rx = lib.aib_stream_rx_new(subscribed.next_sequence)
+        if rx == ffi.NULL:
+            raise MemoryError("allocating a live stream's receive state")
+        self._rx = ffi.gc(rx, lib.aib_stream_rx_free)
+        self._out = ffi.new("aib_stream_batch *")  # used by the receiving thread only
+        self._err = new_error()
+        self._counts_out = ffi.new("aib_stream_counts *")
         self._channel: Channel = session._connection()
-        self._credit = _Credit(
-            self._channel, subscribed.max_in_flight, subscribed.policy, self._ring_released
-        )
+        self._credit = _Credit(self._channel, self._rx, subscribed.max_in_flight, subscribed.policy)
         # Leases are a reaper family of this stream's: a batch's owner dying gives its credit back.
         self._lease_tokens = reaper.register_family(self._credit.released)
         weakref.finalize(self, reaper.unregister_family, self._lease_tokens)
-        self._poll = select.poll()
-        self._poll.register(self._channel.fileno(), select.POLLIN)
-        self._spinning = True  # whether the next wait for a batch spins first (see _spin)
+        # What every receive passes the C core besides its wait (Channel.recv_batch).
+        self._rx_call = (
+            self._rx,
+            session._remembered.table,
+            self._lease_tokens,
+            session._lease_keeper,
+            check_code(session._host_check),
+        )
+        self._spinning = True  # whether the next wait for a batch spins first (see _spin_ns)
 
     # ---------- receiving ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[ImportedArray]:
@@ -211,37 +212,38 @@ class LiveStream:
         if self._end is not None:
             self._finished()
             return None
-        self._session._check_open()
-        channel = self._channel
+        session = self._session
+        session._check_open()
         wait = self._timeout if isinstance(timeout, EllipsisType) else timeout
         # A frame already here (in the channel's buffer or the socket) is taken at once. Else the
-        # consumer looks for one a while without sleeping (see _spin), holding its released
+        # consumer looks for one a while without sleeping (see _spin_ns), holding its released
         # leases back unless the producer may be waiting for them, and sends them all before it
         # sleeps (see _Credit).
         try:
-            if lib.aib_channel_buffered(channel.raw) > 0 or self._poll.poll(0):
-                frame = channel.recv(timeout=wait)
-            else:
+            rc, frame = self._receive(0, wait)
+            if rc == _NOTHING:
                 credit = self._credit
                 if credit.may_block:
                     credit.flush()
-                if not self._spin(wait):
+                spin_ns = self._spin_ns(wait)
+                if spin_ns > 0:
+                    rc, frame = self._receive(spin_ns, wait)
+                if rc == _NOTHING:
+                    self._spinning = False
                     credit.waiting(True)
                     try:
                         slept = time.monotonic()
-                        frame = channel.recv(timeout=wait)
+                        rc, frame = self._receive(-1, wait)
                         # Spin again before the next wait only if this one was short: a producer
                         # that sends less often than SPIN_S is waited for asleep, without spinning.
                         self._spinning = time.monotonic() - slept < SPIN_S
                     finally:
                         credit.waiting(False)
-                else:
-                    frame = channel.recv(timeout=wait)
         except ProtocolError as exc:  # a malformed frame: the channel closed itself
             self._broken = exc
             raise
         except PeerClosedError as exc:
-            if getattr(exc, "closed_locally", False) or self._session.closed:
+            if getattr(exc, "closed_locally", False) or session.closed:
                 raise ClosedError(f"the live stream {self.name!r} is closed", what="live stream") from exc
             raise PeerClosedError(
                 f"the publisher of stream {self.name!r} went away mid-stream (no end of stream) after "
@@ -249,11 +251,15 @@ class LiveStream:
                 stream=self.name,
                 received=self.received,
             ) from exc
+        if rc == _BATCH:
+            return self._adopt()
+        if frame is None:
+            self._failed_batch(rc)
         refused: _BatchRefused | None = None
         try:
-            if frame.kind == protocol.BATCH:
+            if rc == _NEW:
                 try:
-                    return self._import(frame.payload, frame.fds)
+                    return self._import_new(frame)
                 except _BatchRefused as exc:  # this batch only: the subscription goes on
                     refused = exc
             elif frame.fds:
@@ -269,7 +275,7 @@ class LiveStream:
                     f"frame kind {frame.kind} on a subscription (BATCH or STREAM_END expected)"
                 )
         except ProtocolError as exc:
-            channel.close()  # out of step with the publisher: this subscription is over
+            self._channel.close()  # out of step with the publisher: this subscription is over
             self._broken = exc
             raise
         finally:
@@ -281,60 +287,74 @@ class LiveStream:
         finally:
             del error  # no cycle through this frame: what the batch held goes with the last reference
 
-    def _spin(self, wait: float | None) -> bool:
-        """Look for the next frame without sleeping for up to ``SPIN_S`` (less when ``wait`` is
-        shorter); whether one came. A producer in the middle of a run sends it within a batch's
-        time, and a frame sent to a process that is awake wakes nobody (a sleeping one is woken,
-        and on a machine of few cores that wake-up takes the producer's core from it). Bounded:
-        after a wait that took longer than ``SPIN_S`` (a producer slower than that, or idle) the
-        next wait does not spin, so a slow stream costs no CPU in looks; a short sleep turns the
-        spin on again. The blocking receive follows."""
-        if not self._spinning:
-            return False
-        spin = SPIN_S if wait is None else min(SPIN_S, wait)
-        until = time.monotonic() + spin
-        poll = self._poll.poll
-        while not poll(0):
-            if time.monotonic() >= until:
-                self._spinning = False
-                return False
-            os.sched_yield()  # a producer runnable on this core (a busy machine) runs first
-        return True
+    def _receive(self, spin_ns: int, wait: float | None) -> tuple[int, Frame | None]:
+        """One call into the C core (``aib_stream_rx_next``): the next frame, and its batch
+        imported when this subscription's session remembers its message (``spin_ns``: see
+        :meth:`Channel.recv_batch`)."""
+        return self._channel.recv_batch(self._rx_call, spin_ns, wait, self._out, self._err)
 
-    def _import(self, payload: bytes, fds: list[int]) -> ImportedArray:
-        sequence, lease_id, slot, again, ring = stream_frames.decode_batch_header(payload)
-        self._credit.got()
+    def _spin_ns(self, wait: float | None) -> int:
+        """How long the next wait for a batch looks for it without sleeping, in nanoseconds (-1:
+        it sleeps at once). A producer in the middle of a run sends within a batch's time, and a
+        frame sent to a process that is awake wakes nobody (a sleeping one is woken, and on a
+        machine of few cores that wake-up takes the producer's core from it). Bounded: after a
+        wait that took longer than ``SPIN_S`` (a producer slower than that, or idle) the next wait
+        does not look, so a slow stream costs no CPU in looks; a short sleep turns the look on
+        again."""
+        if not self._spinning:
+            return -1
+        spin = SPIN_S if wait is None else min(SPIN_S, wait)
+        return int(spin * 1e9)
+
+    def _adopt(self) -> ImportedArray:
+        """The batch the C core imported from a remembered message: its lease's owner wrapped by the
+        remembered message's one builder (``RememberedMessage.adopt``)."""
+        out = self._out
+        owner = ffi.gc(out.owner, lib.aib_owner_unref)
         session = self._session
-        if not 0 < lease_id < _LEASE_LIMIT:
-            raise ProtocolError(f"BATCH lease id {lease_id} out of range")
-        if sequence < self._expected:
-            raise ProtocolError(f"BATCH sequence {sequence} after {self._expected - 1}: out of order")
-        key = (ring, slot)
-        if ring and self._ring_held.get(slot):
-            # The producer reuses a segment only after every subscriber released the batch in it:
-            # this one still holds it, so the producer would be rewriting memory being read.
-            raise ProtocolError(
-                f"a BATCH reuses ring segment {slot} while this consumer still holds its last batch "
-                f"(lease {self._ring_held[slot]})"
-            )
-        if again:
-            if fds:
-                raise ProtocolError("a BATCH repeating its slot carries descriptors")
-            kept = self._slots.get(key)
-            if kept is None:
-                raise ProtocolError(f"a BATCH repeats slot {slot}, which this subscription never received")
-            message, fds = kept
-            self.repeated += 1
-        else:
-            message = payload[stream_frames.BATCH_HEADER_SIZE :]
-            if ring:
-                try:
-                    _check_ring_segment(fds)
-                except ProtocolError as exc:
-                    self._credit.give_back([lease_id])  # refused: the producer gets it back
-                    raise _BatchRefused(exc) from None
-            if slot != stream_frames.NO_SLOT:  # kept for the repeats of this slot (FLAG_SLOT_AGAIN)
-                self._keep_slot(key, message, fds)
+        hit = session._remembered.used_by_c_core(out.entry_id)
+        if hit is None:  # the session was closed under this receive (its set emptied)
+            ffi.release(owner)
+            raise ClosedError(f"the live stream {self.name!r} is closed", what="live stream")
+        imported = hit.adopt(owner, out.sync_slot, self.name, out.owner_address)
+        if not isinstance(imported, ImportedArray):
+            imported.release()
+            error = ProtocolError("a stream's BATCH holds a table/stream message (one batch expected)")
+            self._channel.close()
+            self._broken = error
+            raise error
+        track(session._imported, imported)
+        next(import_counters.remembered_gets)
+        next(stream_counters.batches_received)
+        return imported
+
+    def _failed_batch(self, rc: int) -> NoReturn:
+        """A BATCH the C core refused (that batch only: its lease is given back and the stream goes
+        on) or found breaking the stream's protocol (the subscription ends)."""
+        err = self._err
+        message = ffi.string(err.message).decode("utf-8", "replace")
+        if rc == _BROKEN:
+            error = ProtocolError(message)
+            self._channel.close()  # out of step with the publisher: this subscription is over
+            self._broken = error
+            raise error
+        self._credit.give_back([int(self._out.lease_id)])  # refused: the producer gets it back
+        code = int(err.code)
+        if code == _REFUSED:
+            raise ProtocolError(message)
+        if code == lib.AIB_E_OS:
+            raise RegionError(message)
+        raise_for(code, err, "checking buffer contents", wire=code == lib.AIB_E_WIRE)
+
+    def _import_new(self, frame: Frame) -> ImportedArray:
+        """A batch whose message this subscription's session has not remembered (a slot's or ring
+        segment's first batch, a written batch of no slot): imported by the session's own path
+        (decode, full check, map), which remembers it, so the next batch there is the C core's."""
+        out = self._out
+        session = self._session
+        lease_id, slot, ring = int(out.lease_id), int(out.slot), bool(out.ring)
+        message = frame.payload
+        fds = frame.fds if out.fds_are_frames else [int(out.fds[i]) for i in range(out.n_fds)]
         token = self._lease_tokens | lease_id
         try:
             imported = None
@@ -345,8 +365,10 @@ class LiveStream:
                 imported = session._import_new_in_c(message, token, self._slot_names[0])
             if imported is None:
                 # The session's own import (decode, full check, map), under this batch's lease; one
-                # remembered message per slot, so a reused slot or segment costs a lookup.
-                imported = session._import(message, fds, name=self._slot_name(key), token=token)
+                # remembered message per slot, so a reused slot or segment costs a lookup. The
+                # first sight of a ring segment's message checks its contents at the session's
+                # level; later batches there are checked by the C core.
+                imported = session._import(message, fds, name=self._slot_name(ring, slot), token=token)
         except ProtocolError as exc:  # the batch's message or regions: this batch is refused
             self._credit.give_back([lease_id])  # if no owner came to life, nobody else would
             raise _BatchRefused(exc) from None
@@ -356,61 +378,47 @@ class LiveStream:
         if not isinstance(imported, ImportedArray):
             imported.release()
             raise ProtocolError("a stream's BATCH holds a table/stream message (one batch expected)")
-        if ring:
-            # A segment's contents are new with every batch while its message (the layout) repeats,
-            # so the remembered message's check covers the layout only: the contents are checked
-            # here, at the session's level, as a new message's would be.
-            try:
-                check_content(imported._decoded, imported._bases, session._host_check)
-            except ProtocolError as exc:  # the contents of this batch: refused, the stream goes on
-                imported.release()
-                raise _BatchRefused(exc) from None
-            except BaseException:
-                imported.release()
-                raise
-            self._ring_held[slot] = lease_id
-            self._lease_ring[lease_id] = slot
         imported.name = self.name
-        self.dropped += sequence - self._expected
-        self._expected = sequence + 1
-        self.last_sequence = sequence
-        self.received += 1
+        lib.aib_stream_rx_accept(self._rx, out)
         next(stream_counters.batches_received)
         return imported
 
-    def _ring_released(self, lease_id: int) -> None:
-        """A batch's lease ends (any thread): its ring segment is no longer held here."""
-        slot = self._lease_ring.pop(lease_id, None)
-        if slot is not None and self._ring_held.get(slot) == lease_id:
-            del self._ring_held[slot]
-
-    def _keep_slot(self, slot: tuple[bool, int], message: bytes, fds: list[int]) -> None:
-        """Keep a slot's message with copies of its descriptors, replacing the slot's last."""
-        if len(self._slots) >= stream_frames.MAX_SLOTS and slot not in self._slots:
-            raise ProtocolError(f"more than {stream_frames.MAX_SLOTS} slots on one stream")
-        copies: list[int] = []
-        try:
-            for fd in fds:
-                copies.append(os.dup(fd))
-        except OSError as exc:
-            close_fds(copies)
-            raise RegionError(f"keeping a slot's descriptors: {exc}") from exc
-        old = self._slots.pop(slot, None)
-        self._slots[slot] = (message, copies)
-        if old is not None:
-            close_fds(old[1])
-
-    def _slot_name(self, key: tuple[bool, int]) -> str:
-        ring, slot = key
+    def _slot_name(self, ring: bool, slot: int) -> str:
         if slot == stream_frames.NO_SLOT:
             return self._slot_names[0]
         return f"{self.name}#{'ring' if ring else 'slot'}{slot}"
+
+    def _counts(self) -> Any:
+        counts = self._counts_out
+        lib.aib_stream_rx_counts(self._rx, counts)
+        return counts
+
+    @property
+    def received(self) -> int:
+        """Batches received so far."""
+        return int(self._counts().received)
+
+    @property
+    def dropped(self) -> int:
+        """Batches the producer dropped for this consumer (gaps in the sequence numbers; policy
+        ``"drop_oldest"``)."""
+        return max(int(self._counts().dropped), self._end.dropped if self._end is not None else 0)
+
+    @property
+    def last_sequence(self) -> int:
+        """The sequence number of the last batch received (-1: none yet)."""
+        return int(self._counts().last_sequence)
+
+    @property
+    def repeated(self) -> int:
+        """Batches that came as a reserved slot's (or ring segment's) message again, without message
+        or descriptors."""
+        return int(self._counts().repeated)
 
     def _finished(self) -> None:
         """Raise the error the stream ended with, if any."""
         end = self._end
         assert end is not None
-        self.dropped = max(self.dropped, end.dropped)
         if end.error_type is None:
             return
         text = f"stream {self.name!r}: {end.message}"
@@ -487,7 +495,7 @@ class LiveStream:
             reaper.settle()
             self._credit.flush()
         self._session.close()
-        _close_kept(self._slots)
+        lib.aib_stream_rx_forget_slots(self._rx)
 
     def __enter__(self) -> LiveStream:
         return self
@@ -503,34 +511,12 @@ class LiveStream:
 
 class _BatchRefused(Exception):
     """Internal: a batch's message or regions were refused (bad data in that batch only, its lease
-    given back); :meth:`LiveStream._next` raises the ProtocolError it carries and keeps the
+    given back); :meth:`LiveStream.next_batch` raises the ProtocolError it carries and keeps the
     subscription, where a frame that breaks the stream's protocol ends it."""
 
     def __init__(self, error: ProtocolError) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-def _check_ring_segment(fds: list[int]) -> None:
-    """A ring segment is one memfd sealed against shrinking and growing (a mapping of it can never
-    fault past its end) and against writes through any other mapping or descriptor (so no other
-    holder, this consumer included, changes a batch under the producer and the other consumers)."""
-    if len(fds) != 1:
-        raise ProtocolError(f"a BATCH in the producer's ring carries {len(fds)} descriptors (one segment)")
-    try:
-        seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
-    except OSError as exc:
-        raise ProtocolError(f"a ring segment's descriptor has no seals ({exc}): not a sealed memfd") from exc
-    if seals & _RING_SEALS != _RING_SEALS:
-        raise ProtocolError(
-            f"a ring segment's memfd has seals {seals:#x}, not shrink, grow and write ({_RING_SEALS:#x})"
-        )
-
-
-def _close_kept(slots: dict[tuple[bool, int], tuple[bytes, list[int]]]) -> None:
-    for _, fds in slots.values():
-        close_fds(fds)
-    slots.clear()
 
 
 def open_subscription(

@@ -53,6 +53,10 @@ U32_MAX: Final = 0xFFFFFFFF
 _U16_MAX = 0xFFFF
 _GET_IMPORTED = int(lib.AIB_GET_IMPORTED)
 _GET_IMPORTED_NEW = int(lib.AIB_GET_IMPORTED_NEW)
+_STREAM_NOTHING = int(lib.AIB_STREAM_NOTHING)
+_STREAM_BATCH = int(lib.AIB_STREAM_BATCH)
+_STREAM_NEW = int(lib.AIB_STREAM_NEW)
+_STREAM_FRAME = int(lib.AIB_STREAM_FRAME)
 # What aib_channel_send refuses before anything went out (the frame itself is invalid).
 _INVALID_FRAME = frozenset({int(lib.AIB_E_LIMIT), int(lib.AIB_E_STATE)})
 # Send failures after which the stream is still in step (nothing went out, or nobody is left).
@@ -336,6 +340,53 @@ class Channel:
             rc = lib.aib_channel_recv(self.raw, millis(timeout), self._frame, err)
             if rc == 0:
                 return frame_from(self._frame)
+            if rc == lib.AIB_E_TIMEOUT and not lib.aib_channel_mid_frame(self.raw):
+                raise error_for(rc, err, "receiving a frame", timeout)
+            raise self.failed(rc, err, "receiving a frame", timeout, holding="recv")
+        finally:
+            self._recv_lock.release()
+
+    def recv_batch(
+        self, stream: tuple[Any, Any, int, Any, int], spin_ns: int, timeout: float | None, out: Any, err: Any
+    ) -> tuple[int, Frame | None]:
+        """A live stream's next frame, and its batch imported when the session remembers its
+        message: one call of ``aib_stream_rx_next`` (``cffi_build/bridge_stream.h``) under the
+        receive lock. ``stream``: the stream's fixed arguments (its ``aib_stream_rx``, the session's
+        remembered set, the lease token base, the session's lease keeper, the content check's
+        code). ``spin_ns`` >= 0: only a frame that arrives within that many nanoseconds
+        (looked for without sleeping), else ``AIB_STREAM_NOTHING``; < 0: waits up to ``timeout``.
+        Returns the call's code with ``out`` (and ``err``, for a refused or broken batch) filled,
+        and a frame for ``AIB_STREAM_FRAME`` (the frame received: its descriptors the caller's) and
+        ``AIB_STREAM_NEW`` (the batch's message as its payload; its descriptors when they came with
+        the frame, else ``out``'s kept copies, borrowed). A failure of the channel itself raises as
+        :meth:`recv` does."""
+        if timeout is None:
+            self._recv_lock.acquire()
+        elif not self._recv_lock.acquire(timeout=timeout):
+            raise BridgeTimeoutError(
+                f"recv timed out after {timeout} s waiting for another receiver",
+                waiting_for="receive",
+                timeout=timeout,
+            )
+        try:
+            if self._closed or self._pid != process.pid:
+                self.check_open()
+            raw = self._frame
+            rx, remembered, lease_tokens, keeper, level = stream
+            rc = lib.aib_stream_rx_next(
+                rx, self.raw, remembered, lease_tokens, keeper, level, spin_ns, millis(timeout), out, raw, err
+            )
+            if rc in {_STREAM_BATCH, _STREAM_NOTHING}:
+                return rc, None
+            if rc == _STREAM_NEW:
+                # Copied under the lock: the payload lies in the channel's buffer until the next receive.
+                message = ffi.buffer(out.message, out.message_len)[:]
+                fds = [int(raw.fds[i]) for i in range(raw.n_fds)] if out.fds_are_frames else []
+                return rc, Frame(int(raw.kind), message, fds)
+            if rc == _STREAM_FRAME:
+                return rc, frame_from(raw)
+            if rc >= _STREAM_NOTHING:  # refused or broken: err says why
+                return rc, None
             if rc == lib.AIB_E_TIMEOUT and not lib.aib_channel_mid_frame(self.raw):
                 raise error_for(rc, err, "receiving a frame", timeout)
             raise self.failed(rc, err, "receiving a frame", timeout, holding="recv")
