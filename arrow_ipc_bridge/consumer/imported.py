@@ -166,14 +166,16 @@ class _ImportedBase(ImportState, DeviceStreamExporter):
     def release(self) -> None:
         """Give this object's hold back (idempotent). Structs already handed to consumers stay valid
         until they are released; the lease ends after the last one."""
-        if not self._decoded.closed:
+        decoded = self._decoded
+        if not decoded._closed:
             # When that was the last hold, the lease ends just now: deliver the notice on this
             # thread instead of waking the reaper thread (a thread switch and GIL hand-off less).
             lib.aib_reaper_quiet(1)
             try:
-                self._decoded.close()
-                if self._on_release is not None:
-                    self._on_release()
+                decoded.close()
+                on_release = self._on_release
+                if on_release is not None:
+                    on_release()
             finally:
                 lib.aib_reaper_quiet(0)
                 reaper.drain()

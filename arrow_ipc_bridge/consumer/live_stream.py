@@ -89,10 +89,11 @@ class _Credit:
         """A batch's owner died (the reaper family's callback)."""
         lib.aib_stream_rx_released(self._rx, lease_id)
         with self._lock:
-            self._pending.append(lease_id)
-            if not self._receiving and len(self._pending) < self._threshold:
+            ids = self._pending
+            ids.append(lease_id)
+            if not self._receiving and len(ids) < self._threshold:
                 return
-            ids, self._pending = self._pending, []
+            self._pending = []
         self._send(ids)
 
     def waiting(self, waiting: bool) -> None:
@@ -199,7 +200,8 @@ class LiveStream:
         a :class:`~arrow_ipc_bridge.errors.ProtocolError` every call raises it again (a new one
         of the same type, message and details, caused by the first); after :meth:`close`:
         :class:`~arrow_ipc_bridge.errors.ClosedError`."""
-        if self._session.closed:
+        session = self._session
+        if session._closed:
             raise ClosedError(f"the live stream {self.name!r} is closed: subscribe again", what="live stream")
         if not isinstance(timeout, EllipsisType):
             timeout = arguments.optional_seconds(timeout, "timeout")
@@ -212,7 +214,6 @@ class LiveStream:
         if self._end is not None:
             self._finished()
             return None
-        session = self._session
         session._check_open()
         wait = self._timeout if isinstance(timeout, EllipsisType) else timeout
         # A frame already here (in the channel's buffer or the socket) is taken at once. Else the
@@ -220,7 +221,7 @@ class LiveStream:
         # leases back unless the producer may be waiting for them, and sends them all before it
         # sleeps (see _Credit).
         try:
-            rc, frame = self._receive(0, wait)
+            rc, frame = self._channel.recv_batch(self._rx_call, 0, wait, self._out, self._err)
             if rc == _NOTHING:
                 credit = self._credit
                 if credit.may_block:

@@ -28,7 +28,6 @@ can name a lease's owner without a Python call per get.
 from __future__ import annotations
 
 import atexit
-import functools
 import itertools
 import logging
 import os
@@ -111,8 +110,9 @@ def pending_callbacks() -> int:
 
 def drain() -> int:
     """Run the callbacks of every owner that died so far; return how many ran."""
-    out = getattr(_buffers, "out", None)
-    if out is None:  # one per thread: drain runs on the reaper thread and on releasing threads
+    try:
+        out = _buffers.out
+    except AttributeError:  # one per thread: drain runs on the reaper thread and on releasing threads
         out = _buffers.out = ffi.new("uint64_t[]", _BATCH)
     ran = 0
     while True:
@@ -120,23 +120,29 @@ def drain() -> int:
         if n == 0:
             return ran
         # Copied out (ffi.unpack makes a list) before any callback runs: a callback may drain again
-        # on this thread, into the same buffer.
+        # on this thread, into the same buffer. The registries are read without the lock: a dict's
+        # get and pop are atomic, and a family unregistered meanwhile runs its last notice.
         for token in ffi.unpack(out, n):
             family = token >> FAMILY_VALUE_BITS
-            callback: Callable[[], None] | None
-            with _lock:
+            try:
                 if family:
                     member = _families.get(family)
-                    callback = None if member is None else functools.partial(member, token & _VALUE_MASK)
+                    if member is None:
+                        continue
+                    member(token & _VALUE_MASK)
                 else:
                     callback = _callbacks.pop(token, None)
-            if callback is None:
-                continue
-            ran += 1
-            try:
-                callback()
+                    if callback is None:
+                        continue
+                    callback()
+                ran += 1
             except Exception:  # a failing notice must not stop the others
+                ran += 1
                 _log.exception("arrow_ipc_bridge: owner release callback failed")
+        if n < _BATCH:
+            # The queue is empty as of that call: an owner dying after it was queued by a thread
+            # that wrote the reaper's pipe (the reaper thread delivers it) or drains itself.
+            return ran
 
 
 def settle(timeout: float = 1.0) -> None:

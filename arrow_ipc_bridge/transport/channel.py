@@ -360,14 +360,17 @@ class Channel:
         ``AIB_STREAM_NEW`` (the batch's message as its payload; its descriptors when they came with
         the frame, else ``out``'s kept copies, borrowed). A failure of the channel itself raises as
         :meth:`recv` does."""
-        if timeout is None:
-            self._recv_lock.acquire()
-        elif not self._recv_lock.acquire(timeout=timeout):
-            raise BridgeTimeoutError(
-                f"recv timed out after {timeout} s waiting for another receiver",
-                waiting_for="receive",
-                timeout=timeout,
-            )
+        lock = self._recv_lock
+        # Untimed first: a lock nobody holds (the usual case) costs no timed wait.
+        if not lock.acquire(False):
+            if timeout is None:
+                lock.acquire()
+            elif not lock.acquire(timeout=timeout):
+                raise BridgeTimeoutError(
+                    f"recv timed out after {timeout} s waiting for another receiver",
+                    waiting_for="receive",
+                    timeout=timeout,
+                )
         try:
             if self._closed or self._pid != process.pid:
                 self.check_open()
