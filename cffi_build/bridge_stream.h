@@ -62,6 +62,8 @@ void aib_stream_rx_counts(aib_stream_rx *s, aib_stream_counts *out);
 /* The lease owner (token set, holding keeper) for an import of the remembered message these bytes
  * arriving with these descriptors are, the message marked used and *id_out its id; NULL when not
  * remembered (or out of memory). What aib_session_get does for an ITEM, for a stream's BATCH
- * (remembered.c). */
+ * (remembered.c). matched_id: the id of the message these same descriptors matched before (a
+ * slot's kept copies), whose files are then not checked again; 0: none. */
 aib_owner *aib_remembered_import(aib_remembered *r, const uint8_t *message, size_t length, const int *fds,
-                                 uint32_t n_fds, uint64_t token, aib_owner *keeper, uint64_t *id_out);
+                                 uint32_t n_fds, uint64_t matched_id, uint64_t token, aib_owner *keeper,
+                                 uint64_t *id_out);

@@ -38,6 +38,11 @@ static pthread_once_t reaper_once = PTHREAD_ONCE_INIT;
 static int reaper_pipe[2] = {-1, -1};
 static uint64_t *reaper_tokens;
 static size_t reaper_len, reaper_cap;
+/* Wake-up bytes written to the pipe and not read yet, counted after each write: a drain reads the
+ * pipe only when some were (a release on a quiet thread, the common case, wrote none, so its drain
+ * makes no system call). Counted after the write, so a drain that sees the count finds the byte. */
+static atomic_long reaper_pipe_bytes;
+
 
 /* In a child of fork: the queue holds the parent's owners' deaths (their callbacks would act on
  * the parent's connections), the lock may have been held by a parent thread, and the pipe is
@@ -46,6 +51,7 @@ static size_t reaper_len, reaper_cap;
 static void reaper_after_fork_child(void) {
   pthread_mutex_init(&reaper_lock, NULL);
   reaper_len = 0;
+  atomic_store(&reaper_pipe_bytes, 0); /* the child's pipe is a fresh, empty one */
   int fresh[2];
   if (pipe2(fresh, O_CLOEXEC | O_NONBLOCK) != 0) fresh[0] = fresh[1] = -1;
   int old_read = reaper_pipe[0], old_write = reaper_pipe[1];
@@ -73,6 +79,12 @@ static _Thread_local int reaper_quiet;
 
 void aib_reaper_quiet(int on) { reaper_quiet = on; }
 
+static void reaper_wake(void) {
+  char byte = 1;
+  /* A full pipe is fine: the reader drains every queued token per wake-up. */
+  if (write(reaper_pipe[1], &byte, 1) == 1) atomic_fetch_add(&reaper_pipe_bytes, 1);
+}
+
 static void reaper_push(uint64_t token) {
   pthread_once(&reaper_once, reaper_init);
   pthread_mutex_lock(&reaper_lock);
@@ -90,19 +102,15 @@ static void reaper_push(uint64_t token) {
   }
   reaper_tokens[reaper_len++] = token;
   pthread_mutex_unlock(&reaper_lock);
-  if (reaper_pipe[1] >= 0 && !reaper_quiet) {
-    char byte = 1;
-    /* A full pipe is fine: the reader drains every queued token per wake-up. */
-    ssize_t ignored = write(reaper_pipe[1], &byte, 1);
-    (void)ignored;
-  }
+  if (reaper_pipe[1] >= 0 && !reaper_quiet) reaper_wake();
 }
 
 size_t aib_reaper_drain(uint64_t *tokens_out, size_t max) {
   pthread_once(&reaper_once, reaper_init);
   char sink[256];
-  while (reaper_pipe[0] >= 0 && read(reaper_pipe[0], sink, sizeof(sink)) > 0) {
-  }
+  if (atomic_exchange(&reaper_pipe_bytes, 0) > 0)
+    while (reaper_pipe[0] >= 0 && read(reaper_pipe[0], sink, sizeof(sink)) > 0) {
+    }
   pthread_mutex_lock(&reaper_lock);
   size_t n = reaper_len < max ? reaper_len : max;
   memcpy(tokens_out, reaper_tokens, n * sizeof(uint64_t));
@@ -110,11 +118,7 @@ size_t aib_reaper_drain(uint64_t *tokens_out, size_t max) {
   reaper_len -= n;
   int more = reaper_len > 0;
   pthread_mutex_unlock(&reaper_lock);
-  if (more && reaper_pipe[1] >= 0) {
-    char byte = 1;
-    ssize_t ignored = write(reaper_pipe[1], &byte, 1);
-    (void)ignored;
-  }
+  if (more && reaper_pipe[1] >= 0) reaper_wake();
   return n;
 }
 

@@ -411,13 +411,16 @@ static aib_owner *import_owner(aib_remembered *r, entry *e, aib_owner *holds) {
  * on which the import's owner depends; a standing lease on an older serial (the same bytes published
  * again) is given back then. */
 static aib_owner *import_remembered(aib_remembered *r, const uint8_t *message, size_t length, const int *fds,
-                                    uint32_t n_fds, uint64_t token, aib_owner *keeper, const board_answer *board,
-                                    uint32_t board_slots, uint64_t *id_out, int *standing_out) {
+                                    uint32_t n_fds, uint64_t matched_id, uint64_t token, aib_owner *keeper,
+                                    const board_answer *board, uint32_t board_slots, uint64_t *id_out,
+                                    int *standing_out) {
   uint64_t hash = aib_hash_bytes(message, length);
   aib_owner *owner = NULL, *replaced = NULL;
   pthread_mutex_lock(&r->mu);
   entry *e = *find(r, message, length, hash);
-  if (e != NULL && !same_files(e, fds, n_fds)) e = NULL;
+  /* matched_id: the entry these very descriptors matched before (ids are never reused, and an
+   * entry's files never change), so its files need no fstat again. */
+  if (e != NULL && (matched_id == 0 || e->id != matched_id) && !same_files(e, fds, n_fds)) e = NULL;
   if (e != NULL) {
     /* Named messages only: a local get finds the message by its name. */
     int stand = board->present && board->slot < board_slots && e->named &&
@@ -464,10 +467,11 @@ static aib_owner *import_remembered(aib_remembered *r, const uint8_t *message, s
 }
 
 aib_owner *aib_remembered_import(aib_remembered *r, const uint8_t *message, size_t length, const int *fds,
-                                 uint32_t n_fds, uint64_t token, aib_owner *keeper, uint64_t *id_out) {
+                                 uint32_t n_fds, uint64_t matched_id, uint64_t token, aib_owner *keeper,
+                                 uint64_t *id_out) {
   const board_answer none = {0, 0, 0};
   int standing = 0;
-  return import_remembered(r, message, length, fds, n_fds, token, keeper, &none, 0, id_out, &standing);
+  return import_remembered(r, message, length, fds, n_fds, matched_id, token, keeper, &none, 0, id_out, &standing);
 }
 
 /* A get of name without a round trip: its remembered message holds a standing lease whose serial
@@ -563,7 +567,7 @@ int aib_session_get(aib_channel *ch, const uint8_t *name, size_t name_len, int64
   const uint8_t *message = p + prefix;
   size_t length = (size_t)frame->length - prefix;
   int standing = 0;
-  aib_owner *owner = import_remembered(remembered, message, length, frame->fds, frame->n_fds, lease_tokens | lease,
+  aib_owner *owner = import_remembered(remembered, message, length, frame->fds, frame->n_fds, 0, lease_tokens | lease,
                                        keeper, &answer, board != NULL ? board_slots : 0, &out->entry_id, &standing);
   if (owner == NULL) {
     /* Not remembered: imported here still when every region is open in this process already. */

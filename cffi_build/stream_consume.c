@@ -44,6 +44,9 @@ typedef struct kept {
   size_t length;
   int *fds;
   uint32_t n_fds;
+  /* The remembered message these copies last matched (0: none yet): the same descriptors finding
+   * the same message again need no fstat (aib_remembered_import's matched_id). */
+  uint64_t entry_id;
 } kept;
 
 /* The slots of one kind (reserved slots, ring segments), by number; grown as numbers come. */
@@ -164,7 +167,7 @@ static int keep(aib_stream_rx *s, slot_table *t, uint32_t slot, const uint8_t *m
   kept *k = &t->slots[slot];
   if (k->message == NULL && s->n_kept >= AIB_STREAM_MAX_SLOTS)
     return aib_fail(err, AIB_STREAM_BROKEN, "", "", "more than %d slots on one stream", AIB_STREAM_MAX_SLOTS);
-  kept fresh = {malloc(length ? length : 1), length, n_fds ? malloc(n_fds * sizeof(int)) : NULL, 0};
+  kept fresh = {malloc(length ? length : 1), length, n_fds ? malloc(n_fds * sizeof(int)) : NULL, 0, 0};
   if (fresh.message == NULL || (n_fds && fresh.fds == NULL)) {
     forget(&fresh);
     return aib_fail(err, AIB_E_NOMEM, "", "", "keeping a slot's message: out of memory");
@@ -209,7 +212,8 @@ static void close_frame_fds(aib_frame *frame) {
 
 /* The header, the stream's order and the slot's message (steps 1 to 3 of a BATCH): AIB_OK with
  * out->message and out->fds set, or a refusal / breach (mu held). */
-static int read_batch_locked(aib_stream_rx *s, aib_frame *frame, aib_stream_batch *out, aib_error *err) {
+static int read_batch_locked(aib_stream_rx *s, aib_frame *frame, aib_stream_batch *out, uint64_t *matched_id,
+                             aib_error *err) {
   const uint8_t *p = frame->payload;
   if (frame->length < HEADER_SIZE)
     return aib_fail(err, AIB_STREAM_BROKEN, "", "", "BATCH payload of %llu bytes (a %d-byte header first)",
@@ -258,6 +262,7 @@ static int read_batch_locked(aib_stream_rx *s, aib_frame *frame, aib_stream_batc
     out->fds = k->fds;
     out->n_fds = k->n_fds;
     out->fds_are_frames = 0;
+    *matched_id = k->entry_id;
     s->repeated++;
     return AIB_OK;
   }
@@ -296,8 +301,9 @@ int aib_stream_rx_next(aib_stream_rx *s, aib_channel *ch, aib_remembered *rememb
   int rc = aib_channel_recv(ch, timeout_ms, frame, err);
   if (rc) return rc;
   if (frame->kind != FRAME_BATCH) return AIB_STREAM_FRAME;
+  uint64_t matched_id = 0;
   pthread_mutex_lock(&s->mu);
-  rc = read_batch_locked(s, frame, out, err);
+  rc = read_batch_locked(s, frame, out, &matched_id, err);
   pthread_mutex_unlock(&s->mu);
   if (rc == AIB_STREAM_BROKEN) {
     close_frame_fds(frame);
@@ -310,7 +316,8 @@ int aib_stream_rx_next(aib_stream_rx *s, aib_channel *ch, aib_remembered *rememb
   uint64_t token = lease_tokens | out->lease_id;
   aib_owner *owner = remembered == NULL ? NULL
                                         : aib_remembered_import(remembered, out->message, (size_t)out->message_len,
-                                                                out->fds, out->n_fds, token, keeper, &out->entry_id);
+                                                                out->fds, out->n_fds, matched_id, token, keeper,
+                                                                &out->entry_id);
   if (owner == NULL) return AIB_STREAM_NEW; /* the frame's descriptors are the caller's to close */
   if (out->ring && check_level != AIB_CHECK_NONE) {
     /* A segment's contents are new with every batch while its message (the layout) repeats, so the
@@ -334,6 +341,8 @@ int aib_stream_rx_next(aib_stream_rx *s, aib_channel *ch, aib_remembered *rememb
   out->owner_address = (uintptr_t)owner;
   out->sync_slot = *aib_owner_slot(owner) != 0 ? aib_owner_slot(owner) : NULL;
   pthread_mutex_lock(&s->mu);
+  slot_table *t = &s->tables[out->ring];
+  if (out->slot < t->capacity && t->slots[out->slot].message != NULL) t->slots[out->slot].entry_id = out->entry_id;
   accept_locked(s, out);
   pthread_mutex_unlock(&s->mu);
   return AIB_STREAM_BATCH;
