@@ -321,13 +321,16 @@ int aib_stream_rx_next(aib_stream_rx *s, aib_channel *ch, aib_remembered *rememb
   if (owner == NULL) return AIB_STREAM_NEW; /* the frame's descriptors are the caller's to close */
   if (out->ring && check_level != AIB_CHECK_NONE) {
     /* A segment's contents are new with every batch while its message (the layout) repeats, so the
-     * remembered message's check covered the layout only: the contents are checked here. */
-    const uint64_t *bases = NULL;
-    int64_t device_id = -1;
-    size_t n_bases = aib_owner_view_bases(owner, &bases, &device_id);
+     * remembered message's check covered the layout only: the contents are checked here, read in
+     * place. A segment is host memory: a message naming device memory in one is refused (its
+     * contents cannot be read here). */
+    const aib_view *view = aib_owner_view(owner);
     static const uint64_t no_bases[1] = {0};
-    rc = aib_check_content(aib_owner_decoded(owner), n_bases ? bases : no_bases, n_bases, check_level, NULL, NULL,
-                           err);
+    if (view == NULL || view->device_type != ARROW_DEVICE_CPU)
+      rc = aib_fail(err, AIB_E_WIRE, "", "", "a BATCH in the producer's ring describes device memory");
+    else
+      rc = aib_check_content(aib_owner_decoded(owner), view->n_bases ? view->bases : no_bases, view->n_bases,
+                             check_level, NULL, NULL, err);
     if (rc) {
       aib_owner_set_token(owner, 0); /* dies quietly: the caller gives the lease back */
       aib_owner_unref(owner);

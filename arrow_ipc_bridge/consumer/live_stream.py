@@ -379,6 +379,10 @@ class LiveStream:
         if not isinstance(imported, ImportedArray):
             imported.release()
             raise ProtocolError("a stream's BATCH holds a table/stream message (one batch expected)")
+        if ring and imported.device_type != DEVICE_CPU:
+            # A segment is host memory, whose contents the C receive checks with every later batch.
+            imported.release()  # its lease ends: the credit goes back
+            raise _BatchRefused(ProtocolError("a BATCH in the producer's ring describes device memory"))
         imported.name = self.name
         lib.aib_stream_rx_accept(self._rx, out)
         next(stream_counters.batches_received)
