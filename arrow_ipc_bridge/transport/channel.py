@@ -57,6 +57,7 @@ _STREAM_NOTHING = int(lib.AIB_STREAM_NOTHING)
 _STREAM_BATCH = int(lib.AIB_STREAM_BATCH)
 _STREAM_NEW = int(lib.AIB_STREAM_NEW)
 _STREAM_FRAME = int(lib.AIB_STREAM_FRAME)
+_STREAM_DONE = frozenset({_STREAM_BATCH, _STREAM_NOTHING})  # nothing more to hand back
 # What aib_channel_send refuses before anything went out (the frame itself is invalid).
 _INVALID_FRAME = frozenset({int(lib.AIB_E_LIMIT), int(lib.AIB_E_STATE)})
 # Send failures after which the stream is still in step (nothing went out, or nobody is left).
@@ -376,10 +377,11 @@ class Channel:
                 self.check_open()
             raw = self._frame
             rx, remembered, lease_tokens, keeper, level = stream
+            timeout_ms = -1 if timeout is None else millis(timeout)
             rc = lib.aib_stream_rx_next(
-                rx, self.raw, remembered, lease_tokens, keeper, level, spin_ns, millis(timeout), out, raw, err
+                rx, self.raw, remembered, lease_tokens, keeper, level, spin_ns, timeout_ms, out, raw, err
             )
-            if rc in {_STREAM_BATCH, _STREAM_NOTHING}:
+            if rc in _STREAM_DONE:
                 return rc, None
             if rc == _STREAM_NEW:
                 # Copied under the lock: the payload lies in the channel's buffer until the next receive.
