@@ -22,7 +22,6 @@ __all__ = [
     "POLICIES",
     "StreamEnd",
     "Subscribed",
-    "decode_batch_header",
     "decode_release_many",
     "decode_stream_end",
     "decode_subscribe",
@@ -49,7 +48,6 @@ FLAG_SLOT_AGAIN = 1
 FLAG_RING = 2
 """BATCH flag: ``slot`` is a segment of the producer's ring (a written batch copied in), not a
 reserved slot; its one descriptor must be a memfd sealed against shrinking, growing and writes."""
-_FLAGS = FLAG_SLOT_AGAIN | FLAG_RING
 BATCH_HEADER_SIZE = _BATCH.size
 _U64_MAX = (1 << 64) - 1
 
@@ -112,32 +110,9 @@ def decode_release_many(payload: bytes) -> tuple[int, ...]:
 
 
 def encode_batch_header(sequence: int, lease_id: int, slot: int = NO_SLOT, flags: int = 0) -> bytes:
+    """A BATCH's header; the message follows unless ``flags`` has :data:`FLAG_SLOT_AGAIN`. The
+    consumer reads it in its C receive (``cffi_build/stream_consume.c``), as hostile input."""
     return _BATCH.pack(sequence, lease_id, slot, flags)
-
-
-def decode_batch_header(payload: bytes) -> tuple[int, int, int, bool, bool]:
-    """(sequence, lease id, slot, again, ring) of a BATCH; the message follows at
-    :data:`BATCH_HEADER_SIZE`, except when ``again`` (flag :data:`FLAG_SLOT_AGAIN`): the batch is
-    the message and descriptors of the slot's last BATCH to this subscriber, and nothing follows.
-    ``slot`` (:data:`NO_SLOT`: none) says which reserved slot, or with ``ring`` (flag
-    :data:`FLAG_RING`) which segment of the producer's ring, the batch lies in: the consumer keeps
-    one remembered message per slot."""
-    if len(payload) < _BATCH.size:
-        raise ProtocolError(f"BATCH payload of {len(payload)} bytes (a {_BATCH.size}-byte header first)")
-    sequence, lease_id, slot, flags = _BATCH.unpack_from(payload)
-    if flags & ~_FLAGS:
-        raise ProtocolError(f"BATCH flags {flags:#x} (only {_FLAGS:#x} are defined)")
-    if slot != NO_SLOT and slot >= MAX_SLOTS:
-        raise ProtocolError(f"BATCH names slot {slot} (at most {MAX_SLOTS})")
-    again = bool(flags & FLAG_SLOT_AGAIN)
-    ring = bool(flags & FLAG_RING)
-    if ring and slot == NO_SLOT:
-        raise ProtocolError("a BATCH in the producer's ring names no segment")
-    if again and (slot == NO_SLOT or len(payload) != _BATCH.size):
-        raise ProtocolError("a BATCH repeating its slot names a slot and carries nothing after its header")
-    if not again and len(payload) == _BATCH.size:
-        raise ProtocolError(f"BATCH payload of {len(payload)} bytes (a header, then a message)")
-    return int(sequence), int(lease_id), int(slot), again, ring
 
 
 # A STREAM_END's type for an end with an error. They are tokens of the wire, spelled as the
