@@ -291,27 +291,17 @@ static int frame_within(aib_channel *ch, int64_t spin_ns) {
   return 0;
 }
 
-int aib_stream_rx_next(aib_stream_rx *s, aib_channel *ch, aib_remembered *remembered, uint64_t lease_tokens,
-                       aib_owner *keeper, int check_level, int64_t spin_ns, int64_t timeout_ms,
-                       aib_stream_batch *out, aib_frame *frame, aib_error *err) {
-  memset(out, 0, sizeof(*out));
-  out->slot = AIB_STREAM_NO_SLOT;
-  frame->n_fds = 0;
-  if (spin_ns >= 0 && !frame_within(ch, spin_ns)) return AIB_STREAM_NOTHING;
-  int rc = aib_channel_recv(ch, timeout_ms, frame, err);
-  if (rc) return rc;
-  if (frame->kind != FRAME_BATCH) return AIB_STREAM_FRAME;
+/* Under mu: a received BATCH read and, when its message is remembered, imported (AIB_STREAM_BATCH,
+ * out filled, the batch counted); AIB_STREAM_NEW for Python's import, or a refusal / breach. */
+static int import_batch_locked(aib_stream_rx *s, aib_remembered *remembered, uint64_t lease_tokens,
+                               aib_owner *keeper, int check_level, aib_stream_batch *out, aib_frame *frame,
+                               aib_error *err) {
   uint64_t matched_id = 0;
-  pthread_mutex_lock(&s->mu);
-  rc = read_batch_locked(s, frame, out, &matched_id, err);
-  pthread_mutex_unlock(&s->mu);
-  if (rc == AIB_STREAM_BROKEN) {
-    close_frame_fds(frame);
-    return rc;
-  }
-  if (rc) { /* this batch refused, or the system refused its descriptors: its lease goes back */
-    close_frame_fds(frame);
-    return rc == AIB_STREAM_REFUSED ? rc : (err->code = rc, AIB_STREAM_REFUSED);
+  int rc = read_batch_locked(s, frame, out, &matched_id, err);
+  if (rc == AIB_STREAM_BROKEN || rc == AIB_STREAM_REFUSED) return rc;
+  if (rc) { /* the system refused the slot's descriptors (or memory): this batch's lease goes back */
+    err->code = rc;
+    return AIB_STREAM_REFUSED;
   }
   uint64_t token = lease_tokens | out->lease_id;
   aib_owner *owner = remembered == NULL ? NULL
@@ -334,19 +324,34 @@ int aib_stream_rx_next(aib_stream_rx *s, aib_channel *ch, aib_remembered *rememb
     if (rc) {
       aib_owner_set_token(owner, 0); /* dies quietly: the caller gives the lease back */
       aib_owner_unref(owner);
-      close_frame_fds(frame);
       err->code = rc;
       return AIB_STREAM_REFUSED;
     }
   }
-  close_frame_fds(frame); /* the template maps these files already */
   out->owner = owner;
   out->owner_address = (uintptr_t)owner;
   out->sync_slot = *aib_owner_slot(owner) != 0 ? aib_owner_slot(owner) : NULL;
-  pthread_mutex_lock(&s->mu);
   slot_table *t = &s->tables[out->ring];
   if (out->slot < t->capacity && t->slots[out->slot].message != NULL) t->slots[out->slot].entry_id = out->entry_id;
   accept_locked(s, out);
-  pthread_mutex_unlock(&s->mu);
   return AIB_STREAM_BATCH;
+}
+
+int aib_stream_rx_next(aib_stream_rx *s, aib_channel *ch, aib_remembered *remembered, uint64_t lease_tokens,
+                       aib_owner *keeper, int check_level, int64_t spin_ns, int64_t timeout_ms,
+                       aib_stream_batch *out, aib_frame *frame, aib_error *err) {
+  memset(out, 0, sizeof(*out));
+  out->slot = AIB_STREAM_NO_SLOT;
+  frame->n_fds = 0;
+  if (spin_ns >= 0 && !frame_within(ch, spin_ns)) return AIB_STREAM_NOTHING;
+  int rc = aib_channel_recv(ch, timeout_ms, frame, err);
+  if (rc) return rc;
+  if (frame->kind != FRAME_BATCH) return AIB_STREAM_FRAME;
+  /* mu is held to the end: the slot's kept message and descriptors this batch uses stay as they are
+   * while it is imported (a close on another thread forgets them under mu). */
+  pthread_mutex_lock(&s->mu);
+  rc = import_batch_locked(s, remembered, lease_tokens, keeper, check_level, out, frame, err);
+  pthread_mutex_unlock(&s->mu);
+  if (rc != AIB_STREAM_NEW) close_frame_fds(frame); /* the template maps these files already */
+  return rc;
 }
