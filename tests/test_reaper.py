@@ -99,6 +99,30 @@ def test_every_dead_owner_runs_its_callback_once() -> None:
     assert not any(reaper.unregister(token) for token in tokens)
 
 
+def test_a_quiet_drain_runs_the_deaths_its_own_callbacks_cause() -> None:
+    """On a quiet thread (a publish, a release: deaths queued without waking the reaper thread) a
+    callback that lets another owner die queues that death quietly too: the same drain runs it,
+    or nobody would until some later drain (a lease never given back)."""
+    ran: list[str] = []
+    inner = lib.aib_owner_new(reaper.register(lambda: ran.append("inner")))
+    assert inner != ffi.NULL
+
+    def outer_died() -> None:
+        ran.append("outer")
+        lib.aib_owner_unref(inner)  # dies here, on the quiet thread
+
+    outer = lib.aib_owner_new(reaper.register(outer_died))
+    assert outer != ffi.NULL
+    reaper.settle()
+    lib.aib_reaper_quiet(1)
+    try:
+        lib.aib_owner_unref(outer)
+        reaper.drain()
+        assert ran == ["outer", "inner"]
+    finally:
+        lib.aib_reaper_quiet(0)
+
+
 def test_a_failing_callback_does_not_stop_the_others(caplog: pytest.LogCaptureFixture) -> None:
     """A callback that raises is logged; the owners that died with it are still reported."""
     ran: list[int] = []

@@ -139,10 +139,9 @@ def drain() -> int:
             except Exception:  # a failing notice must not stop the others
                 ran += 1
                 _log.exception("arrow_ipc_bridge: owner release callback failed")
-        if n < _BATCH:
-            # The queue is empty as of that call: an owner dying after it was queued by a thread
-            # that wrote the reaper's pipe (the reaper thread delivers it) or drains itself.
-            return ran
+        # Not done on a short batch: a callback above may have let an owner die on this thread,
+        # and when this thread is quiet (aib_reaper_quiet: a publish, a release) that death was
+        # queued without waking the reaper thread. Only an empty queue ends the drain.
 
 
 def settle(timeout: float = 1.0) -> None:
