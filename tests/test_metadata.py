@@ -185,6 +185,9 @@ def test_missing_region_and_fd_index() -> None:
     field = wc.Node("l")
     with pytest.raises(ProtocolError, match="does not exist"):
         _decode(wc.message(field, [[wc.ArrayNode(1, 0, 0, [(0, 0, 0), (9, 0, 8)])]]))
+    # One past the last: region code 3 is region 1, and the message has region 0 only.
+    with pytest.raises(ProtocolError, match=r"region 1 does not exist \(1 regions\)"):
+        _decode(wc.message(field, [[wc.ArrayNode(1, 0, 0, [(0, 0, 0), (3, 0, 8)])]]))
     with pytest.raises(ProtocolError, match="fds arrived"):
         _decode(wc.message(field, [[wc.ArrayNode(1, 0, 0, [(0, 0, 0), (2, 0, 8)])]]), n_fds=0)
 
