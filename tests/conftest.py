@@ -158,6 +158,16 @@ def no_leaks(warm: dict[str, int]) -> Iterator[None]:
 
 
 @pytest.fixture
+def channels() -> Iterator[tuple[Channel, Channel]]:
+    """The channels of two connections over a socketpair."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ca, cb = Connection(a), Connection(b)
+    yield ca.channel, cb.channel
+    ca.close()
+    cb.close()
+
+
+@pytest.fixture
 def hostile() -> Iterator[tuple[Channel, socket.socket]]:
     """A channel whose peer is a raw socket the test writes arbitrary bytes and descriptors to."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -20,7 +20,6 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from helpers.socket_helpers import (
@@ -54,22 +53,12 @@ def fill_send_buffer(channel: Channel) -> int:
         count += 1
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[Channel, Channel]]:
-    """The channels of two connections over a socketpair."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    ca, cb = Connection(a), Connection(b)
-    yield ca.channel, cb.channel
-    ca.close()
-    cb.close()
-
-
 # -- round trips -----------------------------------------------------------------------------------------
 
 
-def test_round_trip_without_fds(pair: tuple[Channel, Channel]) -> None:
+def test_round_trip_without_fds(channels: tuple[Channel, Channel]) -> None:
     """Kind and payload arrive unchanged, with an empty descriptor list; both directions work."""
-    a, b = pair
+    a, b = channels
     a.send(7, b"hello")
     frame = b.recv(timeout=5)
     assert frame == Frame(7, b"hello", [])
@@ -78,18 +67,18 @@ def test_round_trip_without_fds(pair: tuple[Channel, Channel]) -> None:
     assert a.recv(timeout=5) == Frame(65535, b"back", [])
 
 
-def test_round_trip_empty_payload(pair: tuple[Channel, Channel]) -> None:
+def test_round_trip_empty_payload(channels: tuple[Channel, Channel]) -> None:
     """A frame with no payload (the default) arrives as b""; kind 0 is valid."""
-    a, b = pair
+    a, b = channels
     a.send(0)
     a.send(3, b"")
     assert b.recv(timeout=5) == Frame(0, b"", [])
     assert b.recv(timeout=5) == Frame(3, b"", [])
 
 
-def test_round_trip_buffer_payloads(pair: tuple[Channel, Channel]) -> None:
+def test_round_trip_buffer_payloads(channels: tuple[Channel, Channel]) -> None:
     """bytearray and memoryview payloads (also of multi-byte items) are sent as their raw bytes."""
-    a, b = pair
+    a, b = channels
     doubles = array.array("d", [1.5, -2.25, 3.0])
     a.send(1, bytearray(b"abc"))
     a.send(2, memoryview(doubles))
@@ -99,10 +88,10 @@ def test_round_trip_buffer_payloads(pair: tuple[Channel, Channel]) -> None:
     assert b.recv(timeout=5).payload == b"234"
 
 
-def test_round_trip_one_fd(pair: tuple[Channel, Channel]) -> None:
+def test_round_trip_one_fd(channels: tuple[Channel, Channel]) -> None:
     """A passed descriptor is a new, close-on-exec descriptor for the same file: data written through it
     is seen through the sender's descriptor and vice versa."""
-    a, b = pair
+    a, b = channels
     with no_fd_leak():
         mem = memfd_with(b"shared memory")
         r, w = os.pipe()
@@ -127,9 +116,9 @@ def test_round_trip_one_fd(pair: tuple[Channel, Channel]) -> None:
                 os.close(fd)
 
 
-def test_round_trip_max_fds(pair: tuple[Channel, Channel]) -> None:
+def test_round_trip_max_fds(channels: tuple[Channel, Channel]) -> None:
     """MAX_FDS descriptors in one frame arrive complete and in the order they were sent."""
-    a, b = pair
+    a, b = channels
     with no_fd_leak():
         mine = [memfd_with(f"file {i}".encode()) for i in range(MAX_FDS)]
         try:
@@ -144,10 +133,10 @@ def test_round_trip_max_fds(pair: tuple[Channel, Channel]) -> None:
 
 
 @pytest.mark.parametrize("size", [1, 64, 65536 - 16, 65536 - 15, 200_000, 5 * 1024 * 1024 + 7])
-def test_round_trip_payload_sizes(pair: tuple[Channel, Channel], size: int) -> None:
+def test_round_trip_payload_sizes(channels: tuple[Channel, Channel], size: int) -> None:
     """Payloads from one byte to several MiB (more than a socket buffer, so sent and received in pieces)
     arrive intact, with the descriptor that came with them."""
-    a, b = pair
+    a, b = channels
     payload = os.urandom(size)
     with no_fd_leak():
         mem = memfd_with(b"x")
@@ -162,10 +151,10 @@ def test_round_trip_payload_sizes(pair: tuple[Channel, Channel], size: int) -> N
             os.close(mem)
 
 
-def test_fds_stay_with_their_frames(pair: tuple[Channel, Channel]) -> None:
+def test_fds_stay_with_their_frames(channels: tuple[Channel, Channel]) -> None:
     """Frames of mixed sizes, some with descriptors and some without, queued back to back: every frame
     gets exactly its own descriptors, however the receiver's reads happen to cut the stream."""
-    a, b = pair
+    a, b = channels
     rng = random.Random(1234)
     plan = [(rng.choice([0, 1, 17, 5000, 40_000, 70_000]), rng.choice([0, 0, 1, 3])) for _ in range(300)]
 
@@ -205,10 +194,10 @@ def test_small_receive_buffer_frames_straddling_its_end() -> None:
                 assert len(frame.fds) == (1 if i % 5 == 0 else 0)
 
 
-def test_send_waits_for_room_then_passes_fds(pair: tuple[Channel, Channel]) -> None:
+def test_send_waits_for_room_then_passes_fds(channels: tuple[Channel, Channel]) -> None:
     """A timed send that finds the socket buffer full waits for room and then sends the frame with its
     descriptors."""
-    a, b = pair
+    a, b = channels
     with no_fd_leak():
         frames = fill_send_buffer(a)
         mem = memfd_with(b"after the wait")
@@ -224,10 +213,10 @@ def test_send_waits_for_room_then_passes_fds(pair: tuple[Channel, Channel]) -> N
         os.close(mem)
 
 
-def test_lock_waits_honour_the_timeout(pair: tuple[Channel, Channel]) -> None:
+def test_lock_waits_honour_the_timeout(channels: tuple[Channel, Channel]) -> None:
     """recv/send with a timeout give up in time while another thread holds the connection's receive or
     send side, without disturbing that thread's call."""
-    a, b = pair
+    a, b = channels
     received: queue.Queue[Frame] = queue.Queue()
     reader, reader_errors = run_thread(lambda: received.put(a.recv(timeout=10)))
     big = bytes(8 * 1024 * 1024)
@@ -263,9 +252,9 @@ def test_payload_at_limit_accepted_and_over_limit_refused() -> None:
     assert MAX_PAYLOAD == 64 * 1024 * 1024
 
 
-def test_many_frames_in_a_row(pair: tuple[Channel, Channel]) -> None:
+def test_many_frames_in_a_row(channels: tuple[Channel, Channel]) -> None:
     """Thousands of frames sent back to back (more than the socket buffer holds) arrive in order."""
-    a, b = pair
+    a, b = channels
     count = 3000
 
     def produce() -> None:
@@ -281,10 +270,10 @@ def test_many_frames_in_a_row(pair: tuple[Channel, Channel]) -> None:
     assert not errors
 
 
-def test_concurrent_senders_never_interleave(pair: tuple[Channel, Channel]) -> None:
+def test_concurrent_senders_never_interleave(channels: tuple[Channel, Channel]) -> None:
     """Several threads sending on one connection at once: every frame arrives whole (its payload is one
     sender's pattern throughout) and each sender's frames arrive in the order it sent them."""
-    a, b = pair
+    a, b = channels
     threads, per_thread = 4, 60
     sizes = [10, 70_000, 300_000, 1, 150_000]
 
@@ -310,9 +299,9 @@ def test_concurrent_senders_never_interleave(pair: tuple[Channel, Channel]) -> N
     assert next_seq == [per_thread] * threads
 
 
-def test_reader_and_writer_threads_share_a_connection(pair: tuple[Channel, Channel]) -> None:
+def test_reader_and_writer_threads_share_a_connection(channels: tuple[Channel, Channel]) -> None:
     """One thread blocked in recv() does not stop another thread from sending on the same connection."""
-    a, b = pair
+    a, b = channels
     received: queue.Queue[Frame] = queue.Queue()
     reader, errors = run_thread(lambda: received.put(a.recv(timeout=5)))
     time.sleep(0.05)  # the reader is now blocked holding the receive lock
@@ -340,10 +329,10 @@ def test_frame_close_fds_idempotent() -> None:
     ("kind", "fds"),
     [(-1, ()), (65536, ()), (True, ()), ("1", ()), (1, [-1]), (1, ["x"]), (1, list(range(MAX_FDS + 1)))],
 )
-def test_send_rejects_invalid_frames(pair: tuple[Channel, Channel], kind: object, fds: object) -> None:
+def test_send_rejects_invalid_frames(channels: tuple[Channel, Channel], kind: object, fds: object) -> None:
     """An invalid kind or descriptor list raises ProtocolError (a ValueError) and sends nothing; the
     connection stays usable."""
-    a, b = pair
+    a, b = channels
     with pytest.raises(ProtocolError) as info:
         a.send(kind, b"x", fds)  # type: ignore[arg-type]
     assert isinstance(info.value, ValueError)
@@ -351,10 +340,10 @@ def test_send_rejects_invalid_frames(pair: tuple[Channel, Channel], kind: object
     assert b.recv(timeout=5) == Frame(1, b"ok", [])
 
 
-def test_send_closed_descriptor(pair: tuple[Channel, Channel]) -> None:
+def test_send_closed_descriptor(channels: tuple[Channel, Channel]) -> None:
     """Passing a descriptor that is not open raises ProtocolError; nothing was sent, so the connection
     is still in sync."""
-    a, b = pair
+    a, b = channels
     r, w = os.pipe()
     os.close(r)
     os.close(w)
@@ -364,14 +353,14 @@ def test_send_closed_descriptor(pair: tuple[Channel, Channel]) -> None:
     assert b.recv(timeout=5) == Frame(1, b"ok", [])
 
 
-def test_kind_accepts_int_subclasses(pair: tuple[Channel, Channel]) -> None:
+def test_kind_accepts_int_subclasses(channels: tuple[Channel, Channel]) -> None:
     """An IntEnum member works as a frame kind."""
     import enum
 
     class Kind(enum.IntEnum):
         HELLO = 12
 
-    a, b = pair
+    a, b = channels
     a.send(Kind.HELLO, b"")
     assert b.recv(timeout=5).kind == 12
 
@@ -379,10 +368,10 @@ def test_kind_accepts_int_subclasses(pair: tuple[Channel, Channel]) -> None:
 # -- timeouts and closing --------------------------------------------------------------------------------
 
 
-def test_recv_timeout_on_silent_peer(pair: tuple[Channel, Channel]) -> None:
+def test_recv_timeout_on_silent_peer(channels: tuple[Channel, Channel]) -> None:
     """recv(timeout=t) on a peer that sends nothing raises BridgeTimeoutError (a TimeoutError) after about
     t seconds; the connection stays usable."""
-    a, b = pair
+    a, b = channels
     start = time.monotonic()
     with pytest.raises(BridgeTimeoutError) as info:
         b.recv(timeout=0.2)
@@ -498,10 +487,10 @@ def test_send_timeout_when_nothing_fits_keeps_connection(hostile: tuple[Channel,
         peer_conn.recv(timeout=0)
 
 
-def test_send_timeout_mid_frame_closes_connection(pair: tuple[Channel, Channel]) -> None:
+def test_send_timeout_mid_frame_closes_connection(channels: tuple[Channel, Channel]) -> None:
     """A large send to a peer that does not read times out after about the timeout; half the frame is on
     the wire by then, so the connection is closed and the peer sees it end."""
-    a, b = pair
+    a, b = channels
     start = time.monotonic()
     with pytest.raises(BridgeTimeoutError):
         a.send(1, bytes(8 * 1024 * 1024), timeout=0.2)
@@ -511,10 +500,10 @@ def test_send_timeout_mid_frame_closes_connection(pair: tuple[Channel, Channel])
         b.recv(timeout=5)
 
 
-def test_close_from_another_thread_unblocks_recv(pair: tuple[Channel, Channel]) -> None:
+def test_close_from_another_thread_unblocks_recv(channels: tuple[Channel, Channel]) -> None:
     """close() from another thread wakes a recv() blocked without timeout: it raises PeerClosedError
     (closed_locally); the peer sees the connection end."""
-    a, b = pair
+    a, b = channels
     reader, errors = run_thread(a.recv)
     time.sleep(0.05)
     start = time.monotonic()
@@ -531,9 +520,9 @@ def test_close_from_another_thread_unblocks_recv(pair: tuple[Channel, Channel]) 
         b.recv(timeout=5)
 
 
-def test_close_from_another_thread_unblocks_send(pair: tuple[Channel, Channel]) -> None:
+def test_close_from_another_thread_unblocks_send(channels: tuple[Channel, Channel]) -> None:
     """close() wakes a send() blocked on a peer that does not read; the send raises PeerClosedError."""
-    a, _ = pair
+    a, _ = channels
     sender, errors = run_thread(lambda: a.send(1, bytes(8 * 1024 * 1024)))
     time.sleep(0.1)
     a.close()
@@ -543,9 +532,9 @@ def test_close_from_another_thread_unblocks_send(pair: tuple[Channel, Channel]) 
     assert isinstance(errors[0], PeerClosedError)
 
 
-def test_use_after_close(pair: tuple[Channel, Channel]) -> None:
+def test_use_after_close(channels: tuple[Channel, Channel]) -> None:
     """close() is idempotent; send and recv on a closed connection raise PeerClosedError."""
-    a, _ = pair
+    a, _ = channels
     a.close()
     a.close()
     assert a.closed
@@ -555,9 +544,9 @@ def test_use_after_close(pair: tuple[Channel, Channel]) -> None:
         a.recv(timeout=1)
 
 
-def test_send_to_closed_peer_raises_without_sigpipe(pair: tuple[Channel, Channel]) -> None:
+def test_send_to_closed_peer_raises_without_sigpipe(channels: tuple[Channel, Channel]) -> None:
     """Sending to a peer that closed raises PeerClosedError (EPIPE); no SIGPIPE kills the process."""
-    a, b = pair
+    a, b = channels
     b.close()
     with pytest.raises(PeerClosedError):
         a.send(1, b"anyone there?")

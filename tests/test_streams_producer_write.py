@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
 
 import pyarrow as pa
 import pytest
@@ -128,25 +127,16 @@ def test_a_released_struct_is_refused_with_nothing_placed() -> None:
 
 
 # ---------- the send side -----------------------------------------------------------------------------
-@pytest.fixture
-def pair() -> Iterator[tuple[Channel, Channel]]:
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    ca, cb = Connection(a), Connection(b)
-    yield ca.channel, cb.channel
-    ca.close()
-    cb.close()
-
-
-def test_a_tail_follows_the_payload_in_the_same_frame(pair: tuple[Channel, Channel]) -> None:
-    a, b = pair
+def test_a_tail_follows_the_payload_in_the_same_frame(channels: tuple[Channel, Channel]) -> None:
+    a, b = channels
     a.send(13, b"head", tail=b"-tail")
     assert b.recv(timeout=5) == Frame(13, b"head-tail", [])
     a.send(13, memoryview(b"view"), tail=b"+")
     assert b.recv(timeout=5) == Frame(13, b"view+", [])
 
 
-def test_a_bad_tail_is_refused_and_nothing_is_sent(pair: tuple[Channel, Channel]) -> None:
-    a, b = pair
+def test_a_bad_tail_is_refused_and_nothing_is_sent(channels: tuple[Channel, Channel]) -> None:
+    a, b = channels
     with pytest.raises(ProtocolError, match="tail must be bytes"):
         a.send(13, b"head", tail=bytearray(b"x"))  # type: ignore[arg-type]
     with pytest.raises(ProtocolError, match="over this connection's limit"):
