@@ -269,20 +269,19 @@ class CudaPlacer:
         table = _core_ffi.NULL if self.copy == "always" else _export_regions
         made = _Made()
         try:
-            for walk in range(2):
+            missing = self._walk(described, placement, table, made)
+            if missing:
+                self._make_regions(described, missing, placement, made)
                 missing = self._walk(described, placement, table, made)
-                if not missing:
-                    return placement
-                if walk == 1:  # the regions made for them were not found: a fault of ours
+                if missing:  # the regions made for them were not found: a fault of ours
                     raise BridgeError(
                         f"placing CUDA buffers: {len(missing)} allocation(s) still without a region "
                         "after their regions were made"
                     )
-                self._make_regions(described, missing, placement, made)
         except BaseException:
             placement.close()
             raise
-        raise AssertionError("unreachable")
+        return placement
 
     def _walk(
         self, described: Described, placement: CudaPlacement, table: Any, made: _Made
@@ -354,13 +353,13 @@ class CudaPlacer:
                     f"({info.size} bytes at {info.base:#x})"
                 )
             allocations.append((info, inside))
-        copied = [
-            (info, inside)
-            for info, inside in allocations
-            if self.copy == "always" or info.is_managed or not self._shareable(info)
-        ]
-        copied_ids = {info.buffer_id for info, _ in copied}
-        shared = [info for info, _ in allocations if info.buffer_id not in copied_ids]
+        shared: list[PointerInfo] = []
+        copied: list[tuple[PointerInfo, list[int]]] = []
+        for info, inside in allocations:
+            if self.copy == "always" or info.is_managed or not self._shareable(info):
+                copied.append((info, inside))
+            else:
+                shared.append(info)
         exports = self._export_pool_allocations(shared)
         for info in shared:
             made.add(info.buffer_id, self._region_for(info, placement, exports))
