@@ -253,7 +253,7 @@ class Channel:
                 field="payload",
             )
         fd_array = _fd_array(fds) if fds else ffi.NULL
-        timeout_ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))  # millis()
+        timeout_ms = millis(timeout)
         lock = self._send_lock
         # Untimed first: a lock nobody holds (the usual case) costs no timed wait.
         if not lock.acquire(False):
@@ -377,7 +377,7 @@ class Channel:
                 self.check_open()
             raw = self._frame
             rx, remembered, lease_tokens, keeper, level = stream
-            timeout_ms = -1 if timeout is None else millis(timeout)
+            timeout_ms = millis(timeout)
             rc = lib.aib_stream_rx_next(
                 rx, self.raw, remembered, lease_tokens, keeper, level, spin_ns, timeout_ms, out, raw, err
             )
