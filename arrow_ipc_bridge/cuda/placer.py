@@ -237,8 +237,10 @@ class _Made:
         self.regions.append(region)
 
     def as_arrays(self) -> tuple[Any, Any]:
-        ids = _core_ffi.new("uint64_t[]", self.ids or [0])
-        raw = _core_ffi.new("aib_region[]", max(len(self.regions), 1))
+        if not self.ids:  # the usual walk: every region in the table, nothing made
+            return _core_ffi.NULL, _core_ffi.NULL
+        ids = _core_ffi.new("uint64_t[]", self.ids)
+        raw = _core_ffi.new("aib_region[]", len(self.regions))
         for k, region in enumerate(self.regions):
             fill_region(raw[k], region)
         return ids, raw
