@@ -135,8 +135,8 @@ int aib_export_regions_put(aib_export_regions *t, uint64_t buffer_id, int32_t de
 void aib_export_regions_stats(aib_export_regions *t, uint64_t *entries, uint64_t *hits, uint64_t *misses);
 /* The placement of d's unplaced buffers: one walk over them, one attribute query per allocation. An
  * allocation's region is the one the caller made for this message (made[k] for buffer id made_ids[k],
- * n_made of them; both may be NULL when n_made is 0) or else the table's (t NULL: none; its pool regions only when pool_regions_allowed),
- * and only for device memory of `device` that is not managed. Returns 0, or -1 when max_regions <
+ * n_made of them; both may be NULL when n_made is 0) or else the table's (t NULL: none; its pool
+ * regions only when pool_regions_allowed), and only for device memory of `device` that is not managed. Returns 0, or -1 when max_regions <
  * the buffer slots (regions_out holds max_regions regions, missing_out 3 * max_regions words) or
  * memory runs out. When every allocation has its region: the slots are placed, regions_out holds the
  * *n_regions regions in the order of their allocations' addresses, *n_buffers the buffers placed,
